@@ -1,0 +1,16 @@
+"""Lowerings: turn a rewritten SpecGraph into a callable with the captured graph's convention.
+
+    step = lower(spec_graph, "eager")
+    logits, new_kv, hidden = step(input_ids, position_ids, attention_mask, past_kv)
+"""
+from __future__ import annotations
+
+from .eager import lower_eager
+
+BACKENDS = {"eager": lower_eager}
+
+
+def lower(sg, backend: str):
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; accepted values: {sorted(BACKENDS)}")
+    return BACKENDS[backend](sg)

@@ -1,0 +1,336 @@
+"""Capture a causal LM into one flat torch.fx graph with the KV cache, positions and mask as inputs.
+
+The captured graph has the calling convention every pass and backend relies on:
+
+    logits, new_kv, hidden = graph(input_ids, position_ids, attention_mask, past_kv)
+
+    input_ids      int64 [1, q]                 tokens fed this step (prompt, 1 token, or a token tree)
+    position_ids   int64 [1, q]                 their positions (a tree pass feeds past + depth)
+    attention_mask int64 [1, past + q]          key padding mask (all ones for batch 1)
+    past_kv        float [L, 2, 1, Hkv, past, D] keys (index 0) and values (index 1) of every layer
+    logits         float [1, q, V]
+    new_kv         float [L, 2, 1, Hkv, q, D]   this step's keys/values; the runtime owns the cache
+    hidden         float [1, q, H]              final hidden state (after the final norm)
+
+Hugging Face models are captured through their own cache interface: a `DynamicCache` whose
+layers are pre-filled with views of `past_kv`, so `torch.export` records the model's own
+`cat(past, new)` and its own mask construction (causal, sliding window, ...). Every dynamic
+dimension is `Dim.AUTO` and export runs with `backed_size_oblivious`, so one graph serves
+prefill (past = 0), single-token decode (q = 1) and tree verification (q = tree size).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx.experimental._config as fx_config
+from torch import nn
+from torch.export import Dim
+
+from .errors import UnsupportedModelError
+
+INPUT_NAMES = ("input_ids", "position_ids", "attention_mask", "past_kv")
+OUTPUT_NAMES = ("logits", "new_kv", "hidden")
+SPECCOMP_SDPA = "speccomp_sdpa"
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Shape of the KV cache one layer holds: [1, num_kv_heads, length, head_dim]."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def shape(self, length: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, 1, self.num_kv_heads, length, self.head_dim)
+
+    def bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+
+@dataclass
+class CapturedModel:
+    """What capture hands to the passes: the flat graph plus the facts the graph cannot tell."""
+
+    graph_module: torch.fx.GraphModule
+    kv: KVSpec
+    vocab_size: int
+    max_positions: int | None
+    attn_implementation: str
+    model_type: str
+    sliding_windows: dict[str, int] = field(default_factory=dict)  # attention module path -> window
+    module_types: dict[str, type] = field(default_factory=dict)  # module path -> class (from the model)
+
+
+# --------------------------------------------------------------------------------------
+# Attention used while capturing SDPA models
+# --------------------------------------------------------------------------------------
+def _speccomp_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """HF's SDPA attention without its shape-dependent shortcuts.
+
+    `transformers`' own `sdpa_attention_forward` branches on `q_length > 1` / `q_length == 1`;
+    under torch.export that branch becomes a guard that pins q to >= 2, so one graph could not
+    serve both decode and verification. This version always takes the explicit mask (the
+    graph input the tree pass rewrites) and repeats KV heads the way HF does when a mask is given.
+    """
+    if kwargs.get("softcap") is not None:
+        raise UnsupportedModelError("attention softcapping needs eager attention; load the model with attn_implementation='eager'")
+    if attention_mask is None:
+        raise UnsupportedModelError(
+            "the model built no attention mask while being captured, so the tree pass would have nothing to rewrite"
+        )
+    n_rep = query.shape[1] // key.shape[1]
+    if n_rep > 1:
+        b, h, s, d = key.shape
+        key = key[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)  # [b, H, s, d]
+        value = value[:, :, None].expand(b, h, n_rep, s, value.shape[-1]).reshape(b, h * n_rep, s, value.shape[-1])
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:
+        if attention_mask.dtype == torch.bool:
+            attention_mask = torch.where(attention_mask, position_bias, torch.finfo(query.dtype).min)
+        else:
+            attention_mask = attention_mask + position_bias
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling, is_causal=False
+    )
+    return out.transpose(1, 2).contiguous(), None  # [b, s, H, d] as HF expects
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(SPECCOMP_SDPA, _speccomp_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(SPECCOMP_SDPA, sdpa_mask)
+
+
+@contextlib.contextmanager
+def _capture_attention(model):
+    """Swap SDPA for `_speccomp_sdpa` while exporting; eager attention is captured as it is."""
+    old = model.config._attn_implementation
+    if old == "eager":
+        yield old
+        return
+    if old != "sdpa":
+        raise UnsupportedModelError(
+            f"attention implementation {old!r} cannot be captured; load the model with attn_implementation='sdpa' or 'eager'"
+        )
+    _register_attention()
+    model.set_attn_implementation(SPECCOMP_SDPA)
+    try:
+        yield old
+    finally:
+        model.set_attn_implementation(old)
+
+
+# --------------------------------------------------------------------------------------
+# The wrapper torch.export traces
+# --------------------------------------------------------------------------------------
+def _cache_from_tensor(past_kv: torch.Tensor):
+    """A DynamicCache whose layers already hold past_kv[l, 0] / past_kv[l, 1] (views, no copy).
+
+    Layers are full (never sliding) on purpose: the runtime owns the cache and never evicts,
+    and HF builds the sliding-window mask from positions either way.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache()
+    layers = []
+    for i in range(past_kv.shape[0]):
+        layer = DynamicLayer()
+        layer.dtype, layer.device = past_kv.dtype, past_kv.device
+        layer.keys, layer.values = past_kv[i, 0], past_kv[i, 1]  # [1, Hkv, past, D]
+        layer.is_initialized = True
+        layers.append(layer)
+    cache.layers = layers
+    return cache
+
+
+class _HFStep(nn.Module):
+    """One forward of a HF causal LM with the cache as a tensor in and the new entries out."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, attention_mask, past_kv):
+        cache = _cache_from_tensor(past_kv)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=True,
+            return_dict=True,
+        )
+        past = past_kv.shape[4]
+        new_kv = torch.stack(
+            [torch.stack([layer.keys[:, :, past:], layer.values[:, :, past:]]) for layer in cache.layers]
+        )  # [L, 2, 1, Hkv, q, D]
+        return out.logits, new_kv, out.hidden_states[-1]
+
+
+# --------------------------------------------------------------------------------------
+# Checks on the model before export
+# --------------------------------------------------------------------------------------
+def _check_hf_model(model) -> None:
+    config = getattr(model, "config", None)
+    if config is None:
+        raise UnsupportedModelError(f"{type(model).__name__} has no `config`; pass a Hugging Face *ForCausalLM model")
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is an encoder-decoder model; speccomp compiles decoder-only causal LMs (*ForCausalLM)"
+        )
+    if model.get_output_embeddings() is None:
+        raise UnsupportedModelError(f"{type(model).__name__} has no LM head; pass the *ForCausalLM class, not the base model")
+    params = inspect.signature(model.forward).parameters
+    for name in ("position_ids", "past_key_values", "attention_mask"):
+        if name not in params:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}.forward takes no `{name}`, which speccomp needs as an explicit graph input"
+            )
+    if getattr(config, "alibi", False) or config.model_type == "bloom":
+        raise UnsupportedModelError(
+            f"{config.model_type} uses ALiBi position biases computed from the padding mask; tree attention cannot "
+            "place tree tokens at their depth there. Supported: rotary or learned absolute positions."
+        )
+
+
+def _probe_kv(model) -> KVSpec:
+    """Run two tokens through the model with a fresh cache to learn the cache layout."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), past_key_values=cache, use_cache=True)
+    layers = getattr(cache, "layers", None)
+    if not layers or any(getattr(layer, "keys", None) is None for layer in layers):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} does not keep a key/value cache per layer (recurrent or hybrid models are not supported)"
+        )
+    shapes = {(tuple(layer.keys.shape), tuple(layer.values.shape)) for layer in layers}
+    if len(shapes) != 1:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has layers with different KV shapes {sorted(shapes)}; speccomp needs one shape for all layers"
+        )
+    (kshape, vshape), = shapes
+    if kshape != vshape or kshape[2] != 2:
+        raise UnsupportedModelError(f"unexpected KV cache shapes keys={kshape} values={vshape}")
+    return KVSpec(len(layers), kshape[1], kshape[3], layers[0].keys.dtype)
+
+
+def _sliding_windows(model) -> dict[str, int]:
+    """Attention modules that only see a recent window, by module path (from the modules, not class names)."""
+    windows = {}
+    for path, module in model.named_modules():
+        window = getattr(module, "sliding_window", None)
+        if isinstance(window, int) and window > 0 and hasattr(module, "layer_idx"):
+            windows[path] = window
+    return windows
+
+
+def _max_positions(config) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------
+def example_inputs(kv: KVSpec, q: int, past: int, device="cpu", vocab_size: int = 2):
+    """Inputs of the graph's calling convention for q new tokens after `past` cached ones."""
+    gen = torch.Generator().manual_seed(q * 1000 + past)
+    return (
+        torch.randint(0, vocab_size, (1, q), generator=gen).to(device),
+        torch.arange(past, past + q, device=device)[None],
+        torch.ones(1, past + q, dtype=torch.long, device=device),
+        torch.randn(*kv.shape(past), generator=gen).to(device=device, dtype=kv.dtype),
+    )
+
+
+def _flatten(program: torch.export.ExportedProgram) -> torch.fx.GraphModule:
+    """The exported program as a GraphModule with plain positional inputs and a tuple output.
+
+    `ExportedProgram.module()` calls through pytree specs; passes add inputs, so the
+    codegen is reset to plain FX, which takes and returns flat tensors.
+    """
+    gm = program.module()
+    graph = gm.graph
+    graph._codegen = torch.fx.graph.CodeGen()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, INPUT_NAMES):
+        node.name = node.target = name
+    out = graph.output_node()
+    (flat,) = out.args
+    if isinstance(flat, (list, tuple)) and len(flat) == 1 and isinstance(flat[0], (list, tuple)):
+        flat = flat[0]
+    out.args = (tuple(flat),)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def capture(model: nn.Module, *, check: bool = True) -> CapturedModel:
+    """torch.export a Hugging Face causal LM into the flat graph described in the module docstring."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module causal LM, got {type(model).__name__}")
+    _check_hf_model(model)
+    model.eval()
+    kv = _probe_kv(model)
+    config = model.config
+    vocab = model.get_output_embeddings().weight.shape[0]
+    step = _HFStep(model).eval()
+    q, past = 3, 7  # distinct sizes so export cannot confuse the symbols
+    args = example_inputs(kv, q, past, next(model.parameters()).device, vocab)
+    dynamic = ({1: Dim.AUTO}, {1: Dim.AUTO}, {1: Dim.AUTO}, {4: Dim.AUTO})
+    with _capture_attention(model) as attn, fx_config.patch(backed_size_oblivious=True), torch.no_grad():
+        try:
+            program = torch.export.export(step, args, dynamic_shapes=dynamic)
+        except UnsupportedModelError:
+            raise
+        except Exception as exc:  # torch.export's errors are long; lead with what failed
+            raise UnsupportedModelError(
+                f"torch.export could not capture {type(model).__name__} ({config.model_type}) with dynamic cache "
+                f"and sequence lengths: {str(exc).splitlines()[0]}"
+            ) from exc
+    gm = _flatten(program)
+    captured = CapturedModel(
+        graph_module=gm,
+        kv=kv,
+        vocab_size=vocab,
+        max_positions=_max_positions(config),
+        attn_implementation=attn,
+        model_type=config.model_type,
+        sliding_windows=_sliding_windows(model),
+        module_types={name: type(mod) for name, mod in model.named_modules()},
+    )
+    if check:
+        check_against_eager(captured, step)
+    return captured
+
+
+def check_against_eager(captured: CapturedModel, step: nn.Module, atol: float = 1e-4) -> None:
+    """Run the graph and the model on prefill, decode and multi-token shapes; they must agree."""
+    device = next(step.parameters()).device
+    for q, past in ((4, 0), (1, 5), (2, 9)):
+        args = example_inputs(captured.kv, q, past, device, captured.vocab_size)
+        with torch.no_grad():
+            got = captured.graph_module(*args)
+            want = step(*args)
+        for name, g, w in zip(OUTPUT_NAMES, got, want):
+            if g.shape != w.shape or not torch.allclose(g, w, atol=atol, rtol=1e-4):
+                raise UnsupportedModelError(
+                    f"captured graph of {captured.model_type} disagrees with the model on `{name}` for "
+                    f"q={q}, past={past} (max diff {(g - w).abs().max().item() if g.shape == w.shape else 'shape'}); "
+                    "the model likely branches on sequence length in a way torch.export cannot keep"
+                )

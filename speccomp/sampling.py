@@ -1,0 +1,42 @@
+"""Turning logits into tokens: greedy argmax, or sampling with temperature and top-p.
+
+The warping matches Hugging Face's `TemperatureLogitsWarper` then `TopPLogitsWarper`
+(with top_k disabled), so `do_sample=True` draws from the same distribution as
+`model.generate(do_sample=True, temperature=T, top_p=P, top_k=0)`.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def warp(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
+    """Probabilities over the vocabulary (last dim) after temperature and nucleus filtering."""
+    logits = logits.float() / temperature
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, descending=False, dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= (1 - top_p)
+        remove_sorted[..., -1:] = False  # always keep the most likely token
+        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+class Sampler:
+    """Callable: logits [V] -> token id. Greedy when `do_sample` is False."""
+
+    def __init__(self, do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None):
+        self.do_sample, self.temperature, self.top_p = do_sample, temperature, top_p
+        self.generator = torch.Generator()
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return warp(logits, self.temperature, self.top_p)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        if not self.do_sample:
+            return int(logits.argmax(-1))
+        return int(torch.multinomial(self.probs(logits).cpu(), 1, generator=self.generator))
