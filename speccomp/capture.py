@@ -97,30 +97,61 @@ def _speccomp_sdpa(module, query, key, value, attention_mask, dropout=0.0, scali
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling, is_causal=False
     )
-    return out.transpose(1, 2).contiguous(), None  # [b, s, H, d] as HF expects
+    # clone, not .contiguous(): contiguous() checks strides, which guards on q != 1 for some layouts
+    return out.transpose(1, 2).clone(memory_format=torch.contiguous_format), None  # [b, s, H, d] as HF expects
+
+
+def _speccomp_eager(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    """HF's eager attention (softmax(QK^T * scale [softcapped] + mask) V) written with `bmm`.
+
+    `torch.matmul` on 4-D tensors decomposes under export into broadcasting reshapes that
+    guard on q != 1; batched matmuls over explicitly folded [b*H, q, d] tensors do not.
+    """
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise UnsupportedModelError("attention sinks (s_aux) are not supported by the eager capture path")
+    b, h, q, d = query.shape
+    n_rep = h // key.shape[1]
+    kv_len = key.shape[2]
+    key = key[:, :, None].expand(b, key.shape[1], n_rep, kv_len, d).reshape(b * h, kv_len, d)
+    dv = value.shape[-1]
+    value = value[:, :, None].expand(b, value.shape[1], n_rep, kv_len, dv).reshape(b * h, kv_len, dv)
+    query = query.clone(memory_format=torch.contiguous_format)  # .contiguous() would guard on q == 1
+    scores = torch.bmm(query.view(b * h, q, d), key.transpose(1, 2)).view(b, h, q, kv_len)
+    scores = scores * (scaling if scaling is not None else d**-0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is None:
+        raise UnsupportedModelError("the model built no attention mask while being captured")
+    scores = scores + attention_mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.bmm(probs.view(b * h, q, kv_len), value).view(b, h, q, dv)
+    return out.transpose(1, 2).clone(memory_format=torch.contiguous_format), None  # [b, q, H, dv]
+
+
+SPECCOMP_EAGER = "speccomp_eager"
 
 
 def _register_attention() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
     AttentionInterface.register(SPECCOMP_SDPA, _speccomp_sdpa)
     ALL_MASK_ATTENTION_FUNCTIONS.register(SPECCOMP_SDPA, sdpa_mask)
+    AttentionInterface.register(SPECCOMP_EAGER, _speccomp_eager)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(SPECCOMP_EAGER, eager_mask)
 
 
 @contextlib.contextmanager
 def _capture_attention(model):
-    """Swap SDPA for `_speccomp_sdpa` while exporting; eager attention is captured as it is."""
+    """Swap HF's SDPA / eager attention for export-friendly twins while exporting."""
     old = model.config._attn_implementation
-    if old == "eager":
-        yield old
-        return
-    if old != "sdpa":
+    twins = {"sdpa": SPECCOMP_SDPA, "eager": SPECCOMP_EAGER}
+    if old not in twins:
         raise UnsupportedModelError(
             f"attention implementation {old!r} cannot be captured; load the model with attn_implementation='sdpa' or 'eager'"
         )
     _register_attention()
-    model.set_attn_implementation(SPECCOMP_SDPA)
+    model.set_attn_implementation(twins[old])
     try:
         yield old
     finally:
@@ -209,7 +240,8 @@ def _probe_kv(model) -> KVSpec:
     cache = DynamicCache()
     device = next(model.parameters()).device
     with torch.no_grad():
-        model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), past_key_values=cache, use_cache=True)
+        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True)
     layers = getattr(cache, "layers", None)
     if not layers or any(getattr(layer, "keys", None) is None for layer in layers):
         raise UnsupportedModelError(
@@ -227,11 +259,30 @@ def _probe_kv(model) -> KVSpec:
 
 
 def _sliding_windows(model) -> dict[str, int]:
-    """Attention modules that only see a recent window, by module path (from the modules, not class names)."""
+    """Attention modules that only see a recent window, by module path (from the modules, not class names).
+
+    A module's own `sliding_window` attribute wins (Qwen2 / Gemma2/3 set it per layer, None on
+    global layers). Mistral, Starcoder2 and Phi3 keep the window only in the config and build a
+    sliding mask for every layer, so modules without the attribute fall back to the config
+    (`sliding_window`, gated by `use_sliding_window` and per-layer `layer_types`).
+    """
+    config = model.config
+    default = getattr(config, "sliding_window", None)
+    if not isinstance(default, int) or default <= 0 or getattr(config, "use_sliding_window", True) is False:
+        default = None
+    layer_types = getattr(config, "layer_types", None)
     windows = {}
     for path, module in model.named_modules():
-        window = getattr(module, "sliding_window", None)
-        if isinstance(window, int) and window > 0 and hasattr(module, "layer_idx"):
+        layer_idx = getattr(module, "layer_idx", None)
+        if not isinstance(layer_idx, int):
+            continue
+        if hasattr(module, "sliding_window"):
+            window = module.sliding_window
+        elif layer_types is not None and layer_idx < len(layer_types):
+            window = default if layer_types[layer_idx] == "sliding_attention" else None
+        else:
+            window = default
+        if isinstance(window, int) and window > 0:
             windows[path] = window
     return windows
 

@@ -64,10 +64,17 @@ def shape(node) -> tuple | None:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
+def _shape_only(node: fx.Node) -> bool:
+    return node.target in (aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int)
+
+
 def ancestors(node: fx.Node, stop=lambda n: False) -> set[fx.Node]:
+    """Nodes whose *values* flow into `node` (shape reads like sym_size do not count)."""
     seen, todo = set(), [node]
     while todo:
         n = todo.pop()
+        if _shape_only(n):
+            continue
         for a in n.all_input_nodes:
             if a not in seen and not stop(a):
                 seen.add(a)
@@ -150,10 +157,20 @@ def _cache_slot(cat: fx.Node, past_kv: fx.Node) -> tuple[int, int] | None:
 
 
 def _find_cat(start: fx.Node, past_kv: fx.Node) -> tuple[fx.Node, int, int]:
-    for node in [start, *ancestors(start, stop=lambda n: n.target in SDPA_OPS or n.target in SOFTMAX_OPS)]:
-        slot = _cache_slot(node, past_kv)
-        if slot is not None:
-            return node, slot[0], slot[1]
+    """The nearest cat(past_kv[l, kv], new) above `start` (breadth-first, so an earlier layer's cache read,
+    reachable through the residual stream, is never mistaken for this one)."""
+    frontier, seen = [start], {start}
+    while frontier:
+        nxt = []
+        for node in frontier:
+            slot = _cache_slot(node, past_kv)
+            if slot is not None:
+                return node, slot[0], slot[1]
+            for a in node.all_input_nodes:
+                if a not in seen:
+                    seen.add(a)
+                    nxt.append(a)
+        frontier = nxt
     raise GraphStructureError(f"no cat(past, new) cache read found above {start.name}")
 
 
@@ -163,7 +180,7 @@ def _eager_attention(softmax: fx.Node, past_kv: fx.Node, attention_mask: fx.Node
     # walk down dtype casts / dropout to the matmul with V
     user = softmax
     for _ in range(6):
-        users = [u for u in user.users if u.op == "call_function"]
+        users = [u for u in user.users if u.op == "call_function" and u.users]  # skip metadata asserts
         mm = [u for u in users if u.target in MATMUL_OPS]
         if mm:
             user = mm[0]
@@ -191,6 +208,21 @@ def _eager_attention(softmax: fx.Node, past_kv: fx.Node, attention_mask: fx.Node
     return mask, key_cat, value_cat, layer_k
 
 
+RESHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+               aten.squeeze.dim, aten.flatten.using_ints, aten.clone.default, aten.alias.default}
+
+
+def _reshaped_from(node, source: fx.Node) -> bool:
+    """`node` is `source` itself or `source` through shape-only ops (GPT-2 and OPT view input_ids as [-1, q])."""
+    while isinstance(node, fx.Node):
+        if node is source:
+            return True
+        if node.target not in RESHAPE_OPS:
+            return False
+        node = node.args[0]
+    return False
+
+
 def _decoder_layer_path(node: fx.Node) -> str | None:
     """Outermost enclosing module whose last path component is an index: a block of a ModuleList."""
     for path in module_paths(node):
@@ -208,7 +240,10 @@ def annotate(captured: CapturedModel) -> Structure:
         raise GraphStructureError(f"graph inputs {missing} are missing; was it captured by speccomp.capture?")
     past_kv, attention_mask = inputs["past_kv"], inputs["attention_mask"]
 
-    embeddings = [n for n in graph.nodes if n.target is aten.embedding.default and inputs["input_ids"] in n.args]
+    embeddings = [
+        n for n in graph.nodes
+        if n.target is aten.embedding.default and _reshaped_from(n.args[1], inputs["input_ids"])
+    ]
     if not embeddings:
         raise UnsupportedModelError("no token embedding (aten.embedding of input_ids) found in the captured graph")
 

@@ -1,0 +1,269 @@
+"""ONNX backend: export a captured (or rewritten) graph to ONNX and run it with ONNX Runtime.
+
+    path = export_onnx(spec_graph, "model.onnx")            # or a CapturedModel / GraphModule + kv_spec
+    step = OrtStep(path)                                     # CPU execution provider by default
+    logits, new_kv, hidden = step(input_ids, position_ids, attention_mask, past_kv)
+
+The ONNX model keeps the captured graph's calling convention (see speccomp/capture.py): inputs
+`input_ids, position_ids, attention_mask, past_kv`, outputs `logits, new_kv, hidden`, with the
+dynamic axes
+
+    q           input_ids / position_ids dim 1, logits / new_kv / hidden token dim
+    past        past_kv dim 4
+    past + q    attention_mask dim 1 (derived from the two above, never an independent Dim)
+
+so one file serves prefill (past = 0), decode (q = 1) and tree verification (q = tree size), and
+`OrtStep` can be handed to `speccomp.runtime.decode_plain` like any other `step`.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import os
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.fx.experimental._config as fx_config
+from torch import fx
+from torch.export import Dim
+
+from ..capture import INPUT_NAMES, OUTPUT_NAMES, CapturedModel, KVSpec, example_inputs
+from ..errors import SpeccompError
+
+# Which pip package provides an execution provider that the plain `onnxruntime` wheel lacks.
+_PROVIDER_PACKAGES = {
+    "CUDAExecutionProvider": "onnxruntime-gpu",
+    "TensorrtExecutionProvider": "onnxruntime-gpu (plus TensorRT)",
+    "DmlExecutionProvider": "onnxruntime-directml",
+    "OpenVINOExecutionProvider": "onnxruntime-openvino",
+    "QNNExecutionProvider": "onnxruntime-qnn",
+    "ROCMExecutionProvider": "onnxruntime-rocm",
+    "MIGraphXExecutionProvider": "onnxruntime-migraphx",
+    "CoreMLExecutionProvider": "onnxruntime (the macOS wheel)",
+}
+
+_EXAMPLE_Q, _EXAMPLE_PAST = 3, 7  # distinct sizes, none 0 or 1, so export cannot confuse or specialise them
+
+
+class OnnxBackendError(SpeccompError, RuntimeError):
+    """ONNX export or ONNX Runtime is unavailable or failed; the message names the fix."""
+
+
+# --------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------
+def _unpack(obj, kv_spec: KVSpec | None):
+    """(GraphModule, KVSpec, vocab size) from a SpecGraph, a CapturedModel or a bare GraphModule."""
+    captured = getattr(obj, "captured", None)  # SpecGraph
+    if isinstance(obj, CapturedModel):
+        captured = obj
+    if captured is not None:
+        return captured.graph_module, kv_spec or captured.kv, captured.vocab_size
+    if isinstance(obj, fx.GraphModule):
+        if kv_spec is None:
+            raise TypeError("export_onnx of a bare GraphModule needs kv_spec= (CapturedModel.kv) to build example inputs")
+        return obj, kv_spec, 2
+    raise TypeError(f"export_onnx expects a SpecGraph, CapturedModel or torch.fx.GraphModule, got {type(obj).__name__}")
+
+
+def export_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of the graph ready for re-export; shares the weights with `gm`, which is left untouched.
+
+    Drops what `ExportedProgram.module()` added for Python execution and that ONNX has no use for:
+    the `_guards_fn` input-guard call (capture already checked its guards) and the
+    `aten._assert_tensor_metadata` checks. The copy is a plain GraphModule, so `.eval()` works
+    (the unlifted module refuses `train()`/`eval()`).
+    """
+    graph = copy.deepcopy(gm.graph)
+    for node in list(graph.nodes):
+        if node.users:
+            continue
+        if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
+            graph.erase_node(node)
+        elif node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            graph.erase_node(node)
+    graph.lint()
+    out = fx.GraphModule(gm, graph)  # copies only the attributes the graph references (weights shared)
+    out.eval()
+    return out
+
+
+def _dynamic_shapes(names: list[str]):
+    q, past = Dim("q", min=1), Dim("past", min=0)
+    known = {
+        "input_ids": {1: q},
+        "position_ids": {1: q},
+        "attention_mask": {1: Dim.AUTO},  # = past + q; export derives it (an independent Dim would conflict)
+        "past_kv": {4: past},
+    }
+    return tuple(known[n] for n in names)
+
+
+def _name_mask_axis(program, names: list[str]) -> None:
+    """Give the mask length (a Dim.AUTO symbol such as `s53`) a readable name in the ONNX file."""
+    if "attention_mask" not in names:
+        return
+    dim = program.model.graph.inputs[names.index("attention_mask")].shape[1]
+    value = getattr(dim, "value", None)
+    if isinstance(value, str) and value.isidentifier() and value not in ("q", "past"):
+        program.rename_axes({dim: "past_plus_q"})
+
+
+def export_onnx(
+    graph_module_or_specgraph,
+    path,
+    *,
+    kv_spec: KVSpec | None = None,
+    opset: int | None = None,
+    external_data: bool | None = None,
+    example_args: tuple | None = None,
+    dynamic_shapes: tuple | None = None,
+    verbose: bool = False,
+) -> Path:
+    """Export the graph to an ONNX file at `path` with `torch.onnx.export(..., dynamo=True)`.
+
+    `graph_module_or_specgraph`: a SpecGraph, a CapturedModel, or the flat GraphModule itself
+    (then `kv_spec` is required). `opset`: ONNX opset (None = torch's default). `external_data`:
+    None keeps the weights inside the .onnx unless they exceed protobuf's 2 GB limit, True writes
+    them to `<name>.onnx.data` next to it. The onnxscript optimiser runs on the result.
+
+    Graphs with inputs beyond the four of the calling convention (added by passes) need
+    `example_args` and `dynamic_shapes` (a tuple in input order, as for `torch.export`).
+    Returns the path written.
+    """
+    try:
+        import onnxscript  # noqa: F401  (torch.onnx's dynamo exporter is built on it)
+    except ImportError as exc:
+        raise OnnxBackendError("ONNX export needs onnxscript and onnx: pip install onnx onnxscript") from exc
+    gm, kv, vocab = _unpack(graph_module_or_specgraph, kv_spec)
+    gm = export_copy(gm)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    extra = [n for n in names if n not in INPUT_NAMES]
+    if extra and (example_args is None or dynamic_shapes is None):
+        raise OnnxBackendError(
+            f"the graph has inputs {extra} beyond {list(INPUT_NAMES)}; pass example_args= and dynamic_shapes= "
+            "for all inputs in order"
+        )
+    if list(names[: len(INPUT_NAMES)]) != list(INPUT_NAMES) and not extra:
+        raise OnnxBackendError(f"graph inputs {names} are not {list(INPUT_NAMES)}; was it captured by speccomp.capture?")
+    if example_args is None:
+        example_args = example_inputs(kv, _EXAMPLE_Q, _EXAMPLE_PAST, vocab_size=vocab)
+    if dynamic_shapes is None:
+        dynamic_shapes = _dynamic_shapes(names)
+    n_out = len(gm.graph.output_node().args[0])
+    output_names = list(OUTPUT_NAMES[:n_out]) + [f"output_{i}" for i in range(len(OUTPUT_NAMES), n_out)]
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
+    with quiet, warnings.catch_warnings(), fx_config.patch(backed_size_oblivious=True), torch.no_grad():
+        # input_ids and position_ids share the Dim `q` on purpose; torch.onnx warns that it names it once
+        warnings.filterwarnings("ignore", message="# The axis name")
+        warnings.filterwarnings("ignore", message="Exporting a model while it is in training mode")
+        try:
+            program = torch.onnx.export(
+                gm,
+                tuple(example_args),
+                dynamo=True,
+                dynamic_shapes=dynamic_shapes,
+                input_names=names,
+                output_names=output_names,
+                opset_version=opset,
+                optimize=True,
+                verbose=verbose,
+            )
+        except Exception as exc:
+            raise OnnxBackendError(f"torch.onnx.export failed on the captured graph: {str(exc).splitlines()[0]}") from exc
+    _name_mask_axis(program, names)
+    program.save(path, external_data=external_data)
+    return path
+
+
+# --------------------------------------------------------------------------------------
+# ONNX Runtime
+# --------------------------------------------------------------------------------------
+def _onnxruntime():
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise OnnxBackendError(
+            "running an exported model needs ONNX Runtime: pip install onnxruntime "
+            "(or onnxruntime-gpu for the CUDA execution provider)"
+        ) from exc
+    return onnxruntime
+
+
+def _check_providers(ort, providers) -> list:
+    available = ort.get_available_providers()
+    for provider in providers:
+        name = provider[0] if isinstance(provider, (tuple, list)) else provider
+        if name not in available:
+            package = _PROVIDER_PACKAGES.get(name)
+            hint = f"install {package} in place of onnxruntime" if package else "install an onnxruntime build that has it"
+            raise OnnxBackendError(
+                f"ONNX Runtime execution provider {name!r} is not available (onnxruntime {ort.__version__} has "
+                f"{available}); {hint}"
+            )
+    return list(providers)
+
+
+def _as_numpy(x, dtype) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        if x.device.type != "cpu":
+            x = x.cpu()
+        x = x.numpy()
+    return np.ascontiguousarray(x, dtype=dtype)
+
+
+_ORT_TYPES = {
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(float)": np.float32,
+    "tensor(double)": np.float64,
+    "tensor(float16)": np.float16,
+    "tensor(bool)": np.bool_,
+}
+
+
+class OrtStep:
+    """An ONNX Runtime session with the captured graph's calling convention.
+
+        step = OrtStep("model.onnx")                          # CPUExecutionProvider
+        logits, new_kv, hidden = step(input_ids, position_ids, attention_mask, past_kv)
+
+    Inputs may be torch tensors or numpy arrays; outputs are CPU torch tensors (sharing memory
+    with ONNX Runtime's numpy outputs). Usable as the `step` of `speccomp.runtime`.
+    """
+
+    def __init__(self, path, providers=None, session_options=None, intra_op_threads: int | None = None):
+        ort = _onnxruntime()
+        self.path = Path(path)
+        if not self.path.exists():
+            raise FileNotFoundError(f"no ONNX model at {self.path}; create it with export_onnx")
+        self.providers = _check_providers(ort, providers or ["CPUExecutionProvider"])
+        options = session_options or ort.SessionOptions()
+        if intra_op_threads is None and session_options is None:
+            intra_op_threads = torch.get_num_threads()
+        if intra_op_threads:
+            options.intra_op_num_threads = intra_op_threads
+        start = time.perf_counter()
+        self.session = ort.InferenceSession(os.fspath(self.path), sess_options=options, providers=self.providers)
+        self.load_seconds = time.perf_counter() - start
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.input_types = [_ORT_TYPES.get(i.type) for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def __call__(self, *inputs):
+        if len(inputs) != len(self.input_names):
+            raise TypeError(f"{self.path.name} takes {len(self.input_names)} inputs {self.input_names}, got {len(inputs)}")
+        feeds = {name: _as_numpy(x, t) for name, x, t in zip(self.input_names, inputs, self.input_types)}
+        outputs = self.session.run(self.output_names, feeds)
+        return tuple(torch.from_numpy(o) for o in outputs)
+
+    def __repr__(self) -> str:
+        return f"OrtStep({str(self.path)!r}, providers={self.providers})"

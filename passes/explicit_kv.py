@@ -1,0 +1,573 @@
+"""Passes that turn a plain `input_ids -> logits` graph into speccomp's calling convention.
+
+A plain `nn.Module` causal LM has no KV cache, no positions input and no mask input: exported
+with `torch.export`, its graph recomputes attention over the whole sequence every call. These
+passes make the three explicit, so the graph has the convention of `speccomp.capture`:
+
+    logits, new_kv, hidden = graph(input_ids, position_ids, attention_mask, past_kv)
+
+They run in this order on a `PlainGraph` (the graph plus what the passes learned about it):
+
+    AddConventionInputs    add the position_ids, attention_mask, past_kv placeholders
+    CachedAttention        causal SDPA -> SDPA over cat(past, new) K/V with an explicit mask
+    ExplicitPositions      arange(seq) (or buffer[:seq]) -> position_ids
+    ConventionOutputs      output (logits,) -> (logits, new_kv, hidden)
+
+Each is a `speccomp.graph.Pass`: `check` says what it expects and raises
+`UnsupportedModelError` naming what it could not find, `rewrite` edits the graph, and the base
+class removes dead nodes and lints the graph after every pass. New nodes copy the provenance of
+the nodes they replace (`speccomp.graph.copy_meta`), so `speccomp.graph.annotate` finds the
+user's module paths on them. Nodes are found by op patterns and shapes, never module names.
+`speccomp.capture_module` fills the fake values (`meta["val"]`) of the new nodes afterwards.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+from torch import fx
+from torch.fx.operator_schemas import normalize_function
+
+from speccomp.capture import INPUT_NAMES
+from speccomp.errors import GraphStructureError, UnsupportedModelError
+from speccomp.graph import MATMUL_OPS, SDPA_OPS, SOFTMAX_OPS, Pass, ancestors, copy_meta
+
+aten = torch.ops.aten
+SDPA = aten.scaled_dot_product_attention.default
+ARANGE_OPS = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+# Ops that only repeat KV heads for grouped-query attention (or copy / reshape along the way).
+HEAD_EXPAND_OPS = {
+    aten.unsqueeze.default,
+    aten.expand.default,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.alias.default,
+    aten.reshape.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.repeat.default,
+    aten.repeat_interleave.self_int,
+}
+# Ops between the LM head matmul and the logits, or between the final hidden state and the matmul.
+PASS_THROUGH_OPS = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.to.dtype,
+    aten._to_copy.default,
+    aten.alias.default,
+}
+ADDED = "speccomp_added"  # meta key: the pass that created a node
+
+
+@dataclass
+class KVSlot:
+    """One attention layer's new key/value, as the cache stores them: [1, Hkv, q, D] each."""
+
+    layer: int
+    sdpa: fx.Node
+    key: fx.Node
+    value: fx.Node
+
+
+@dataclass
+class PlainGraph:
+    """A plain module's exported graph while the passes rewrite it (duck-types `SpecGraph` for `Pass`)."""
+
+    gm: fx.GraphModule
+    seq: sympy.Expr  # symbol of the input_ids sequence length
+    applied: list[str] = field(default_factory=list)
+    inputs: dict[str, fx.Node] = field(default_factory=dict)
+    slots: list[KVSlot] = field(default_factory=list)
+    position_sources: list[str] = field(default_factory=list)  # what ExplicitPositions replaced
+    position_tables: list[int] = field(default_factory=list)  # rows of tables indexed by position
+    hidden: fx.Node | None = None
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    def order(self) -> dict[fx.Node, int]:
+        return {n: i for i, n in enumerate(self.graph.nodes)}
+
+
+# --------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------
+def val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def is_seq(size, seq: sympy.Expr) -> bool:
+    """Whether a size (int, SymInt, or a node holding one) is the sequence length symbol."""
+    if isinstance(size, fx.Node):
+        size = val(size)
+    return isinstance(size, torch.SymInt) and size.node.expr == seq
+
+
+def tshape(node) -> tuple | None:
+    v = val(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _root_stack(node: fx.Node) -> dict:
+    """The outermost entry of a node's module stack: the user's model itself."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return dict(list(stack.items())[:1])
+
+
+def _mark(node: fx.Node, pass_name: str, like: fx.Node | None = None, root_of: fx.Node | None = None) -> fx.Node:
+    if like is not None:
+        copy_meta(node, like)
+    elif root_of is not None:
+        node.meta["nn_module_stack"] = _root_stack(root_of)
+    node.meta[ADDED] = pass_name
+    return node
+
+
+def sdpa_arguments(node: fx.Node) -> dict:
+    """All arguments of an aten.scaled_dot_product_attention call by name (defaults filled in)."""
+    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    if normalized is None:
+        raise GraphStructureError(f"cannot read the arguments of {node.name}")
+    kwargs = dict(normalized.kwargs)
+    defaults = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+    return {**defaults, **kwargs}
+
+
+# --------------------------------------------------------------------------------------
+# 1. Inputs
+# --------------------------------------------------------------------------------------
+class AddConventionInputs(Pass):
+    """Add the three inputs the convention has and a plain module does not.
+
+    before:  input_ids
+    after:   input_ids, position_ids, attention_mask, past_kv   (unused until the next passes)
+    """
+
+    name = "add_convention_inputs"
+
+    def check(self, pg: PlainGraph) -> None:
+        placeholders = [n for n in pg.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != 1:
+            raise UnsupportedModelError(
+                f"the exported module takes {len(placeholders)} tensor inputs; a plain causal LM must map input_ids -> logits"
+            )
+        shape = tshape(placeholders[0])
+        if shape is None or len(shape) != 2 or not is_seq(shape[1], pg.seq):
+            raise GraphStructureError(f"input_ids placeholder has shape {shape}, expected [1, seq]")
+
+    def rewrite(self, pg: PlainGraph) -> None:
+        (input_ids,) = [n for n in pg.graph.nodes if n.op == "placeholder"]
+        input_ids.name = input_ids.target = INPUT_NAMES[0]
+        pg.inputs = {INPUT_NAMES[0]: input_ids}
+        last = input_ids
+        for name in INPUT_NAMES[1:]:
+            with pg.graph.inserting_after(last):
+                last = pg.graph.placeholder(name)
+            pg.inputs[name] = last
+
+
+# --------------------------------------------------------------------------------------
+# 2. Attention
+# --------------------------------------------------------------------------------------
+@dataclass
+class _SitePlan:
+    sdpa: fx.Node
+    args: dict
+    key: fx.Node  # the new keys as the cache stores them, [1, Hkv, q, D]
+    key_expand: list[fx.Node]  # head-repeat ops from `key` to the sdpa's key operand
+    value: fx.Node
+    value_expand: list[fx.Node]
+
+
+class CachedAttention(Pass):
+    """Causal SDPA over the sequence -> SDPA over cache + sequence with an explicit mask.
+
+    Expects every attention to be `aten.scaled_dot_product_attention` that is causal, either by
+    `is_causal=True` or by a mask computed in the graph from the sequence length alone (checked
+    by evaluating that subgraph: it must equal the lower-triangular causal mask). The K/V the
+    cache stores are found above any head repetition (GQA's repeat_interleave or
+    unsqueeze/expand/reshape), so the cache holds the un-expanded [1, Hkv, q, D] K/V; the
+    repetition is replayed on the concatenated K/V. Layer l is the l-th SDPA in graph order.
+
+    before (one layer, GQA):
+        k = transpose(rope(...))                                   # [1, Hkv, q, D]
+        k_rep = repeat_interleave(k, n_rep, 1)                     # [1, H, q, D]
+        out = scaled_dot_product_attention(q, k_rep, v_rep, None, 0.0, True)
+    after:
+        k_all = cat([select(select(past_kv, 0, l), 0, 0), k], 2)   # [1, Hkv, past+q, D]
+        k_rep = repeat_interleave(k_all, n_rep, 1)                 # [1, H, past+q, D]
+        out = scaled_dot_product_attention(q, k_rep, v_rep, mask)  # is_causal=False
+    and once per graph, shared by all layers:
+        mask = (arange(past+q)[None, :] <= arange(past, past+q)[:, None])[None, None]
+               & (attention_mask != 0)[:, None, None, :]           # bool [1, 1, q, past+q]
+    """
+
+    name = "cached_attention"
+
+    def check(self, pg: PlainGraph) -> None:
+        graph = pg.graph
+        others = [n for n in graph.nodes if n.target in SDPA_OPS and n.target is not SDPA]
+        if others:
+            raise UnsupportedModelError(f"attention op {others[0].target} is not supported; use F.scaled_dot_product_attention")
+        sites = [n for n in graph.nodes if n.target is SDPA]
+        if not sites:
+            if any(n.target in SOFTMAX_OPS for n in graph.nodes):
+                raise UnsupportedModelError(
+                    "no scaled_dot_product_attention found: the module computes attention with an explicit softmax; "
+                    "speccomp captures plain modules whose attention is torch.nn.functional.scaled_dot_product_attention "
+                    "(is_causal=True)"
+                )
+            raise UnsupportedModelError(
+                "no attention (scaled_dot_product_attention) found in the exported module; it is not a transformer causal LM"
+            )
+        input_ids = pg.inputs[INPUT_NAMES[0]]
+        self.plans = []
+        for node in sites:
+            args = sdpa_arguments(node)
+            where = _where(node)
+            if args["dropout_p"] != 0:
+                raise UnsupportedModelError(f"attention {where} uses dropout_p={args['dropout_p']}; call model.eval() first")
+            if args["attn_mask"] is None and not args["is_causal"]:
+                raise UnsupportedModelError(
+                    f"attention {where} is bidirectional (no mask, is_causal=False); speccomp needs causal attention"
+                )
+            if args["attn_mask"] is not None and not _is_causal_mask(pg.gm, args["attn_mask"], input_ids):
+                raise UnsupportedModelError(
+                    f"attention {where} takes a mask that is not the plain causal mask of the sequence "
+                    "(or depends on more than its length); pass is_causal=True instead"
+                )
+            for name in ("query", "key", "value"):
+                shape = tshape(args[name])
+                if shape is None or len(shape) != 4 or shape[0] != 1 or not is_seq(shape[2], pg.seq):
+                    raise UnsupportedModelError(
+                        f"attention {where}: {name} has shape {shape}, expected [1, heads, seq, head_dim]"
+                    )
+            key, key_expand = _unexpanded(args["key"], pg.seq, where, "key")
+            value, value_expand = _unexpanded(args["value"], pg.seq, where, "value")
+            self.plans.append(_SitePlan(node, args, key, key_expand, value, value_expand))
+        layouts = {(tshape(p.key)[1], tshape(p.key)[3], tshape(p.value)[1], tshape(p.value)[3]) for p in self.plans}
+        if len(layouts) != 1:
+            raise UnsupportedModelError(f"attention layers cache K/V of different shapes {sorted(layouts)}; speccomp needs one")
+        ((hk, dk, hv, dv),) = layouts
+        if (hk, dk) != (hv, dv):
+            raise UnsupportedModelError(f"keys [*, {hk}, *, {dk}] and values [*, {hv}, *, {dv}] differ in shape")
+
+    def rewrite(self, pg: PlainGraph) -> None:
+        graph = pg.graph
+        past_kv, attention_mask = pg.inputs["past_kv"], pg.inputs["attention_mask"]
+        input_ids = pg.inputs["input_ids"]
+        mask = self._build_mask(pg, input_ids, attention_mask, anchor=self.plans[0].sdpa)
+        pg.slots = []
+        for layer, plan in enumerate(self.plans):
+            node = plan.sdpa
+            with graph.inserting_before(node):
+                k_all = self._cached(graph, past_kv, layer, 0, plan.key, plan.key_expand, pg.seq)
+                v_all = self._cached(graph, past_kv, layer, 1, plan.value, plan.value_expand, pg.seq)
+                kwargs = {"dropout_p": 0.0, "is_causal": False}
+                if plan.args["scale"] is not None:
+                    kwargs["scale"] = plan.args["scale"]
+                if plan.args["enable_gqa"]:
+                    kwargs["enable_gqa"] = True
+                new = graph.call_function(SDPA, (plan.args["query"], k_all, v_all, mask), kwargs)
+            _mark(new, self.name, like=node)
+            new.meta["val"] = node.meta.get("val")  # same shape: [1, H, q, D]
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            pg.slots.append(KVSlot(layer, new, plan.key, plan.value))
+
+    def _cached(self, graph, past_kv, layer, kv, new, expand, seq):
+        """cat(past_kv[layer, kv], new) along the sequence, then the head repetition replayed on it."""
+        sel = _mark(graph.call_function(aten.select.int, (past_kv, 0, layer)), self.name, like=new)
+        sel = _mark(graph.call_function(aten.select.int, (sel, 0, kv)), self.name, like=new)
+        cat = _mark(graph.call_function(aten.cat.default, ([sel, new], 2)), self.name, like=new)
+        if not expand:
+            return cat
+        total = _mark(graph.call_function(aten.sym_size.int, (cat, 2)), self.name, like=new)
+        env = {new: cat}
+        for op in expand:
+            def swap(a):
+                if a in env:
+                    return env[a]
+                if isinstance(a, fx.Node) and is_seq(a, seq):
+                    return total
+                if isinstance(a, fx.Node) and isinstance(val(a), torch.SymInt):
+                    raise GraphStructureError(f"{op.name} repeats KV heads with a size {a.name} that is not the sequence length")
+                return a
+            env[op] = _mark(graph.call_function(op.target, fx.node.map_arg(op.args, swap), fx.node.map_arg(op.kwargs, swap)),
+                            self.name, like=op)
+        return env[expand[-1]]
+
+    def _build_mask(self, pg, input_ids, attention_mask, anchor):
+        graph = pg.graph
+        first_use = next(n for n in graph.nodes if n.op == "call_function")  # after inputs and export's _guards_fn
+        with graph.inserting_before(first_use):
+            def add(target, *args, **kwargs):
+                return _mark(graph.call_function(target, args, kwargs), self.name, root_of=anchor)
+
+            q = add(aten.sym_size.int, input_ids, 1)
+            total = add(aten.sym_size.int, attention_mask, 1)
+            past = add(operator.sub, total, q)
+            device = val(input_ids).device
+            rows = add(aten.arange.start, past, total, dtype=torch.long, device=device)  # absolute query positions
+            cols = add(aten.arange.default, total, dtype=torch.long, device=device)  # key positions
+            causal = add(aten.le.Tensor, add(aten.unsqueeze.default, cols, 0), add(aten.unsqueeze.default, rows, 1))
+            keep = add(aten.ne.Scalar, attention_mask, 0)  # [1, past+q]
+            keep = add(aten.unsqueeze.default, add(aten.unsqueeze.default, keep, 1), 1)  # [1, 1, 1, past+q]
+            causal = add(aten.unsqueeze.default, add(aten.unsqueeze.default, causal, 0), 0)  # [1, 1, q, past+q]
+            return add(aten.bitwise_and.Tensor, causal, keep)
+
+
+def _where(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    path = list(stack.values())[-1][0] if stack else ""
+    return f"{node.name} (module {path})" if path else node.name
+
+
+def _unexpanded(operand: fx.Node, seq, where: str, what: str) -> tuple[fx.Node, list[fx.Node]]:
+    """The K (or V) above any head repetition, and the repetition ops from it down to `operand`.
+
+    Walks up through HEAD_EXPAND_OPS and picks the highest node shaped [1, h, seq, D] with D the
+    operand's head_dim; everything below it is the repetition to replay on cat(past, new).
+    """
+    d = tshape(operand)[3]
+    chain = [operand]
+    node = operand
+    while node.target in HEAD_EXPAND_OPS:
+        inputs = [a for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)]
+        if len(inputs) != 1:
+            break
+        node = inputs[0]
+        chain.append(node)
+    best = None
+    for i, n in enumerate(chain):
+        s = tshape(n)
+        if s is not None and len(s) == 4 and s[0] == 1 and is_seq(s[2], seq) and s[3] == d and isinstance(s[1], int):
+            best = i
+    if best is None:
+        raise UnsupportedModelError(f"attention {where}: cannot find the {what} tensor [1, heads, seq, head_dim] to cache")
+    top = chain[best]
+    expand = list(reversed(chain[:best]))  # ops from top (exclusive) down to operand, in graph order
+    return top, expand
+
+
+def _is_causal_mask(gm: fx.GraphModule, mask: fx.Node, input_ids: fx.Node) -> bool:
+    """Evaluate the mask's subgraph for a few lengths: is it exactly the causal mask, and only a function of length?"""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    nodes = sorted(ancestors(mask) | {mask}, key=order.get)
+    sub = fx.Graph()
+    env = {}
+    for node in nodes:
+        if node.op == "placeholder":
+            if node is not input_ids:
+                return False
+            env[node] = sub.placeholder("input_ids")
+            continue
+        if node.op not in ("call_function", "get_attr"):
+            return False
+        if input_ids in node.all_input_nodes and node.target is not aten.sym_size.int:
+            return False  # depends on token values, not just the length
+        env[node] = sub.node_copy(node, lambda a: env[a])
+    if input_ids not in env:
+        env[input_ids] = sub.placeholder("input_ids")
+    sub.output(env[mask])
+    module = fx.GraphModule(gm, sub)
+    for n in (1, 2, 5):
+        try:
+            with torch.no_grad():
+                m = module(torch.zeros(1, n, dtype=torch.long))
+        except Exception:  # noqa: BLE001 - a mask we cannot evaluate is not one we can replace
+            return False
+        if m.dim() < 2 or m.shape[-2:] != (n, n):
+            return False
+        m = m.reshape(-1, n, n)
+        tril = torch.ones(n, n, dtype=torch.bool).tril()
+        if m.dtype == torch.bool:
+            if not bool((m == tril).all()):
+                return False
+        elif m.is_floating_point():
+            if not bool(((m == 0) == tril).all() and (m[:, ~tril] <= -1e4).all()):
+                return False
+        else:
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------------------
+# 3. Positions
+# --------------------------------------------------------------------------------------
+class ExplicitPositions(Pass):
+    """Positions 0..seq-1 computed in the graph -> the position_ids input.
+
+    Two patterns, both found by op and shape:
+      arange(seq) / arange(0, seq) / arange(0, seq, 1)   (learned position embedding lookup,
+                                                          or rotary angles outer(arange, inv_freq))
+      slice(table, 0, 0, seq)                             (a precomputed table cut to the length,
+                                                          e.g. gpt-fast's freqs_cis[:seq])
+
+    before:  pos = arange(sym_size(input_ids, 1));  wpe = embedding(wpe_weight, pos)
+    after:   pos = select(position_ids, 0, 0);      wpe = embedding(wpe_weight, pos)
+             (followed by `to(dtype)` when the arange was not int64;
+              a sliced table becomes index_select(table, 0, pos))
+    Runs after CachedAttention, whose mask builds aranges of its own (tagged, so left alone).
+    """
+
+    name = "explicit_positions"
+
+    def check(self, pg: PlainGraph) -> None:
+        self.aranges, self.slices = [], []
+        for node in pg.graph.nodes:
+            if node.meta.get(ADDED) or not node.users:
+                continue
+            if node.target in ARANGE_OPS and self._is_position_arange(node, pg.seq):
+                self.aranges.append(node)
+            elif node.target is aten.slice.Tensor and self._is_table_slice(node, pg.seq):
+                self.slices.append(node)
+        if not self.aranges and not self.slices:
+            raise UnsupportedModelError(
+                "no positions found in the exported module: speccomp looks for torch.arange over the sequence length "
+                "(learned position embeddings, rotary angles) or a table sliced to it (table[:seq]); a module without "
+                "position-dependent ops cannot place tree tokens at their depth"
+            )
+
+    @staticmethod
+    def _is_position_arange(node, seq) -> bool:
+        shape = tshape(node)
+        if shape is None or len(shape) != 1 or not is_seq(shape[0], seq):
+            return False
+        args = list(node.args)
+        if node.target is aten.arange.default:
+            return True
+        start = args[0]
+        step = args[2] if len(args) > 2 else node.kwargs.get("step", 1)
+        return start == 0 and step == 1
+
+    @staticmethod
+    def _is_table_slice(node, seq) -> bool:
+        args = list(node.args) + [None] * (5 - len(node.args))
+        table, dim, start, end, step = args[:5]
+        return (
+            isinstance(table, fx.Node)
+            and table.op == "get_attr"
+            and dim == 0
+            and start in (None, 0)
+            and step in (None, 1)
+            and end is not None
+            and is_seq(end, seq)
+        )
+
+    def rewrite(self, pg: PlainGraph) -> None:
+        graph = pg.graph
+        position_ids = pg.inputs["position_ids"]
+        for node in self.aranges:
+            dtype = val(node).dtype
+            with graph.inserting_before(node):
+                pos = _mark(graph.call_function(aten.select.int, (position_ids, 0, 0)), self.name, like=node)
+                if dtype != torch.long:
+                    pos = _mark(graph.call_function(aten.to.dtype, (pos, dtype)), self.name, like=node)
+            node.replace_all_uses_with(pos)
+            graph.erase_node(node)
+            pg.position_sources.append(f"arange -> position_ids ({dtype})")
+            for user in pos.users:
+                if user.target is aten.embedding.default and user.args[0].op == "get_attr":
+                    pg.position_tables.append(tshape(user.args[0])[0])
+        for node in self.slices:
+            table = node.args[0]
+            with graph.inserting_before(node):
+                pos = _mark(graph.call_function(aten.select.int, (position_ids, 0, 0)), self.name, like=node)
+                rows = _mark(graph.call_function(aten.index_select.default, (table, 0, pos)), self.name, like=node)
+            node.replace_all_uses_with(rows)
+            graph.erase_node(node)
+            pg.position_sources.append(f"{table.target}[:seq] -> {table.target}[position_ids]")
+            pg.position_tables.append(tshape(table)[0])
+
+
+# --------------------------------------------------------------------------------------
+# 4. Outputs
+# --------------------------------------------------------------------------------------
+class ConventionOutputs(Pass):
+    """Output (logits,) -> (logits, new_kv, hidden).
+
+    new_kv stacks the keys/values CachedAttention found (the cache layout, not the repeated heads);
+    hidden is the input of the LM head: the matmul the logits come from, followed up through
+    views to the [1, q, H] tensor.
+
+    before:  return (lm_head_linear,)
+    after:   new_kv = stack([stack([k_0, v_0]), ..., stack([k_L-1, v_L-1])])   # [L, 2, 1, Hkv, q, D]
+             return (lm_head_linear, new_kv, final_norm_out)
+    """
+
+    name = "convention_outputs"
+
+    def check(self, pg: PlainGraph) -> None:
+        out = pg.graph.output_node()
+        flat = out.args[0]
+        if isinstance(flat, fx.Node):
+            flat = (flat,)
+        tensors = [a for a in flat if isinstance(a, fx.Node)]
+        if len(tensors) != 1:
+            raise UnsupportedModelError(
+                f"the module returns {len(tensors)} tensors; a plain causal LM must return the logits "
+                "(a tuple's first element, or `.logits`, is taken)"
+            )
+        logits = tensors[0]
+        shape = tshape(logits)
+        if shape is None or len(shape) != 3 or shape[0] != 1:
+            raise UnsupportedModelError(f"the module returns shape {shape}; logits must be [1, seq, vocab]")
+        if not is_seq(shape[1], pg.seq):
+            raise UnsupportedModelError(
+                f"the module returns logits of shape {shape}, not one row per input token; speccomp needs logits for "
+                "every position (e.g. do not cut to the last position when no targets are given)"
+            )
+        if not pg.slots:
+            raise GraphStructureError("no cached K/V recorded; run CachedAttention before ConventionOutputs")
+        self.logits = logits
+        self.hidden = _lm_head_input(logits, pg.inputs["input_ids"], pg.seq)
+
+    def rewrite(self, pg: PlainGraph) -> None:
+        graph = pg.graph
+        out = graph.output_node()
+        with graph.inserting_before(out):
+            layers = []
+            for slot in pg.slots:
+                pair = graph.call_function(aten.stack.default, ([slot.key, slot.value], 0))
+                layers.append(_mark(pair, self.name, root_of=slot.sdpa))
+            new_kv = _mark(graph.call_function(aten.stack.default, (layers, 0)), self.name, root_of=pg.slots[0].sdpa)
+        out.args = ((self.logits, new_kv, self.hidden),)
+        pg.hidden = self.hidden
+
+
+def _lm_head_input(logits: fx.Node, input_ids: fx.Node, seq) -> fx.Node:
+    """Walk up from the logits to the LM head matmul; its activation operand, as [1, q, H]."""
+    node = logits
+    for _ in range(32):
+        if node.target in MATMUL_OPS:
+            break
+        deps = [a for a in node.all_input_nodes if input_ids in ancestors(a) | {a}]
+        if len(deps) != 1:
+            raise UnsupportedModelError(f"cannot follow the logits back to the LM head matmul (stuck at {node.name})")
+        node = deps[0]
+    else:
+        raise UnsupportedModelError("no LM head matmul found above the logits")
+    acts = [a for a in node.all_input_nodes if input_ids in ancestors(a) | {a}]
+    if len(acts) != 1:
+        raise UnsupportedModelError(f"the LM head {node.name} has {len(acts)} activation operands, expected 1")
+    hidden = acts[0]
+    for _ in range(8):
+        shape = tshape(hidden)
+        if shape is not None and len(shape) == 3 and shape[0] == 1 and is_seq(shape[1], seq):
+            return hidden
+        if hidden.target not in PASS_THROUGH_OPS:
+            break
+        hidden = hidden.args[0]
+    raise UnsupportedModelError(
+        f"the LM head input {acts[0].name} has shape {tshape(acts[0])}; expected the final hidden state [1, seq, hidden]"
+    )
+
+
+PASSES = (AddConventionInputs, CachedAttention, ExplicitPositions, ConventionOutputs)

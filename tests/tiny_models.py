@@ -1,0 +1,254 @@
+"""Tiny random-init causal LMs for fast breadth tests (no weights downloaded).
+
+`tiny_llama` is the default tiny model other tests use. `ARCHITECTURES` is a registry of one tiny,
+seeded config per supported `*ForCausalLM` family (hidden 32, 2-3 layers, vocab 96-128,
+>= 256 positions); `UNSUPPORTED` holds models speccomp must refuse with a clear error.
+
+Weights are initialised with a larger `initializer_range` than HF's default 0.02 so the
+logits of a random model have clear argmax margins (greedy outputs are then stable
+under the tiny float differences between HF's cache path and speccomp's).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+WINDOW = 8  # sliding window of the sliding-window tiny models (prompt + new tokens go well past it)
+
+
+def tiny_llama(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = dict(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )
+    cfg.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One tiny architecture and what speccomp should find in its graph."""
+
+    name: str
+    build: Callable[[], torch.nn.Module]
+    attention: str  # "sdpa" | "eager": the attention kind annotate must report
+    sliding_window: int | None  # window of the sliding layers (None: all layers global)
+    sliding_layers: tuple[int, ...]  # indices of the layers that use the window
+    tied: bool  # LM head shares the token embedding matrix
+
+
+def _build(config_cls, model_cls, seed: int, attn: str | None = None, **cfg):
+    torch.manual_seed(seed)
+    config = config_cls(pad_token_id=0, bos_token_id=1, eos_token_id=2, **cfg)
+    if attn is not None:
+        config._attn_implementation = attn
+    model = model_cls(config)
+    if attn is not None:
+        model.set_attn_implementation(attn)
+    return model.eval()
+
+
+_COMMON = dict(vocab_size=128, hidden_size=32, max_position_embeddings=256, initializer_range=0.2)
+_GQA = dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _build(LlamaConfig, LlamaForCausalLM, 0, num_hidden_layers=3, **_COMMON, **_GQA)
+
+
+def _mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _build(MistralConfig, MistralForCausalLM, 0, num_hidden_layers=2, sliding_window=WINDOW, **_COMMON, **_GQA)
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    # layers 0-1 slide, layer 2 is global (Qwen2's max_window_layers split)
+    return _build(
+        Qwen2Config, Qwen2ForCausalLM, 0, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], tie_word_embeddings=True,
+        **_COMMON, **_GQA,
+    )
+
+
+def _qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _build(Qwen3Config, Qwen3ForCausalLM, 0, num_hidden_layers=2, head_dim=16, **_COMMON, **_GQA)
+
+
+def _gemma():
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    return _build(GemmaConfig, GemmaForCausalLM, 0, num_hidden_layers=2, head_dim=8, **_COMMON, **_GQA)
+
+
+def _gemma2():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return _build(
+        Gemma2Config, Gemma2ForCausalLM, 0, attn="eager", num_hidden_layers=2, head_dim=8, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, query_pre_attn_scalar=8, **_COMMON, **_GQA,
+    )
+
+
+def _gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return _build(
+        Gemma3TextConfig, Gemma3ForCausalLM, 0, num_hidden_layers=3, head_dim=8, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], query_pre_attn_scalar=8,
+        tie_word_embeddings=True, **_COMMON, **_GQA,
+    )
+
+
+def _phi3():
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    return _build(Phi3Config, Phi3ForCausalLM, 0, num_hidden_layers=2, **_COMMON, **_GQA)
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return _build(
+        GPT2Config, GPT2LMHeadModel, 0, vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=256,
+        initializer_range=0.2, tie_word_embeddings=True,
+    )
+
+
+def _gpt_neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    return _build(
+        GPTNeoXConfig, GPTNeoXForCausalLM, 0, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        **_COMMON,
+    )
+
+
+def _opt():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    return _build(
+        OPTConfig, OPTForCausalLM, 0, vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        ffn_dim=64, max_position_embeddings=256, word_embed_proj_dim=32, init_std=0.2, tie_word_embeddings=True,
+    )
+
+
+def _falcon():
+    from transformers import FalconConfig, FalconForCausalLM
+
+    return _build(
+        FalconConfig, FalconForCausalLM, 0, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+        new_decoder_architecture=True, alibi=False, parallel_attn=True, bias=False, **_COMMON,
+    )
+
+
+def _stablelm():
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    return _build(StableLmConfig, StableLmForCausalLM, 0, num_hidden_layers=2, **_COMMON, **_GQA)
+
+
+def _starcoder2():
+    from transformers import Starcoder2Config, Starcoder2ForCausalLM
+
+    return _build(
+        Starcoder2Config, Starcoder2ForCausalLM, 0, num_hidden_layers=2, sliding_window=WINDOW, **_COMMON, **_GQA
+    )
+
+
+ARCHITECTURES = {
+    a.name: a
+    for a in [
+        Arch("llama", _llama, "sdpa", None, (), False),
+        Arch("mistral", _mistral, "sdpa", WINDOW, (0, 1), False),
+        Arch("qwen2", _qwen2, "sdpa", WINDOW, (0, 1), True),
+        Arch("qwen3", _qwen3, "sdpa", None, (), False),
+        Arch("gemma", _gemma, "sdpa", None, (), True),
+        Arch("gemma2", _gemma2, "eager", WINDOW, (0,), True),
+        Arch("gemma3", _gemma3, "sdpa", WINDOW, (0, 1), True),
+        Arch("phi3", _phi3, "sdpa", None, (), False),
+        Arch("gpt2", _gpt2, "sdpa", None, (), True),
+        Arch("gpt_neox", _gpt_neox, "sdpa", None, (), False),
+        Arch("opt", _opt, "sdpa", None, (), True),
+        Arch("falcon", _falcon, "sdpa", None, (), False),
+        Arch("stablelm", _stablelm, "sdpa", None, (), False),
+        Arch("starcoder2", _starcoder2, "sdpa", WINDOW, (0, 1), True),
+    ]
+}
+
+
+# --------------------------------------------------------------------------------------
+# Models speccomp must refuse: name -> (builder, words the error message must contain)
+# --------------------------------------------------------------------------------------
+def _bloom():
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(0)
+    return BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4)).eval()
+
+
+def _falcon_alibi():
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(0)
+    return FalconForCausalLM(
+        FalconConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True)
+    ).eval()
+
+
+def _t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(
+        T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
+    ).eval()
+
+
+def _bart():
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    return BartForConditionalGeneration(
+        BartConfig(
+            vocab_size=128, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        )
+    ).eval()
+
+
+def _mamba():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(0)
+    return MambaForCausalLM(MambaConfig(vocab_size=128, hidden_size=32, state_size=4, num_hidden_layers=2)).eval()
+
+
+def _llama_base():
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    return LlamaModel(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2)).eval()
+
+
+UNSUPPORTED = {
+    "bloom_alibi": (_bloom, ("alibi",)),
+    "falcon_alibi": (_falcon_alibi, ("alibi",)),
+    "t5_encoder_decoder": (_t5, ("encoder-decoder",)),
+    "bart_encoder_decoder": (_bart, ("encoder-decoder",)),
+    "mamba_recurrent": (_mamba, ("recurrent",)),
+    "llama_base_model_no_head": (_llama_base, ("lm head",)),
+}
