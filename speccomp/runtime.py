@@ -7,7 +7,7 @@ Backends hand the runtime such a callable; the runtime never looks inside it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,7 @@ class Stats:
     steps: int = 0  # target forwards after prefill
     seconds: float = 0.0
     prefill_seconds: float = 0.0
+    acceptance_by_depth: list = field(default_factory=list)  # P(draft at depth d accepted), d = 1, 2, ...
 
     def as_dict(self) -> dict:
         return {
@@ -63,6 +64,7 @@ class Stats:
             "tau": self.new_tokens / max(self.steps, 1),
             "seconds": self.seconds,
             "prefill_seconds": self.prefill_seconds,
+            "acceptance_by_depth": list(self.acceptance_by_depth),
             "tokens_per_second": self.new_tokens / self.seconds if self.seconds > 0 else float("nan"),
         }
 

