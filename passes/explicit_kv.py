@@ -32,7 +32,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from speccomp.capture import INPUT_NAMES
 from speccomp.errors import GraphStructureError, UnsupportedModelError
-from speccomp.graph import MATMUL_OPS, SDPA_OPS, SOFTMAX_OPS, Pass, ancestors, copy_meta
+from speccomp.graph import MATMUL_OPS, SDPA_OPS, SOFTMAX_OPS, Pass, copy_meta
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -83,6 +83,7 @@ class PlainGraph:
     applied: list[str] = field(default_factory=list)
     inputs: dict[str, fx.Node] = field(default_factory=dict)
     slots: list[KVSlot] = field(default_factory=list)
+    kv_layout: tuple[int, int, torch.dtype] | None = None  # (Hkv, D, dtype) of the cached K/V
     position_sources: list[str] = field(default_factory=list)  # what ExplicitPositions replaced
     position_tables: list[int] = field(default_factory=list)  # rows of tables indexed by position
     hidden: fx.Node | None = None
@@ -112,6 +113,25 @@ def is_seq(size, seq: sympy.Expr) -> bool:
 def tshape(node) -> tuple | None:
     v = val(node)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def upstream(node: fx.Node, values_only: bool = False) -> set[fx.Node]:
+    """Every node `node` is computed from; with values_only, reads of shapes (sym_size) do not count."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if values_only and n.target is aten.sym_size.int:
+            continue
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return seen
+
+
+def depends_on(node: fx.Node, source: fx.Node) -> bool:
+    """Whether the values of `source` flow into `node` (not just its shape)."""
+    return node is source or source in upstream(node, values_only=True)
 
 
 def _root_stack(node: fx.Node) -> dict:
@@ -145,8 +165,14 @@ def sdpa_arguments(node: fx.Node) -> dict:
 class AddConventionInputs(Pass):
     """Add the three inputs the convention has and a plain module does not.
 
-    before:  input_ids
+    before:  input_ids;                                         _guards_fn(input_ids)
     after:   input_ids, position_ids, attention_mask, past_kv   (unused until the next passes)
+
+    The input guards torch.export recorded (`_guards_fn`) are dropped: they constrain the length
+    of the *whole* sequence the module saw (e.g. `seq <= block_size`, or `seq != 1` when some op
+    picked a copy over a view), while input_ids now holds only the new tokens. The whole-sequence
+    limit becomes `CapturedModel.max_positions`, and `capture_module` checks the rewritten graph
+    against the module for one and for several new tokens.
     """
 
     name = "add_convention_inputs"
@@ -164,6 +190,10 @@ class AddConventionInputs(Pass):
     def rewrite(self, pg: PlainGraph) -> None:
         (input_ids,) = [n for n in pg.graph.nodes if n.op == "placeholder"]
         input_ids.name = input_ids.target = INPUT_NAMES[0]
+        for node in list(pg.graph.nodes):
+            if node.op == "call_module" and node.target == "_guards_fn":
+                pg.graph.erase_node(node)
+                pg.gm.delete_submodule("_guards_fn")
         pg.inputs = {INPUT_NAMES[0]: input_ids}
         last = input_ids
         for name in INPUT_NAMES[1:]:
@@ -176,13 +206,28 @@ class AddConventionInputs(Pass):
 # 2. Attention
 # --------------------------------------------------------------------------------------
 @dataclass
+class _Source:
+    """Where the new keys (or values) are before any head repetition."""
+
+    top: fx.Node  # [1, Hkv, q, D] ("bhsd") or [1, q, Hkv, D] ("bshd", cached transposed)
+    layout: str
+    expand: list[fx.Node]  # ops from `top` (exclusive) down to the sdpa operand, in graph order
+
+    @property
+    def heads(self) -> int:
+        return tshape(self.top)[1 if self.layout == "bhsd" else 2]
+
+    @property
+    def head_dim(self) -> int:
+        return tshape(self.top)[3]
+
+
+@dataclass
 class _SitePlan:
     sdpa: fx.Node
     args: dict
-    key: fx.Node  # the new keys as the cache stores them, [1, Hkv, q, D]
-    key_expand: list[fx.Node]  # head-repeat ops from `key` to the sdpa's key operand
-    value: fx.Node
-    value_expand: list[fx.Node]
+    key: _Source
+    value: _Source
 
 
 class CachedAttention(Pass):
@@ -248,10 +293,10 @@ class CachedAttention(Pass):
                     raise UnsupportedModelError(
                         f"attention {where}: {name} has shape {shape}, expected [1, heads, seq, head_dim]"
                     )
-            key, key_expand = _unexpanded(args["key"], pg.seq, where, "key")
-            value, value_expand = _unexpanded(args["value"], pg.seq, where, "value")
-            self.plans.append(_SitePlan(node, args, key, key_expand, value, value_expand))
-        layouts = {(tshape(p.key)[1], tshape(p.key)[3], tshape(p.value)[1], tshape(p.value)[3]) for p in self.plans}
+            key = _unexpanded(args["key"], pg.seq, where, "key")
+            value = _unexpanded(args["value"], pg.seq, where, "value")
+            self.plans.append(_SitePlan(node, args, key, value))
+        layouts = {(p.key.heads, p.key.head_dim, p.value.heads, p.value.head_dim) for p in self.plans}
         if len(layouts) != 1:
             raise UnsupportedModelError(f"attention layers cache K/V of different shapes {sorted(layouts)}; speccomp needs one")
         ((hk, dk, hv, dv),) = layouts
@@ -263,12 +308,14 @@ class CachedAttention(Pass):
         past_kv, attention_mask = pg.inputs["past_kv"], pg.inputs["attention_mask"]
         input_ids = pg.inputs["input_ids"]
         mask = self._build_mask(pg, input_ids, attention_mask, anchor=self.plans[0].sdpa)
+        first = self.plans[0].key
+        pg.kv_layout = (first.heads, first.head_dim, val(first.top).dtype)
         pg.slots = []
         for layer, plan in enumerate(self.plans):
             node = plan.sdpa
             with graph.inserting_before(node):
-                k_all = self._cached(graph, past_kv, layer, 0, plan.key, plan.key_expand, pg.seq)
-                v_all = self._cached(graph, past_kv, layer, 1, plan.value, plan.value_expand, pg.seq)
+                k_new, k_all = self._cached(graph, past_kv, layer, 0, plan.key, pg.seq)
+                v_new, v_all = self._cached(graph, past_kv, layer, 1, plan.value, pg.seq)
                 kwargs = {"dropout_p": 0.0, "is_causal": False}
                 if plan.args["scale"] is not None:
                     kwargs["scale"] = plan.args["scale"]
@@ -279,18 +326,22 @@ class CachedAttention(Pass):
             new.meta["val"] = node.meta.get("val")  # same shape: [1, H, q, D]
             node.replace_all_uses_with(new)
             graph.erase_node(node)
-            pg.slots.append(KVSlot(layer, new, plan.key, plan.value))
+            pg.slots.append(KVSlot(layer, new, k_new, v_new))
 
-    def _cached(self, graph, past_kv, layer, kv, new, expand, seq):
-        """cat(past_kv[layer, kv], new) along the sequence, then the head repetition replayed on it."""
-        sel = _mark(graph.call_function(aten.select.int, (past_kv, 0, layer)), self.name, like=new)
-        sel = _mark(graph.call_function(aten.select.int, (sel, 0, kv)), self.name, like=new)
-        cat = _mark(graph.call_function(aten.cat.default, ([sel, new], 2)), self.name, like=new)
-        if not expand:
-            return cat
-        total = _mark(graph.call_function(aten.sym_size.int, (cat, 2)), self.name, like=new)
-        env = {new: cat}
-        for op in expand:
+    def _cached(self, graph, past_kv, layer, kv, source: _Source, seq) -> tuple[fx.Node, fx.Node]:
+        """(new entries [1, Hkv, q, D], the sdpa operand over cat(past_kv[layer, kv], new) with the head repetition replayed)."""
+        top = source.top
+
+        def add(target, *args):
+            return _mark(graph.call_function(target, args), self.name, like=top)
+
+        new = top if source.layout == "bhsd" else add(aten.transpose.int, top, 1, 2)
+        cat = add(aten.cat.default, [add(aten.select.int, add(aten.select.int, past_kv, 0, layer), 0, kv), new], 2)
+        if not source.expand:
+            return new, cat
+        total = add(aten.sym_size.int, cat, 2)
+        env = {top: cat if source.layout == "bhsd" else add(aten.transpose.int, cat, 1, 2)}
+        for op in source.expand:
             def swap(a):
                 if a in env:
                     return env[a]
@@ -301,7 +352,7 @@ class CachedAttention(Pass):
                 return a
             env[op] = _mark(graph.call_function(op.target, fx.node.map_arg(op.args, swap), fx.node.map_arg(op.kwargs, swap)),
                             self.name, like=op)
-        return env[expand[-1]]
+        return new, env[source.expand[-1]]
 
     def _build_mask(self, pg, input_ids, attention_mask, anchor):
         graph = pg.graph
@@ -329,37 +380,43 @@ def _where(node: fx.Node) -> str:
     return f"{node.name} (module {path})" if path else node.name
 
 
-def _unexpanded(operand: fx.Node, seq, where: str, what: str) -> tuple[fx.Node, list[fx.Node]]:
-    """The K (or V) above any head repetition, and the repetition ops from it down to `operand`.
+def _unexpanded(operand: fx.Node, seq, where: str, what: str) -> _Source:
+    """The K (or V) before any head repetition, and the repetition ops from it down to `operand`.
 
-    Walks up through HEAD_EXPAND_OPS and picks the highest node shaped [1, h, seq, D] with D the
-    operand's head_dim; everything below it is the repetition to replay on cat(past, new).
+    Walks up from the sdpa operand through HEAD_EXPAND_OPS and transposes. Candidates are nodes
+    shaped [1, h, seq, D] ("bhsd") or [1, seq, h, D] ("bshd", Meta-Llama's repeat_kv repeats heads
+    before the transpose), D the operand's head_dim. The cache takes the candidate with the fewest
+    heads closest to the sdpa, so MHA caches the operand itself and GQA the un-repeated K/V.
     """
     d = tshape(operand)[3]
     chain = [operand]
     node = operand
-    while node.target in HEAD_EXPAND_OPS:
+    while node.target in HEAD_EXPAND_OPS or node.target in (aten.transpose.int, aten.permute.default):
         inputs = [a for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)]
         if len(inputs) != 1:
             break
         node = inputs[0]
         chain.append(node)
-    best = None
+    candidates = []  # (heads, position in chain, layout)
     for i, n in enumerate(chain):
         s = tshape(n)
-        if s is not None and len(s) == 4 and s[0] == 1 and is_seq(s[2], seq) and s[3] == d and isinstance(s[1], int):
-            best = i
-    if best is None:
+        if s is None or len(s) != 4 or s[0] != 1 or s[3] != d:
+            continue
+        if is_seq(s[2], seq) and isinstance(s[1], int):
+            candidates.append((s[1], i, "bhsd"))
+        elif is_seq(s[1], seq) and isinstance(s[2], int):
+            candidates.append((s[2], i, "bshd"))
+    if not candidates:
         raise UnsupportedModelError(f"attention {where}: cannot find the {what} tensor [1, heads, seq, head_dim] to cache")
-    top = chain[best]
-    expand = list(reversed(chain[:best]))  # ops from top (exclusive) down to operand, in graph order
-    return top, expand
+    fewest = min(h for h, _, _ in candidates)
+    _, best, layout = min(c for c in candidates if c[0] == fewest)
+    return _Source(chain[best], layout, list(reversed(chain[:best])))
 
 
 def _is_causal_mask(gm: fx.GraphModule, mask: fx.Node, input_ids: fx.Node) -> bool:
     """Evaluate the mask's subgraph for a few lengths: is it exactly the causal mask, and only a function of length?"""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    nodes = sorted(ancestors(mask) | {mask}, key=order.get)
+    nodes = sorted(upstream(mask) | {mask}, key=order.get)
     sub = fx.Graph()
     env = {}
     for node in nodes:
@@ -548,13 +605,13 @@ def _lm_head_input(logits: fx.Node, input_ids: fx.Node, seq) -> fx.Node:
     for _ in range(32):
         if node.target in MATMUL_OPS:
             break
-        deps = [a for a in node.all_input_nodes if input_ids in ancestors(a) | {a}]
+        deps = [a for a in node.all_input_nodes if depends_on(a, input_ids)]
         if len(deps) != 1:
             raise UnsupportedModelError(f"cannot follow the logits back to the LM head matmul (stuck at {node.name})")
         node = deps[0]
     else:
         raise UnsupportedModelError("no LM head matmul found above the logits")
-    acts = [a for a in node.all_input_nodes if input_ids in ancestors(a) | {a}]
+    acts = [a for a in node.all_input_nodes if depends_on(a, input_ids)]
     if len(acts) != 1:
         raise UnsupportedModelError(f"the LM head {node.name} has {len(acts)} activation operands, expected 1")
     hidden = acts[0]

@@ -67,12 +67,12 @@ class TreeAttention(Pass):
 
         order = {n: i for i, n in enumerate(graph.nodes)}
         for (mask, window), sites in groups.items():
-            first = min((s.node for s in sites), key=order.get)
+            first = min((s.mask_user for s in sites), key=order.get)
             with graph.inserting_before(first):
                 new = self._tree_mask(graph, mask, tree, inputs, window)
             copy_meta(new, mask)
             for s in sites:
-                s.node.replace_input_with(mask, new)
+                s.mask_user.replace_input_with(mask, new)
                 s.mask = new
 
     @staticmethod

@@ -8,6 +8,7 @@ from .errors import SpeccompError
 from .graph import SpecGraph, run_passes
 from .runtime import decode_plain
 from .sampling import Sampler
+from .speculative import decode_speculative
 
 DRAFTERS: dict[str, object] = {}  # name -> drafter factory; filled by the drafter modules
 
@@ -24,13 +25,17 @@ def _choice(name: str, value, accepted) -> None:
 class SpecModel:
     """A compiled causal LM. `generate` returns prompt + new tokens, like HF `generate`."""
 
-    def __init__(self, spec_graph: SpecGraph, step, backend: str):
+    def __init__(self, spec_graph: SpecGraph, step, backend: str, drafter=None):
         self.graph = spec_graph
         self.step = step
         self.backend = backend
+        self.drafter = drafter
         self.kv = spec_graph.captured.kv
         self.max_positions = spec_graph.captured.max_positions
         self.last_stats: dict = {}
+        windows = [s.sliding_window for s in spec_graph.structure.attention if s.sliding_window]
+        # a tree's nodes must all fit inside every sliding window (see passes/tree_attention.py)
+        self.max_tree = min([64] + windows)
 
     def _check_inputs(self, input_ids, max_new_tokens, temperature, top_p) -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor):
@@ -82,29 +87,117 @@ class SpecModel:
         else:
             eos = {int(e) for e in eos_token_id}
         sampler = Sampler(do_sample, temperature, top_p, seed)
-        new, stats = decode_plain(self.step, self.kv, input_ids, max_new_tokens, eos, sampler)
+        if self.drafter is None:
+            new, stats = decode_plain(self.step, self.kv, input_ids, max_new_tokens, eos, sampler)
+        else:
+            new, stats = decode_speculative(
+                self.step, self.drafter, self.kv, input_ids, max_new_tokens, eos, sampler, self.max_tree
+            )
         self.last_stats = stats.as_dict()
         return torch.cat([input_ids, new[None]], dim=1)
 
 
-def compile(model, *, drafter=None, tree=None, kv_cache=None, backend: str = "eager") -> SpecModel:  # noqa: A001
+def _default_tree(tree, fallback):
+    """The user's tree= as a Tree (static shapes only for now), or `fallback` when None."""
+    from .tree import AutoTreeSpec, DynamicTreeSpec, Tree, parse_tree_spec
+
+    if tree is None:
+        return fallback
+    spec = parse_tree_spec(tree)
+    if isinstance(spec, (DynamicTreeSpec, AutoTreeSpec)):
+        raise ValueError(f"tree={tree!r} is not supported by this version yet; pass a choice list or an int k (a chain)")
+    assert isinstance(spec, Tree)
+    return spec
+
+
+def compile(  # noqa: A001
+    model,
+    *,
+    drafter=None,
+    tree=None,
+    kv_cache=None,
+    backend: str = "eager",
+    drafter_options: dict | None = None,
+) -> SpecModel:
     """Capture `model` with torch.export, rewrite the graph for speculative decoding, lower it.
 
-    drafter: None (plain decoding) or one of `available_drafters()`.
+    drafter: None (plain decoding), a name from `available_drafters()`, or a `Drafter` object.
+    tree: token tree for the drafter: a Medusa-style choice list or an int k (a chain of k).
+    drafter_options: options of the named drafter (e.g. {"exit_layer": 12}, {"skip": [3, 5]}).
     backend: "eager".
     """
     from speccomp.backends import BACKENDS, lower
+    from speccomp.passes.tree_attention import TreeAttention
+
+    from .speculative import Drafter
 
     _choice("backend", backend, BACKENDS)
-    if drafter is not None:
+    if drafter is not None and not isinstance(drafter, Drafter):
         _choice("drafter", drafter, DRAFTERS)
-    if tree is not None:
-        raise ValueError("tree= needs a drafter; accepted values without one: [None]")
+    if drafter is None and tree is not None:
+        raise ValueError("tree= shapes the drafter's token tree; give a drafter too (see speccomp.available_drafters())")
+    if drafter is None and drafter_options:
+        raise ValueError("drafter_options= given without a drafter")
     if kv_cache is not None:
         raise ValueError(f"unknown kv_cache {kv_cache!r}; accepted values: [None]")
-    try:
-        captured = capture(model)
-    except SpeccompError:
-        raise
-    sg = run_passes(SpecGraph.from_captured(captured), [])
-    return SpecModel(sg, lower(sg, backend), backend)
+    if drafter_options is not None and not isinstance(drafter_options, dict):
+        raise ValueError(f"drafter_options must be a dict, got {type(drafter_options).__name__}")
+
+    base = SpecGraph.from_captured(capture(model))
+    if drafter is None:
+        sg = run_passes(base, [])
+        return SpecModel(sg, lower(sg, backend), backend)
+
+    target = run_passes(base.clone(), [TreeAttention()])
+    if isinstance(drafter, Drafter):
+        drafter_obj = drafter
+    else:
+        drafter_obj = DRAFTERS[drafter](base, dict(drafter_options or {}), tree, backend)
+    return SpecModel(target, lower(target, backend), backend, drafter=drafter_obj)
+
+
+def _graph_drafter(passes_for, default_name):
+    def factory(base: SpecGraph, options: dict, tree, backend: str):
+        from speccomp.backends import lower
+        from speccomp.passes.tree_attention import TreeAttention
+
+        from .drafters import GraphDrafter
+        from .tree import Tree
+
+        passes, rest = passes_for(base, options)
+        if rest:
+            raise ValueError(f"unknown {default_name} options {sorted(rest)}")
+        sg = run_passes(base.clone(), passes + [TreeAttention()])
+        return GraphDrafter(lower(sg, backend), sg.kv_layers, _default_tree(tree, Tree.chain(4)), default_name)
+
+    return factory
+
+
+def _early_exit_passes(base: SpecGraph, options: dict):
+    from speccomp.passes.layer_skip import EarlyExit
+
+    n = len(base.structure.layers)
+    k = options.pop("exit_layer", n // 2 - 1)
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ValueError(f"exit_layer must be an int in [0, {n - 2}], got {k!r}")
+    if not 0 <= k < n - 1:
+        raise ValueError(f"exit_layer must be in [0, {n - 2}] (the model has {n} layers), got {k}")
+    return [EarlyExit(k, n)], options
+
+
+def _layer_skip_passes(base: SpecGraph, options: dict):
+    from speccomp.passes.layer_skip import SkipLayers
+
+    n = len(base.structure.layers)
+    skip = options.pop("skip", None)
+    if skip is None:  # SWIFT-like default: every other layer of the middle half
+        skip = list(range(n // 4, n - n // 4, 2))
+    if not isinstance(skip, (list, tuple, set)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in skip):
+        raise ValueError(f"skip must be a list of layer indices in [0, {n - 1}], got {skip!r}")
+    if not skip:
+        raise ValueError("skip is empty: the drafter would be the target itself; skip at least one layer")
+    return [SkipLayers(skip)], options
+
+
+DRAFTERS["early_exit"] = _graph_drafter(_early_exit_passes, "early_exit")
+DRAFTERS["layer_skip"] = _graph_drafter(_layer_skip_passes, "layer_skip")

@@ -20,19 +20,20 @@ Supported: attention through `F.scaled_dot_product_attention` that is causal (`i
 a mask computed from the sequence length that equals the causal mask), MHA or GQA (heads repeated
 with repeat_interleave / expand+reshape / repeat, or `enable_gqa=True`), positions from
 `torch.arange(seq)` (learned absolute embeddings, rotary angles) or a table sliced `[:seq]`;
-output the logits for every position (a tensor, a tuple whose first element is the logits, or an
-object with `.logits`). Anything else raises `UnsupportedModelError` naming what was missing.
+output the logits for every position (a tensor, a tuple whose first element is the logits, a dict
+with "logits", or an object with `.logits`). Anything else raises `UnsupportedModelError` naming what was missing.
 """
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import sympy
 import torch
 import torch.fx.experimental._config as fx_config
 from torch import fx, nn
 from torch.export import Dim
-from torch.utils import _pytree as pytree
 
-from .capture import INPUT_NAMES, OUTPUT_NAMES, CapturedModel, KVSpec
+from .capture import OUTPUT_NAMES, CapturedModel, KVSpec
 from .errors import SpeccompError, UnsupportedModelError
 
 EXAMPLE_LENGTH = 5  # sequence length used while exporting (any value >= 2 that the model accepts)
@@ -50,6 +51,8 @@ class _PlainStep(nn.Module):
         out = self.model(input_ids)
         if isinstance(out, (tuple, list)):
             out = out[0]
+        elif isinstance(out, Mapping) and "logits" in out:
+            out = out["logits"]
         elif not isinstance(out, torch.Tensor) and hasattr(out, "logits"):
             out = out.logits
         return out
@@ -91,9 +94,7 @@ def capture_module(model: nn.Module, *, check: bool = True) -> CapturedModel:
         cls()(pg)
     kv = _kv_spec(pg)
     _propagate_values(pg, kv)
-    # the unlifted module checks calls against the exported signature (one input); it now takes four
-    gm._in_spec = pytree.tree_structure((tuple(range(len(INPUT_NAMES))), {}))
-    gm._out_spec = pytree.tree_structure(tuple(range(len(OUTPUT_NAMES))))
+    gm._forward_pre_hooks.clear()  # export's input check expects the one-input signature (as in capture._flatten)
     gm.recompile()
     logits_val = gm.graph.output_node().args[0][0].meta["val"]
     captured = CapturedModel(
@@ -112,8 +113,8 @@ def capture_module(model: nn.Module, *, check: bool = True) -> CapturedModel:
 
 
 def _kv_spec(pg) -> KVSpec:
-    key = pg.slots[0].key.meta["val"]  # [1, Hkv, q, D]
-    return KVSpec(len(pg.slots), int(key.shape[1]), int(key.shape[3]), key.dtype)
+    heads, head_dim, dtype = pg.kv_layout
+    return KVSpec(len(pg.slots), heads, head_dim, dtype)
 
 
 def _max_positions(model, pg, program) -> int | None:
@@ -166,9 +167,9 @@ def _propagate_values(pg, kv: KVSpec) -> None:
 def check_against_module(captured: CapturedModel, model: nn.Module, atol: float = 1e-4, length: int = 9) -> None:
     """The graph, fed the cache it produced, must reproduce the module run on the whole sequence.
 
-    Runs the graph on a prefix (past = 0), one token, then several tokens, each time against the
-    K/V the graph itself returned, and compares the logits with `model(prefix + new tokens)`;
-    hidden states and K/V must match one prefill of the whole sequence.
+    Runs the graph on a 1-token prompt (past = 0), then several tokens, one token and several
+    tokens, each time against the K/V the graph itself returned, and compares the logits with
+    `model(prefix + new tokens)`; hidden states and K/V must match one prefill of the whole sequence.
     """
     gm = captured.graph_module
     step = _PlainStep(model).eval()
@@ -177,7 +178,8 @@ def check_against_module(captured: CapturedModel, model: nn.Module, atol: float 
         length = min(length, captured.max_positions)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, captured.vocab_size, (1, length), generator=gen).to(device)
-    cuts = sorted({0, max(1, length - 4), max(1, length - 3), length})
+    # a 1-token prompt, then several tokens, one token, several tokens: each against the cache so far
+    cuts = sorted({0, 1, max(1, length - 4), max(1, length - 3), length})
     with torch.no_grad():
         want = step(ids)
         full = gm(ids, torch.arange(length, device=device)[None], torch.ones(1, length, dtype=torch.long, device=device),

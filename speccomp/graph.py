@@ -15,6 +15,7 @@ model class names, so the same code finds Llama's `model.layers.3` and GPT-2's `
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections import Counter
@@ -103,6 +104,11 @@ class AttentionSite:
     key_cat: fx.Node  # cat(past_k, new_k)
     value_cat: fx.Node  # cat(past_v, new_v)
     sliding_window: int | None = None
+    mask_user: fx.Node | None = None  # the node that consumes `mask` (the sdpa call, or the add of an eager attention)
+
+    def __post_init__(self):
+        if self.mask_user is None:
+            self.mask_user = self.node
 
 
 @dataclass
@@ -192,20 +198,20 @@ def _eager_attention(softmax: fx.Node, past_kv: fx.Node, attention_mask: fx.Node
         return None
     value_cat, layer_v, _ = _find_cat(user.args[1], past_kv)
     key_cat, layer_k, _ = _find_cat(scores, past_kv)
-    mask = None
+    mask = mask_user = None
     node = scores
     for _ in range(8):  # follow the score chain through adds; the mask is the add operand fed by the padding mask
         if node.target in (aten.add.Tensor, aten.add_.Tensor):
             for arg in node.args:
                 if isinstance(arg, fx.Node) and attention_mask in ancestors(arg) and past_kv not in ancestors(arg):
-                    mask = arg
+                    mask, mask_user = arg, node
             if mask is not None:
                 break
         nxt = [a for a in node.args if isinstance(a, fx.Node) and past_kv in ancestors(a) | {a}]
         if not nxt:
             break
         node = nxt[0]
-    return mask, key_cat, value_cat, layer_k
+    return mask, mask_user, key_cat, value_cat, layer_k
 
 
 RESHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
@@ -257,8 +263,10 @@ def annotate(captured: CapturedModel) -> Structure:
         elif node.target in SOFTMAX_OPS and past_kv in ancestors(node):
             found = _eager_attention(node, past_kv, attention_mask)
             if found is not None:
-                mask, key_cat, value_cat, layer = found
-                sites.append(AttentionSite(node, "eager", layer, module_path(node), mask, key_cat, value_cat))
+                mask, mask_user, key_cat, value_cat, layer = found
+                sites.append(
+                    AttentionSite(node, "eager", layer, module_path(node), mask, key_cat, value_cat, mask_user=mask_user)
+                )
     if not sites:
         raise UnsupportedModelError(
             "no attention site (scaled_dot_product_attention, or softmax over cat(past, new) keys) found in the graph"
@@ -351,6 +359,11 @@ class SpecGraph:
     captured: CapturedModel
     structure: Structure
     applied: list[str] = field(default_factory=list)
+    kv_layers: list[int] = field(default_factory=list)  # cache layer of each new_kv row (passes may drop rows)
+
+    def __post_init__(self):
+        if not self.kv_layers:
+            self.kv_layers = list(range(self.captured.kv.num_layers))
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -359,6 +372,20 @@ class SpecGraph:
     @classmethod
     def from_captured(cls, captured: CapturedModel) -> "SpecGraph":
         return cls(captured, annotate(captured))
+
+    def clone(self) -> "SpecGraph":
+        """A copy whose graph can be rewritten independently; parameters are shared, not copied."""
+        graph = fx.Graph()
+        out = graph.graph_copy(self.gm.graph, {})
+        graph.output(out)
+        graph._codegen = self.gm.graph._codegen
+        gm = fx.GraphModule(self.gm, graph)
+        captured = dataclasses.replace(self.captured, graph_module=gm)
+        return SpecGraph(captured, annotate(captured), list(self.applied), list(self.kv_layers))
+
+    def layer_of(self, node: fx.Node) -> str | None:
+        """Module path of the decoder layer a node belongs to (None outside the layers)."""
+        return _decoder_layer_path(node)
 
     def input_names(self) -> list[str]:
         return [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -381,11 +408,20 @@ class Pass:
     def __call__(self, sg: SpecGraph) -> SpecGraph:
         self.check(sg)
         self.rewrite(sg)
-        sg.gm.graph.eliminate_dead_code()
+        sg.gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
         sg.gm.graph.lint()
         sg.gm.recompile()
         sg.applied.append(self.name)
         return sg
+
+
+def _is_impure(node: fx.Node) -> bool:
+    """Metadata asserts die with the values they check; everything else as FX decides."""
+    if node.target is aten._assert_tensor_metadata.default:
+        return False
+    if node.op == "call_module" and node.target == "_guards_fn":
+        return True  # export's input guards stay
+    return node.is_impure()
 
 
 def run_passes(sg: SpecGraph, passes) -> SpecGraph:

@@ -35,16 +35,21 @@ class Arch:
     """One tiny architecture and what speccomp should find in its graph."""
 
     name: str
-    build: Callable[[], torch.nn.Module]
+    builder: Callable[..., torch.nn.Module]  # builder(seed, **config_overrides)
+    seed: int  # chosen so greedy decoding of the test prompt has clear argmax margins
     attention: str  # "sdpa" | "eager": the attention kind annotate must report
     sliding_window: int | None  # window of the sliding layers (None: all layers global)
     sliding_layers: tuple[int, ...]  # indices of the layers that use the window
     tied: bool  # LM head shares the token embedding matrix
 
+    def build(self, **overrides) -> torch.nn.Module:
+        return self.builder(self.seed, **overrides)
 
-def _build(config_cls, model_cls, seed: int, attn: str | None = None, **cfg):
+
+def _build(config_cls, model_cls, seed: int, overrides: dict, attn: str | None = None, **cfg):
+    cfg = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **cfg, **overrides}
     torch.manual_seed(seed)
-    config = config_cls(pad_token_id=0, bos_token_id=1, eos_token_id=2, **cfg)
+    config = config_cls(**cfg)
     if attn is not None:
         config._attn_implementation = attn
     model = model_cls(config)
@@ -57,136 +62,148 @@ _COMMON = dict(vocab_size=128, hidden_size=32, max_position_embeddings=256, init
 _GQA = dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
 
 
-def _llama():
+def _llama(seed, **kw):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return _build(LlamaConfig, LlamaForCausalLM, 0, num_hidden_layers=3, **_COMMON, **_GQA)
+    return _build(LlamaConfig, LlamaForCausalLM, seed, kw, num_hidden_layers=3, **_COMMON, **_GQA)
 
 
-def _mistral():
+def _mistral(seed, **kw):
     from transformers import MistralConfig, MistralForCausalLM
 
-    return _build(MistralConfig, MistralForCausalLM, 0, num_hidden_layers=2, sliding_window=WINDOW, **_COMMON, **_GQA)
+    return _build(MistralConfig, MistralForCausalLM, seed, kw, num_hidden_layers=2, sliding_window=WINDOW, **_COMMON, **_GQA)
 
 
-def _qwen2():
+def _qwen2(seed, **kw):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    # layers 0-1 slide, layer 2 is global (Qwen2's max_window_layers split)
+    # layers 0-1 slide, layer 2 is global (what Qwen2's max_window_layers split produces)
     return _build(
-        Qwen2Config, Qwen2ForCausalLM, 0, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
+        Qwen2Config, Qwen2ForCausalLM, seed, kw, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], tie_word_embeddings=True,
         **_COMMON, **_GQA,
     )
 
 
-def _qwen3():
+def _qwen3(seed, **kw):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    return _build(Qwen3Config, Qwen3ForCausalLM, 0, num_hidden_layers=2, head_dim=16, **_COMMON, **_GQA)
+    return _build(Qwen3Config, Qwen3ForCausalLM, seed, kw, num_hidden_layers=2, head_dim=16, **_COMMON, **_GQA)
 
 
-def _gemma():
+def _gemma(seed, **kw):
     from transformers import GemmaConfig, GemmaForCausalLM
 
-    return _build(GemmaConfig, GemmaForCausalLM, 0, num_hidden_layers=2, head_dim=8, **_COMMON, **_GQA)
+    return _build(GemmaConfig, GemmaForCausalLM, seed, kw, num_hidden_layers=2, head_dim=8, **_COMMON, **_GQA)
 
 
-def _gemma2():
+def _gemma2(seed, **kw):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
+    # softcapping is only implemented by HF's eager attention, which Gemma2 uses
     return _build(
-        Gemma2Config, Gemma2ForCausalLM, 0, attn="eager", num_hidden_layers=2, head_dim=8, sliding_window=WINDOW,
+        Gemma2Config, Gemma2ForCausalLM, seed, kw, attn="eager", num_hidden_layers=2, head_dim=8, sliding_window=WINDOW,
         layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=50.0,
         final_logit_softcapping=30.0, query_pre_attn_scalar=8, **_COMMON, **_GQA,
     )
 
 
-def _gemma3():
+def _gemma3(seed, **kw):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     return _build(
-        Gemma3TextConfig, Gemma3ForCausalLM, 0, num_hidden_layers=3, head_dim=8, sliding_window=WINDOW,
+        Gemma3TextConfig, Gemma3ForCausalLM, seed, kw, num_hidden_layers=3, head_dim=8, sliding_window=WINDOW,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], query_pre_attn_scalar=8,
         tie_word_embeddings=True, **_COMMON, **_GQA,
     )
 
 
-def _phi3():
+def _phi3(seed, **kw):
     from transformers import Phi3Config, Phi3ForCausalLM
 
-    return _build(Phi3Config, Phi3ForCausalLM, 0, num_hidden_layers=2, **_COMMON, **_GQA)
+    # Phi3 keeps the window only in its config and slides every layer (like Mistral / Starcoder2)
+    return _build(Phi3Config, Phi3ForCausalLM, seed, kw, num_hidden_layers=2, sliding_window=WINDOW, **_COMMON, **_GQA)
 
 
-def _gpt2():
+def _gpt2(seed, **kw):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     return _build(
-        GPT2Config, GPT2LMHeadModel, 0, vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=256,
+        GPT2Config, GPT2LMHeadModel, seed, kw, vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=256,
         initializer_range=0.2, tie_word_embeddings=True,
     )
 
 
-def _gpt_neox():
+def _gpt_neox(seed, **kw):
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     return _build(
-        GPTNeoXConfig, GPTNeoXForCausalLM, 0, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        GPTNeoXConfig, GPTNeoXForCausalLM, seed, kw, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
         **_COMMON,
     )
 
 
-def _opt():
+def _opt(seed, **kw):
     from transformers import OPTConfig, OPTForCausalLM
 
     return _build(
-        OPTConfig, OPTForCausalLM, 0, vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        ffn_dim=64, max_position_embeddings=256, word_embed_proj_dim=32, init_std=0.2, tie_word_embeddings=True,
+        OPTConfig, OPTForCausalLM, seed, kw, vocab_size=128, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, ffn_dim=64, max_position_embeddings=256, word_embed_proj_dim=32, init_std=0.2,
+        tie_word_embeddings=True,
     )
 
 
-def _falcon():
+def _falcon(seed, **kw):
     from transformers import FalconConfig, FalconForCausalLM
 
+    # the new decoder architecture: rotary positions, grouped KV heads, parallel attention/MLP
     return _build(
-        FalconConfig, FalconForCausalLM, 0, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+        FalconConfig, FalconForCausalLM, seed, kw, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
         new_decoder_architecture=True, alibi=False, parallel_attn=True, bias=False, **_COMMON,
     )
 
 
-def _stablelm():
+def _stablelm(seed, **kw):
     from transformers import StableLmConfig, StableLmForCausalLM
 
-    return _build(StableLmConfig, StableLmForCausalLM, 0, num_hidden_layers=2, **_COMMON, **_GQA)
+    return _build(StableLmConfig, StableLmForCausalLM, seed, kw, num_hidden_layers=2, **_COMMON, **_GQA)
 
 
-def _starcoder2():
+def _starcoder2(seed, **kw):
     from transformers import Starcoder2Config, Starcoder2ForCausalLM
 
     return _build(
-        Starcoder2Config, Starcoder2ForCausalLM, 0, num_hidden_layers=2, sliding_window=WINDOW, **_COMMON, **_GQA
+        Starcoder2Config, Starcoder2ForCausalLM, seed, kw, num_hidden_layers=2, sliding_window=WINDOW,
+        **_COMMON, **_GQA,
     )
 
 
 ARCHITECTURES = {
     a.name: a
     for a in [
-        Arch("llama", _llama, "sdpa", None, (), False),
-        Arch("mistral", _mistral, "sdpa", WINDOW, (0, 1), False),
-        Arch("qwen2", _qwen2, "sdpa", WINDOW, (0, 1), True),
-        Arch("qwen3", _qwen3, "sdpa", None, (), False),
-        Arch("gemma", _gemma, "sdpa", None, (), True),
-        Arch("gemma2", _gemma2, "eager", WINDOW, (0,), True),
-        Arch("gemma3", _gemma3, "sdpa", WINDOW, (0, 1), True),
-        Arch("phi3", _phi3, "sdpa", None, (), False),
-        Arch("gpt2", _gpt2, "sdpa", None, (), True),
-        Arch("gpt_neox", _gpt_neox, "sdpa", None, (), False),
-        Arch("opt", _opt, "sdpa", None, (), True),
-        Arch("falcon", _falcon, "sdpa", None, (), False),
-        Arch("stablelm", _stablelm, "sdpa", None, (), False),
-        Arch("starcoder2", _starcoder2, "sdpa", WINDOW, (0, 1), True),
+        Arch("llama", _llama, 0, "sdpa", None, (), False),
+        Arch("mistral", _mistral, 0, "sdpa", WINDOW, (0, 1), False),
+        Arch("qwen2", _qwen2, 0, "sdpa", WINDOW, (0, 1), True),
+        Arch("qwen3", _qwen3, 0, "sdpa", None, (), False),
+        Arch("gemma", _gemma, 0, "sdpa", None, (), True),
+        Arch("gemma2", _gemma2, 0, "eager", WINDOW, (0,), True),
+        Arch("gemma3", _gemma3, 0, "sdpa", WINDOW, (0, 1), True),
+        Arch("phi3", _phi3, 0, "sdpa", WINDOW, (0, 1), False),
+        Arch("gpt2", _gpt2, 0, "sdpa", None, (), True),
+        Arch("gpt_neox", _gpt_neox, 0, "sdpa", None, (), False),
+        Arch("opt", _opt, 0, "sdpa", None, (), True),
+        Arch("falcon", _falcon, 0, "sdpa", None, (), False),
+        Arch("stablelm", _stablelm, 0, "sdpa", None, (), False),
+        Arch("starcoder2", _starcoder2, 0, "sdpa", WINDOW, (0, 1), True),
     ]
 }
+
+
+def prompt_for(arch_name: str, length: int = 12) -> torch.Tensor:
+    """The seeded test prompt [1, length] (ids 3.. avoid pad/bos/eos)."""
+    model_vocab = 128
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(3, model_vocab, (1, length), generator=gen)
 
 
 # --------------------------------------------------------------------------------------

@@ -1,0 +1,339 @@
+"""Plain nn.Module causal LMs (input_ids -> logits, no cache): captured by graph rewriting.
+
+Two small models defined here, in the styles people write by hand:
+  NanoGPT   learned absolute position embeddings, MHA through F.scaled_dot_product_attention(is_causal=True)
+  GptFast   Llama-style: RMSNorm, rotary angles from torch.arange(seq), GQA with repeat_interleave
+`speccomp.compile` must decode exactly what naive greedy decoding (re-running the module on the
+whole sequence every step) decodes; variants cover the other GQA / rotary / mask spellings.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import speccomp
+from speccomp.capture import INPUT_NAMES, capture
+from speccomp.capture_module import capture_module
+from speccomp.graph import SDPA_OPS, annotate
+
+aten = torch.ops.aten
+
+
+# --------------------------------------------------------------------------------------
+# nanoGPT style
+# --------------------------------------------------------------------------------------
+@dataclass
+class GPTConfig:  # a plain dataclass `config`, not a Hugging Face one
+    vocab_size: int = 101
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 32
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.c_attn = nn.Linear(c.n_embd, 3 * c.n_embd)
+        self.c_proj = nn.Linear(c.n_embd, c.n_embd)
+        self.n_head, self.n_embd = c.n_head, c.n_embd
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(c.n_embd), CausalSelfAttention(c)
+        self.ln_2 = nn.LayerNorm(c.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(c.n_embd, 4 * c.n_embd), nn.GELU(), nn.Linear(4 * c.n_embd, c.n_embd))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, c: GPTConfig = GPTConfig()):
+        super().__init__()
+        self.config = c
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(c.vocab_size, c.n_embd),
+            wpe=nn.Embedding(c.block_size, c.n_embd),
+            h=nn.ModuleList([GPTBlock(c) for _ in range(c.n_layer)]),
+            ln_f=nn.LayerNorm(c.n_embd),
+        ))
+        self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied
+
+    def forward(self, idx, targets=None):
+        b, t = idx.size()
+        assert t <= self.config.block_size, f"sequence of {t} > block size {self.config.block_size}"
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x)), None  # (logits, loss)
+
+
+# --------------------------------------------------------------------------------------
+# gpt-fast / Llama style
+# --------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def apply_rotary(x, cos, sin):  # x [B, T, H, D]; cos, sin [T, D/2]; interleaved pairs as in gpt-fast
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(3)
+
+
+class Attention(nn.Module):
+    gqa = "repeat_interleave"  # variants: "enable_gqa", "expand" (HF repeat_kv), "meta" (Meta-Llama repeat_kv)
+    mask = "is_causal"  # variant: "tril" (a bool causal mask built in the graph)
+
+    def __init__(self, dim: int, n_head: int, n_kv: int):
+        super().__init__()
+        self.n_head, self.n_kv, self.hd = n_head, n_kv, dim // n_head
+        self.wqkv = nn.Linear(dim, (n_head + 2 * n_kv) * self.hd, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
+        q = apply_rotary(q.view(B, T, self.n_head, self.hd), cos, sin)
+        k = apply_rotary(k.view(B, T, self.n_kv, self.hd), cos, sin)
+        v = v.view(B, T, self.n_kv, self.hd)
+        rep, kwargs = self.n_head // self.n_kv, {"is_causal": True}
+        if self.gqa == "meta":  # repeat heads in [B, T, H, D] layout, before the transpose
+            k, v = (t[:, :, :, None].expand(B, T, self.n_kv, rep, self.hd).reshape(B, T, self.n_head, self.hd)
+                    for t in (k, v))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.gqa == "repeat_interleave":
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        elif self.gqa == "expand":
+            k, v = (t[:, :, None].expand(B, self.n_kv, rep, T, self.hd).reshape(B, self.n_head, T, self.hd)
+                    for t in (k, v))
+        elif self.gqa == "enable_gqa":
+            kwargs["enable_gqa"] = True
+        if self.mask == "tril":
+            kwargs = {**kwargs, "is_causal": False, "attn_mask": torch.ones(T, T, dtype=torch.bool, device=x.device).tril()}
+        y = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return self.wo(y.transpose(1, 2).contiguous().view(B, T, -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim: int, n_head: int, n_kv: int):
+        super().__init__()
+        self.attention = Attention(dim, n_head, n_kv)
+        self.w1, self.w3 = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(dim, 2 * dim, bias=False)
+        self.w2 = nn.Linear(2 * dim, dim, bias=False)
+        self.attention_norm, self.ffn_norm = RMSNorm(dim), RMSNorm(dim)
+
+    def forward(self, x, cos, sin):
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        y = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(y)) * self.w3(y))
+
+
+class GptFast(nn.Module):
+    rope = "arange"  # variant: "table" (cos/sin precomputed for max_seq_len and sliced [:T])
+
+    def __init__(self, vocab: int = 97, dim: int = 32, n_layer: int = 3, n_head: int = 4, n_kv: int = 2):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([TransformerBlock(dim, n_head, n_kv) for _ in range(n_layer)])
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        hd = dim // n_head
+        self.register_buffer("inv_freq", 1.0 / 10000.0 ** (torch.arange(0, hd, 2).float() / hd), persistent=False)
+        angles = torch.outer(torch.arange(128).float(), self.inv_freq)
+        self.register_buffer("cos_table", angles.cos(), persistent=False)
+        self.register_buffer("sin_table", angles.sin(), persistent=False)
+
+    def forward(self, idx):
+        T = idx.shape[1]
+        if self.rope == "table":
+            cos, sin = self.cos_table[:T], self.sin_table[:T]
+        else:
+            angles = torch.outer(torch.arange(T, device=idx.device).float(), self.inv_freq)
+            cos, sin = angles.cos(), angles.sin()
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output(self.norm(x))
+
+
+def _init(model: nn.Module, seed: int) -> nn.Module:
+    """Seeded weights with a wide spread, so greedy argmaxes have clear margins."""
+    torch.manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            nn.init.normal_(p, std=0.3)
+    return model.eval()
+
+
+MODELS = {
+    "nanogpt": lambda: _init(NanoGPT(), 0),
+    "gptfast": lambda: _init(GptFast(), 1),
+}
+LAYER_PATHS = {"nanogpt": "transformer.h.{}", "gptfast": "layers.{}"}
+
+
+def naive_greedy(model: nn.Module, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Re-run the plain module on the whole sequence for every new token."""
+    with torch.no_grad():
+        for _ in range(n):
+            out = model(ids)
+            logits = out[0] if isinstance(out, tuple) else out
+            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            model = MODELS[name]()
+            cache[name] = (model, speccomp.compile(model))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_generate_matches_naive_greedy(compiled, name):
+    model, fast = compiled(name)
+    ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(3))
+    got = fast.generate(ids, max_new_tokens=30)
+    want = naive_greedy(model, ids, 30)
+    assert torch.equal(got, want), f"{name}: compiled {got[0, 7:].tolist()} != naive {want[0, 7:].tolist()}"
+    assert fast.last_stats["new_tokens"] == 30
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_structure(compiled, name):
+    model, fast = compiled(name)
+    gm = fast.graph.gm
+    n_layers = len(model.transformer.h) if name == "nanogpt" else len(model.layers)
+    structure = annotate(fast.graph.captured)
+    assert [layer.module for layer in structure.layers] == [LAYER_PATHS[name].format(i) for i in range(n_layers)]
+    assert [site.layer for site in structure.attention] == list(range(n_layers))
+    assert all(site.kind == "sdpa" and site.mask is not None for site in structure.attention)
+    assert structure.final_norm == ("transformer.ln_f" if name == "nanogpt" else "norm")
+    assert structure.lm_head_module == ("lm_head" if name == "nanogpt" else "output")
+
+    # golden counts: the 4 convention inputs, one cat per cached K and V, no causal SDPA left
+    nodes = list(gm.graph.nodes)
+    assert [n.name for n in nodes if n.op == "placeholder"] == list(INPUT_NAMES)
+    assert sum(n.target is aten.cat.default for n in nodes) == 2 * n_layers
+    sdpa = [n for n in nodes if n.target in SDPA_OPS]
+    assert len(sdpa) == n_layers and not any(n.kwargs.get("is_causal") for n in sdpa)
+    assert all("val" in n.meta for n in nodes if n.op in ("placeholder", "call_function"))
+    kv = fast.graph.captured.kv
+    assert (kv.num_layers, kv.num_kv_heads, kv.head_dim) == ((2, 4, 8) if name == "nanogpt" else (3, 2, 8))
+    assert fast.max_positions == (64 if name == "nanogpt" else None)
+
+    # hidden is the final norm's output; positions come from position_ids
+    norm = model.transformer.ln_f if name == "nanogpt" else model.norm
+    seen = []
+    handle = norm.register_forward_hook(lambda mod, args, out: seen.append(out))
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(4))
+    past = torch.zeros(kv.shape(0))
+    with torch.no_grad():
+        model(ids)
+        handle.remove()
+        logits, new_kv, hidden = gm(ids, torch.arange(6)[None], torch.ones(1, 6, dtype=torch.long), past)
+        shifted, _, _ = gm(ids, torch.arange(6)[None] + 5, torch.ones(1, 6, dtype=torch.long), past)
+    torch.testing.assert_close(hidden, seen[0])
+    assert tuple(new_kv.shape) == kv.shape(6)[:4] + (6, kv.head_dim)
+    assert not torch.allclose(logits, shifted), "position_ids do not reach the positional encoding"
+
+
+@pytest.mark.parametrize("variant", ["enable_gqa", "expand", "meta", "tril_mask", "rope_table"])
+def test_variants_capture(variant, monkeypatch):
+    """Other spellings of GQA, rotary and the causal mask; capture checks the graph against the module."""
+    if variant == "rope_table":
+        monkeypatch.setattr(GptFast, "rope", "table")
+    elif variant == "tril_mask":
+        monkeypatch.setattr(Attention, "mask", "tril")
+    else:
+        monkeypatch.setattr(Attention, "gqa", variant)
+    model = _init(GptFast(n_layer=2), 2)
+    captured = capture(model)  # dispatches to capture_module: no Hugging Face config
+    structure = annotate(captured)
+    assert len(structure.layers) == len(structure.attention) == 2
+    assert captured.kv.num_kv_heads == 2  # the cache holds the un-repeated K/V heads
+    assert sum(n.target is aten.cat.default for n in captured.graph_module.graph.nodes) == 4
+    if variant == "rope_table":
+        assert captured.max_positions == 128
+
+
+# --------------------------------------------------------------------------------------
+# What cannot be captured
+# --------------------------------------------------------------------------------------
+class SoftmaxAttention(CausalSelfAttention):
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (k.size(-1) ** -0.5)
+        att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(dim=-1)
+        return self.c_proj((att @ v).transpose(1, 2).contiguous().view(B, T, C))
+
+
+class SoftmaxGPT(NanoGPT):
+    def __init__(self):
+        super().__init__(GPTConfig(n_layer=1))
+        for block in self.transformer.h:
+            block.attn = SoftmaxAttention(self.config)
+
+
+class NoPositionsGPT(NanoGPT):
+    def forward(self, idx, targets=None):
+        x = self.transformer.wte(idx)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+class LastTokenGPT(NanoGPT):
+    def forward(self, idx, targets=None):
+        logits, _ = super().forward(idx)
+        return logits[:, [-1], :]  # nanoGPT's inference shortcut
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (SoftmaxGPT, "softmax"),
+        (lambda: NoPositionsGPT(GPTConfig(n_layer=1)), "no positions"),
+        (lambda: LastTokenGPT(GPTConfig(n_layer=1)), "every position"),
+    ],
+    ids=["softmax_attention", "no_positions", "last_token_logits"],
+)
+def test_unsupported_plain_modules(build, message):
+    with pytest.raises(speccomp.UnsupportedModelError, match=message):
+        speccomp.compile(build().eval())
+
+
+def test_capture_module_rejects_non_modules():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        capture_module(lambda ids: ids)
