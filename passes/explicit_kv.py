@@ -469,7 +469,7 @@ class ExplicitPositions(Pass):
 
     before:  pos = arange(sym_size(input_ids, 1));  wpe = embedding(wpe_weight, pos)
     after:   pos = select(position_ids, 0, 0);      wpe = embedding(wpe_weight, pos)
-             (followed by `to(dtype)` when the arange was not int64;
+             (one `pos` for all uses, followed by `to(dtype)` where the arange was not int64;
               a sliced table becomes index_select(table, 0, pos))
     Runs after CachedAttention, whose mask builds aranges of its own (tagged, so left alone).
     """
@@ -520,23 +520,25 @@ class ExplicitPositions(Pass):
 
     def rewrite(self, pg: PlainGraph) -> None:
         graph = pg.graph
-        position_ids = pg.inputs["position_ids"]
+        order = pg.order()
+        first = min(self.aranges + self.slices, key=order.get)
+        with graph.inserting_before(first):  # one [q] view of position_ids for every use
+            pos = _mark(graph.call_function(aten.select.int, (pg.inputs["position_ids"], 0, 0)), self.name, like=first)
         for node in self.aranges:
             dtype = val(node).dtype
-            with graph.inserting_before(node):
-                pos = _mark(graph.call_function(aten.select.int, (position_ids, 0, 0)), self.name, like=node)
-                if dtype != torch.long:
-                    pos = _mark(graph.call_function(aten.to.dtype, (pos, dtype)), self.name, like=node)
-            node.replace_all_uses_with(pos)
-            graph.erase_node(node)
-            pg.position_sources.append(f"arange -> position_ids ({dtype})")
-            for user in pos.users:
+            new = pos
+            if dtype != torch.long:
+                with graph.inserting_before(node):
+                    new = _mark(graph.call_function(aten.to.dtype, (pos, dtype)), self.name, like=node)
+            for user in node.users:
                 if user.target is aten.embedding.default and user.args[0].op == "get_attr":
-                    pg.position_tables.append(tshape(user.args[0])[0])
+                    pg.position_tables.append(tshape(user.args[0])[0])  # a learned position table bounds the context
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            pg.position_sources.append(f"arange(seq) -> position_ids ({dtype})")
         for node in self.slices:
             table = node.args[0]
             with graph.inserting_before(node):
-                pos = _mark(graph.call_function(aten.select.int, (position_ids, 0, 0)), self.name, like=node)
                 rows = _mark(graph.call_function(aten.index_select.default, (table, 0, pos)), self.name, like=node)
             node.replace_all_uses_with(rows)
             graph.erase_node(node)

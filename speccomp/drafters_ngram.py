@@ -207,7 +207,7 @@ class TokenRecyclingDrafter(Drafter):
             row = self.adj.get(trie.tokens[parent])
             r = self.tree.ranks[i]
             if row is not None and r < len(row):  # a token never verified has no row: stop here
-                node_of[i] = trie.child(parent, row[r])  # an equal token elsewhere merges, never duplicates
+                node_of[i] = trie.child(parent, row[r])  # top-k rows hold distinct tokens: no duplicate siblings
         if self.ngram_branches and ctx.max_depth > 0:
             self.ngram.add_branches(trie, ctx.tokens, self.ngram_branches, min(self.ngram.max_depth, ctx.max_depth))
         return trie.draft(ctx.max_depth, ctx.max_nodes)

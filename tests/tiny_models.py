@@ -58,7 +58,7 @@ def _build(config_cls, model_cls, seed: int, overrides: dict, attn: str | None =
     return model.eval()
 
 
-_COMMON = dict(vocab_size=128, hidden_size=32, max_position_embeddings=256, initializer_range=0.2)
+_COMMON = dict(vocab_size=128, hidden_size=32, max_position_embeddings=256, initializer_range=0.5)
 _GQA = dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
 
 
@@ -130,7 +130,7 @@ def _gpt2(seed, **kw):
 
     return _build(
         GPT2Config, GPT2LMHeadModel, seed, kw, vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=256,
-        initializer_range=0.2, tie_word_embeddings=True,
+        initializer_range=0.5, tie_word_embeddings=True,
     )
 
 
@@ -148,7 +148,7 @@ def _opt(seed, **kw):
 
     return _build(
         OPTConfig, OPTForCausalLM, seed, kw, vocab_size=128, hidden_size=32, num_hidden_layers=2,
-        num_attention_heads=4, ffn_dim=64, max_position_embeddings=256, word_embed_proj_dim=32, init_std=0.2,
+        num_attention_heads=4, ffn_dim=64, max_position_embeddings=256, word_embed_proj_dim=32, init_std=0.5,
         tie_word_embeddings=True,
     )
 
