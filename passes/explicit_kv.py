@@ -32,7 +32,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from speccomp.capture import INPUT_NAMES
 from speccomp.errors import GraphStructureError, UnsupportedModelError
-from speccomp.graph import MATMUL_OPS, SDPA_OPS, SOFTMAX_OPS, Pass, copy_meta
+from speccomp.graph import MATMUL_OPS, SDPA_OPS, SOFTMAX_OPS, Pass, copy_meta, module_path
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -135,7 +135,7 @@ def depends_on(node: fx.Node, source: fx.Node) -> bool:
 
 
 def _root_stack(node: fx.Node) -> dict:
-    """The outermost entry of a node's module stack: the user's model itself."""
+    """The outermost entry of a node's module stack: the exported holder, i.e. top level (path '')."""
     stack = node.meta.get("nn_module_stack") or {}
     return dict(list(stack.items())[:1])
 
@@ -236,9 +236,11 @@ class CachedAttention(Pass):
     Expects every attention to be `aten.scaled_dot_product_attention` that is causal, either by
     `is_causal=True` or by a mask computed in the graph from the sequence length alone (checked
     by evaluating that subgraph: it must equal the lower-triangular causal mask). The K/V the
-    cache stores are found above any head repetition (GQA's repeat_interleave or
-    unsqueeze/expand/reshape), so the cache holds the un-expanded [1, Hkv, q, D] K/V; the
-    repetition is replayed on the concatenated K/V. Layer l is the l-th SDPA in graph order.
+    cache stores are found above any head repetition (GQA's repeat_interleave, repeat, or
+    unsqueeze/expand/reshape, before or after the [B, T, H, D] -> [B, H, T, D] transpose; see
+    `_unexpanded`), so the cache holds the un-expanded [1, Hkv, q, D] K/V; the repetition is
+    replayed on the concatenated K/V. Layer l is the l-th SDPA in graph order; K/V after rotary
+    embedding, since they are taken from the sdpa operands.
 
     before (one layer, GQA):
         k = transpose(rope(...))                                   # [1, Hkv, q, D]
@@ -356,7 +358,7 @@ class CachedAttention(Pass):
 
     def _build_mask(self, pg, input_ids, attention_mask, anchor):
         graph = pg.graph
-        first_use = next(n for n in graph.nodes if n.op == "call_function")  # after inputs and export's _guards_fn
+        first_use = next(n for n in graph.nodes if n.op == "call_function")  # right after the inputs
         with graph.inserting_before(first_use):
             def add(target, *args, **kwargs):
                 return _mark(graph.call_function(target, args, kwargs), self.name, root_of=anchor)
@@ -375,8 +377,7 @@ class CachedAttention(Pass):
 
 
 def _where(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    path = list(stack.values())[-1][0] if stack else ""
+    path = module_path(node)  # the user's own module path
     return f"{node.name} (module {path})" if path else node.name
 
 

@@ -199,5 +199,21 @@ def _layer_skip_passes(base: SpecGraph, options: dict):
     return [SkipLayers(skip)], options
 
 
+def _ngram(base: SpecGraph, options: dict, tree, backend: str):
+    from .drafters_ngram import make_ngram
+
+    if tree is not None:
+        raise ValueError("the ngram drafter builds its tree from the matches it finds; drop tree= (use max_depth / num_branches options)")
+    return make_ngram(**options)
+
+
+def _token_recycling(base: SpecGraph, options: dict, tree, backend: str):
+    from .drafters_ngram import make_token_recycling
+
+    return make_token_recycling(tree=tree, **options)
+
+
 DRAFTERS["early_exit"] = _graph_drafter(_early_exit_passes, "early_exit")
 DRAFTERS["layer_skip"] = _graph_drafter(_layer_skip_passes, "layer_skip")
+DRAFTERS["ngram"] = _ngram
+DRAFTERS["token_recycling"] = _token_recycling

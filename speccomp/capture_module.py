@@ -17,11 +17,19 @@ graph read `model.<user path>` like HF captures and `speccomp.graph.annotate` st
 back to the user's own names (`transformer.h.0`, `layers.2.attention`).
 
 Supported: attention through `F.scaled_dot_product_attention` that is causal (`is_causal=True`, or
-a mask computed from the sequence length that equals the causal mask), MHA or GQA (heads repeated
-with repeat_interleave / expand+reshape / repeat, or `enable_gqa=True`), positions from
+a mask computed from the sequence length alone that equals the causal mask); MHA or GQA (heads
+repeated with repeat_interleave, expand+reshape before or after the [B, T, H, D] -> [B, H, T, D]
+transpose, repeat, or `enable_gqa=True`; the cache holds the un-repeated heads); positions from
 `torch.arange(seq)` (learned absolute embeddings, rotary angles) or a table sliced `[:seq]`;
-output the logits for every position (a tensor, a tuple whose first element is the logits, a dict
-with "logits", or an object with `.logits`). Anything else raises `UnsupportedModelError` naming what was missing.
+logits for every position, returned as a tensor, the first element of a tuple, a dict's
+"logits" or an object's `.logits`. Anything else raises `UnsupportedModelError` naming what is
+missing (explicit-softmax attention, no position-dependent op, last-position-only logits, ...).
+
+torch.export's input guards are dropped (see `AddConventionInputs`); `check_against_module`
+instead runs the rewritten graph for 1-token prompts, single-token decode and multi-token steps
+against the module itself and refuses the model if they disagree. `max_positions` comes from the
+position table the module indexes, the length bound its export recorded (an `assert t <= n`),
+or a `block_size` / `max_seq_len`-style attribute of the module or its config.
 """
 from __future__ import annotations
 
@@ -140,6 +148,8 @@ def _propagate_values(pg, kv: KVSpec) -> None:
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic
 
+    from speccomp.passes.explicit_kv import ADDED
+
     input_ids = pg.inputs["input_ids"]
     ids_val = input_ids.meta["val"]
     mode = ids_val.fake_mode
@@ -157,8 +167,8 @@ def _propagate_values(pg, kv: KVSpec) -> None:
 
     with fx_config.patch(backed_size_oblivious=True), mode:
         for node in pg.graph.nodes:
-            if node.op != "call_function" or "val" in node.meta and not node.meta.get("speccomp_added"):
-                continue
+            if node.op != "call_function" or ("val" in node.meta and not node.meta.get(ADDED)):
+                continue  # exported nodes keep their values
             args = fx.node.map_arg(node.args, value)
             kwargs = fx.node.map_arg(node.kwargs, value)
             node.meta["val"] = node.target(*args, **kwargs)
@@ -180,14 +190,24 @@ def check_against_module(captured: CapturedModel, model: nn.Module, atol: float 
     ids = torch.randint(0, captured.vocab_size, (1, length), generator=gen).to(device)
     # a 1-token prompt, then several tokens, one token, several tokens: each against the cache so far
     cuts = sorted({0, 1, max(1, length - 4), max(1, length - 3), length})
+    kv = captured.kv
+
+    def run(start: int, end: int, past: torch.Tensor):
+        try:
+            return gm(ids[:, start:end], torch.arange(start, end, device=device)[None],
+                      torch.ones(1, end, dtype=torch.long, device=device), past)
+        except Exception as exc:  # a rewrite that does not hold for these lengths
+            raise UnsupportedModelError(
+                f"captured graph of {captured.model_type} fails for {end - start} new tokens after {start} cached: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from exc
+
     with torch.no_grad():
         want = step(ids)
-        full = gm(ids, torch.arange(length, device=device)[None], torch.ones(1, length, dtype=torch.long, device=device),
-                  torch.zeros(captured.kv.shape(0), dtype=captured.kv.dtype, device=device))
-        past = torch.zeros(captured.kv.shape(0), dtype=captured.kv.dtype, device=device)
+        full = run(0, length, torch.zeros(kv.shape(0), dtype=kv.dtype, device=device))
+        past = torch.zeros(kv.shape(0), dtype=kv.dtype, device=device)
         for start, end in zip(cuts, cuts[1:]):
-            got = gm(ids[:, start:end], torch.arange(start, end, device=device)[None],
-                     torch.ones(1, end, dtype=torch.long, device=device), past)
+            got = run(start, end, past)
             pieces = {
                 "logits": (got[0], want[:, start:end]),
                 "new_kv": (got[1], full[1][..., start:end, :]),

@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="user message (the chat template is applied)")
     p.add_argument("--compare", action="store_true", help="also run HF greedy generate and check the outputs are identical")
     p.set_defaults(func=cmd_generate)
+
+    from .bench import add_bench_parser  # the bench subcommand (options + handler) lives in speccomp/bench.py
+
+    add_bench_parser(sub)
     return parser
 
 

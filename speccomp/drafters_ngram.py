@@ -185,6 +185,7 @@ class TokenRecyclingDrafter(Drafter):
                 f"use top_k >= {widest + 1} or a narrower tree"
             )
         self.ngram_branches = _int_option("ngram_branches", ngram_branches, 0)
+        ngram_depth = _int_option("ngram_depth", ngram_depth, 1)
         self.ngram = NGramDrafter(max_ngram, min_ngram, max(self.ngram_branches, 1), ngram_depth)
         if not isinstance(persist, bool):
             raise ValueError(f"persist must be True or False, got {persist!r}")
@@ -236,5 +237,6 @@ def make_ngram(**options) -> NGramDrafter:
 
 
 def make_token_recycling(**options) -> TokenRecyclingDrafter:
-    """The "token_recycling" drafter: options top_k, tree, ngram_branches, max_ngram, min_ngram, ngram_depth, persist."""
+    """The "token_recycling" drafter: options top_k, tree, ngram_branches, max_ngram, min_ngram,
+    ngram_depth, persist."""
     return _make(TokenRecyclingDrafter, options)

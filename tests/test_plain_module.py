@@ -263,27 +263,31 @@ def test_structure(compiled, name):
         logits, new_kv, hidden = gm(ids, torch.arange(6)[None], torch.ones(1, 6, dtype=torch.long), past)
         shifted, _, _ = gm(ids, torch.arange(6)[None] + 5, torch.ones(1, 6, dtype=torch.long), past)
     torch.testing.assert_close(hidden, seen[0])
-    assert tuple(new_kv.shape) == kv.shape(6)[:4] + (6, kv.head_dim)
+    assert tuple(new_kv.shape) == kv.shape(6)  # [L, 2, 1, Hkv, q, D]
     assert not torch.allclose(logits, shifted), "position_ids do not reach the positional encoding"
 
 
-@pytest.mark.parametrize("variant", ["enable_gqa", "expand", "meta", "tril_mask", "rope_table"])
+VARIANTS = {  # (GQA spelling, rotary source, causal mask): each spelling appears at least once
+    "enable_gqa+rope_table": ("enable_gqa", "table", "is_causal"),
+    "hf_repeat_kv+tril_mask": ("expand", "arange", "tril"),
+    "meta_repeat_kv+rope_table+tril_mask": ("meta", "table", "tril"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_variants_capture(variant, monkeypatch):
     """Other spellings of GQA, rotary and the causal mask; capture checks the graph against the module."""
-    if variant == "rope_table":
-        monkeypatch.setattr(GptFast, "rope", "table")
-    elif variant == "tril_mask":
-        monkeypatch.setattr(Attention, "mask", "tril")
-    else:
-        monkeypatch.setattr(Attention, "gqa", variant)
+    gqa, rope, mask = VARIANTS[variant]
+    monkeypatch.setattr(Attention, "gqa", gqa)
+    monkeypatch.setattr(Attention, "mask", mask)
+    monkeypatch.setattr(GptFast, "rope", rope)
     model = _init(GptFast(n_layer=2), 2)
-    captured = capture(model)  # dispatches to capture_module: no Hugging Face config
+    captured = capture(model)  # dispatches to capture_module (no Hugging Face config) and checks against the module
     structure = annotate(captured)
     assert len(structure.layers) == len(structure.attention) == 2
     assert captured.kv.num_kv_heads == 2  # the cache holds the un-repeated K/V heads
     assert sum(n.target is aten.cat.default for n in captured.graph_module.graph.nodes) == 4
-    if variant == "rope_table":
-        assert captured.max_positions == 128
+    assert captured.max_positions == (128 if rope == "table" else None)
 
 
 # --------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import torch
 from speccomp.models import chat_ids
 from speccomp.prompts import load_prompts
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("two_threads")]
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts"
 
 

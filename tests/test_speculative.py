@@ -54,8 +54,9 @@ def test_every_architecture_layer_skip_greedy_identical(name):
     n = len(speccomp.compile(model).graph.structure.layers)
     fast = speccomp.compile(model, drafter="early_exit", drafter_options={"exit_layer": 0}, tree=[[0], [1], [0, 0], [0, 0, 0]])
     ids = repetitive_prompt(model.config.vocab_size, seed=3, n=14)
-    out = fast.generate(ids, max_new_tokens=30)  # 44 tokens: past every sliding window (8)
-    assert torch.equal(out, hf_greedy(model, ids, 30)), name
+    eos = model.generation_config.eos_token_id  # HF stops there by default: give speccomp the same stop
+    out = fast.generate(ids, max_new_tokens=30, eos_token_id=eos)  # 44 tokens: past every sliding window (8)
+    assert torch.equal(out, hf_greedy(model, ids, 30, eos)), name
     assert n >= 2
 
 

@@ -59,6 +59,8 @@ def _build(config_cls, model_cls, seed: int, overrides: dict, attn: str | None =
 
 
 _COMMON = dict(vocab_size=128, hidden_size=32, max_position_embeddings=256, initializer_range=0.5)
+# Gemma2/3 scale embeddings by sqrt(hidden) and stack extra norms: a 0.5 init saturates them into one token
+_GEMMA_COMMON = {**_COMMON, "initializer_range": 0.2}
 _GQA = dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
 
 
@@ -104,7 +106,7 @@ def _gemma2(seed, **kw):
     return _build(
         Gemma2Config, Gemma2ForCausalLM, seed, kw, attn="eager", num_hidden_layers=2, head_dim=8, sliding_window=WINDOW,
         layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=50.0,
-        final_logit_softcapping=30.0, query_pre_attn_scalar=8, **_COMMON, **_GQA,
+        final_logit_softcapping=30.0, query_pre_attn_scalar=8, **_GEMMA_COMMON, **_GQA,
     )
 
 
@@ -114,7 +116,7 @@ def _gemma3(seed, **kw):
     return _build(
         Gemma3TextConfig, Gemma3ForCausalLM, seed, kw, num_hidden_layers=3, head_dim=8, sliding_window=WINDOW,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], query_pre_attn_scalar=8,
-        tie_word_embeddings=True, **_COMMON, **_GQA,
+        tie_word_embeddings=True, **_GEMMA_COMMON, **_GQA,
     )
 
 

@@ -1,0 +1,150 @@
+"""`speccomp bench` on a tiny random Llama with token-id prompts: rows, identity flags, JSON schema, plot.
+
+No timing assertions: performance numbers come only from `speccomp bench` runs, never from unit tests.
+"""
+import json
+
+import pytest
+import torch
+
+import speccomp
+from speccomp import bench
+from speccomp.cli import build_parser, main
+from tiny_models import tiny_llama
+
+MAX_NEW = 12
+
+
+def _prompts():
+    gen = torch.Generator().manual_seed(3)
+    ids = [torch.randint(3, 96, (1, n), generator=gen) for n in (9, 14, 11)]
+    # a repeated span gives prompt lookup something to find
+    ids[2] = torch.cat([ids[2], ids[2][:, :6]], dim=1)
+    cats = ["alpha", "beta", "alpha"]
+    return [bench.BenchPrompt(f"p{i}", c, x) for i, (c, x) in enumerate(zip(cats, ids))]
+
+
+@pytest.fixture(scope="module")
+def result():
+    model = tiny_llama()
+    drafter = "layer_skip" if "layer_skip" in speccomp.available_drafters() else speccomp.available_drafters()[0]
+    rows = ["hf_prompt_lookup", "plain", drafter]
+    return bench.run_bench(model, _prompts(), rows, MAX_NEW, eos_token_id=None, warmup=1, progress=False, header={"note": "test"})
+
+
+ROW_KEYS = {
+    "drafter", "kind", "speedup", "tau", "identical", "tokens_per_second", "acceptance_by_depth", "per_category",
+    "per_prompt", "new_tokens", "seconds", "prompts", "error", "mismatched_prompts", "backend", "tree", "compile_seconds",
+}
+
+
+def test_rows_and_identity(result):
+    rows = result.row_dicts()
+    names = [r["drafter"] for r in rows]
+    assert names[0] == bench.BASELINE and names[1:3] == ["hf_prompt_lookup", "plain"] and len(names) == 4
+    for r in rows:
+        assert r["error"] is None, r["error"]
+        assert r["identical"] is True and r["mismatched_prompts"] == []
+        assert r["prompts"] == 3 and r["new_tokens"] == rows[0]["new_tokens"]
+        assert r["speedup"] > 0 and r["tokens_per_second"] > 0
+    base, pld, plain, drafted = rows
+    assert base["speedup"] == pytest.approx(1.0) and base["tau"] == pytest.approx(1.0)
+    assert plain["tau"] == pytest.approx(1.0) and plain["acceptance_by_depth"] == []
+    assert pld["tau"] >= 1.0 and pld["kind"] == "hf" and plain["kind"] == "speccomp"
+    assert drafted["tau"] >= 1.0 and drafted["acceptance_by_depth"]
+    assert all(0.0 <= a <= 1.0 for a in drafted["acceptance_by_depth"])
+    assert result.all_identical(("speccomp", "hf"))
+
+
+def test_per_category(result):
+    for r in result.row_dicts():
+        assert set(r["per_category"]) == {"alpha", "beta"}
+        assert r["per_category"]["alpha"]["prompts"] == 2 and r["per_category"]["beta"]["prompts"] == 1
+        for c in r["per_category"].values():
+            assert set(c) >= {"speedup", "tau", "tokens_per_second", "new_tokens", "seconds", "prompts"}
+        assert [p["id"] for p in r["per_prompt"]] == ["p0", "p1", "p2"]
+
+
+def test_json_schema(result, tmp_path):
+    out = tmp_path / "sub" / "r.json"
+    result.write_json(out)
+    data = json.loads(out.read_text())
+    assert set(data) == {"header", "rows"}
+    h = data["header"]
+    for key in ("cpu_count", "torch_threads", "torch_version", "date", "max_new_tokens", "n_prompts", "rows"):
+        assert key in h, key
+    assert h["note"] == "test" and h["max_new_tokens"] == MAX_NEW and h["n_prompts"] == 3
+    assert h["torch_version"] == torch.__version__
+    for row in data["rows"]:
+        assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
+        assert isinstance(row["identical"], bool) and isinstance(row["acceptance_by_depth"], list)
+
+
+def test_markdown_and_plot(result, tmp_path):
+    md = result.markdown()
+    assert "| row |" in md and "speedup / tau per category" in md
+    for r in result.row_dicts():
+        assert f"| {r['drafter']} |" in md
+    png = tmp_path / "r.png"
+    result.plot(png)
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_failed_row_is_reported_not_fatal():
+    model = tiny_llama()
+    spec = bench.RowSpec("broken", "speccomp", drafter="no_such_drafter")
+    res = bench.run_bench(model, [torch.arange(3, 10)], [spec], 6, warmup=0, progress=False)
+    base, broken = res.row_dicts()
+    assert base["identical"] and not broken["identical"] and "no_such_drafter" in broken["error"]
+    assert broken["prompts"] == 0 and broken["speedup"] is None
+    assert not res.all_identical() and "ERROR" in res.markdown()
+
+
+def test_bad_inputs():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="baseline"):
+        bench.run_bench(model, [torch.arange(3, 8)], ["hf_greedy"], 4, progress=False)
+    with pytest.raises(ValueError, match="duplicate"):
+        bench.run_bench(model, [torch.arange(3, 8)], ["plain", "none"], 4, progress=False)
+    with pytest.raises(ValueError, match="tokenizer"):
+        bench.prepare_prompts([speccomp.prompts.Prompt("1", "c", "hello")])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        bench.run_bench(model, [torch.arange(3, 8)], [], 0, progress=False)
+
+
+def test_default_rows_follow_registry():
+    rows = bench.default_rows()
+    assert [r.name for r in rows] == ["hf_prompt_lookup", "plain"] + speccomp.available_drafters()
+    assert [r.name for r in bench.default_rows(["x"], hf_prompt_lookup=False)] == ["plain", "x"]
+
+
+def _subcommands():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    return list(sub.choices)
+
+
+@pytest.mark.parametrize("argv", [["--help"]] + [[name, "--help"] for name in _subcommands()])
+def test_cli_help(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    assert "usage: speccomp" in capsys.readouterr().out
+
+
+def test_bench_subcommand_listed():
+    assert "bench" in _subcommands()
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["bench", "--drafters", "nope"], "unknown drafter"),
+        (["bench", "--limit", "0"], "--limit"),
+        (["bench", "--max-new-tokens", "0"], "max-new-tokens"),
+        (["bench", "--prompts", "/nonexistent/p.jsonl"], "does not exist"),
+    ],
+)
+def test_cli_bad_args_fail_before_loading(argv, words, capsys):
+    assert main(argv) == 2
+    assert words in capsys.readouterr().err
