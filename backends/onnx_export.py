@@ -8,9 +8,11 @@ The ONNX model keeps the captured graph's calling convention (see speccomp/captu
 `input_ids, position_ids, attention_mask, past_kv`, outputs `logits, new_kv, hidden`, with the
 dynamic axes
 
-    q           input_ids / position_ids dim 1, logits / new_kv / hidden token dim
-    past        past_kv dim 4
-    past + q    attention_mask dim 1 (derived from the two above, never an independent Dim)
+    q            input_ids / position_ids dim 1, logits / new_kv / hidden token dim
+    past         past_kv dim 4
+    past_plus_q  attention_mask dim 1; exported as Dim.AUTO so torch.export derives whatever tie the
+                 graph makes to past and q (a separately named Dim would clash with it). Callers
+                 pass past + q, as for the captured graph.
 
 so one file serves prefill (past = 0), decode (q = 1) and tree verification (q = tree size), and
 `OrtStep` can be handed to `speccomp.runtime.decode_plain` like any other `step`.
@@ -113,6 +115,28 @@ def _name_mask_axis(program, names: list[str]) -> None:
         program.rename_axes({dim: "past_plus_q"})
 
 
+# onnxscript rewrite rules left out of the optimiser: `SlicesSplit` matches *pairs* of Slice nodes
+# on the same input, which is quadratic in the slices the flat graph takes of `past_kv` and the
+# rotary halves (≈45 s per sweep on SmolLM2-135M, for a Split ONNX Runtime does not need).
+SLOW_REWRITE_RULES = ("SlicesSplit",)
+
+
+@contextlib.contextmanager
+def _without_slow_rewrites():
+    """Run torch.onnx's own optimiser (onnxscript `optimize_ir` + fusions) minus SLOW_REWRITE_RULES."""
+    try:
+        from onnxscript import rewriter
+        rules = rewriter._DEFAULT_REWRITE_RULES
+    except (ImportError, AttributeError):  # another onnxscript layout: run its optimiser unchanged
+        yield
+        return
+    rewriter._DEFAULT_REWRITE_RULES = tuple(r for r in rules if getattr(r, "name", None) not in SLOW_REWRITE_RULES)
+    try:
+        yield
+    finally:
+        rewriter._DEFAULT_REWRITE_RULES = rules
+
+
 def export_onnx(
     graph_module_or_specgraph,
     path,
@@ -122,6 +146,7 @@ def export_onnx(
     external_data: bool | None = None,
     example_args: tuple | None = None,
     dynamic_shapes: tuple | None = None,
+    size_oblivious: bool = True,
     verbose: bool = False,
 ) -> Path:
     """Export the graph to an ONNX file at `path` with `torch.onnx.export(..., dynamo=True)`.
@@ -133,7 +158,8 @@ def export_onnx(
 
     Graphs with inputs beyond the four of the calling convention (added by passes) need
     `example_args` and `dynamic_shapes` (a tuple in input order, as for `torch.export`).
-    Returns the path written.
+    `size_oblivious` re-exports under `backed_size_oblivious` as capture does, so no size is
+    specialised to 0 or 1. Returns the path written.
     """
     try:
         import onnxscript  # noqa: F401  (torch.onnx's dynamo exporter is built on it)
@@ -160,7 +186,8 @@ def export_onnx(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
-    with quiet, warnings.catch_warnings(), fx_config.patch(backed_size_oblivious=True), torch.no_grad():
+    with quiet, warnings.catch_warnings(), _without_slow_rewrites(), fx_config.patch(backed_size_oblivious=size_oblivious), \
+            torch.no_grad():
         # input_ids and position_ids share the Dim `q` on purpose; torch.onnx warns that it names it once
         warnings.filterwarnings("ignore", message="# The axis name")
         warnings.filterwarnings("ignore", message="Exporting a model while it is in training mode")

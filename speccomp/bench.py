@@ -509,7 +509,7 @@ def _f(x, fmt="{:.2f}", none="–"):
 
 def format_markdown(header: dict, rows: list[dict], categories: list[str]) -> str:
     lines = [
-        f"model {header.get('model')} · {header.get('n_prompts')} prompts · max_new_tokens {header.get('max_new_tokens')} · "
+        f"model {header.get('model')} · {header.get('n_prompts')} prompt(s) · max_new_tokens {header.get('max_new_tokens')} · "
         f"greedy · backend {header.get('backend')} · tree {header.get('tree') or 'default'} · "
         f"torch {header.get('torch_version')} · {header.get('torch_threads')} threads / {header.get('cpu_count')} CPUs · "
         f"load avg {header.get('load_average_start')} -> {header.get('load_average_end')}",
@@ -542,7 +542,7 @@ def format_markdown(header: dict, rows: list[dict], categories: list[str]) -> st
 
 
 def _plot_title(header: dict) -> str:
-    return (f"{header.get('model')}: {header.get('n_prompts')} prompts, {header.get('max_new_tokens')} new tokens, "
+    return (f"{header.get('model')}: {header.get('n_prompts')} prompt(s), {header.get('max_new_tokens')} new tokens, "
             f"{header.get('torch_threads')} threads, {str(header.get('date', ''))[:10]}")
 
 
@@ -553,9 +553,10 @@ def plot_rows(rows: list[dict], categories: list[str], path, title: str = "") ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = categories + ["all"]
+    groups = categories + ["all"] if len(categories) > 1 else list(categories)
     shown = [r for r in rows if r["drafter"] != BASELINE]
-    fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 1.2 * len(groups) * max(1, len(shown)) / 2 + 2), 7), sharex=True)
+    width_in = max(6.0, 0.45 * len(groups) * max(1, len(shown)) + 2)
+    fig, axes = plt.subplots(2, 1, figsize=(width_in, 7.5), sharex=True, layout="constrained")
     width = 0.8 / max(1, len(shown))
     for ax, key, label in ((axes[0], "speedup", f"speedup vs {BASELINE}"), (axes[1], "tau", "tau (tokens / target forward)")):
         for j, r in enumerate(shown):
@@ -570,11 +571,11 @@ def plot_rows(rows: list[dict], categories: list[str], path, title: str = "") ->
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8, ncols=min(4, max(1, len(shown))), loc="upper left")
     axes[1].set_xticks(range(len(groups)), groups, rotation=20, ha="right")
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(4, max(1, len(shown))), fontsize=8)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -234,17 +234,22 @@ def _check_hf_model(model) -> None:
         )
     if model.get_output_embeddings() is None:
         raise UnsupportedModelError(f"{type(model).__name__} has no LM head; pass the *ForCausalLM class, not the base model")
-    params = inspect.signature(model.forward).parameters
-    for name in ("position_ids", "past_key_values", "attention_mask"):
-        if name not in params:
-            raise UnsupportedModelError(
-                f"{type(model).__name__}.forward takes no `{name}`, which speccomp needs as an explicit graph input"
-            )
     if getattr(config, "alibi", False) or config.model_type == "bloom":
         raise UnsupportedModelError(
             f"{config.model_type} uses ALiBi position biases computed from the padding mask; tree attention cannot "
             "place tree tokens at their depth there. Supported: rotary or learned absolute positions."
         )
+    params = inspect.signature(model.forward).parameters
+    if "cache_params" in params and "past_key_values" not in params:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is a recurrent (state-space) model: it carries a recurrent state (`cache_params`), "
+            "not a per-layer key/value cache, so there is no KV cache to verify draft tokens against"
+        )
+    for name in ("position_ids", "past_key_values", "attention_mask"):
+        if name not in params:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}.forward takes no `{name}`, which speccomp needs as an explicit graph input"
+            )
 
 
 def _probe_kv(model) -> KVSpec:

@@ -10,6 +10,7 @@ import torch
 import speccomp
 from speccomp import bench
 from speccomp.cli import build_parser, main
+from speccomp.prompts import Prompt
 from tiny_models import tiny_llama
 
 MAX_NEW = 12
@@ -107,7 +108,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="duplicate"):
         bench.run_bench(model, [torch.arange(3, 8)], ["plain", "none"], 4, progress=False)
     with pytest.raises(ValueError, match="tokenizer"):
-        bench.prepare_prompts([speccomp.prompts.Prompt("1", "c", "hello")])
+        bench.prepare_prompts([Prompt("1", "c", "hello")])
     with pytest.raises(ValueError, match="max_new_tokens"):
         bench.run_bench(model, [torch.arange(3, 8)], [], 0, progress=False)
 

@@ -59,8 +59,9 @@ def _build(config_cls, model_cls, seed: int, overrides: dict, attn: str | None =
 
 
 _COMMON = dict(vocab_size=128, hidden_size=32, max_position_embeddings=256, initializer_range=0.5)
-# Gemma2/3 scale embeddings by sqrt(hidden) and stack extra norms: a 0.5 init saturates them into one token
-_GEMMA_COMMON = {**_COMMON, "initializer_range": 0.2}
+# Gemma2/3 scale embeddings by sqrt(hidden) and stack extra norms: a large init saturates them into one token
+_GEMMA2_COMMON = {**_COMMON, "initializer_range": 0.05}
+_GEMMA3_COMMON = {**_COMMON, "initializer_range": 0.1}
 _GQA = dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
 
 
@@ -106,7 +107,7 @@ def _gemma2(seed, **kw):
     return _build(
         Gemma2Config, Gemma2ForCausalLM, seed, kw, attn="eager", num_hidden_layers=2, head_dim=8, sliding_window=WINDOW,
         layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=50.0,
-        final_logit_softcapping=30.0, query_pre_attn_scalar=8, **_GEMMA_COMMON, **_GQA,
+        final_logit_softcapping=30.0, query_pre_attn_scalar=8, **_GEMMA2_COMMON, **_GQA,
     )
 
 
@@ -116,7 +117,7 @@ def _gemma3(seed, **kw):
     return _build(
         Gemma3TextConfig, Gemma3ForCausalLM, seed, kw, num_hidden_layers=3, head_dim=8, sliding_window=WINDOW,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], query_pre_attn_scalar=8,
-        tie_word_embeddings=True, **_GEMMA_COMMON, **_GQA,
+        tie_word_embeddings=True, **_GEMMA3_COMMON, **_GQA,
     )
 
 
@@ -183,29 +184,28 @@ def _starcoder2(seed, **kw):
 ARCHITECTURES = {
     a.name: a
     for a in [
-        Arch("llama", _llama, 0, "sdpa", None, (), False),
-        Arch("mistral", _mistral, 0, "sdpa", WINDOW, (0, 1), False),
-        Arch("qwen2", _qwen2, 0, "sdpa", WINDOW, (0, 1), True),
-        Arch("qwen3", _qwen3, 0, "sdpa", None, (), False),
-        Arch("gemma", _gemma, 0, "sdpa", None, (), True),
-        Arch("gemma2", _gemma2, 0, "eager", WINDOW, (0,), True),
-        Arch("gemma3", _gemma3, 0, "sdpa", WINDOW, (0, 1), True),
-        Arch("phi3", _phi3, 0, "sdpa", WINDOW, (0, 1), False),
-        Arch("gpt2", _gpt2, 0, "sdpa", None, (), True),
-        Arch("gpt_neox", _gpt_neox, 0, "sdpa", None, (), False),
-        Arch("opt", _opt, 0, "sdpa", None, (), True),
-        Arch("falcon", _falcon, 0, "sdpa", None, (), False),
+        Arch("llama", _llama, 11, "sdpa", None, (), False),
+        Arch("mistral", _mistral, 3, "sdpa", WINDOW, (0, 1), False),
+        Arch("qwen2", _qwen2, 5, "sdpa", WINDOW, (0, 1), True),
+        Arch("qwen3", _qwen3, 4, "sdpa", None, (), False),
+        Arch("gemma", _gemma, 3, "sdpa", None, (), True),
+        Arch("gemma2", _gemma2, 9, "eager", WINDOW, (0,), True),
+        Arch("gemma3", _gemma3, 6, "sdpa", WINDOW, (0, 1), True),
+        Arch("phi3", _phi3, 2, "sdpa", WINDOW, (0, 1), False),
+        Arch("gpt2", _gpt2, 7, "sdpa", None, (), True),
+        Arch("gpt_neox", _gpt_neox, 7, "sdpa", None, (), False),
+        Arch("opt", _opt, 10, "sdpa", None, (), True),
+        Arch("falcon", _falcon, 11, "sdpa", None, (), True),
         Arch("stablelm", _stablelm, 0, "sdpa", None, (), False),
-        Arch("starcoder2", _starcoder2, 0, "sdpa", WINDOW, (0, 1), True),
+        Arch("starcoder2", _starcoder2, 6, "sdpa", WINDOW, (0, 1), True),
     ]
 }
 
 
-def prompt_for(arch_name: str, length: int = 12) -> torch.Tensor:
-    """The seeded test prompt [1, length] (ids 3.. avoid pad/bos/eos)."""
-    model_vocab = 128
+def seeded_prompt(length: int = 12, vocab_size: int = 128) -> torch.Tensor:
+    """The seeded prompt [1, length] the architecture tests use (ids from 3 up: no pad/bos/eos)."""
     gen = torch.Generator().manual_seed(1)
-    return torch.randint(3, model_vocab, (1, length), generator=gen)
+    return torch.randint(3, vocab_size, (1, length), generator=gen)
 
 
 # --------------------------------------------------------------------------------------

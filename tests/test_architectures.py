@@ -1,0 +1,131 @@
+"""Architecture breadth: every tiny `*ForCausalLM` in tiny_models.ARCHITECTURES must compile, be found
+by `annotate`, and decode token-for-token like Hugging Face's own greedy `generate`.
+
+Sliding-window models decode past their window (prompt 12 + 40 new tokens, window 8): the runtime
+keeps a full cache and relies on the sliding mask HF builds from positions, while HF's `generate`
+uses its own sliding caches, so equality checks the window is applied. `test_sliding_window_logits`
+checks the same at the logit level (where a near-repetitive greedy output could hide a window
+bug) and that the window changes the result at all.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import ARCHITECTURES, UNSUPPORTED, WINDOW, seeded_prompt
+
+import speccomp
+from speccomp.graph import annotate
+from speccomp.runtime import KVCache, forward
+
+PROMPT_LEN, NEW_TOKENS = 12, 40
+MIN_MARGIN = 1e-2  # top-1 minus top-2 logit along HF's greedy path: the seeds in tiny_models give at least this
+NAMES = list(ARCHITECTURES)
+SLIDING = [n for n in NAMES if ARCHITECTURES[n].sliding_window]
+assert PROMPT_LEN + NEW_TOKENS > 2 * WINDOW
+
+_compiled: dict[str, tuple[torch.nn.Module, speccomp.SpecModel]] = {}
+
+
+def compiled(name: str):
+    """(HF model, speccomp model) for an architecture, compiled once per session."""
+    if name not in _compiled:
+        model = ARCHITECTURES[name].build()
+        _compiled[name] = (model, speccomp.compile(model))
+    return _compiled[name]
+
+
+def hf_greedy(model, prompt: torch.Tensor, max_new_tokens: int):
+    """HF greedy generate of exactly max_new_tokens tokens; returns (sequences, min top-1/top-2 margin)."""
+    cfg = model.generation_config
+    cfg.do_sample, cfg.eos_token_id, cfg.pad_token_id = False, None, model.config.pad_token_id
+    cfg.temperature = cfg.top_p = cfg.top_k = None
+    with torch.no_grad():
+        out = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=model.config.pad_token_id, return_dict_in_generate=True, output_scores=True,
+        )
+    top2 = torch.stack(out.scores)[:, 0].topk(2, dim=-1).values  # [new, 2]
+    return out.sequences, float((top2[:, 0] - top2[:, 1]).min())
+
+
+@pytest.mark.parametrize("name", NAMES, ids=NAMES)
+def test_generate_matches_hf(name):
+    model, fast = compiled(name)
+    prompt = seeded_prompt(PROMPT_LEN, model.config.vocab_size)
+    want, margin = hf_greedy(model, prompt, NEW_TOKENS)
+    assert margin >= MIN_MARGIN, f"{name}: HF's greedy path has a near-tie ({margin:.2e}); pick another seed"
+    got = fast.generate(prompt, max_new_tokens=NEW_TOKENS)
+    assert want.shape == (1, PROMPT_LEN + NEW_TOKENS)
+    assert torch.equal(got, want), f"{name}:\n speccomp {got[0, PROMPT_LEN:].tolist()}\n hf       {want[0, PROMPT_LEN:].tolist()}"
+
+
+@pytest.mark.parametrize("name", NAMES, ids=NAMES)
+def test_graph_structure(name):
+    arch = ARCHITECTURES[name]
+    model, fast = compiled(name)
+    st = annotate(fast.graph.captured)
+    n_layers = model.config.num_hidden_layers
+    assert len(st.layers) == n_layers
+    assert [s.layer for s in st.attention] == list(range(n_layers)), "one attention site per cache layer"
+    assert {s.kind for s in st.attention} == {arch.attention}
+    assert all(s.mask is not None for s in st.attention)
+    # every attention site lives in its own decoder block
+    assert [s.module.startswith(layer.module + ".") for s, layer in zip(st.attention, st.layers)] == [True] * n_layers
+    assert len({layer.module for layer in st.layers}) == n_layers
+    windows = [s.sliding_window for s in st.attention]
+    assert windows == [arch.sliding_window if i in arch.sliding_layers else None for i in range(n_layers)]
+    # LM head: the linear that makes the logits, reading the model's output embedding matrix
+    assert st.lm_head is not None and st.lm_head_module
+    head_weight = st.lm_head.args[1]
+    assert head_weight.op == "get_attr" and tuple(head_weight.meta["val"].shape) == tuple(
+        model.get_output_embeddings().weight.shape
+    )
+    assert st.final_norm
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert tied == arch.tied, f"{name}: registry says tied={arch.tied}, model is tied={tied}"
+    assert (st.embedding.args[0] is head_weight) == tied, "tied embeddings share one weight node with the LM head"
+
+
+@pytest.mark.parametrize("name", SLIDING, ids=SLIDING)
+def test_sliding_window_logits(name):
+    """Logits along a sequence 5 windows long: decoding step by step (and a 4-token verify-shaped step)
+    past the window must match HF's full forward, and differ from the same weights without a window."""
+    model, fast = compiled(name)
+    n = 40
+    seq = seeded_prompt(n, model.config.vocab_size)
+    cache = KVCache(fast.kv, n)
+    chunks = [(0, PROMPT_LEN)] + [(i, i + 1) for i in range(PROMPT_LEN, 24)] + [(24, 28)]
+    chunks += [(i, i + 1) for i in range(28, n)]
+    got = []
+    for a, b in chunks:
+        logits, new_kv, _ = forward(fast.step, cache, seq[:, a:b], torch.arange(a, b)[None])
+        cache.append(new_kv)
+        got.append(logits[0])
+    got = torch.cat(got)
+    with torch.no_grad():
+        want = model(seq, attention_mask=torch.ones_like(seq)).logits[0]
+        unwindowed = ARCHITECTURES[name].build(sliding_window=255)(seq, attention_mask=torch.ones_like(seq)).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(unwindowed[:WINDOW], want[:WINDOW], atol=1e-4), "the window must not matter inside it"
+    assert (unwindowed[2 * WINDOW:] - want[2 * WINDOW:]).abs().max() > 1e-2, "the window must matter past it"
+
+
+def test_single_token_prompt():
+    """A 1-token prompt (past + q == 1) runs through the same graph as longer ones."""
+    model, fast = compiled("llama")
+    prompt = seeded_prompt(1, model.config.vocab_size)
+    want, _ = hf_greedy(model, prompt, 5)
+    assert torch.equal(fast.generate(prompt, max_new_tokens=5), want)
+
+
+UNSUPPORTED_NAMES = list(UNSUPPORTED)
+
+
+@pytest.mark.parametrize("name", UNSUPPORTED_NAMES, ids=UNSUPPORTED_NAMES)
+def test_unsupported_model_raises(name):
+    build, words = UNSUPPORTED[name]
+    model = build()
+    with pytest.raises(speccomp.UnsupportedModelError) as info:
+        speccomp.compile(model)
+    message = str(info.value).lower()
+    assert all(w in message for w in words), f"{name}: message should name {words}: {info.value}"
