@@ -56,3 +56,16 @@ def test_prompt_longer_than_context(smollm, smollm_compiled):
     ids = torch.ones(1, 8190, dtype=torch.long)
     with pytest.raises(ValueError, match="exceeds the model's context of 8192"):
         smollm_compiled.generate(ids, max_new_tokens=10)
+
+
+@pytest.mark.parametrize("drafter", ["token_recycling", "layer_skip"])
+def test_speculative_greedy_identical(smollm, drafter):
+    """The two drafters with the highest tau on SmolLM2, on the real weights (shipped math prompt: many accepts)."""
+    import speccomp
+
+    model, tok = smollm
+    fast = speccomp.compile(model, drafter=drafter)
+    ids = chat_ids(tok, load_prompts()[2].text)
+    out = fast.generate(ids, max_new_tokens=96, eos_token_id=tok.eos_token_id)
+    assert torch.equal(out, hf_greedy(model, ids, 96, tok.eos_token_id))
+    assert fast.last_stats["tau"] > 1.0
