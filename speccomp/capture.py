@@ -30,7 +30,7 @@ import torch.fx.experimental._config as fx_config
 from torch import nn
 from torch.export import Dim
 
-from .errors import UnsupportedModelError
+from .errors import SpeccompError, UnsupportedModelError
 
 INPUT_NAMES = ("input_ids", "position_ids", "attention_mask", "past_kv")
 OUTPUT_NAMES = ("logits", "new_kv", "hidden")
@@ -346,6 +346,18 @@ def _drop_not_one_guards(program: torch.export.ExportedProgram) -> None:
         program._guards_code = [g for g in codes if not _NOT_ONE_GUARD.match(g.strip())]
 
 
+def export_dynamic(step: nn.Module, args: tuple, dynamic: tuple, what: str) -> torch.export.ExportedProgram:
+    """torch.export with size-oblivious dynamic dims (0 and 1 stay legal sizes); errors name `what` failed."""
+    with fx_config.patch(backed_size_oblivious=True), torch.no_grad():
+        try:
+            return torch.export.export(step, args, dynamic_shapes=dynamic)
+        except SpeccompError:
+            raise
+        except Exception as exc:  # torch.export's errors are long; lead with what failed
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise UnsupportedModelError(f"torch.export could not capture {what}: {first}") from exc
+
+
 def _flatten(program: torch.export.ExportedProgram) -> torch.fx.GraphModule:
     """The exported program as a GraphModule with plain positional inputs and a tuple output.
 
@@ -389,16 +401,10 @@ def capture(model: nn.Module, *, check: bool = True) -> CapturedModel:
     q, past = 3, 7  # distinct sizes so export cannot confuse the symbols
     args = example_inputs(kv, q, past, next(model.parameters()).device, vocab)
     dynamic = ({1: Dim.AUTO}, {1: Dim.AUTO}, {1: Dim.AUTO}, {4: Dim.AUTO})
-    with _capture_attention(model) as attn, fx_config.patch(backed_size_oblivious=True), torch.no_grad():
-        try:
-            program = torch.export.export(step, args, dynamic_shapes=dynamic)
-        except UnsupportedModelError:
-            raise
-        except Exception as exc:  # torch.export's errors are long; lead with what failed
-            raise UnsupportedModelError(
-                f"torch.export could not capture {type(model).__name__} ({config.model_type}) with dynamic cache "
-                f"and sequence lengths: {str(exc).splitlines()[0]}"
-            ) from exc
+    with _capture_attention(model) as attn:
+        program = export_dynamic(
+            step, args, dynamic, f"{type(model).__name__} ({config.model_type}) with dynamic cache and sequence lengths"
+        )
     gm = _flatten(program)
     captured = CapturedModel(
         graph_module=gm,

@@ -41,8 +41,8 @@ import torch.fx.experimental._config as fx_config
 from torch import fx, nn
 from torch.export import Dim
 
-from .capture import OUTPUT_NAMES, CapturedModel, KVSpec
-from .errors import SpeccompError, UnsupportedModelError
+from .capture import OUTPUT_NAMES, CapturedModel, KVSpec, export_dynamic
+from .errors import UnsupportedModelError
 
 EXAMPLE_LENGTH = 5  # sequence length used while exporting (any value >= 2 that the model accepts)
 POSITION_ATTRS = ("max_position_embeddings", "block_size", "max_seq_len", "max_seq_length", "n_positions", "n_ctx")
@@ -79,16 +79,9 @@ def capture_module(model: nn.Module, *, check: bool = True) -> CapturedModel:
     model.eval()
     step = _PlainStep(model).eval()
     example = torch.zeros(1, EXAMPLE_LENGTH, dtype=torch.long, device=first.device)
-    with fx_config.patch(backed_size_oblivious=True), torch.no_grad():
-        try:
-            program = torch.export.export(step, (example,), dynamic_shapes=({1: Dim.AUTO},))
-        except SpeccompError:
-            raise
-        except Exception as exc:  # torch.export's errors are long; lead with what failed
-            raise UnsupportedModelError(
-                f"torch.export could not capture {type(model).__name__}(input_ids) with a dynamic sequence length: "
-                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-            ) from exc
+    program = export_dynamic(
+        step, (example,), ({1: Dim.AUTO},), f"{type(model).__name__}(input_ids) with a dynamic sequence length"
+    )
     gm = program.module()
     gm.graph._codegen = fx.graph.CodeGen()  # plain positional inputs and tuple output (passes add inputs)
     (input_ids,) = [n for n in gm.graph.nodes if n.op == "placeholder"]
