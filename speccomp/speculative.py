@@ -62,7 +62,9 @@ ROOT_ONLY = Tree.from_parents((-1,))
 
 def truncate(tree: Tree, max_depth: int, max_nodes: int) -> tuple[Tree, list[int]]:
     """The sub-tree of nodes with depth <= max_depth (and the first max_nodes of them), plus kept indices."""
-    keep = [i for i in range(tree.size) if int(tree.depth[i]) <= max_depth][:max_nodes]
+    if tree.max_depth <= max_depth and tree.size <= max_nodes:  # the usual case: nothing to cut (decode loop)
+        return tree, list(range(tree.size))
+    keep = [i for i, d in enumerate(tree.depth.tolist()) if d <= max_depth][:max_nodes]
     if len(keep) == tree.size:
         return tree, keep
     remap = {old: new for new, old in enumerate(keep)}
