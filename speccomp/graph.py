@@ -37,6 +37,8 @@ SDPA_OPS = {
 }
 SOFTMAX_OPS = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
 MATMUL_OPS = {aten.linear.default, aten.matmul.default, aten.mm.default, aten.addmm.default, aten.bmm.default}
+if hasattr(torch.ops.mkldnn, "_linear_pointwise"):  # what passes/prepack_linear.py lowers linear to
+    MATMUL_OPS.add(torch.ops.mkldnn._linear_pointwise.default)
 WRAPPER_PREFIX = "model."  # capture wraps the HF model as `_HFStep.model`
 
 
@@ -376,12 +378,16 @@ class SpecGraph:
     def clone(self) -> "SpecGraph":
         """A copy whose graph can be rewritten independently; parameters are shared, not copied."""
         graph = fx.Graph()
-        out = graph.graph_copy(self.gm.graph, {})
+        val_map: dict[fx.Node, fx.Node] = {}
+        out = graph.graph_copy(self.gm.graph, val_map)
         graph.output(out)
         graph._codegen = self.gm.graph._codegen
         gm = fx.GraphModule(self.gm, graph)
         captured = dataclasses.replace(self.captured, graph_module=gm)
-        return SpecGraph(captured, annotate(captured), list(self.applied), list(self.kv_layers))
+        # carry the annotation over node by node: a rewritten graph (layers skipped, say) may
+        # no longer be one that `annotate` could find from scratch
+        structure = _remap(self.structure, val_map)
+        return SpecGraph(captured, structure, list(self.applied), list(self.kv_layers))
 
     def layer_of(self, node: fx.Node) -> str | None:
         """Module path of the decoder layer a node belongs to (None outside the layers)."""
@@ -392,6 +398,21 @@ class SpecGraph:
 
     def op_counts(self) -> Counter:
         return Counter(str(n.target) for n in self.gm.graph.nodes if n.op == "call_function")
+
+
+def _remap(obj, val_map: dict):
+    """A copy of an annotation with every fx.Node replaced by its copy (None where a pass removed it)."""
+    if isinstance(obj, fx.Node):
+        return val_map.get(obj)
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(
+            obj, **{f.name: _remap(getattr(obj, f.name), val_map) for f in dataclasses.fields(obj) if f.init}
+        )
+    if isinstance(obj, list):
+        return [_remap(x, val_map) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _remap(v, val_map) for k, v in obj.items()}
+    return obj
 
 
 class Pass:
@@ -424,8 +445,9 @@ def _is_impure(node: fx.Node) -> bool:
     return node.is_impure()
 
 
-def run_passes(sg: SpecGraph, passes) -> SpecGraph:
-    dump(sg, "captured")
+def run_passes(sg: SpecGraph, passes, dump_input: bool = True) -> SpecGraph:
+    if dump_input:
+        dump(sg, "captured")
     for p in passes:
         p(sg)
         dump(sg, p.name)

@@ -1,0 +1,119 @@
+"""Lowering passes of the eager backend: golden structure + numerics against the unlowered graph."""
+import pytest
+import torch
+
+import speccomp
+from speccomp.capture import capture
+from speccomp.errors import GraphStructureError
+from speccomp.graph import SpecGraph, run_passes
+from speccomp.passes.grouped_query_attention import GroupedQueryAttention
+from speccomp.passes.prepack_linear import PrepackLinear, available
+from speccomp.passes.tree_attention import TreeAttention
+from speccomp.tree import Tree
+from tiny_models import ARCHITECTURES, tiny_llama
+
+aten = torch.ops.aten
+needs_onednn = pytest.mark.skipif(not available(), reason="this PyTorch has no oneDNN")
+
+
+def step_inputs(vocab, past, q, layers=3, kv_heads=2, head_dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randint(0, vocab, (1, q), generator=g),
+        torch.arange(past, past + q)[None],
+        torch.ones(1, past + q, dtype=torch.long),
+        torch.randn(layers, 2, 1, kv_heads, past, head_dim, generator=g),
+    )
+
+
+def test_gqa_golden_structure_and_bitwise_equal():
+    model = tiny_llama()  # 4 query heads, 2 KV heads: HF repeats each KV head twice
+    plain = SpecGraph.from_captured(capture(model))
+    sg = run_passes(plain.clone(), [GroupedQueryAttention()])
+    before, after = plain.op_counts(), sg.op_counts()
+    sdpa = "aten.scaled_dot_product_attention.default"
+    assert before[sdpa] == after[sdpa] == 3
+    gqa_calls = [n for n in sg.gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
+    assert all(n.kwargs.get("enable_gqa") for n in gqa_calls)
+    # the repeat_kv chains (unsqueeze -> expand -> clone -> view) of K and V are gone
+    assert after["aten.expand.default"] == before["aten.expand.default"] - 6
+    assert after["aten.clone.default"] == before["aten.clone.default"] - 6
+    assert all(n.args[1].meta["val"].shape[1] == 2 for n in gqa_calls)  # SDPA reads the 2 KV heads
+    assert all(s.node in gqa_calls for s in sg.structure.attention)
+    assert all(n.meta.get("nn_module_stack") for n in gqa_calls)
+    for past, q in [(0, 4), (7, 1), (9, 3)]:
+        args = step_inputs(96, past, q)
+        for a, b in zip(plain.gm(*args), sg.gm(*args)):
+            assert torch.equal(a, b)  # the same math, not just close
+
+
+def test_gqa_leaves_multi_head_models_alone():
+    model = tiny_llama(num_key_value_heads=4)  # MHA: no repeat_kv in the graph
+    sg = run_passes(SpecGraph.from_captured(capture(model)), [GroupedQueryAttention()])
+    assert not any(n.kwargs.get("enable_gqa") for n in sg.gm.graph.nodes if n.op == "call_function")
+
+
+def test_gqa_after_tree_attention_keeps_tree_numerics():
+    model = tiny_llama()
+    tree = Tree.from_choices([[0], [1], [0, 0], [1, 0]])
+    ta = run_passes(SpecGraph.from_captured(capture(model)), [TreeAttention()])
+    both = run_passes(ta.clone(), [GroupedQueryAttention()])
+    ids, _, mask, past_kv = step_inputs(96, 11, tree.size)
+    args = (ids, tree.positions(11), mask, past_kv, tree.mask)
+    for a, b in zip(ta.gm(*args), both.gm(*args)):
+        assert torch.equal(a, b)
+
+
+@needs_onednn
+def test_prepack_golden_structure_and_numerics():
+    model = tiny_llama(tie_word_embeddings=True)
+    plain = SpecGraph.from_captured(capture(model))
+    sg = run_passes(plain.clone(), [PrepackLinear()])
+    n_linear = plain.op_counts()["aten.linear.default"]
+    assert n_linear == 3 * 7 + 1  # q, k, v, o, gate, up, down per layer + LM head
+    assert sg.op_counts()["aten.linear.default"] == 0
+    assert sg.op_counts()["mkldnn._linear_pointwise.default"] == n_linear
+    packed = [n for n in sg.gm.graph.nodes if n.op == "get_attr" and n.target.startswith("_packed_")]
+    assert len({n.target for n in packed}) == n_linear  # one packed buffer per weight
+    # the packed weights are buffers of the graph module, not parameters (nothing to train or save)
+    assert not any(name.startswith("_packed_") for name, _ in sg.gm.named_parameters())
+    for past, q in [(0, 5), (6, 1), (6, 4)]:
+        args = step_inputs(96, past, q)
+        for a, b in zip(plain.gm(*args), sg.gm(*args)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_prepack_shares_packed_weights_between_graphs():
+    model = tiny_llama()
+    base = SpecGraph.from_captured(capture(model))
+    a = run_passes(base.clone(), [PrepackLinear()])
+    b = run_passes(base.clone(), [PrepackLinear()])
+    name = next(n for n, _ in a.gm.named_buffers() if n.startswith("_packed_"))
+    assert a.gm.get_buffer(name) is b.gm.get_buffer(name)
+
+
+@needs_onednn
+def test_prepack_refuses_non_float32_weights():
+    model = tiny_llama().to(torch.bfloat16)
+    sg = SpecGraph.from_captured(capture(model, check=False))
+    assert not PrepackLinear.applies(sg)
+    with pytest.raises(GraphStructureError, match="float32"):
+        PrepackLinear()(sg)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "mistral"])
+def test_eager_backend_lowering_is_lossless(name):
+    """The lowered eager backend decodes exactly what the model's own greedy decoding does."""
+    arch = ARCHITECTURES[name]
+    model = arch.build()
+    ids = torch.randint(3, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    sm = speccomp.compile(model)
+    ops = {str(n.target) for n in sm.step.graph.nodes}
+    assert "aten.linear.default" in {str(n.target) for n in sm.graph.gm.graph.nodes}  # sm.graph stays portable
+    if available():
+        assert "mkldnn._linear_pointwise.default" in ops and "aten.linear.default" not in ops
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                         eos_token_id=2, pad_token_id=2)
+    out = sm.generate(ids, max_new_tokens=24, eos_token_id=2)
+    assert torch.equal(out, ref)
