@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The standard speccomp benchmark: the first 2 prompts of each shared prompt file, 256 new tokens,
 # greedy, every registered drafter + plain speccomp + HF prompt lookup against HF greedy generate.
+# Before it, `speccomp search` picks the self-drafters' layers on this machine (once; then reused).
 # Writes benchmarks/results.json and benchmarks/results.png; the table goes to stdout.
 #
 #   benchmarks/run.sh                      # prompts from ../shared/data/prompts (next to the checkout)
@@ -27,6 +28,11 @@ for f in "${FILES[@]}"; do
 done
 
 cd "$HERE/.."
+# the self-drafters' layers are chosen per machine by measured tokens/s on the shipped prompts
+# (not the benchmark prompts); a stored choice is reused, `speccomp search --drafter X` redoes it
+for d in layer_skip early_exit; do
+    speccomp search --drafter "$d" --reuse --threads "${THREADS:-2}"
+done
 exec speccomp bench \
     --prompts "${args[@]}" \
     --limit 2 \

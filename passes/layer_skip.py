@@ -32,6 +32,10 @@ class SkipLayers(Pass):
     def __init__(self, skip):
         self.skip = sorted({int(i) for i in skip})
 
+    def options(self) -> dict:
+        """The `drafter_options` that make this pass (reported by the drafter)."""
+        return {"skip": list(self.skip)}
+
     def check(self, sg: SpecGraph) -> None:
         n = len(sg.structure.layers)
         bad = [i for i in self.skip if not 0 <= i < n]
@@ -80,3 +84,7 @@ class EarlyExit(SkipLayers):
         if not 0 <= exit_layer < num_layers:
             raise ValueError(f"exit layer must be in [0, {num_layers - 1}], got {exit_layer}")
         super().__init__(range(exit_layer + 1, num_layers))
+        self.exit_layer = exit_layer
+
+    def options(self) -> dict:
+        return {"exit_layer": self.exit_layer}

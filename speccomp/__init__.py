@@ -8,6 +8,7 @@
 from .api import SpecModel, available_drafters, compile  # noqa: A004
 from .errors import GraphStructureError, SpeccompError, UnsupportedModelError
 from .models import load_default_model
+from .search import search_drafter
 
 __version__ = "0.1.0"
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "SpecModel",
     "available_drafters",
     "load_default_model",
+    "search_drafter",
     "SpeccompError",
     "UnsupportedModelError",
     "GraphStructureError",

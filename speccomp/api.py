@@ -11,6 +11,7 @@ from .sampling import Sampler
 from .speculative import decode_speculative
 
 DRAFTERS: dict[str, object] = {}  # name -> drafter factory; filled by the drafter modules
+SEARCHED = ("early_exit", "layer_skip")  # drafters whose layers speccomp.search_drafter can pick
 
 
 def available_drafters() -> list[str]:
@@ -97,16 +98,20 @@ class SpecModel:
         return torch.cat([input_ids, new[None]], dim=1)
 
 
-def _default_tree(tree, fallback):
-    """The user's tree= as a Tree (static shapes only for now), or `fallback` when None."""
+def _default_tree(tree, fallback, dynamic_ok: bool = False, drafter: str = ""):
+    """The user's tree= as a Tree (or a DynamicTreeSpec where `dynamic_ok`), or `fallback` when None."""
     from .tree import AutoTreeSpec, DynamicTreeSpec, Tree, parse_tree_spec
 
     if tree is None:
         return fallback
     spec = parse_tree_spec(tree)
-    if isinstance(spec, (DynamicTreeSpec, AutoTreeSpec)):
+    if isinstance(spec, AutoTreeSpec):
         raise ValueError(f"tree={tree!r} is not supported by this version yet; pass a choice list or an int k (a chain)")
-    assert isinstance(spec, Tree)
+    if isinstance(spec, DynamicTreeSpec) and not dynamic_ok:
+        raise ValueError(
+            f"tree={tree!r}: dynamic trees grow from draft probabilities, which the {drafter!r} drafter does not have; "
+            "use a model drafter (early_exit, layer_skip) or a static tree (a choice list or an int k)"
+        )
     return spec
 
 
@@ -152,7 +157,12 @@ def compile(  # noqa: A001
     if isinstance(drafter, Drafter):
         drafter_obj = drafter
     else:
-        drafter_obj = DRAFTERS[drafter](base, dict(drafter_options or {}), tree, backend)
+        options = drafter_options
+        if options is None and drafter in SEARCHED:  # a search on this machine may have chosen the layers
+            from .search import cached_options
+
+            options = cached_options(model, drafter, tree)
+        drafter_obj = DRAFTERS[drafter](base, dict(options or {}), tree, backend)
     return SpecModel(target, lower(target, backend), backend, drafter=drafter_obj)
 
 
@@ -162,13 +172,16 @@ def _graph_drafter(passes_for, default_name):
         from speccomp.passes.tree_attention import TreeAttention
 
         from .drafters import GraphDrafter
-        from .tree import Tree
+        from .tree import DynamicTreeSpec
 
         passes, rest = passes_for(base, options)
         if rest:
             raise ValueError(f"unknown {default_name} options {sorted(rest)}")
         sg = run_passes(base.clone(), passes + [TreeAttention()])
-        return GraphDrafter(lower(sg, backend), sg.kv_layers, _default_tree(tree, Tree.chain(4)), default_name)
+        spec = _default_tree(tree, DynamicTreeSpec(16, 4), dynamic_ok=True, drafter=default_name)
+        drafter = GraphDrafter(lower(sg, backend), sg.kv_layers, spec, default_name)
+        drafter.options = passes[0].options()  # what the user, a stored search or the defaults chose
+        return drafter
 
     return factory
 

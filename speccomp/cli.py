@@ -90,6 +90,31 @@ def cmd_demo(args) -> int:
     return 0 if all_same else 1
 
 
+def cmd_search(args) -> int:
+    """Time candidate layer choices for a self-drafter; store the fastest for compile to reuse."""
+    from .models import chat_ids
+    from .prompts import load_prompts
+    from .search import search_drafter
+    from .tree import parse_tree_spec
+
+    model, tok = _load(args)
+    tree = None if args.tree is None else parse_tree_spec(args.tree)
+    if args.reuse:
+        from .search import cached_options
+
+        found = cached_options(model, args.drafter, args.tree)
+        if found is not None:
+            print(f"{args.drafter}: reusing the stored search result {found} (drop --reuse to search again)")
+            return 0
+    prompts = [chat_ids(tok, p.text) for p in load_prompts(args.prompts, limit=args.limit)]
+    result = search_drafter(model, args.drafter, prompts, tree=args.tree, max_new_tokens=args.max_new_tokens, progress=True)
+    print(result.table())
+    print(f"\nbest {args.drafter} options: {result.best} (tree={tree!r}); stored in {result.path}")
+    print(f"speccomp.compile(model, drafter={args.drafter!r}" + ("" if args.tree is None else f", tree={args.tree!r}")
+          + ") now uses them on this machine")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speccomp", description="Lossless speculative decoding by graph compilation.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="user message (the chat template is applied)")
     p.add_argument("--compare", action="store_true", help="also run HF greedy generate and check the outputs are identical")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("search", help="pick a self-drafter's exit layer / skip set by measured tokens/s on calibration prompts")
+    common(p)
+    p.set_defaults(drafter="layer_skip", max_new_tokens=64)
+    p.add_argument("--tree", default=None, help="token tree the drafter will use (default: the drafter's default)")
+    p.add_argument("--prompts", default=None, help="JSONL calibration prompts (default: prompts shipped with speccomp)")
+    p.add_argument("--limit", type=int, default=3, help="use only the first N prompts (default 3)")
+    p.add_argument("--reuse", action="store_true", help="do nothing when this machine already has a stored result")
+    p.set_defaults(func=cmd_search)
 
     from .bench import add_bench_parser  # the bench subcommand (options + handler) lives in speccomp/bench.py
 

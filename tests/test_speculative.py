@@ -32,6 +32,8 @@ DRAFTER_CASES = [
     ("early_exit", {"exit_layer": 3}, [[0], [1], [0, 0], [0, 0, 0], [1, 0]]),
     ("layer_skip", {"skip": [1, 3]}, 3),
     ("layer_skip", {}, [[0], [0, 0], [0, 1], [0, 0, 0]]),
+    ("early_exit", {"exit_layer": 3}, "dynamic:8:3"),  # EAGLE-2 style, grown per step
+    ("layer_skip", {"skip": [2, 3]}, "dynamic:5:2"),
 ]
 
 
@@ -45,6 +47,29 @@ def test_graph_drafters_greedy_identical(llama6, drafter, options, tree):
         s = fast.last_stats
         assert s["new_tokens"] == 48 and 1 <= s["tau"] and s["steps"] <= 48
         assert all(0 <= a <= 1 for a in s["acceptance_by_depth"])
+
+
+def test_dynamic_tree_shapes(llama6):
+    """Dynamic trees differ from step to step, stay within the budget, and keep the deep paths the
+    drafter is sure of (a repetitive prompt makes the early-exit drafter confident)."""
+    fast = speccomp.compile(llama6, drafter="early_exit", drafter_options={"exit_layer": 4}, tree="dynamic:6:2")
+    shapes = []
+    drafter = fast.drafter
+    propose = drafter.propose
+
+    def spy(ctx):
+        draft = propose(ctx)
+        shapes.append(draft.tree.parents)
+        assert draft.tree.size <= 7 and draft.tokens.shape == (draft.tree.size,)
+        return draft
+
+    drafter.propose = spy
+    ids = repetitive_prompt(96, 2)
+    assert torch.equal(fast.generate(ids, max_new_tokens=40), hf_greedy(llama6, ids, 40))
+    assert len(set(shapes)) > 1, "a dynamic tree should change shape with the drafter's confidence"
+    branching = [p for p in shapes if len(set(p[1:])) < len(p) - 1]  # some node has 2 children
+    assert branching, "top_k=2 expansion should branch somewhere"
+    assert fast.last_stats["tau"] > 1
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
