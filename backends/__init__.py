@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from .eager import lower_eager
 
-BACKENDS = {"eager": lower_eager}
+
+def lower_onnxruntime(sg):
+    from .onnxruntime import lower_onnxruntime as lower  # imports onnx / onnxruntime only when chosen
+
+    return lower(sg)
+
+
+BACKENDS = {"eager": lower_eager, "onnxruntime": lower_onnxruntime}
 
 
 def lower(sg, backend: str):

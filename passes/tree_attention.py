@@ -91,7 +91,12 @@ class TreeAttention(Pass):
             pos = call(aten.view.default, (inputs["position_ids"], [-1, 1]))  # [q, 1]
             in_window = call(aten.lt.Scalar, (call(aten.sub.Tensor, (pos, cols)), window))  # [q, kv]
             older_col = call(aten.lt.Scalar, (cols, older))
-            allowed = call(aten.where.self, (older_col, in_window, allowed))
+            # where(older_col, in_window, allowed) on booleans, spelled with logic ops: ONNX Runtime's
+            # CPU Where has no bool kernel, and the result is the same bits
+            allowed = call(aten.logical_or.default, (
+                call(aten.logical_and.default, (older_col, in_window)),
+                call(aten.logical_and.default, (call(aten.logical_not.default, (older_col,)), allowed)),
+            ))
         allowed = call(aten.logical_and.default, (allowed, visible))  # broadcast to [b, h, q, kv]
         if is_float:
             minimum = torch.finfo(mask.meta["val"].dtype).min

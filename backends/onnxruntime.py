@@ -1,0 +1,56 @@
+"""ONNX Runtime backend: export the rewritten graph to ONNX, run it in an ONNX Runtime session.
+
+    fast = speccomp.compile(model, drafter="token_recycling", backend="onnxruntime")
+
+Every graph the compiled model runs (the target, after TreeAttention, and a self-drafter's graph)
+is exported with its own calling convention (`tree_mask` included) and wrapped in an `OrtStep`,
+which takes and returns torch tensors, so the decode loop in speccomp/speculative.py is shared
+with the eager backend. ONNX Runtime's CPU matmuls (MLAS) are what this buys on CPU.
+
+Exported files go to a fresh temporary directory per graph (removed at exit) unless
+SPECCOMP_ONNX_DIR names a directory to keep them in.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.export import Dim
+
+from speccomp.capture import INPUT_NAMES, example_inputs
+from speccomp.passes.tree_attention import TREE_MASK
+
+from .onnx_export import OrtStep, _dynamic_shapes, export_onnx
+
+_EXAMPLE_Q, _EXAMPLE_PAST = 3, 7
+
+
+def _export_dir(name: str) -> Path:
+    keep = os.environ.get("SPECCOMP_ONNX_DIR")
+    if keep:
+        path = Path(keep) / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    path = Path(tempfile.mkdtemp(prefix=f"speccomp-{name}-"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+def lower_onnxruntime(sg):
+    name = "-".join(sg.applied) or "plain"  # e.g. "tree_attention", "skip_layers-tree_attention"
+    names = sg.input_names()
+    unknown = [n for n in names if n not in INPUT_NAMES and n != TREE_MASK]
+    if unknown:
+        raise ValueError(f"the onnxruntime backend cannot feed graph inputs {unknown}")
+    kv = sg.captured.kv
+    args = list(example_inputs(kv, _EXAMPLE_Q, _EXAMPLE_PAST, vocab_size=sg.captured.vocab_size))
+    dynamic = list(_dynamic_shapes([n for n in names if n in INPUT_NAMES]))
+    if TREE_MASK in names:
+        args.append(torch.ones(_EXAMPLE_Q, _EXAMPLE_Q + 2, dtype=torch.bool).tril(2))  # [q, T], T >= q
+        dynamic.append({0: Dim("q", min=1), 1: Dim.AUTO})
+    path = export_onnx(sg, _export_dir(name) / f"{name}.onnx", example_args=tuple(args), dynamic_shapes=tuple(dynamic))
+    return OrtStep(path)

@@ -1,0 +1,53 @@
+"""backend="onnxruntime": the exported graphs run in ONNX Runtime and decode exactly like the model."""
+import pytest
+import torch
+
+import speccomp
+from tiny_models import ARCHITECTURES, tiny_llama
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+
+def hf_greedy(model, ids, n, eos=2):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          eos_token_id=eos, pad_token_id=eos)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama(num_hidden_layers=4, initializer_range=0.2)
+
+
+@pytest.mark.parametrize("drafter, tree", [(None, None), ("token_recycling", None), ("layer_skip", "dynamic:6:2"),
+                                           ("early_exit", [[0], [1], [0, 0]])])
+def test_onnxruntime_greedy_identical(llama, drafter, tree, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECCOMP_ONNX_DIR", str(tmp_path))
+    options = {"skip": [1, 2]} if drafter == "layer_skip" else {"exit_layer": 2} if drafter == "early_exit" else None
+    fast = speccomp.compile(llama, drafter=drafter, tree=tree, backend="onnxruntime", drafter_options=options)
+    from speccomp.backends.onnx_export import OrtStep
+
+    assert isinstance(fast.step, OrtStep)
+    assert list(tmp_path.glob("*/*.onnx")), "the exported engine files are where SPECCOMP_ONNX_DIR says"
+    for seed in (0, 1):
+        g = torch.Generator().manual_seed(seed)
+        base = torch.randint(3, 96, (6,), generator=g)
+        ids = base.repeat(3)[None]  # repetitive: drafts get accepted
+        out = fast.generate(ids, max_new_tokens=30, eos_token_id=2)
+        assert torch.equal(out, hf_greedy(llama, ids, 30)), (drafter, seed)
+    if drafter in ("layer_skip", "early_exit"):
+        assert isinstance(fast.drafter.step, OrtStep)  # the drafter graph runs in ONNX Runtime too
+
+
+def test_onnxruntime_sliding_window_past_the_window(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECCOMP_ONNX_DIR", str(tmp_path))
+    model = ARCHITECTURES["mistral"].build()
+    fast = speccomp.compile(model, drafter="token_recycling", backend="onnxruntime")
+    ids = torch.randint(3, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    out = fast.generate(ids, max_new_tokens=30, eos_token_id=2)  # 42 tokens, window 8
+    assert torch.equal(out, hf_greedy(model, ids, 30))
+
+
+def test_unknown_backend_is_named():
+    with pytest.raises(ValueError, match="onnxruntime"):
+        speccomp.compile(tiny_llama(), backend="onnx-runtime")
