@@ -129,7 +129,7 @@ def compile(  # noqa: A001
     drafter: None (plain decoding), a name from `available_drafters()`, or a `Drafter` object.
     tree: token tree for the drafter: a Medusa-style choice list or an int k (a chain of k).
     drafter_options: options of the named drafter (e.g. {"exit_layer": 12}, {"skip": [3, 5]}).
-    backend: "eager".
+    backend: "eager" (FX graph with CPU lowering passes) or "onnxruntime" (exported ONNX, ORT sessions).
     """
     from speccomp.backends import BACKENDS, lower
     from speccomp.passes.tree_attention import TreeAttention
