@@ -17,6 +17,8 @@ forward overwrites them). Nothing is copied: same weights, same cache buffer.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .speculative import Draft, DraftContext, Drafter, truncate
@@ -24,6 +26,7 @@ from .tree import DynamicTreeSpec, Tree
 
 MAX_DYNAMIC_DEPTH = 6  # EAGLE-2's default depth
 MIN_PROB = 0.02  # stop expanding when the best frontier path is less likely than this
+LOG_MIN_PROB = math.log(MIN_PROB)
 
 
 class GraphDrafter(Drafter):
@@ -82,7 +85,7 @@ class GraphDrafter(Drafter):
         slot_mask = torch.zeros(0, 0, dtype=torch.bool)  # ancestor-or-self among the expanded candidates
         frontier = [0]
         for d in range(max_depth):
-            if not frontier or max(score[c] for c in frontier) < torch.log(torch.tensor(MIN_PROB)).item() and d > 0:
+            if not frontier or (d > 0 and max(score[c] for c in frontier) < LOG_MIN_PROB):
                 break
             used, k = len(slot_of), len(frontier)
             if used + k > ctx.max_nodes:  # the drafter's tree mask must fit where the target's does
