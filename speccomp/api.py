@@ -149,11 +149,11 @@ def compile(  # noqa: A001
         raise ValueError(f"drafter_options must be a dict, got {type(drafter_options).__name__}")
 
     base = SpecGraph.from_captured(capture(model))
+    base.model = model  # drafters that look things up per model (stored heads, searches) need it
     if drafter is None:
         sg = run_passes(base, [])
         return SpecModel(sg, lower(sg, backend), backend)
 
-    target = run_passes(base.clone(), [TreeAttention()])
     if isinstance(drafter, Drafter):
         drafter_obj = drafter
     else:
@@ -163,6 +163,8 @@ def compile(  # noqa: A001
 
             options = cached_options(model, drafter, tree)
         drafter_obj = DRAFTERS[drafter](base, dict(options or {}), tree, backend)
+    # a drafter may need the target graph to compute more (Medusa: head states on every token)
+    target = run_passes(base.clone(), list(getattr(drafter_obj, "target_passes", [])) + [TreeAttention()])
     return SpecModel(target, lower(target, backend), backend, drafter=drafter_obj)
 
 
@@ -230,3 +232,12 @@ DRAFTERS["early_exit"] = _graph_drafter(_early_exit_passes, "early_exit")
 DRAFTERS["layer_skip"] = _graph_drafter(_layer_skip_passes, "layer_skip")
 DRAFTERS["ngram"] = _ngram
 DRAFTERS["token_recycling"] = _token_recycling
+
+
+def _medusa(base: SpecGraph, options: dict, tree, backend: str):
+    from .drafters_medusa import make_medusa
+
+    return make_medusa(base, options, _default_tree(tree, None, drafter="medusa"))
+
+
+DRAFTERS["medusa"] = _medusa

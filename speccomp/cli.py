@@ -4,6 +4,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
+
+# training prompts of `speccomp train-heads` when none are given (gsm8k and vicuna_bench stay unseen)
+SHARED_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts"
+DEFAULT_TRAIN_FILES = [SHARED_PROMPTS / "alpaca.jsonl", SHARED_PROMPTS / "humaneval.jsonl"]
 
 
 def _load(args):
@@ -115,6 +120,28 @@ def cmd_search(args) -> int:
     return 0
 
 
+def cmd_train_heads(args) -> int:
+    """Train Medusa heads for the default model on its own replies to prompt files; store them."""
+    from pathlib import Path
+
+    from .drafters_medusa import heads_dir
+    from .models import chat_ids
+    from .prompts import load_prompts
+    from .train_heads import train_heads
+
+    model, tok = _load(args)
+    files = args.prompts or [str(p) for p in DEFAULT_TRAIN_FILES if p.exists()]
+    if not files:
+        raise ValueError("no training prompts: give --prompts FILE.jsonl [...] (e.g. ../shared/data/prompts/alpaca.jsonl)")
+    prompts = [chat_ids(tok, p.text) for f in files for p in load_prompts(f, limit=args.limit)]
+    out = Path(args.out) if args.out else heads_dir(model)
+    print(f"training {args.heads} Medusa heads on {len(prompts)} prompts from {files} -> {out}", file=sys.stderr)
+    train_heads(model, prompts, out=out, num_heads=args.heads, max_new_tokens=args.max_new_tokens, epochs=args.epochs,
+                lr=args.lr, seed=args.seed, eos_token_id=tok.eos_token_id, base_model=args.model)
+    print(f"heads written to {out}; speccomp.compile(model, drafter='medusa') finds them there")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speccomp", description="Lossless speculative decoding by graph compilation.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -147,6 +174,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=3, help="use only the first N prompts (default 3)")
     p.add_argument("--reuse", action="store_true", help="do nothing when this machine already has a stored result")
     p.set_defaults(func=cmd_search)
+
+    p = sub.add_parser("train-heads", help="train Medusa heads (frozen model, its own replies as data) on CPU")
+    common(p)
+    p.set_defaults(max_new_tokens=128)
+    p.add_argument("--prompts", nargs="+", default=None, help="JSONL prompt files (default: alpaca and humaneval from ../shared/data/prompts)")
+    p.add_argument("--limit", type=int, default=60, help="prompts per file (default 60)")
+    p.add_argument("--heads", type=int, default=4, help="number of heads (default 4)")
+    p.add_argument("--epochs", type=int, default=3, help="training epochs (default 3)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed (data order, init)")
+    p.add_argument("--out", default=None, help="output directory (default: the user cache, where compile looks)")
+    p.set_defaults(func=cmd_train_heads)
 
     from .bench import add_bench_parser  # the bench subcommand (options + handler) lives in speccomp/bench.py
 

@@ -362,6 +362,7 @@ class SpecGraph:
     structure: Structure
     applied: list[str] = field(default_factory=list)
     kv_layers: list[int] = field(default_factory=list)  # cache layer of each new_kv row (passes may drop rows)
+    model: object = field(default=None, repr=False, compare=False)  # the captured nn.Module (compile sets it)
 
     def __post_init__(self):
         if not self.kv_layers:

@@ -60,8 +60,9 @@ def fingerprint(model: torch.nn.Module) -> str:
     """A short hash of the model's config and a sample of its weights (not a hash of every byte)."""
     h = hashlib.sha256()
     config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "to_json_string"):
-        h.update(config.to_json_string(use_diff=False).encode())
+    if config is not None and hasattr(config, "to_dict"):
+        cfg = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+        h.update(json.dumps(cfg, sort_keys=True, default=str).encode())  # not where it was loaded from
     for name, p in model.state_dict().items():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
         flat = p.detach().reshape(-1)

@@ -56,6 +56,11 @@ class Drafter:
     def observe(self, draft: Draft, path: list[int], target_logits: torch.Tensor) -> None:
         """After verification: the accepted `path` and the target's logits [n, V] at every node."""
 
+    def take_states(self, states: tuple) -> None:
+        """The target's extra outputs (e.g. Medusa head states) at the newest token: after the prefill
+        its last prompt token, after a verification the last accepted node. Only for target graphs
+        with more than the three standard outputs."""
+
 
 ROOT_ONLY = Tree.from_parents((-1,))
 
@@ -79,9 +84,9 @@ def prefill(target, cache: KVCache, prompt: torch.Tensor):
     mask = torch.ones(1, n, dtype=torch.long, device=prompt.device)
     causal = torch.ones(n, n, dtype=torch.bool, device=prompt.device).tril()
     with torch.no_grad():
-        logits, new_kv, _ = target(prompt, positions, mask, cache.past(), causal)
-    cache.append(new_kv)
-    return logits
+        outs = target(prompt, positions, mask, cache.past(), causal)
+    cache.append(outs[1])
+    return outs  # logits, new_kv, hidden, *extra outputs of passes
 
 
 def decode_speculative(
@@ -94,7 +99,10 @@ def decode_speculative(
     device = prompt.device
     n = prompt.shape[1]
     cache = KVCache(kv, n + max_new_tokens + max_tree + 1, device)
-    logits = prefill(target, cache, prompt)
+    outs = prefill(target, cache, prompt)
+    logits = outs[0]
+    if len(outs) > 3:
+        drafter.take_states(tuple(x[0, -1] for x in outs[3:]))
     stats.prefill_seconds = time.perf_counter() - start
     out = [int(sampler(logits[0, -1]))]
     stats.steps = 1  # the prefill produced the first token
@@ -113,14 +121,16 @@ def decode_speculative(
         past = cache.length
         mask = torch.ones(1, past + tree.size, dtype=torch.long, device=device)
         with torch.no_grad():
-            logits, new_kv, _ = target(tokens[None].to(device), tree.positions(past, device), mask, cache.past(), tree.mask.to(device))
-        logits = logits[0]  # [n, V]
+            outs = target(tokens[None].to(device), tree.positions(past, device), mask, cache.past(), tree.mask.to(device))
+        logits, new_kv = outs[0][0], outs[1]  # logits [n, V]
         if sampler.do_sample:
             path, bonus = sample_accept(tree, tokens, sampler.probs(logits), draft_probs, sampler.generator)
         else:
             path, bonus = greedy_accept(tree, tokens, logits.argmax(-1))
         cache.append(new_kv, keep=torch.tensor(path, device=device))
         drafter.observe(draft, path, logits)
+        if len(outs) > 3:
+            drafter.take_states(tuple(x[0, path[-1]] for x in outs[3:]))
         stats.steps += 1
         depth = int(tree.max_depth)
         while len(proposed_at_depth) < depth:

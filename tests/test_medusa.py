@@ -1,0 +1,135 @@
+"""Medusa heads: graph pass, lossless decoding, training (resumable, seeded), checkpoint interop, errors."""
+import json
+
+import pytest
+import torch
+
+import speccomp
+from speccomp.capture import capture
+from speccomp.graph import SpecGraph, run_passes
+from speccomp.medusa import HeadsError, load_medusa, new_heads, save_medusa
+from speccomp.passes.medusa_heads import MedusaHeadsPass
+from speccomp.train_heads import head_accuracy, train_heads
+from tiny_models import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(num_hidden_layers=3, initializer_range=0.2, tie_word_embeddings=True)
+
+
+def random_heads(model, k=3, seed=0):
+    heads = new_heads(model, k)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return heads.eval()
+
+
+def prompts(n=6, seed=0, length=10):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (1, length), generator=g) for _ in range(n)]
+
+
+def test_pass_golden_structure_and_numerics(model):
+    heads = random_heads(model)
+    base = SpecGraph.from_captured(capture(model))
+    sg = run_passes(base.clone(), [MedusaHeadsPass(heads)])
+    before, after = base.op_counts(), sg.op_counts()
+    assert after["aten.linear.default"] == before["aten.linear.default"] + 3  # one ResBlock linear per head
+    assert after["aten.silu.default"] == before["aten.silu.default"] + 3
+    assert len(sg.gm.graph.output_node().args[0]) == 4
+    ids = torch.randint(0, 96, (1, 5))
+    kv = sg.captured.kv
+    outs = sg.gm(ids, torch.arange(5)[None], torch.ones(1, 5, dtype=torch.long), torch.zeros(*kv.shape(0)))
+    ref = base.gm(ids, torch.arange(5)[None], torch.ones(1, 5, dtype=torch.long), torch.zeros(*kv.shape(0)))
+    assert all(torch.equal(a, b) for a, b in zip(outs[:3], ref))  # the model's outputs are untouched
+    assert outs[3].shape == (1, 5, 3, 32)
+    torch.testing.assert_close(outs[3], heads.states(ref[2]))  # states = ResBlocks(final hidden)
+    with pytest.raises(Exception, match="applied twice|3 outputs"):
+        MedusaHeadsPass(heads)(sg)
+
+
+def test_medusa_greedy_identical(model, tmp_path):
+    save_medusa(random_heads(model), tmp_path / "h")
+    fast = speccomp.compile(model, drafter="medusa", drafter_options={"heads": str(tmp_path / "h")},
+                            tree=[[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    for ids in prompts(3, seed=4):
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,
+                             eos_token_id=2, pad_token_id=2)
+        assert torch.equal(fast.generate(ids, max_new_tokens=30, eos_token_id=2), ref)
+    with pytest.raises(ValueError, match="3 Medusa heads"):
+        speccomp.compile(model, drafter="medusa", drafter_options={"heads": str(tmp_path / "h")}, tree=4)
+
+
+def test_round_trip_bit_identical_both_layouts(model, tmp_path):
+    heads = random_heads(model)
+    for layout in (False, True):
+        d = save_medusa(heads, tmp_path / f"l{layout}", medusa_layout=layout)
+        cfg = json.loads((d / "config.json").read_text())
+        assert cfg["medusa_num_heads"] == 3 and cfg["medusa_num_layers"] == 1
+        back = load_medusa(d, model)
+        assert back.tied  # Medusa-layout projections equal to the LM head are recognised as tied
+        for (n1, a), (n2, b) in zip(heads.state_dict().items(), back.state_dict().items()):
+            assert n1 == n2 and torch.equal(a, b)
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(tmp_path / "lTrue" / "medusa_lm_head.safetensors")))
+    assert {"medusa_head.0.0.linear.weight", "medusa_head.0.0.linear.bias", "medusa_head.0.1.weight"} <= names
+
+
+def test_bad_heads_are_refused(model, tmp_path):
+    other = tiny_llama(hidden_size=48, num_attention_heads=4, num_key_value_heads=2)
+    save_medusa(random_heads(other), tmp_path / "wrong")
+    with pytest.raises(HeadsError, match="hidden size 48"):
+        load_medusa(tmp_path / "wrong", model)
+    save_medusa(random_heads(model), tmp_path / "corrupt")
+    (tmp_path / "corrupt" / "medusa_lm_head.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(HeadsError, match="corrupt"):
+        load_medusa(tmp_path / "corrupt", model)
+    with pytest.raises(HeadsError, match="config.json"):
+        load_medusa(tmp_path / "nothing", model)
+
+
+def test_no_heads_error_says_how_to_train(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECCOMP_CACHE", str(tmp_path))
+    with pytest.raises(HeadsError, match="speccomp train-heads"):
+        speccomp.compile(model, drafter="medusa")
+
+
+def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    import speccomp.train_heads as th
+
+    train = prompts(8, seed=1)
+    kw = dict(num_heads=2, max_new_tokens=24, epochs=6, lr=1e-2, batch_size=32, seed=0, eos_token_id=None, progress=False)
+    calls = {"n": 0}
+    real_ce = torch.nn.functional.cross_entropy
+
+    def counting_ce(*args, **kwargs):
+        calls["n"] += 1
+        if calls.get("stop") and calls["n"] > calls["stop"]:
+            raise KeyboardInterrupt  # the user stops the run in the middle of epoch 2
+        return real_ce(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", counting_ce)
+    a = train_heads(model, train, out=tmp_path / "a", **kw)
+    per_epoch = calls["n"] // 6
+    calls.update(n=0, stop=per_epoch + 1)
+    with pytest.raises(KeyboardInterrupt):
+        train_heads(model, train, out=tmp_path / "b", **kw)
+    assert json.loads((tmp_path / "b" / "_train" / "progress.json").read_text())["epoch"] == 1
+    calls.update(n=0, stop=None)
+    b = train_heads(model, train, out=tmp_path / "b", **kw)  # resumes at epoch 2
+    assert calls["n"] == 5 * per_epoch
+    for x, y in zip(a.state_dict().values(), b.state_dict().values()):
+        assert torch.equal(x, y)  # seeded and resumable: the same heads as the uninterrupted run
+    # the heads learned the model's own continuations (the self-distilled training text)
+    flat = load_file(str(tmp_path / "a" / "_train" / "tokens.safetensors"))
+    seqs = [flat[f"seq_{i}"] for i in range(len(flat))]
+    trained, untrained = th.head_accuracy(a, model, seqs), th.head_accuracy(new_heads(model, 2), model, seqs)
+    assert all(t > u + 0.05 for t, u in zip(trained, untrained)), (trained, untrained)
+    with pytest.raises(ValueError, match="other settings"):
+        train_heads(model, train, out=tmp_path / "a", **{**kw, "lr": 1.0})
