@@ -9,6 +9,7 @@ from .api import SpecModel, available_drafters, compile  # noqa: A004
 from .errors import GraphStructureError, SpeccompError, UnsupportedModelError
 from .models import load_default_model
 from .search import search_drafter
+from .train_heads import train_heads
 
 __version__ = "0.1.0"
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "available_drafters",
     "load_default_model",
     "search_drafter",
+    "train_heads",
     "SpeccompError",
     "UnsupportedModelError",
     "GraphStructureError",
