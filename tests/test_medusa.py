@@ -101,7 +101,6 @@ def test_no_heads_error_says_how_to_train(model, tmp_path, monkeypatch):
 def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    import speccomp.train_heads as th
 
     train = prompts(8, seed=1)
     kw = dict(num_heads=2, max_new_tokens=24, epochs=6, lr=1e-2, batch_size=32, seed=0, eos_token_id=None, progress=False)
@@ -129,7 +128,7 @@ def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
     # the heads learned the model's own continuations (the self-distilled training text)
     flat = load_file(str(tmp_path / "a" / "_train" / "tokens.safetensors"))
     seqs = [flat[f"seq_{i}"] for i in range(len(flat))]
-    trained, untrained = th.head_accuracy(a, model, seqs), th.head_accuracy(new_heads(model, 2), model, seqs)
+    trained, untrained = head_accuracy(a, model, seqs), head_accuracy(new_heads(model, 2), model, seqs)
     assert all(t > u + 0.05 for t, u in zip(trained, untrained)), (trained, untrained)
     with pytest.raises(ValueError, match="other settings"):
         train_heads(model, train, out=tmp_path / "a", **{**kw, "lr": 1.0})
