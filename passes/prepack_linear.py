@@ -48,6 +48,15 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
     return _PACKED[key]
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T through the packed kernel where it applies (float32 CPU, oneDNN), else plain linear.
+
+    For matmuls the runtime does outside a graph (e.g. the Medusa drafter's head projection)."""
+    if available() and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2:
+        return torch.ops.mkldnn._linear_pointwise(x, packed(weight), None, "none", [], "")
+    return torch.nn.functional.linear(x, weight)
+
+
 def _attr(gm: torch.fx.GraphModule, target: str):
     obj = gm
     for part in target.split("."):

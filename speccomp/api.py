@@ -109,8 +109,8 @@ def _default_tree(tree, fallback, dynamic_ok: bool = False, drafter: str = ""):
         raise ValueError(f"tree={tree!r} is not supported by this version yet; pass a choice list or an int k (a chain)")
     if isinstance(spec, DynamicTreeSpec) and not dynamic_ok:
         raise ValueError(
-            f"tree={tree!r}: dynamic trees grow from draft probabilities, which the {drafter!r} drafter does not have; "
-            "use a model drafter (early_exit, layer_skip) or a static tree (a choice list or an int k)"
+            f"tree={tree!r}: the {drafter!r} drafter takes static trees only (a choice list or an int k); "
+            "dynamic trees are grown by the early_exit and layer_skip drafters"
         )
     return spec
 

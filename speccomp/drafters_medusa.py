@@ -72,18 +72,16 @@ class MedusaDrafter(Drafter):
         self.target_passes = [MedusaHeadsPass(heads)]
         self.states = None
         self.top = max(tree.ranks) + 1
-        self._weight = heads.lm_head if heads.tied else None
 
     def take_states(self, states) -> None:
         self.states = states[0]  # [K, H]
 
     def _head_logits(self) -> torch.Tensor:
         with torch.no_grad():
-            if self._weight is not None:
-                from speccomp.passes.prepack_linear import available, packed
+            if self.heads.tied:  # one matmul of K rows against the (packed) LM head
+                from speccomp.passes.prepack_linear import linear
 
-                if available() and self._weight.dtype == torch.float32 and self._weight.device.type == "cpu":
-                    return torch.ops.mkldnn._linear_pointwise(self.states, packed(self._weight), None, "none", [], "")
+                return linear(self.states, self.heads.lm_head)
             return self.heads.project(self.states)
 
     def propose(self, ctx: DraftContext) -> Draft:
