@@ -9,8 +9,8 @@ Expects: a graph on CPU whose `aten.linear` weights are float32 graph attributes
 
 Why: decoding reads every weight for a handful of tokens. PyTorch's default CPU matmul for
 few rows (MKL sgemm) is far from memory bound on some CPUs; measured on this project's AMD
-EPYC (2 threads), the 49152x576 LM head takes 13 ms at 1 row and 25 ms at 4 rows there,
-but ~6 ms at 1-16 rows with the packed oneDNN kernel. Speculative decoding lives on "scoring
+EPYC (2 threads), the 49152x576 LM head takes 13 ms at 1 row and 22 ms at 4 rows there,
+but ~6 ms at both with the packed oneDNN kernel (`python benchmarks/step_cost.py`). Speculative decoding lives on "scoring
 q tokens costs about what scoring 1 does", so this is the lowering that makes it pay on CPU.
 
 Numerics: the same math with a different summation order (fp32 rounding differences,

@@ -80,6 +80,14 @@ def train_heads(
     from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
+    for name, value in (("num_heads", num_heads), ("num_layers", num_layers), ("max_new_tokens", max_new_tokens),
+                        ("epochs", epochs), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    if not prompts:
+        raise ValueError("train_heads needs at least one prompt (token ids) to self-distill from")
     out = Path(out)
     state = _state_dir(out)
     args = {"num_heads": num_heads, "num_layers": num_layers, "max_new_tokens": max_new_tokens, "epochs": epochs,

@@ -132,3 +132,14 @@ def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
     assert all(t > u + 0.05 for t, u in zip(trained, untrained)), (trained, untrained)
     with pytest.raises(ValueError, match="other settings"):
         train_heads(model, train, out=tmp_path / "a", **{**kw, "lr": 1.0})
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(epochs=0), "epochs"), (dict(num_heads=0), "num_heads"), (dict(lr=0.0), "lr"),
+    (dict(batch_size=-1), "batch_size"), (dict(prompts=[]), "at least one prompt"),
+])
+def test_training_rejects_bad_settings(model, tmp_path, bad, match):
+    kw = dict(prompts=prompts(2), out=tmp_path / "x", progress=False, **bad)
+    with pytest.raises(ValueError, match=match):
+        train_heads(model, kw.pop("prompts"), **kw)
+    assert not (tmp_path / "x").exists()  # nothing written before the settings are checked
