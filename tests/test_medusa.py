@@ -139,7 +139,7 @@ def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
     (dict(batch_size=-1), "batch_size"), (dict(prompts=[]), "at least one prompt"),
 ])
 def test_training_rejects_bad_settings(model, tmp_path, bad, match):
-    kw = dict(prompts=prompts(2), out=tmp_path / "x", progress=False, **bad)
+    kw = {"prompts": prompts(2), "out": tmp_path / "x", "progress": False, **bad}
     with pytest.raises(ValueError, match=match):
         train_heads(model, kw.pop("prompts"), **kw)
     assert not (tmp_path / "x").exists()  # nothing written before the settings are checked
