@@ -14,7 +14,13 @@ def lower_onnxruntime(sg):
     return lower(sg)
 
 
-BACKENDS = {"eager": lower_eager, "onnxruntime": lower_onnxruntime}
+def lower_triton(sg):
+    from .triton import lower_triton as lower  # imports triton only when chosen
+
+    return lower(sg)
+
+
+BACKENDS = {"eager": lower_eager, "onnxruntime": lower_onnxruntime, "triton": lower_triton}
 
 
 def lower(sg, backend: str):

@@ -1,0 +1,102 @@
+"""TritonAttention: run every SDPA attention site in the Triton tree-attention kernel.
+
+Expects: SDPA sites the way capture (+ TreeAttention) and GroupedQueryAttention leave them; run
+GroupedQueryAttention first so K and V are the [b, Hkv, kv, D] cache tensors, not repeat_kv copies
+(a graph without it still lowers correctly, the kernel then reads Hq copied heads with G = 1):
+
+    aten.scaled_dot_product_attention(Q [b, Hq, q, D], K [b, Hkv, kv, D], V [b, Hkv, kv, Dv], M,
+                                      scale=s, enable_gqa=True)
+    float32 Q/K/V, M the graph's explicit mask (bool, or additive float), dropout_p == 0, is_causal False
+
+Rewrite (per site):
+
+    before:  Q, K, V, M ──► aten.scaled_dot_product_attention(Q, K, V, M, scale=s, enable_gqa=True) ──►
+    after:   Q, K, V, M ──► speccomp.tree_attention(Q, K, V, M, s) ──►
+
+Same inputs, same output [b, Hq, q, Dv], node metadata kept (module stack, `val`), the Structure
+annotation moved to the new node. The custom op (backends/triton_attention.py) is SDPA with
+enable_gqa semantics: query head h reads KV head h // G, scale None means 1/sqrt(D), and the mask M
+alone decides who sees whom (causal prefix, tree, sliding windows are all in M already).
+
+Refused with GraphStructureError, never lowered to something that computes differently: dropout,
+is_causal=True (causality would have to be in M), no mask, non-float32 attention, and the fused SDPA
+variants (aten._scaled_dot_product_*_attention: other signatures and outputs). Eager attention sites
+(softmax chains, e.g. Gemma2's softcapping) are not SDPA: they stay as they are, correct but not in
+the kernel.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from speccomp.backends.triton_attention import TREE_ATTENTION
+from speccomp.errors import GraphStructureError
+from speccomp.graph import SDPA_OPS, Pass, SpecGraph
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+def sdpa_arguments(node: fx.Node) -> dict:
+    """The SDPA call's arguments by name, defaults filled in (positional or keyword alike)."""
+    return {**_SDPA_DEFAULTS, **dict(zip(_SDPA_ARGS, node.args)), **node.kwargs}
+
+
+class TritonAttention(Pass):
+    name = "triton_attention"
+
+    def sites(self, sg: SpecGraph) -> list[fx.Node]:
+        return [n for n in sg.gm.graph.nodes if n.op == "call_function" and n.target is SDPA]
+
+    def check(self, sg: SpecGraph) -> None:
+        for node in sg.gm.graph.nodes:
+            if node.op == "call_function" and node.target in SDPA_OPS and node.target is not SDPA:
+                raise GraphStructureError(
+                    f"{node.name}: TritonAttention lowers aten.scaled_dot_product_attention, found the fused variant "
+                    f"{node.target}; lower the graph before any pass that picks an SDPA kernel"
+                )
+        for node in self.sites(sg):
+            a = sdpa_arguments(node)
+            where = f"attention {node.name}"
+            if a["attn_mask"] is None:
+                raise GraphStructureError(f"{where} has no mask; the Triton kernel applies the graph's explicit mask")
+            if not (isinstance(a["dropout_p"], (int, float)) and a["dropout_p"] == 0):
+                raise GraphStructureError(f"{where} has dropout_p={a['dropout_p']}; the Triton kernel has no dropout")
+            if a["is_causal"] is not False:
+                raise GraphStructureError(
+                    f"{where} has is_causal={a['is_causal']}; the Triton kernel applies the mask alone, so causality "
+                    "must be in the mask (as speccomp's capture builds it)"
+                )
+            if not (a["scale"] is None or isinstance(a["scale"], (int, float))):
+                raise GraphStructureError(f"{where}: scale {a['scale']!r} is not a constant number")
+            q, k, v = (a[n].meta.get("val") if isinstance(a[n], fx.Node) else None for n in ("query", "key", "value"))
+            if q is None or k is None or v is None:
+                raise GraphStructureError(f"{where}: query/key/value carry no shape metadata (meta['val'])")
+            if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+                dims = f"{q.dim()}-D, {k.dim()}-D, {v.dim()}-D"
+                raise GraphStructureError(f"{where}: expected 4-D [b, heads, seq, dim] query/key/value, got {dims}")
+            if {q.dtype, k.dtype, v.dtype} != {torch.float32}:
+                raise GraphStructureError(
+                    f"{where}: the Triton kernel computes in float32, got {q.dtype}/{k.dtype}/{v.dtype}"
+                )
+            hq, hkv = q.shape[1], k.shape[1]
+            if isinstance(hq, int) and isinstance(hkv, int) and hq % hkv:
+                raise GraphStructureError(f"{where}: {hq} query heads is not a multiple of {hkv} KV heads")
+
+    def rewrite(self, sg: SpecGraph) -> None:
+        graph = sg.gm.graph
+        for node in self.sites(sg):
+            a = sdpa_arguments(node)
+            with graph.inserting_after(node):
+                new = graph.call_function(
+                    TREE_ATTENTION, (a["query"], a["key"], a["value"], a["attn_mask"], a["scale"])
+                )
+            new.meta.update(node.meta)  # module stack, stack trace, val: the output is the same tensor
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            for site in sg.structure.attention:  # keep the annotation pointing at live nodes
+                if site.node is node:
+                    site.node = new
+                if site.mask_user is node:
+                    site.mask_user = new
