@@ -10,6 +10,7 @@ from .errors import GraphStructureError, SpeccompError, UnsupportedModelError
 from .models import load_default_model
 from .search import search_drafter
 from .train_heads import train_heads
+from .autotune import autotune
 
 __version__ = "0.1.0"
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "load_default_model",
     "search_drafter",
     "train_heads",
+    "autotune",
     "SpeccompError",
     "UnsupportedModelError",
     "GraphStructureError",

@@ -79,8 +79,17 @@ class SpecModel:
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        acceptance: str = "exact",
     ) -> torch.Tensor:
+        """acceptance: "exact" (lossless: greedy equality / rejection sampling) or "typical-lossy"
+        (Medusa's typical acceptance with do_sample=True; LOSSY, the text no longer follows the model's
+        distribution; `last_stats["lossless"]` says which ran)."""
         input_ids = self._check_inputs(input_ids, max_new_tokens, temperature, top_p)
+        _choice("acceptance", acceptance, ("exact", "typical-lossy"))
+        if acceptance != "exact" and not do_sample:
+            raise ValueError("acceptance='typical-lossy' only changes sampling; with greedy decoding use the exact default")
+        if acceptance != "exact" and self.drafter is None:
+            raise ValueError("acceptance='typical-lossy' needs a drafter (plain decoding accepts nothing)")
         if eos_token_id is None:
             eos = set()
         elif isinstance(eos_token_id, int):
@@ -92,9 +101,10 @@ class SpecModel:
             new, stats = decode_plain(self.step, self.kv, input_ids, max_new_tokens, eos, sampler)
         else:
             new, stats = decode_speculative(
-                self.step, self.drafter, self.kv, input_ids, max_new_tokens, eos, sampler, self.max_tree
+                self.step, self.drafter, self.kv, input_ids, max_new_tokens, eos, sampler, self.max_tree, acceptance
             )
         self.last_stats = stats.as_dict()
+        self.last_stats.update(acceptance=acceptance, lossless=acceptance == "exact")
         return torch.cat([input_ids, new[None]], dim=1)
 
 
@@ -106,11 +116,11 @@ def _default_tree(tree, fallback, dynamic_ok: bool = False, drafter: str = ""):
         return fallback
     spec = parse_tree_spec(tree)
     if isinstance(spec, AutoTreeSpec):
-        raise ValueError(f"tree={tree!r} is not supported by this version yet; pass a choice list or an int k (a chain)")
+        raise ValueError(f"tree={tree!r} is resolved by speccomp.compile for named drafters only; pass a choice list or an int k (a chain)")
     if isinstance(spec, DynamicTreeSpec) and not dynamic_ok:
         raise ValueError(
             f"tree={tree!r}: the {drafter!r} drafter takes static trees only (a choice list or an int k); "
-            "dynamic trees are grown by the early_exit and layer_skip drafters"
+            "dynamic trees are grown by the early_exit, layer_skip and hydra drafters"
         )
     return spec
 
@@ -121,15 +131,22 @@ def compile(  # noqa: A001
     drafter=None,
     tree=None,
     kv_cache=None,
+    kv_mode: str | None = None,
     backend: str = "eager",
     drafter_options: dict | None = None,
 ) -> SpecModel:
     """Capture `model` with torch.export, rewrite the graph for speculative decoding, lower it.
 
     drafter: None (plain decoding), a name from `available_drafters()`, or a `Drafter` object.
-    tree: token tree for the drafter: a Medusa-style choice list or an int k (a chain of k).
+    tree: token tree for the drafter: a Medusa-style choice list, an int k (a chain of k), "dynamic:B:K", or
+        "auto" (the tree `speccomp autotune` stored for this model, drafter, backend and machine).
     drafter_options: options of the named drafter (e.g. {"exit_layer": 12}, {"skip": [3, 5]}).
     backend: "eager" (FX graph with CPU lowering passes) or "onnxruntime" (exported ONNX, ORT sessions).
+    kv_cache: None (full cache) or a compression policy "POLICY[:BUDGET]": "sink:256", "snapkv:512", "h2o:512",
+        "kivi4", "kivi2", ... (speccomp/kv_policies.py). kv_mode: "draft" (default with a policy; lossless: the
+        model drafts for itself over the compressed cache and verifies against the full one, tree= shapes its
+        drafts) or "target" (LOSSY: the model itself reads the compressed cache; plain decoding, `last_stats`
+        says lossless=False; `.quality(ids, prompt_length)` measures perplexity and KL to the full cache).
     """
     from speccomp.backends import BACKENDS, lower
     from speccomp.passes.tree_attention import TreeAttention
@@ -137,16 +154,31 @@ def compile(  # noqa: A001
     from .speculative import Drafter
 
     _choice("backend", backend, BACKENDS)
+    if kv_cache is not None or kv_mode is not None:  # mode (a): the model drafts over its compressed cache
+        from .drafters_kv import check_kv_options, compile_kv_draft
+
+        policy, mode = check_kv_options(kv_cache, kv_mode, drafter)
+        base = SpecGraph.from_captured(capture(model))
+        base.model = model
+        if mode == "target":  # LOSSY: the target itself reads the compressed cache
+            from .kv_target import compile_kv_target
+
+            if tree is not None or drafter_options:
+                raise ValueError("kv_mode='target' decodes without a drafter; drop tree= and drafter_options=")
+            return compile_kv_target(base, policy, backend)
+        return compile_kv_draft(base, policy, tree, backend, drafter_options)
     if drafter is not None and not isinstance(drafter, Drafter):
         _choice("drafter", drafter, DRAFTERS)
     if drafter is None and tree is not None:
         raise ValueError("tree= shapes the drafter's token tree; give a drafter too (see speccomp.available_drafters())")
     if drafter is None and drafter_options:
         raise ValueError("drafter_options= given without a drafter")
-    if kv_cache is not None:
-        raise ValueError(f"unknown kv_cache {kv_cache!r}; accepted values: [None]")
     if drafter_options is not None and not isinstance(drafter_options, dict):
         raise ValueError(f"drafter_options must be a dict, got {type(drafter_options).__name__}")
+    from .autotune import is_auto, resolve_auto
+
+    if is_auto(tree):  # the tree `speccomp autotune` stored for this model, drafter, backend and machine
+        tree, drafter_options = resolve_auto(model, drafter, backend, drafter_options)
 
     base = SpecGraph.from_captured(capture(model))
     base.model = model  # drafters that look things up per model (stored heads, searches) need it
@@ -241,3 +273,12 @@ def _medusa(base: SpecGraph, options: dict, tree, backend: str):
 
 
 DRAFTERS["medusa"] = _medusa
+
+
+def _hydra(base: SpecGraph, options: dict, tree, backend: str):
+    from .drafters_medusa import make_hydra
+
+    return make_hydra(base, options, _default_tree(tree, None, dynamic_ok=True, drafter="hydra"))
+
+
+DRAFTERS["hydra"] = _hydra

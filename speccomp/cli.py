@@ -121,7 +121,7 @@ def cmd_search(args) -> int:
 
 
 def cmd_train_heads(args) -> int:
-    """Train Medusa heads for the default model on its own replies to prompt files; store them."""
+    """Train Medusa or Hydra heads for the default model on its own replies to prompt files; store them."""
     from pathlib import Path
 
     from .drafters_medusa import heads_dir
@@ -134,11 +134,34 @@ def cmd_train_heads(args) -> int:
     if not files:
         raise ValueError("no training prompts: give --prompts FILE.jsonl [...] (e.g. ../shared/data/prompts/alpaca.jsonl)")
     prompts = [chat_ids(tok, p.text) for f in files for p in load_prompts(f, limit=args.limit)]
-    out = Path(args.out) if args.out else heads_dir(model)
-    print(f"training {args.heads} Medusa heads on {len(prompts)} prompts from {files} -> {out}", file=sys.stderr)
-    train_heads(model, prompts, out=out, num_heads=args.heads, max_new_tokens=args.max_new_tokens, epochs=args.epochs,
-                lr=args.lr, seed=args.seed, eos_token_id=tok.eos_token_id, base_model=args.model)
-    print(f"heads written to {out}; speccomp.compile(model, drafter='medusa') finds them there")
+    out = Path(args.out) if args.out else heads_dir(model, args.kind)
+    print(f"training {args.heads} {args.kind} heads on {len(prompts)} prompts from {files} -> {out}", file=sys.stderr)
+    train_heads(model, prompts, out=out, kind=args.kind, num_heads=args.heads, num_layers=args.layers,
+                max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, seed=args.seed,
+                draft_vocab=args.draft_vocab, sampled=args.sampled, eos_token_id=tok.eos_token_id, base_model=args.model)
+    print(f"heads written to {out}; speccomp.compile(model, drafter={args.kind!r}) finds them there")
+    return 0
+
+
+def cmd_autotune(args) -> int:
+    """Measure acceptance and step costs of a drafter on this machine; store the fastest tree for tree="auto"."""
+    from .autotune import REPORT_SIZES, autotune, plot_report
+    from .models import chat_ids
+    from .prompts import load_prompts
+
+    model, tok = _load(args)
+    files = args.prompts or [None]  # None: the prompts shipped with speccomp
+    prompts = [chat_ids(tok, p.text) for f in files for p in load_prompts(f, limit=args.limit)]
+    result = autotune(
+        model, args.drafter, prompts, backend=args.backend, max_nodes=args.max_nodes, max_depth=args.max_depth,
+        ranks=args.ranks, mode=args.mode, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id,
+        repeats=args.repeats, measure_sizes=list(REPORT_SIZES) if args.report else None, progress=True,
+    )
+    print(result.summary())
+    if args.report:
+        print(f"report written to {plot_report(result, args.report)}")
+    print(f"speccomp.compile(model, drafter={args.drafter!r}, tree='auto') now uses this tree on this machine "
+          f"(backend {args.backend!r}, {result.key['threads']} threads)")
     return 0
 
 
@@ -175,17 +198,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse", action="store_true", help="do nothing when this machine already has a stored result")
     p.set_defaults(func=cmd_search)
 
-    p = sub.add_parser("train-heads", help="train Medusa heads (frozen model, its own replies as data) on CPU")
+    p = sub.add_parser("train-heads", help="train Medusa or Hydra heads (frozen model, its own replies as data) on CPU")
     common(p)
-    p.set_defaults(max_new_tokens=128)
+    p.set_defaults(max_new_tokens=256)
+    p.add_argument("--kind", choices=["medusa", "hydra"], default="medusa", help="head type (default medusa)")
     p.add_argument("--prompts", nargs="+", default=None, help="JSONL prompt files (default: alpaca and humaneval from ../shared/data/prompts)")
-    p.add_argument("--limit", type=int, default=60, help="prompts per file (default 60)")
+    p.add_argument("--limit", type=int, default=None, help="prompts per file (default: all)")
     p.add_argument("--heads", type=int, default=4, help="number of heads (default 4)")
+    p.add_argument("--layers", type=int, default=1, help="ResBlocks per head (default 1)")
     p.add_argument("--epochs", type=int, default=3, help="training epochs (default 3)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate, decayed linearly (default 1e-3)")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="hydra: tokens the heads score (default 8192)")
+    p.add_argument("--sampled", type=int, default=1, help="sampled replies per prompt besides the greedy one (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed (data order, init)")
     p.add_argument("--out", default=None, help="output directory (default: the user cache, where compile looks)")
     p.set_defaults(func=cmd_train_heads)
+
+    p = sub.add_parser("autotune", help="pick a drafter's token tree by measured acceptance and step costs on this machine (for tree='auto')")
+    common(p)
+    p.set_defaults(drafter="token_recycling", max_new_tokens=64)
+    p.add_argument("--prompts", nargs="+", default=None, help="JSONL calibration prompt files (default: prompts shipped with speccomp)")
+    p.add_argument("--limit", type=int, default=4, help="prompts per file (default 4)")
+    p.add_argument("--max-nodes", type=int, default=64, help="largest tree considered, root included (default 64)")
+    p.add_argument("--max-depth", type=int, default=6, help="deepest draft measured and considered (default 6)")
+    p.add_argument("--ranks", type=int, default=8, help="candidates per node measured and considered (default 8)")
+    p.add_argument("--mode", choices=["auto", "static", "dynamic"], default="auto", help="static DP trees, dynamic (EAGLE-2) budgets, or both (auto, default)")
+    p.add_argument("--repeats", type=int, default=5, help="timing repeats per tree size (median; default 5)")
+    p.add_argument("--report", default=None, metavar="PNG", help="also decode trees of several sizes and write a PNG: latency, acceptance, predicted vs measured tok/s")
+    p.set_defaults(func=cmd_autotune)
 
     from .bench import add_bench_parser  # the bench subcommand (options + handler) lives in speccomp/bench.py
 

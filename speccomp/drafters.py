@@ -109,15 +109,22 @@ class GraphDrafter(Drafter):
                     depth.append(d + 1)
                     new.append(len(token) - 1)
             frontier = sorted(new, key=lambda c: -score[c])[: spec.top_k]
-        # the tree: the `budget` likeliest candidates (prefix-closed), ordered by depth (BFS)
-        order = sorted(range(1, len(token)), key=lambda c: (-score[c], depth[c], c))
-        chosen = {0}
-        for c in order:
-            if len(chosen) > budget:
-                break
-            if parent[c] in chosen:
-                chosen.add(c)
-        nodes = sorted(chosen, key=lambda c: (depth[c], -score[c], c))
-        index = {c: i for i, c in enumerate(nodes)}
-        tree = Tree.from_parents([-1] + [index[parent[c]] for c in nodes[1:]])
-        return Draft(tree, torch.tensor([token[c] for c in nodes], dtype=torch.long))
+        return select_tree(parent, token, score, depth, budget)
+
+
+def select_tree(parent: list[int], token: list[int], score: list[float], depth: list[int], budget: int) -> Draft:
+    """The draft of the `budget` likeliest candidates (prefix-closed, BFS order) of a grown candidate set.
+
+    Candidate 0 is the root; parent[c] < c; score = cumulative log-probability (never above the parent's).
+    """
+    order = sorted(range(1, len(token)), key=lambda c: (-score[c], depth[c], c))
+    chosen = {0}
+    for c in order:
+        if len(chosen) > budget:
+            break
+        if parent[c] in chosen:
+            chosen.add(c)
+    nodes = sorted(chosen, key=lambda c: (depth[c], -score[c], c))
+    index = {c: i for i, c in enumerate(nodes)}
+    tree = Tree.from_parents([-1] + [index[parent[c]] for c in nodes[1:]])
+    return Draft(tree, torch.tensor([token[c] for c in nodes], dtype=torch.long))

@@ -1,4 +1,9 @@
-"""MedusaDrafter: draft a token tree from the Medusa head states of the last accepted token.
+"""Head drafters: draft a token tree from the target's last hidden state with trained heads.
+
+MedusaDrafter (below) and HydraDrafter (further down) share where heads come from and the
+`wants_states` hook through which the runtime hands them the newest token's outputs.
+
+MedusaDrafter:
 
 The target graph (after the MedusaHeads pass) returns head states [K, H] for every token; the
 runtime hands the drafter those of the newest token (`take_states`). Drafting is then one
@@ -7,7 +12,9 @@ gets head d-1's rank-r token (Medusa's cartesian trees; the tree's depth must be
 target forward: the heads ran inside the verification that just happened.
 
 Where heads come from (first found): drafter_options={"heads": DIR}; the user cache
-`<speccomp cache>/heads/<model fingerprint>/`; heads shipped in the package for the default model.
+`<speccomp cache>/<kind dir>/<model fingerprint>/`; heads shipped in the package for the default
+model (`speccomp/data/<kind dir>/<fingerprint>/`), where the kind dir is `heads` for Medusa (the
+name predates Hydra) and `hydra` for Hydra.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import torch
 
 from .medusa import HeadsError, MedusaHeads, load_medusa
 from .models import cache_dir
+from .drafters import LOG_MIN_PROB, MAX_DYNAMIC_DEPTH, select_tree
 from .speculative import Draft, DraftContext, Drafter, truncate
 from .tree import Tree
 
@@ -30,30 +38,34 @@ DEFAULT_MEDUSA_TREE = [
 ]  # fmt: skip
 
 
-def heads_dir(model) -> Path:
-    """Where `speccomp train-heads` stores heads for `model` (the user cache)."""
+HEAD_KINDS = {"medusa": "heads", "hydra": "hydra"}  # kind -> directory name under the caches
+
+
+def heads_dir(model, kind: str = "medusa") -> Path:
+    """Where `speccomp train-heads` stores heads of `kind` for `model` (the user cache)."""
     from .search import fingerprint
 
-    return cache_dir() / "heads" / fingerprint(model)
+    return cache_dir() / HEAD_KINDS[kind] / fingerprint(model)
 
 
-def shipped_heads_dir(model) -> Path | None:
+def shipped_heads_dir(model, kind: str = "medusa") -> Path | None:
     from .search import fingerprint
 
-    path = resources.files("speccomp").joinpath(f"data/heads/{fingerprint(model)}")
+    path = resources.files("speccomp").joinpath(f"data/{HEAD_KINDS[kind]}/{fingerprint(model)}")
     return Path(str(path)) if path.is_dir() else None
 
 
-def find_heads(model, path=None) -> Path:
+def find_heads(model, path=None, kind: str = "medusa") -> Path:
     if path is not None:
         return Path(path)
-    for candidate in (heads_dir(model), shipped_heads_dir(model)):
+    for candidate in (heads_dir(model, kind), shipped_heads_dir(model, kind)):
         if candidate is not None and (candidate / "config.json").exists():
             return candidate
+    layout = " (FasterDecoding/Medusa's layout)" if kind == "medusa" else ""
     raise HeadsError(
-        "no Medusa heads for this model: train them with `speccomp train-heads` (default model), or "
-        "`speccomp.train_heads(model, tokenizer)` in Python, or pass drafter_options={'heads': DIR} "
-        "for heads in FasterDecoding/Medusa's layout"
+        f"no {kind.capitalize()} heads for this model: train them with `speccomp train-heads --kind {kind}` "
+        f"(default model), or `speccomp.train_heads(model, prompts, out=DIR, kind={kind!r})` in Python, "
+        f"or pass drafter_options={{'heads': DIR}} for heads saved elsewhere{layout}"
     )
 
 
@@ -73,8 +85,10 @@ class MedusaDrafter(Drafter):
         self.states = None
         self.top = max(tree.ranks) + 1
 
+    wants_states = True
+
     def take_states(self, states) -> None:
-        self.states = states[0]  # [K, H]
+        self.states = states[1]  # (hidden [H], medusa_states [K, H])
 
     def _head_logits(self) -> torch.Tensor:
         with torch.no_grad():
@@ -95,6 +109,99 @@ class MedusaDrafter(Drafter):
         return Draft(tree, tokens)
 
 
+class HydraDrafter(Drafter):
+    """Grow the tree depth by depth: head d reads each depth-d node's state and token, scores its children.
+
+    Static trees: node c gets its parent's rank-r candidate (r = tree.ranks[c]); the tree's depth must be
+    <= K. Dynamic trees (`DynamicTreeSpec`, EAGLE-2): the `top_k` likeliest frontier nodes (cumulative
+    head probability) expand each depth; the step's tree is the `budget` likeliest candidates.
+    """
+
+    name = "hydra"
+    wants_states = True
+
+    def __init__(self, heads, tree):
+        from .tree import DynamicTreeSpec
+
+        if isinstance(tree, Tree) and tree.max_depth > heads.num_heads:
+            raise ValueError(
+                f"the tree is {tree.max_depth} deep but there are {heads.num_heads} Hydra heads (one per depth); "
+                f"use a tree at most {heads.num_heads} deep"
+            )
+        if not isinstance(tree, (Tree, DynamicTreeSpec)):
+            raise TypeError(f"tree must be a Tree or a DynamicTreeSpec, got {type(tree).__name__}")
+        self.heads, self.tree = heads, tree
+        self.h = None
+
+    def take_states(self, states) -> None:
+        self.h = states[0]  # the target's final hidden state [H] at the newest token
+
+    def _expand(self, d: int, states: torch.Tensor, tokens: list[int]):
+        """Head d on nodes (states [n, H], tokens) -> (child states [n, H], log-probs [n, Vd])."""
+        from speccomp.passes.prepack_linear import linear
+
+        with torch.no_grad():
+            z = self.heads.step(d, states, torch.tensor(tokens))
+            return z, linear(z, self.heads.draft_lm).log_softmax(-1)
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        if isinstance(self.tree, Tree):
+            return self._propose_static(ctx)
+        spec = self.tree
+        budget = min(spec.budget, ctx.max_nodes - 1)
+        max_depth = min(MAX_DYNAMIC_DEPTH, self.heads.num_heads, ctx.max_depth, budget)
+        vocab = self.heads.draft_vocab
+        parent, token, score, depth = [-1], [ctx.tokens[-1]], [0.0], [0]
+        state = {0: self.h[None]}  # candidate -> the state its head reads (its parent's output)
+        frontier = [0]
+        for d in range(max_depth):
+            z, logp = self._expand(d, torch.cat([state[c] for c in frontier]), [token[c] for c in frontier])
+            top_p, top = logp.topk(spec.top_k, dim=-1)  # [k, top_k]
+            new = []
+            for i, c in enumerate(frontier):
+                for r in range(spec.top_k):
+                    parent.append(c)
+                    token.append(int(vocab[top[i, r]]))
+                    score.append(score[c] + float(top_p[i, r]))
+                    depth.append(d + 1)
+                    state[len(token) - 1] = z[i : i + 1]
+                    new.append(len(token) - 1)
+            frontier = sorted(new, key=lambda c: -score[c])[: spec.top_k]
+            if max(score[c] for c in frontier) < LOG_MIN_PROB:
+                break
+        return select_tree(parent, token, score, depth, budget)
+
+    def _propose_static(self, ctx: DraftContext) -> Draft:
+        tree, _ = truncate(self.tree, ctx.max_depth, ctx.max_nodes)
+        vocab = self.heads.draft_vocab
+        tokens = [0] * tree.size
+        tokens[0] = ctx.tokens[-1]
+        state = {0: self.h[None]}
+        depth = tree.depth.tolist()
+        for d in range(tree.max_depth):
+            nodes = [u for u in range(tree.size) if depth[u] == d and tree.children[u]]
+            z, logp = self._expand(d, torch.cat([state[u] for u in nodes]), [tokens[u] for u in nodes])
+            for i, u in enumerate(nodes):
+                ranks = logp[i].topk(max(tree.ranks[c] for c in tree.children[u]) + 1).indices
+                for c in tree.children[u]:
+                    tokens[c] = int(vocab[ranks[tree.ranks[c]]])
+                    state[c] = z[i : i + 1]
+        return Draft(tree, torch.tensor(tokens, dtype=torch.long))
+
+
+def make_hydra(base, options: dict, tree) -> HydraDrafter:
+    from .hydra import load_hydra
+    from .tree import DynamicTreeSpec
+
+    path = options.pop("heads", None)
+    if options:
+        raise ValueError(f"unknown hydra options {sorted(options)}; accepted: ['heads']")
+    if base.model is None:
+        raise ValueError("the hydra drafter needs the model (speccomp.compile passes it)")
+    heads = load_hydra(find_heads(base.model, path, "hydra"), base.model)
+    return HydraDrafter(heads, tree if tree is not None else DynamicTreeSpec(16, 4))
+
+
 def make_medusa(base, options: dict, tree) -> MedusaDrafter:
     path = options.pop("heads", None)
     if options:
@@ -102,5 +209,5 @@ def make_medusa(base, options: dict, tree) -> MedusaDrafter:
     model = base.model
     if model is None:
         raise ValueError("the medusa drafter needs the model (speccomp.compile passes it)")
-    heads = load_medusa(find_heads(model, path), model)
+    heads = load_medusa(find_heads(model, path, "medusa"), model)
     return MedusaDrafter(heads, tree if tree is not None else Tree.from_choices(DEFAULT_MEDUSA_TREE))

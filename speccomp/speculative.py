@@ -22,7 +22,7 @@ import torch
 from .capture import KVSpec
 from .runtime import KVCache, Stats
 from .sampling import Sampler
-from .tree import Tree, greedy_accept, sample_accept
+from .tree import Tree, greedy_accept, sample_accept, typical_accept_lossy
 
 
 @dataclass
@@ -56,10 +56,12 @@ class Drafter:
     def observe(self, draft: Draft, path: list[int], target_logits: torch.Tensor) -> None:
         """After verification: the accepted `path` and the target's logits [n, V] at every node."""
 
+    wants_states = False  # True: the runtime calls take_states after every target forward
+
     def take_states(self, states: tuple) -> None:
-        """The target's extra outputs (e.g. Medusa head states) at the newest token: after the prefill
-        its last prompt token, after a verification the last accepted node. Only for target graphs
-        with more than the three standard outputs."""
+        """The target's outputs from `hidden` on (hidden [H], then extra outputs of passes, e.g. Medusa
+        head states [K, H]) at the newest token: after the prefill its last prompt token, after a
+        verification the last accepted node. Called only when `wants_states` is True."""
 
 
 ROOT_ONLY = Tree.from_parents((-1,))
@@ -91,9 +93,12 @@ def prefill(target, cache: KVCache, prompt: torch.Tensor):
 
 def decode_speculative(
     target, drafter: Drafter, kv: KVSpec, prompt: torch.Tensor, max_new_tokens: int, eos: set[int],
-    sampler: Sampler, max_tree: int,
+    sampler: Sampler, max_tree: int, acceptance: str = "exact",
 ):
-    """Lossless speculative decoding. Returns (new tokens [m], Stats with per-depth acceptance)."""
+    """Lossless speculative decoding. Returns (new tokens [m], Stats with per-depth acceptance).
+
+    acceptance="typical-lossy" (sampling only) swaps the exact rejection sampler for Medusa's typical
+    acceptance: faster at high temperature, but the output no longer follows the model's distribution."""
     stats = Stats()
     start = time.perf_counter()
     device = prompt.device
@@ -101,8 +106,8 @@ def decode_speculative(
     cache = KVCache(kv, n + max_new_tokens + max_tree + 1, device)
     outs = prefill(target, cache, prompt)
     logits = outs[0]
-    if len(outs) > 3:
-        drafter.take_states(tuple(x[0, -1] for x in outs[3:]))
+    if drafter.wants_states:
+        drafter.take_states(tuple(x[0, -1] for x in outs[2:]))
     stats.prefill_seconds = time.perf_counter() - start
     out = [int(sampler(logits[0, -1]))]
     stats.steps = 1  # the prefill produced the first token
@@ -123,14 +128,16 @@ def decode_speculative(
         with torch.no_grad():
             outs = target(tokens[None].to(device), tree.positions(past, device), mask, cache.past(), tree.mask.to(device))
         logits, new_kv = outs[0][0], outs[1]  # logits [n, V]
-        if sampler.do_sample:
+        if acceptance == "typical-lossy":
+            path, bonus = typical_accept_lossy(tree, tokens, sampler.probs(logits), generator=sampler.generator)
+        elif sampler.do_sample:
             path, bonus = sample_accept(tree, tokens, sampler.probs(logits), draft_probs, sampler.generator)
         else:
             path, bonus = greedy_accept(tree, tokens, logits.argmax(-1))
         cache.append(new_kv, keep=torch.tensor(path, device=device))
         drafter.observe(draft, path, logits)
-        if len(outs) > 3:
-            drafter.take_states(tuple(x[0, path[-1]] for x in outs[3:]))
+        if drafter.wants_states:
+            drafter.take_states(tuple(x[0, path[-1]] for x in outs[2:]))
         stats.steps += 1
         depth = int(tree.max_depth)
         while len(proposed_at_depth) < depth:

@@ -1,15 +1,22 @@
-"""Train Medusa heads on CPU (Medusa-1: frozen backbone) on the model's own outputs.
+"""Train Medusa or Hydra heads on CPU (frozen backbone) on the model's own outputs.
 
-    heads = speccomp.train_heads(model, prompts=[ids, ...], out="heads/")
+    heads = speccomp.train_heads(model, prompts=[ids, ...], out="heads/", kind="hydra")
 
-1. Self-distillation data: the model's own greedy continuation of each prompt (decoded with
-   speccomp, token_recycling, so it is fast and exactly the model's greedy text).
-2. Hidden states: one forward of the plain compiled graph over prompt + continuation gives the
-   final hidden state h_t of every position (cached in memory; the backbone is frozen).
-3. Heads: head k learns to predict token t + k + 2 from h_t (cross-entropy, weight 0.8^k, as
-   Medusa), with AdamW; the projection is the frozen LM head, so only K x (H x H + H) weights train.
+1. Self-distillation text: the model's own greedy reply to each prompt, plus `sampled` replies
+   sampled at `temperature` (more, and more varied, text for the same prompts). HF models decode
+   a batch of prompts at once (left-padded `generate`; on CPU a batch of 16 costs little more
+   than one sequence), other modules one prompt at a time through speccomp.
+2. One forward of the plain compiled graph over prompt + reply gives, at every position, the final
+   hidden state h_t and the model's greedy next token g_t (its argmax): the labels. Labels come
+   from the model, not from the text, so a sampled reply teaches exactly what verification
+   checks: after the tokens x_{t+1} .. x_{t+k+1} of a path, the target accepts g_{t+k+1}.
+3. Heads: head k learns g_{t+k+1} from h_t (Medusa) or from h_t and x_{t+1} .. x_{t+k+1} (Hydra,
+   teacher-forced), over reply positions, cross-entropy weighted 0.8^k as in Medusa, AdamW with a
+   linearly decaying learning rate. Projections are the frozen LM head, so only the heads'
+   small matrices train. Hydra scores a draft vocabulary: the `draft_vocab` most frequent labels
+   (others are skipped), which makes training and drafting several times cheaper (speccomp/hydra.py).
 
-Resumable: after the data step and after every epoch the state goes to `out/_train/` (tokens,
+Resumable: after every data batch and every epoch the state goes to `out/_train/` (tokens,
 heads, optimizer moments as safetensors, progress as JSON); a rerun with the same arguments
 continues where it stopped. Deterministic for a seed (shuffling uses its own generator).
 """
@@ -23,6 +30,9 @@ import torch
 
 from .medusa import MedusaHeads, new_heads, save_medusa
 
+KINDS = ("medusa", "hydra")
+DISTILL_BATCH = 32  # prompts decoded together by HF generate
+
 
 def _state_dir(out: Path) -> Path:
     d = out / "_train"
@@ -30,18 +40,84 @@ def _state_dir(out: Path) -> Path:
     return d
 
 
-def _self_distill(model, prompts, max_new_tokens: int, eos, progress: bool) -> list[torch.Tensor]:
-    import speccomp
-    from tqdm import tqdm
-
-    fast = speccomp.compile(model, drafter="token_recycling")
+def _generate_batch(model, batch: list[torch.Tensor], max_new_tokens: int, eos, temperature: float = 0.0,
+                    seed: int = 0) -> list[torch.Tensor]:
+    """Continuations of `batch` (1-D id tensors), greedy or sampled at `temperature`: prompt + reply up to
+    and including eos."""
+    width = max(len(p) for p in batch)
+    pad = 0
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for i, p in enumerate(batch):  # left padding: every reply starts at column `width`
+        ids[i, width - len(p):] = p
+        mask[i, width - len(p):] = 1
+    if eos is None:  # HF then stops at the model's own eos ids and pads after them: cut there
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
+    torch.manual_seed(seed)  # sampled replies are reproducible
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                             pad_token_id=pad, **sampling)
     seqs = []
-    for ids in tqdm(prompts, desc="self-distill", disable=not progress):
-        seqs.append(fast.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos)[0])
+    eos_set = set([eos] if isinstance(eos, int) else (eos or []))
+    for i, p in enumerate(batch):
+        reply = out[i, width:].tolist()
+        for j, t in enumerate(reply):
+            if t in eos_set:
+                reply = reply[: j + 1]
+                break
+        seqs.append(torch.cat([p, torch.tensor(reply, dtype=torch.long)]))
     return seqs
 
 
-def _hidden_states(model, seqs, progress: bool) -> list[torch.Tensor]:
+def _self_distill(model, prompts, max_new_tokens: int, eos, progress: bool, state: Path, sampled: int = 0,
+                  temperature: float = 0.8, seed: int = 0):
+    """The model's replies to `prompts` (greedy, then `sampled` sampled ones per prompt) as (sequence, reply
+    start) pairs, saved batch by batch so an interrupted run keeps them."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    data_file = state / "tokens.safetensors"
+    seqs, starts = distilled_text(state.parent) if data_file.exists() else ([], [])
+    jobs = []  # (prompts, temperature, seed) per batch
+    for r in range(1 + sampled):
+        step = DISTILL_BATCH if hasattr(model, "generate") else 1
+        for i in range(0, len(prompts), step):
+            jobs.append((prompts[i : i + step], 0.0 if r == 0 else temperature, seed + 1000 * r + i))
+    if hasattr(model, "generate"):
+        decode = lambda batch, t, sd: _generate_batch(model, batch, max_new_tokens, eos, t, sd)  # noqa: E731
+    else:  # a plain module: one prompt at a time through speccomp
+        import speccomp
+
+        plain = speccomp.compile(model)
+        decode = lambda batch, t, sd: [plain.generate(batch[0], max_new_tokens=max_new_tokens, eos_token_id=eos,  # noqa: E731
+                                                      do_sample=t > 0, temperature=t or 1.0, seed=sd)[0]]
+    done = 0
+    with tqdm(total=len(prompts) * (1 + sampled), desc="self-distill", disable=not progress) as bar:
+        for batch, temp, sd in jobs:
+            if done + len(batch) > len(seqs):  # not decoded before an interruption
+                seqs.extend(decode(batch, temp, sd))
+                starts.extend(len(p) for p in batch)
+                flat = {f"seq_{i}": x.contiguous() for i, x in enumerate(seqs)}
+                flat.update({f"start_{i}": torch.tensor(st) for i, st in enumerate(starts)})
+                save_file(flat, str(data_file))
+            done += len(batch)
+            bar.update(len(batch))
+    return seqs, starts
+
+
+def distilled_text(out) -> tuple[list[torch.Tensor], list[int]]:
+    """The self-distilled sequences stored by a (finished or interrupted) run into `out`, and where each
+    reply starts."""
+    from safetensors.torch import load_file
+
+    flat = load_file(str(Path(out) / "_train" / "tokens.safetensors"))
+    n = len(flat) // 2
+    return [flat[f"seq_{i}"] for i in range(n)], [int(flat[f"start_{i}"]) for i in range(n)]
+
+
+def _hidden_states(model, seqs, progress: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence: final hidden states h [n, H] and the model's greedy next token after every position [n]."""
     import speccomp
     from tqdm import tqdm
 
@@ -52,64 +128,99 @@ def _hidden_states(model, seqs, progress: bool) -> list[torch.Tensor]:
         for s in tqdm(seqs, desc="hidden states", disable=not progress):
             n = s.shape[0]
             empty = torch.zeros(*kv.shape(0), dtype=kv.dtype)
-            _, _, h = plain.step(s[None], torch.arange(n)[None], torch.ones(1, n, dtype=torch.long), empty)
-            out.append(h[0].clone())  # [n, H]
+            logits, _, h = plain.step(s[None], torch.arange(n)[None], torch.ones(1, n, dtype=torch.long), empty)
+            out.append((h[0].clone(), logits[0].argmax(-1)))
     return out
 
 
-def _examples(seqs, hiddens, num_heads: int):
-    """(h [N, H], targets [N, K]) over every position with all K targets inside the sequence."""
-    hs, ts = [], []
-    for s, h in zip(seqs, hiddens):
-        n = s.shape[0] - num_heads - 1
+def _examples(seqs, states, num_heads: int, starts=None):
+    """(h [N, H], inputs [N, K], targets [N, K]) over positions t >= start (the reply, and the last prompt
+    token) with all K targets inside the sequence. inputs[:, k] = x_{t+k+1} (the text's token: what Hydra
+    head k reads along a path), targets[:, k] = the model's greedy token after x_{t+k+1}, i.e. what the
+    target accepts at depth k + 1. For greedy text that is x_{t+k+2}; for sampled text it still is the
+    label verification would check, so sampled replies are valid training text."""
+    hs, ins, ts = [], [], []
+    for i, (s, (h, greedy)) in enumerate(zip(seqs, states)):
+        first = max(0, (starts[i] - 1) if starts else 0)
+        n = s.shape[0] - num_heads - first
         if n <= 0:
             continue
-        hs.append(h[:n])
-        ts.append(torch.stack([s[k + 2 : k + 2 + n] for k in range(num_heads)], dim=1))
+        hs.append(h[first : first + n])
+        ins.append(torch.stack([s[first + k + 1 : first + k + 1 + n] for k in range(num_heads)], dim=1))
+        ts.append(torch.stack([greedy[first + k + 1 : first + k + 1 + n] for k in range(num_heads)], dim=1))
     if not hs:
         raise ValueError(f"no training positions: sequences are shorter than {num_heads + 2} tokens")
-    return torch.cat(hs), torch.cat(ts)
+    return torch.cat(hs), torch.cat(ins), torch.cat(ts)
+
+
+def frequent_tokens(seqs, size: int, always=()) -> torch.Tensor:
+    """The `size` most frequent token ids of `seqs` (ties: smaller id first), plus `always`, sorted."""
+    counts = torch.bincount(torch.cat(seqs))
+    order = sorted(range(len(counts)), key=lambda t: (-int(counts[t]), t))
+    chosen = {t for t in order[:size] if counts[t] > 0} | {int(t) for t in always}
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def _check_settings(kind, **ints) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
+    for name, value in ints.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 def train_heads(
-    model, prompts, *, out, num_heads: int = 4, num_layers: int = 1, max_new_tokens: int = 128, epochs: int = 3,
-    lr: float = 1e-3, batch_size: int = 256, seed: int = 0, eos_token_id=None, progress: bool = True,
+    model, prompts, *, out, kind: str = "medusa", num_heads: int = 4, num_layers: int = 1, max_new_tokens: int = 128,
+    epochs: int = 3, lr: float = 1e-3, batch_size: int = 256, draft_vocab: int = 8192, sampled: int = 0,
+    temperature: float = 0.8, weight_decay: float = 0.0, seed: int = 0, eos_token_id=None, progress: bool = True,
     base_model: str = "",
-) -> MedusaHeads:
-    """Train heads for `model` on its own continuations of `prompts` (token id tensors); save to `out`."""
+):
+    """Train heads of `kind` for `model` on its own continuations of `prompts` (token id tensors); save to `out`."""
     from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
-    for name, value in (("num_heads", num_heads), ("num_layers", num_layers), ("max_new_tokens", max_new_tokens),
-                        ("epochs", epochs), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    _check_settings(kind, num_heads=num_heads, num_layers=num_layers, max_new_tokens=max_new_tokens, epochs=epochs,
+                    batch_size=batch_size, draft_vocab=draft_vocab)
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr!r}")
+    if isinstance(sampled, bool) or not isinstance(sampled, int) or sampled < 0:
+        raise ValueError(f"sampled (extra sampled replies per prompt) must be an int >= 0, got {sampled!r}")
+    if sampled and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for sampled replies, got {temperature!r}")
     if not prompts:
         raise ValueError("train_heads needs at least one prompt (token ids) to self-distill from")
     out = Path(out)
     state = _state_dir(out)
-    args = {"num_heads": num_heads, "num_layers": num_layers, "max_new_tokens": max_new_tokens, "epochs": epochs,
-            "lr": lr, "batch_size": batch_size, "seed": seed, "prompts": len(prompts)}
+    args = {"kind": kind, "num_heads": num_heads, "num_layers": num_layers, "max_new_tokens": max_new_tokens,
+            "epochs": epochs, "lr": lr, "batch_size": batch_size, "seed": seed, "prompts": len(prompts),
+            "sampled": sampled, "temperature": temperature, "weight_decay": weight_decay}
+    if kind == "hydra":
+        args["draft_vocab"] = draft_vocab
     progress_file = state / "progress.json"
     done = json.loads(progress_file.read_text()) if progress_file.exists() else {}
     if done and done.get("args") != args:
         raise ValueError(f"{state} holds a run with other settings {done.get('args')}; use another out= or delete it")
-
-    data_file = state / "tokens.safetensors"
-    if data_file.exists():
-        flat = load_file(str(data_file))
-        seqs = [flat[f"seq_{i}"] for i in range(len(flat))]
-    else:
-        seqs = _self_distill(model, [p if p.dim() == 2 else p[None] for p in prompts], max_new_tokens, eos_token_id, progress)
-        save_file({f"seq_{i}": s.contiguous() for i, s in enumerate(seqs)}, str(data_file))
+    if not done:
         progress_file.write_text(json.dumps({"args": args, "epoch": 0}))
-    h, targets = _examples(seqs, _hidden_states(model, seqs, progress), num_heads)
+
+    seqs, starts = _self_distill(model, [p.reshape(-1) for p in prompts], max_new_tokens, eos_token_id, progress, state,
+                                 sampled, temperature, seed)
+    h, inputs, targets = _examples(seqs, _hidden_states(model, seqs, progress), num_heads, starts)
 
     torch.manual_seed(seed)
-    heads = new_heads(model, num_heads, num_layers)
-    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    if kind == "hydra":
+        from .hydra import new_hydra
+
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        heads = new_hydra(model, frequent_tokens([targets.flatten()], draft_vocab, always=eos), num_heads, num_layers)
+        # targets as indices into the draft vocabulary; -100 (skipped by cross_entropy) outside it
+        index = torch.full((heads.vocab,), -100, dtype=torch.long)
+        index[heads.draft_vocab] = torch.arange(len(heads.draft_vocab))
+        targets = index[targets]
+    else:
+        heads = new_heads(model, num_heads, num_layers)
+    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    total = math.ceil(h.shape[0] / batch_size)
     start = 0
     if (state / "heads.safetensors").exists() and done.get("epoch", 0) > 0:
         heads.load_state_dict(load_file(str(state / "heads.safetensors")))
@@ -123,18 +234,19 @@ def train_heads(
     weights = torch.tensor([0.8**k for k in range(num_heads)])
     gen = torch.Generator().manual_seed(seed)
     orders = [torch.randperm(h.shape[0], generator=gen) for _ in range(epochs)]  # fixed whatever the resume point
-    total = math.ceil(h.shape[0] / batch_size)
     for epoch in range(start, epochs):
         heads.train()
         seen, loss_sum = 0, 0.0
         bar = tqdm(range(total), desc=f"epoch {epoch + 1}/{epochs}", disable=not progress)
         for b in bar:
             idx = orders[epoch][b * batch_size : (b + 1) * batch_size]
-            logits = heads(h[idx])  # [B, K, V]
+            opt.param_groups[0]["lr"] = lr * max(0.05, 1 - (epoch * total + b) / (epochs * total))  # linear decay
+            logits = heads(h[idx], inputs[idx]) if kind == "hydra" else heads(h[idx])  # [B, K, V]
             ce = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), targets[idx].reshape(-1), reduction="none"
             ).view(len(idx), num_heads)
-            loss = (ce.mean(0) * weights).sum()
+            valid = (targets[idx] != -100).float()
+            loss = ((ce * valid).sum(0) / valid.sum(0).clamp(min=1) * weights).sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -151,14 +263,22 @@ def train_heads(
         save_file(moments, str(state / "optimizer.safetensors"))
         progress_file.write_text(json.dumps({"args": args, "epoch": epoch + 1}))
     heads.eval()
-    save_medusa(heads, out, base_model=base_model)
+    if kind == "hydra":
+        from .hydra import save_hydra
+
+        save_hydra(heads, out, base_model=base_model)
+    else:
+        save_medusa(heads, out, base_model=base_model)
     return heads
 
 
-def head_accuracy(heads: MedusaHeads, model, seqs) -> list[float]:
-    """Top-1 accuracy of each head on `seqs` (token id tensors): how often head k names token t + k + 2."""
-    hiddens = _hidden_states(model, seqs, progress=False)
-    h, targets = _examples(seqs, hiddens, heads.num_heads)
+def head_accuracy(heads, model, seqs) -> list[float]:
+    """Top-1 accuracy of each head on `seqs` (token id tensors), every position: how often head k names the
+    model's greedy token after x_{t+k+1} (Hydra heads read x_{t+1..t+k+1}, as along an accepted path)."""
+    h, inputs, targets = _examples(seqs, _hidden_states(model, seqs, progress=False), heads.num_heads)
     with torch.no_grad():
-        pred = heads(h).argmax(-1)
+        if isinstance(heads, MedusaHeads):
+            pred = heads(h).argmax(-1)
+        else:
+            pred = heads.draft_vocab[heads(h, inputs).argmax(-1)]
     return (pred == targets).float().mean(0).tolist()

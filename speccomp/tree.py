@@ -457,3 +457,42 @@ def sample_accept(
         path.append(accepted)
         u = accepted
         p = row(target_probs, u)
+
+
+def typical_accept_lossy(
+    tree: Tree,
+    tokens: torch.Tensor,
+    target_probs: torch.Tensor,
+    epsilon: float = 0.3,
+    delta: float = 0.09,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Medusa's *typical acceptance*. LOSSY: the emitted text is NOT distributed as the target's.
+
+    A child c of node u is acceptable when p_u(x_c) > min(epsilon, delta * exp(-H(p_u))), with p_u =
+    target_probs[u] (already warped) and H its entropy: plausible tokens pass, so long drafts survive
+    at high temperature where rejection sampling would cut them. The path is the deepest chain of
+    acceptable nodes from the root (first in BFS order on ties); the next token is sampled from
+    p at its last node. Offered as an explicit opt-in (`generate(acceptance="typical-lossy")`);
+    the default, `sample_accept`, is exact.
+    """
+    toks = _check_tokens(tree, tokens)
+    if not 0 < epsilon <= 1 or not delta > 0:
+        raise ValueError(f"typical acceptance needs 0 < epsilon <= 1 and delta > 0, got epsilon={epsilon}, delta={delta}")
+    p = target_probs.detach().to("cpu", torch.float64)
+    p = p / p.sum(-1, keepdim=True)
+    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # [n]
+    threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+    ok = [True] + [bool(p[tree.parents[c], toks[c]] > threshold[tree.parents[c]]) for c in range(1, tree.size)]
+    reach = [False] * tree.size  # every node from the root to c acceptable
+    best = 0
+    for c in range(tree.size):  # parents come before children
+        reach[c] = ok[c] and (c == 0 or reach[tree.parents[c]])
+        if reach[c] and int(tree.depth[c]) > int(tree.depth[best]):
+            best = c
+    path = [best]
+    while tree.parents[path[-1]] >= 0:
+        path.append(tree.parents[path[-1]])
+    path.reverse()
+    bonus = int(torch.multinomial(p[best].float(), 1, generator=generator))
+    return path, bonus

@@ -9,7 +9,7 @@ from speccomp.capture import capture
 from speccomp.graph import SpecGraph, run_passes
 from speccomp.medusa import HeadsError, load_medusa, new_heads, save_medusa
 from speccomp.passes.medusa_heads import MedusaHeadsPass
-from speccomp.train_heads import head_accuracy, train_heads
+from speccomp.train_heads import distilled_text, head_accuracy, train_heads
 from tiny_models import tiny_llama
 
 
@@ -99,11 +99,8 @@ def test_no_heads_error_says_how_to_train(model, tmp_path, monkeypatch):
 
 
 def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
-    from safetensors.torch import load_file
-
-
     train = prompts(8, seed=1)
-    kw = dict(num_heads=2, max_new_tokens=24, epochs=6, lr=1e-2, batch_size=32, seed=0, eos_token_id=None, progress=False)
+    kw = dict(num_heads=2, max_new_tokens=24, epochs=6, lr=3e-2, batch_size=32, seed=0, eos_token_id=None, progress=False)
     calls = {"n": 0}
     real_ce = torch.nn.functional.cross_entropy
 
@@ -126,8 +123,7 @@ def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
     for x, y in zip(a.state_dict().values(), b.state_dict().values()):
         assert torch.equal(x, y)  # seeded and resumable: the same heads as the uninterrupted run
     # the heads learned the model's own continuations (the self-distilled training text)
-    flat = load_file(str(tmp_path / "a" / "_train" / "tokens.safetensors"))
-    seqs = [flat[f"seq_{i}"] for i in range(len(flat))]
+    seqs, _ = distilled_text(tmp_path / "a")
     trained, untrained = head_accuracy(a, model, seqs), head_accuracy(new_heads(model, 2), model, seqs)
     assert all(t > u + 0.05 for t, u in zip(trained, untrained)), (trained, untrained)
     with pytest.raises(ValueError, match="other settings"):
@@ -143,3 +139,123 @@ def test_training_rejects_bad_settings(model, tmp_path, bad, match):
     with pytest.raises(ValueError, match=match):
         train_heads(model, kw.pop("prompts"), **kw)
     assert not (tmp_path / "x").exists()  # nothing written before the settings are checked
+
+
+# ---------------------------------------------------------------------------------------------
+# Hydra heads (speccomp/hydra.py): sequential heads that read the previous token
+# ---------------------------------------------------------------------------------------------
+def random_hydra(model, k=3, seed=0, vocab=None):
+    from speccomp.hydra import new_hydra
+
+    heads = new_hydra(model, torch.arange(96) if vocab is None else vocab, k)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return heads.eval()
+
+
+@pytest.mark.parametrize("tree", [[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], "dynamic:8:3"])
+def test_hydra_greedy_identical(model, tmp_path, tree):
+    from speccomp.hydra import save_hydra
+
+    save_hydra(random_hydra(model, vocab=torch.arange(3, 80)), tmp_path / "h")  # a draft vocabulary subset
+    fast = speccomp.compile(model, drafter="hydra", drafter_options={"heads": str(tmp_path / "h")}, tree=tree)
+    for ids in prompts(3, seed=5):
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,
+                             eos_token_id=2, pad_token_id=2)
+        assert torch.equal(fast.generate(ids, max_new_tokens=30, eos_token_id=2), ref)
+    assert fast.last_stats["steps"] <= 30
+
+
+def test_hydra_drafts_follow_the_previous_token(model):
+    """The same hidden state with another root token gives other drafts: heads read the token."""
+    from speccomp.drafters_medusa import HydraDrafter
+    from speccomp.runtime import KVCache
+    from speccomp.speculative import DraftContext
+    from speccomp.tree import Tree
+
+    heads = random_hydra(model, k=2)
+    drafter = HydraDrafter(heads, Tree.from_choices([[0], [0, 0]]))
+    drafter.take_states((torch.randn(32),))
+    cache = KVCache(speccomp.compile(model).kv, 8)
+    a = drafter.propose(DraftContext([5, 6, 7], cache, 4, 8)).tokens
+    s = heads.step(0, drafter.h[None], torch.tensor([7]))
+    assert int(a[1]) == int(heads.draft_vocab[heads.logits(s).argmax()])  # head 0 on (h, root)
+    firsts = {int(drafter.propose(DraftContext([5, 6, root], cache, 4, 8)).tokens[1]) for root in range(3, 60)}
+    assert len(firsts) > 1  # the root token changes the drafts (a Medusa head would ignore it)
+
+
+def test_hydra_round_trip_and_bad_files(model, tmp_path):
+    from safetensors.torch import load_file
+
+    from speccomp.hydra import load_hydra, save_hydra
+
+    heads = random_hydra(model, vocab=torch.tensor([2, 5, 7, 11]))
+    save_hydra(heads, tmp_path / "a")
+    back = load_hydra(tmp_path / "a", model)
+    assert torch.equal(back.draft_vocab, heads.draft_vocab)
+    for (n1, x), (n2, y) in zip(heads.state_dict().items(), back.state_dict().items()):
+        assert n1 == n2 and torch.equal(x.half().float(), y)  # stored as float16
+    save_hydra(back, tmp_path / "b")  # a loaded file saves back bit for bit
+    fa, fb = load_file(str(tmp_path / "a" / "hydra_heads.safetensors")), load_file(str(tmp_path / "b" / "hydra_heads.safetensors"))
+    assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert cfg["head_type"] == "hydra" and cfg["hydra_num_heads"] == 3 and cfg["draft_vocab_size"] == 4
+
+    other = tiny_llama(hidden_size=48, num_attention_heads=4, num_key_value_heads=2)
+    save_hydra(random_hydra(other), tmp_path / "wrong")
+    with pytest.raises(HeadsError, match="hidden size 48"):
+        load_hydra(tmp_path / "wrong", model)
+    small_vocab = tiny_llama(vocab_size=50, tie_word_embeddings=True)  # same hidden size, other vocabulary
+    with pytest.raises(HeadsError, match="vocabulary of 96"):
+        load_hydra(tmp_path / "a", small_vocab)
+    (tmp_path / "a" / "hydra_heads.safetensors").write_bytes(b"garbage")
+    with pytest.raises(HeadsError, match="corrupt"):
+        load_hydra(tmp_path / "a", model)
+    with pytest.raises(HeadsError, match="hydra"):
+        speccomp.compile(model, drafter="hydra", drafter_options={"heads": str(tmp_path / "nothing")})
+
+
+def test_hydra_training_learns(model, tmp_path):
+    from speccomp.hydra import HydraHeads
+
+    train = prompts(8, seed=1)
+    heads = train_heads(model, train, out=tmp_path / "h", kind="hydra", num_heads=2, max_new_tokens=24, epochs=6,
+                        lr=3e-2, batch_size=32, draft_vocab=64, progress=False)
+    assert isinstance(heads, HydraHeads) and len(heads.draft_vocab) <= 64
+    seqs, _ = distilled_text(tmp_path / "h")
+    from speccomp.hydra import new_hydra
+
+    trained = head_accuracy(heads, model, seqs)
+    untrained = head_accuracy(new_hydra(model, heads.draft_vocab, 2), model, seqs)
+    assert all(t > u + 0.1 for t, u in zip(trained, untrained)), (trained, untrained)
+    fast = speccomp.compile(model, drafter="hydra", drafter_options={"heads": str(tmp_path / "h")})
+    ids = seqs[0][:10]
+    ref = model.generate(ids[None], attention_mask=torch.ones(1, 10, dtype=torch.long), max_new_tokens=20, do_sample=False,
+                         eos_token_id=2, pad_token_id=2)
+    assert torch.equal(fast.generate(ids, max_new_tokens=20, eos_token_id=2), ref)
+    assert fast.last_stats["tau"] > 1.3  # trained heads on their own training text are accepted
+
+
+def test_typical_acceptance_is_opt_in_and_labelled_lossy(model, tmp_path):
+    from speccomp.tree import Tree, typical_accept_lossy
+
+    tree = Tree.from_choices([[0], [1], [0, 0]])
+    probs = torch.tensor([[0.1, 0.6, 0.3, 0.0], [0.05, 0.05, 0.1, 0.8], [0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25]])
+    # root 0; node 1 = token 1 (p 0.6: typical), node 2 = token 3 (p 0: not), node 3 = token 3 under node 1 (p 0.8)
+    path, bonus = typical_accept_lossy(tree, torch.tensor([0, 1, 3, 3]), probs, generator=torch.Generator().manual_seed(0))
+    assert path == [0, 1, 3] and 0 <= bonus < 4
+    path, bonus = typical_accept_lossy(tree, torch.tensor([0, 3, 3, 0]), probs)  # token 3 has p = 0 at the root
+    assert path == [0] and bonus in (0, 1, 2)
+    save_medusa(random_heads(model), tmp_path / "h")
+    fast = speccomp.compile(model, drafter="medusa", drafter_options={"heads": str(tmp_path / "h")}, tree=[[0], [1], [0, 0]])
+    ids = prompts(1)[0]
+    with pytest.raises(ValueError, match="greedy"):
+        fast.generate(ids, max_new_tokens=5, acceptance="typical-lossy")
+    with pytest.raises(ValueError, match="acceptance"):
+        fast.generate(ids, max_new_tokens=5, do_sample=True, acceptance="typical")
+    fast.generate(ids, max_new_tokens=8, do_sample=True, seed=0, acceptance="typical-lossy")
+    assert fast.last_stats["lossless"] is False and fast.last_stats["acceptance"] == "typical-lossy"
+    fast.generate(ids, max_new_tokens=8, do_sample=True, seed=0)
+    assert fast.last_stats["lossless"] is True

@@ -116,39 +116,73 @@ def test_bad_drafter_options(llama6):
         speccomp.compile(llama6, tree=4)
 
 
-def exact_two_token_distribution(model, ids, temperature, top_p):
-    """P(t1, t2) of the model's own sampling, computed exactly by enumeration."""
+def exact_distribution(model, ids, n, temperature, top_p):
+    """P(t1, .., tn) of the model's own sampling, computed exactly by enumeration ([V] * n table)."""
     with torch.no_grad():
-        p1 = warp(model(ids).logits[0, -1], temperature, top_p)
-        table = torch.zeros(p1.shape[0], p1.shape[0], dtype=torch.float64)
-        for t1 in range(p1.shape[0]):
-            seq = torch.cat([ids, torch.tensor([[t1]])], 1)
-            table[t1] = p1[t1].double() * warp(model(seq).logits[0, -1], temperature, top_p).double()
-    return table
+        p = warp(model(ids).logits[0, -1], temperature, top_p).double()
+        if n == 1:
+            return p
+        V = p.shape[0]
+        return torch.stack([
+            p[t] * exact_distribution(model, torch.cat([ids, torch.tensor([[t]])], 1), n - 1, temperature, top_p)
+            for t in range(V)
+        ])
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_sampling_distribution_equals_model(top_p):
-    """Speculative sampling (drafts verified by recursive rejection sampling) draws from the model's own distribution."""
+V = 5  # vocabulary of the sampling tests' model: 125 outcomes for 3 tokens
+
+
+def sampling_drafter(model, kind, tmp_path):
+    """compile() arguments for a drafter that really drafts on the tiny vocabulary-V model."""
+    if kind == "early_exit":
+        return dict(drafter="early_exit", drafter_options={"exit_layer": 1}, tree=[[0], [1], [0, 0]])
+    g = torch.Generator().manual_seed(0)
+    if kind == "medusa":
+        from speccomp.medusa import new_heads, save_medusa
+
+        heads, save = new_heads(model, 2), save_medusa
+    else:
+        from speccomp.hydra import new_hydra, save_hydra
+
+        heads, save = new_hydra(model, torch.arange(V), 2), save_hydra
+    with torch.no_grad():
+        for w in heads.parameters():
+            w.copy_(torch.randn(w.shape, generator=g) * 0.5)
+    save(heads, tmp_path / kind)
+    # random heads rarely guess right: draft 4 of the 5 tokens at depth 1 so that many drafts are verified
+    return dict(drafter=kind, drafter_options={"heads": str(tmp_path / kind)}, tree=[[0], [1], [2], [3], [0, 0], [1, 0]])
+
+
+@pytest.mark.parametrize("kind, top_p", [("early_exit", 0.8), ("medusa", 1.0), ("hydra", 0.8)])
+def test_sampling_distribution_equals_model(kind, top_p, tmp_path):
+    """Speculative sampling (drafts verified by recursive rejection sampling) draws from the model's own
+    distribution: the joint law of 3 new tokens, so that drafts are verified (with 2 tokens the last
+    step has room for no draft)."""
     from scipy.stats import chisquare
 
-    model = tiny_llama(vocab_size=6, num_hidden_layers=4, initializer_range=0.3)
+    model = tiny_llama(vocab_size=V, num_hidden_layers=4, initializer_range=0.3, tie_word_embeddings=True)
     ids = torch.tensor([[1, 2, 3, 4, 1, 2]])
-    exact = exact_two_token_distribution(model, ids, 1.5, top_p)
-    fast = speccomp.compile(model, drafter="early_exit", drafter_options={"exit_layer": 1}, tree=[[0], [1], [0, 0]])
-    draws = 1500
+    exact = exact_distribution(model, ids, 3, 1.5, top_p).flatten()
+    fast = speccomp.compile(model, **sampling_drafter(model, kind, tmp_path))
+    draws, accepted = 1200, 0
     counts = torch.zeros_like(exact)
     for seed in range(draws):
-        out = fast.generate(ids, max_new_tokens=2, do_sample=True, temperature=1.5, top_p=top_p, seed=seed)
-        counts[out[0, -2], out[0, -1]] += 1
-    keep = exact.flatten() * draws >= 5  # chi-square needs expected counts >= 5; pool the rest
-    observed = torch.cat([counts.flatten()[keep], counts.flatten()[~keep].sum()[None]])
-    expected = torch.cat([exact.flatten()[keep], exact.flatten()[~keep].sum()[None]]) * draws
+        out = fast.generate(ids, max_new_tokens=3, do_sample=True, temperature=1.5, top_p=top_p, seed=seed)
+        a, b, c = out[0, -3:].tolist()
+        counts[(a * V + b) * V + c] += 1
+        accepted += fast.last_stats["steps"] < 3  # some draft was accepted: fewer forwards than tokens
+    assert accepted > draws // 10, f"the drafter was accepted in only {accepted} of {draws} runs: nothing is tested"
+    keep = exact * draws >= 5  # chi-square needs expected counts >= 5; pool the rest
+    observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    expected = torch.cat([exact[keep], exact[~keep].sum()[None]]) * draws
     if expected[-1] == 0:
         observed, expected = observed[:-1], expected[:-1]
-        assert counts.flatten()[~keep].sum() == 0
+        assert counts[~keep].sum() == 0
     p = chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue
     assert p > 1e-3, f"speculative samples do not follow the model's distribution (chi-square p={p:.2g})"
     # and the test has power: the plain (non-tempered) distribution is rejected
-    wrong = exact_two_token_distribution(model, ids, 1.0, 1.0).flatten() * draws
-    assert chisquare(counts.flatten().numpy() + 1e-9, (wrong + 1e-9).numpy() * draws / (wrong.sum().item() + 1e-9 * wrong.numel())).pvalue < 1e-3
+    wrong = exact_distribution(model, ids, 3, 1.0, 1.0).flatten()
+    keep = wrong * draws >= 5
+    observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    expected = torch.cat([wrong[keep], wrong[~keep].sum()[None]]) * draws
+    assert chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue < 1e-3

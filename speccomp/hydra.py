@@ -1,0 +1,165 @@
+"""Hydra draft heads: Medusa heads that also read the token drafted before them.
+
+A Medusa head guesses token t + k + 2 from h_t alone, blind to the tokens in between. A Hydra
+head is sequential: it also reads the embedding of the token at the previous depth, so the
+first head already knows the root token (the target's own next token) and deeper heads know
+which branch of the tree they extend (Ankner et al., "Hydra", 2024). Head k (0-based):
+
+    u_k = s_k + W_k E(x_k) + b_k        s_0 = h_t (the target's final hidden state), x_0 = the root
+    s_{k+1} = ResBlocks_k(u_k)          (y + SiLU(W y + b), `num_layers` times)
+    logits_k = P s_{k+1}                P = the frozen LM head restricted to the draft vocabulary
+
+`E` is the model's frozen input embedding. The draft vocabulary (FR-Spec's idea) is the
+`draft_vocab` most frequent tokens of the training data: a drafter can only propose tokens it
+scores, and scoring 8k tokens instead of 49k makes each head ~6x cheaper on CPU. Verification
+stays with the full model, so the restriction costs acceptance only when the target's token is
+rare, never correctness.
+
+Checkpoint layout (our own; Hydra's code base has no settled one), in a directory:
+
+    config.json                {"head_type": "hydra", "hydra_num_heads": K, "hydra_num_layers": L,
+                                "hidden_size": H, "vocab_size": V, "draft_vocab_size": Vd, ...}
+    hydra_heads.safetensors    hydra_head.{k}.embed.weight [H, H], .bias [H]
+                               hydra_head.{k}.{j}.linear.weight [H, H], .bias [H]     (j < L)
+                               draft_vocab [Vd] (int64 token ids)
+Weights are stored as float16 (a few MB) and loaded as float32.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .medusa import HeadsError, ResBlock, _lm_head_weight
+
+WEIGHTS = "hydra_heads.safetensors"
+CONFIG = "config.json"
+
+
+def _input_embedding(model) -> torch.Tensor:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is None or not hasattr(emb, "weight"):
+        raise HeadsError(f"{type(model).__name__} has no input embedding for Hydra heads to read")
+    return emb.weight.detach()
+
+
+class HydraHeads(nn.Module):
+    """K sequential heads. `step(k, s, x)` -> next state; `logits(s)` over the draft vocabulary."""
+
+    kind = "hydra"
+
+    def __init__(self, num_heads: int, hidden: int, vocab: int, num_layers: int, lm_head: torch.Tensor,
+                 embed: torch.Tensor, draft_vocab: torch.Tensor):
+        super().__init__()
+        if num_heads < 1 or num_layers < 1:
+            raise HeadsError(f"need at least one head and one layer, got heads={num_heads}, layers={num_layers}")
+        self.num_heads, self.num_layers, self.hidden, self.vocab = num_heads, num_layers, hidden, vocab
+        self.embeds = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(num_heads))
+        for lin in self.embeds:  # start by ignoring the token: head k begins as a Medusa head
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
+        self.blocks = nn.ModuleList(nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)]) for _ in range(num_heads))
+        self.embed = embed  # [V, H] frozen, not saved
+        self.set_draft_vocab(lm_head, draft_vocab)
+
+    def set_draft_vocab(self, lm_head: torch.Tensor, draft_vocab: torch.Tensor) -> None:
+        draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long)
+        if draft_vocab.dim() != 1 or len(draft_vocab) == 0:
+            raise HeadsError("draft_vocab must be a non-empty 1-D list of token ids")
+        if int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= self.vocab:
+            raise HeadsError(f"draft_vocab holds token ids outside the model's vocabulary [0, {self.vocab})")
+        self.lm_head = lm_head
+        self.draft_vocab = draft_vocab
+        self.draft_lm = lm_head.index_select(0, draft_vocab).contiguous()  # [Vd, H], frozen
+
+    def step(self, k: int, s: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """State after head k: s [n, H] (the parent's state), tokens [n] (the parent's token) -> [n, H]."""
+        return self.blocks[k](s + self.embeds[k](self.embed[tokens]))
+
+    def logits(self, s: torch.Tensor) -> torch.Tensor:
+        """Scores [..., Vd] over the draft vocabulary (index i is token draft_vocab[i])."""
+        return s @ self.draft_lm.t()
+
+    def forward(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced training view: h [B, H], tokens [B, K] (x_{t+1} .. x_{t+K}) -> logits [B, K, Vd]."""
+        s, out = h, []
+        for k in range(self.num_heads):
+            s = self.step(k, s, tokens[:, k])
+            out.append(s)
+        return self.logits(torch.stack(out, dim=1))
+
+
+def new_hydra(model, draft_vocab, num_heads: int = 4, num_layers: int = 1) -> HydraHeads:
+    lm = _lm_head_weight(model)
+    return HydraHeads(num_heads, lm.shape[1], lm.shape[0], num_layers, lm, _input_embedding(model), draft_vocab)
+
+
+def save_hydra(heads: HydraHeads, directory, *, base_model: str = "") -> Path:
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {"draft_vocab": heads.draft_vocab.contiguous()}
+    for k in range(heads.num_heads):
+        tensors[f"hydra_head.{k}.embed.weight"] = heads.embeds[k].weight.detach().half().contiguous()
+        tensors[f"hydra_head.{k}.embed.bias"] = heads.embeds[k].bias.detach().half().contiguous()
+        for j, block in enumerate(heads.blocks[k]):
+            tensors[f"hydra_head.{k}.{j}.linear.weight"] = block.linear.weight.detach().half().contiguous()
+            tensors[f"hydra_head.{k}.{j}.linear.bias"] = block.linear.bias.detach().half().contiguous()
+    config = {
+        "head_type": "hydra",
+        "hydra_num_heads": heads.num_heads,
+        "hydra_num_layers": heads.num_layers,
+        "hidden_size": heads.hidden,
+        "vocab_size": heads.vocab,
+        "draft_vocab_size": len(heads.draft_vocab),
+        "base_model_name_or_path": base_model,
+        "tied_lm_head": True,
+        "dtype": "float16",
+    }
+    save_file(tensors, str(directory / WEIGHTS))
+    (directory / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    return directory
+
+
+def load_hydra(directory, model) -> HydraHeads:
+    """Heads from a directory written by `save_hydra`, checked against `model`."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    cfg_path, w_path = directory / CONFIG, directory / WEIGHTS
+    if not w_path.exists() or not cfg_path.exists():
+        raise HeadsError(f"{directory} is not a Hydra head directory: it needs {CONFIG} and {WEIGHTS}")
+    try:
+        config = json.loads(cfg_path.read_text())
+        k_heads, layers = int(config["hydra_num_heads"]), int(config.get("hydra_num_layers", 1))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise HeadsError(f"{cfg_path}: not a Hydra config (needs hydra_num_heads, hydra_num_layers): {exc}") from None
+    try:
+        tensors = load_file(str(w_path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise HeadsError(f"{w_path} is corrupt or not a safetensors file: {exc}") from None
+    lm = _lm_head_weight(model)
+    vocab, hidden = lm.shape
+    first = tensors.get("hydra_head.0.embed.weight")
+    if first is None or "draft_vocab" not in tensors:
+        raise HeadsError(f"{w_path} has no hydra_head.0.embed.weight / draft_vocab; is it a Hydra head file?")
+    if tuple(first.shape) != (hidden, hidden):
+        raise HeadsError(f"heads in {directory} were made for hidden size {first.shape[1]}, but the model has hidden size {hidden}")
+    if int(config.get("vocab_size", vocab)) != vocab or int(tensors["draft_vocab"].max()) >= vocab:
+        raise HeadsError(f"heads in {directory} were made for a vocabulary of {config.get('vocab_size')}, the model's is {vocab}")
+    heads = HydraHeads(k_heads, hidden, vocab, layers, lm, _input_embedding(model), tensors["draft_vocab"])
+    state = {}
+    for k in range(k_heads):
+        names = {f"embeds.{k}.{p}": f"hydra_head.{k}.embed.{p}" for p in ("weight", "bias")}
+        names.update({f"blocks.{k}.{j}.linear.{p}": f"hydra_head.{k}.{j}.linear.{p}"
+                      for j in range(layers) for p in ("weight", "bias")})
+        for ours, theirs in names.items():
+            if theirs not in tensors:
+                raise HeadsError(f"{w_path} is missing {theirs} (config says {k_heads} heads x {layers} layers)")
+            state[ours] = tensors[theirs].float()
+    heads.load_state_dict(state)
+    return heads.eval()

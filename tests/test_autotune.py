@@ -1,0 +1,379 @@
+"""Tree autotuning: the DP against brute force, acceptance measurement, the cache, and tree="auto" end to end."""
+import json
+import random
+from fractions import Fraction
+
+import pytest
+import torch
+
+import speccomp
+from speccomp.autotune import (
+    Acceptance,
+    AutotuneError,
+    load_result,
+    measure_acceptance,
+    monotone_fit,
+    plan_static,
+    plot_report,
+    probe_tree,
+    realized_size,
+    resolve_auto,
+    result_path,
+)
+from speccomp.speculative import Draft, Drafter
+from speccomp.tree import DynamicTreeSpec, Tree, greedy_accept
+from speccomp.tree_dp import best_within, expected_accepted, optimal_trees
+from tiny_models import tiny_llama
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECCOMP_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def hf_greedy(model, ids, n):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+# --------------------------------------------------------------------------------------------
+# The DP
+# --------------------------------------------------------------------------------------------
+
+
+def ordered_trees(m: int, depth: int, max_depth: int, K: int):
+    """Every ordered tree of m nodes rooted at `depth` (at most K children per node, none below max_depth),
+    as a tuple of child subtrees in rank order."""
+    if m == 1:
+        yield ()
+        return
+    if depth == max_depth:
+        return
+
+    def forests(m, slots):
+        if m == 0:
+            yield ()
+            return
+        if slots == 0:
+            return
+        for s in range(1, m + 1):
+            for first in ordered_trees(s, depth + 1, max_depth, K):
+                for rest in forests(m - s, slots - 1):
+                    yield (first,) + rest
+
+    yield from forests(m - 1, K)
+
+
+def as_choices(tree, prefix=()):
+    out = []
+    for r, child in enumerate(tree):
+        out.append(list(prefix + (r,)))
+        out += as_choices(child, prefix + (r,))
+    return out
+
+
+def random_table(rng, depth, K, exact=True):
+    """A sub-stochastic acceptance table (each row sums to <= 1), as Fractions (exact) or floats."""
+    table = []
+    for _ in range(depth):
+        w = [rng.randint(0, 9) for _ in range(K)]
+        total = max(sum(w) + rng.randint(0, 9), 1)
+        table.append([Fraction(x, total) if exact else x / total for x in w])
+    return table
+
+
+def check_valid(choices, n, max_depth, K):
+    tree = Tree.from_choices(choices) if choices else Tree.from_parents((-1,))
+    assert tree.size == n and tree.max_depth <= max_depth
+    paths = {tuple(c) for c in choices}
+    for c in choices:
+        assert c[-1] < K
+        if c[-1] > 0:  # rank-ordered: the rank r child exists only with ranks 0..r-1
+            assert tuple(c[:-1]) + (c[-1] - 1,) in paths, (c, choices)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_dp_equals_brute_force_exactly(seed):
+    rng = random.Random(seed)
+    D, K = rng.randint(1, 4), rng.randint(1, 4)
+    p = random_table(rng, D, K)
+    for limit in sorted({D, rng.randint(1, D)}):
+        sols = optimal_trees(p, 8, max_depth=limit)
+        for n in range(1, 9):
+            values = [expected_accepted(as_choices(t), p) for t in ordered_trees(n, 0, limit, K)]
+            sol = sols[n - 1]
+            if not values:  # no ordered tree of n nodes fits the depth limit and K ranks
+                assert sol is None
+                continue
+            assert sol is not None and sol.value == max(values)  # Fractions: exact
+            assert expected_accepted(sol.choices, p) == sol.value
+            check_valid(sol.choices, n, limit, K)
+            assert sol.max_depth == max((len(c) for c in sol.choices), default=0)
+
+
+def test_brute_force_enumerates_all_ordered_trees():
+    # ordered trees of n nodes are counted by the Catalan number C(n-1); the brute force must see them all
+    assert [sum(1 for _ in ordered_trees(n, 0, 99, 99)) for n in range(1, 9)] == [1, 1, 2, 5, 14, 42, 132, 429]
+
+
+def test_dp_depth_independent_sequoia_table():
+    # Sequoia's simpler p[r], the same at every depth
+    rng = random.Random(11)
+    row = random_table(rng, 1, 3)[0]
+    p = [row] * 4
+    sols = optimal_trees(p, 7)
+    for n in range(1, 8):
+        best = max(expected_accepted(as_choices(t), p) for t in ordered_trees(n, 0, 4, 3))
+        assert sols[n - 1].value == best
+
+
+def test_dp_known_shapes():
+    # certain rank-0 guesses: the best tree is a chain and every node counts fully
+    sols = optimal_trees([[1.0, 0.0]] * 6, 7)
+    assert sols[6].choices == [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]]
+    assert sols[6].value == 7
+    # nothing below depth 1 is ever accepted: the best 4-node tree is a star of the top 3 candidates
+    sols = optimal_trees([[0.5, 0.3, 0.1], [0.0, 0.0, 0.0]], 4)
+    assert sols[3].choices == [[0], [1], [2]] and sols[3].value == pytest.approx(1.9)
+    # depth limit 1 with 2 ranks: no tree of more than 3 nodes
+    sols = optimal_trees([[0.5, 0.3]], 5, max_depth=1)
+    assert sols[3] is None and sols[4] is None and sols[2].choices == [[0], [1]]
+
+
+def test_dp_monotone_in_budget():
+    rng = random.Random(5)
+    for _ in range(3):
+        p = random_table(rng, 5, 6, exact=False)
+        sols = optimal_trees(p, 40)
+        values = [s.value for s in sols if s is not None]
+        assert len(values) == 40  # 5 deep x 6 wide holds 40 nodes
+        assert all(b >= a - 1e-12 for a, b in zip(values, values[1:]))
+        budgets = [best_within(sols, n).value for n in range(1, 41)]
+        assert all(b >= a for a, b in zip(budgets, budgets[1:]))
+        for s in sols:
+            check_valid(s.choices, s.size, 5, 6)
+
+
+def test_expected_value_matches_greedy_acceptance_by_simulation():
+    # the DP's objective is what greedy_accept really yields when the target's token is the rank-r
+    # candidate of an accepted depth-d node with probability p[d][r]
+    p = [[0.5, 0.2, 0.1], [0.6, 0.1, 0.0], [0.4, 0.2, 0.1]]
+    sol = optimal_trees(p, 9)[8]
+    tree = Tree.from_choices(sol.choices)
+    depth = tree.depth.tolist()
+    tokens = torch.tensor([0] + [100 + tree.ranks[i] for i in range(1, tree.size)])  # siblings: distinct tokens
+    gen = torch.Generator().manual_seed(0)
+    total, trials = 0, 4000
+    for _ in range(trials):
+        u = torch.rand(tree.size, generator=gen).tolist()
+        want = []
+        for i in range(tree.size):
+            row = p[depth[i]] if depth[i] < len(p) else []
+            acc, pick = 0.0, 999  # 999: a token no child has
+            for r, q in enumerate(row):
+                acc += q
+                if u[i] < acc:
+                    pick = 100 + r
+                    break
+            want.append(pick)
+        path, _ = greedy_accept(tree, tokens, torch.tensor(want))
+        total += len(path)  # accepted drafts + the root's slot = tokens emitted incl. the bonus
+    mean = total / trials
+    assert abs(mean - sol.value) < 0.06, (mean, sol.value)
+
+
+def test_dp_rejects_bad_tables():
+    with pytest.raises(ValueError, match="probability"):
+        optimal_trees([[1.2]], 3)
+    with pytest.raises(ValueError, match="at least one"):
+        optimal_trees([], 3)
+    with pytest.raises(ValueError, match="max_nodes"):
+        optimal_trees([[0.5]], 0)
+
+
+def test_plan_static_prediction_is_expected_over_step_time():
+    p = [[0.8, 0.1], [0.7, 0.1], [0.6, 0.1]]
+    flat = {"sizes": [1, 16], "verify_s": [0.05, 0.05], "widths": [], "draft_s": [], "propose_s": 0.001,
+            "observe_per_node_s": 0.0, "loop_overhead_s": 0.0, "draft_overhead_s": 0.0}
+    rows = plan_static(p, flat, 16, 3)
+    assert [r["n"] for r in rows] == list(range(2, 16))  # 3 deep x 2 wide holds at most 15 nodes
+    for r in rows:
+        assert r["tokens_per_s"] == pytest.approx(r["expected"] / 0.051)
+        assert r["expected"] == pytest.approx(expected_accepted(r["choices"], p))
+    steep = dict(flat, verify_s=[0.05, 0.5])  # verification cost grows fast with n: small trees win
+    assert max(plan_static(p, steep, 16, 3), key=lambda r: r["tokens_per_s"])["n"] < max(rows, key=lambda r: r["tokens_per_s"])["n"]
+
+
+def test_monotone_fit_and_realized_size():
+    assert monotone_fit([3.0, 1.0, 2.0, 5.0, 4.0, 6.0]) == [2.0, 2.0, 2.0, 4.5, 4.5, 6.0]
+    assert monotone_fit([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    # token recycling sends only the nodes its table has rows for: half of depth 1, a quarter of depth 2
+    timing = {"presence": [0.5, 0.25]}
+    assert realized_size(timing, [[0], [1], [0, 0], [0, 1]]) == 1 + 2 * 0.5 + 2 * 0.25
+    assert realized_size({}, [[0], [1], [0, 0]]) == 4
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring acceptance
+# --------------------------------------------------------------------------------------------
+
+
+class Oracle(Drafter):
+    """Knows the greedy continuation: the true token sits at rank RANK[d] at depth d (nowhere if absent)."""
+
+    name = "oracle"
+    RANK = {1: 0, 2: 0, 3: 1}
+
+    def __init__(self, ref: list[int], tree: Tree):
+        self.ref, self.tree = ref, tree
+
+    def with_tree(self, tree):
+        return Oracle(self.ref, tree)
+
+    def propose(self, ctx):
+        tree, pos = self.tree, len(ctx.tokens)
+        tokens = [ctx.tokens[-1]] + [0] * (tree.size - 1)
+        true = [True] + [False] * (tree.size - 1)
+        depth = tree.depth.tolist()
+        for c in range(1, tree.size):
+            d, r = depth[c], tree.ranks[c]
+            t = self.ref[pos + d - 1] if pos + d - 1 < len(self.ref) else 0
+            true[c] = true[tree.parents[c]] and self.RANK.get(d) == r
+            tokens[c] = t if true[c] else (t + 1 + r) % 96
+        return Draft(tree, torch.tensor(tokens))
+
+
+def test_measure_acceptance_recovers_a_known_table():
+    model = tiny_llama()
+    ids = torch.arange(3, 13)[None]
+    ref = hf_greedy(model, ids, 40)[0].tolist()
+    sm = speccomp.compile(model, drafter=Oracle(ref, Tree.chain(1)))
+    acc, steps, runs = measure_acceptance(sm, [ids], max_new_tokens=30, depth=4, ranks=3)
+    assert len(steps) == runs[0]["steps"] - 1 and runs[0]["new_tokens"] == 30
+    assert acc.p_raw[:3] == [[1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]
+    assert acc.visits[3] == 0 and acc.p[3] == [0.0, 0.0, 0.0]  # the spine is never accepted at depth 3
+    assert acc.visits[0] == sum(1 for s in steps if s["room"] >= 1) and acc.visits[0] >= acc.visits[2] > 0
+    # the DP's best 5-node tree reaches the true depth-3 token, which needs its rank-0 sibling before it
+    sol = optimal_trees(acc.p_raw, 5)[4]
+    assert sol.choices == [[0], [0, 0], [0, 0, 0], [0, 0, 1]] and sol.value == 4
+
+
+def test_acceptance_shrinks_rarely_visited_depths():
+    acc = Acceptance(hits=[[30, 10], [1, 0], [0, 0]], visits=[50, 1, 0])
+    assert acc.p_raw[1] == [1.0, 0.0]
+    assert acc.p[0] == [0.6, 0.2]
+    assert acc.p[1] == pytest.approx([(1 + 4 * 0.6) / 5, (0 + 4 * 0.2) / 5])
+    assert acc.p[2] == [0.0, 0.0]
+
+
+def test_probe_tree_shape():
+    probe = probe_tree(3, 4)
+    assert probe.size == 13 and probe.max_depth == 3
+    assert sorted(c for c in probe.choices if len(c) == 3) == [[0, 0, r] for r in range(4)]
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: autotune, the cache, compile(tree="auto")
+# --------------------------------------------------------------------------------------------
+
+
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 96, (1, 10), generator=g) for _ in range(2)]
+
+
+def test_autotune_layer_skip_then_compile_auto_equals_hf(cache):
+    model = tiny_llama(num_hidden_layers=6, initializer_range=0.2)
+    with pytest.raises(AutotuneError, match="speccomp autotune --drafter layer_skip"):
+        speccomp.compile(model, drafter="layer_skip", tree="auto")  # nothing stored yet
+    result = speccomp.autotune(model, "layer_skip", prompts(), max_new_tokens=24, repeats=2, dynamic_budgets=(4, 8), max_nodes=16)
+    # measurement: a probe of 6 depths x 8 ranks; probabilities, rows of disjoint events
+    p = result.acceptance["p"]
+    assert len(p) == 6 and all(len(row) == 8 for row in p)
+    assert all(0.0 <= x <= 1.0 for row in p for x in row) and all(sum(row) <= 1 + 1e-9 for row in p)
+    assert result.acceptance["visits"][0] > 0
+    assert len(result.timing["verify_s"]) == len(result.timing["sizes"]) and all(t > 0 for t in result.timing["verify_s"])
+    assert result.timing["widths"] and all(t > 0 for t in result.timing["draft_s"])  # a graph drafter: per-depth cost
+    assert result.timing["presence"] == [1.0] * 6  # a graph drafter fills every node of its tree
+    # optimisation: a DP tree for every size, better trees never predicted to accept less
+    assert [r["n"] for r in result.static] == list(range(2, 17))
+    expected = [r["expected"] for r in result.static]
+    assert all(b >= a - 1e-9 for a, b in zip(expected, expected[1:]))
+    assert [r["budget"] for r in result.dynamic] == [4, 8]
+    best = max(result.static + result.dynamic, key=lambda r: r["tokens_per_s"])
+    assert result.predicted_tokens_per_s == best["tokens_per_s"]
+    assert result.measured and all(r["identical"] for r in result.measured)
+    # the cache: keyed by model, drafter, backend, machine
+    assert result.path.startswith(str(cache)) and json.loads(open(result.path).read())["tree"] == result.tree
+    assert load_result(model, "layer_skip").tree == result.tree
+    assert load_result(model, "layer_skip", "onnxruntime") is None
+    assert load_result(model, "early_exit") is None
+    torch.set_num_threads(2)
+    try:
+        assert load_result(model, "layer_skip") is None  # timed with another thread count
+    finally:
+        torch.set_num_threads(1)
+    # tree="auto": the stored tree and options, output exactly HF greedy
+    fast = speccomp.compile(model, drafter="layer_skip", tree="auto")
+    assert fast.drafter.options == result.drafter_options
+    spec = result.tree_spec()
+    assert fast.drafter.tree == spec and (result.mode == "dynamic") == isinstance(spec, DynamicTreeSpec)
+    for ids in prompts():
+        assert torch.equal(fast.generate(ids, max_new_tokens=20, eos_token_id=2), hf_greedy(model, ids, 20))
+    with pytest.raises(AutotuneError, match="backend 'onnxruntime'"):
+        speccomp.compile(model, drafter="layer_skip", tree="auto", backend="onnxruntime")
+    with pytest.raises(AutotuneError, match="speccomp autotune --drafter early_exit"):
+        speccomp.compile(model, drafter="early_exit", tree="auto")
+    other = tiny_llama(num_hidden_layers=6, initializer_range=0.21)  # another model: another fingerprint
+    with pytest.raises(AutotuneError, match="no autotuned tree"):
+        speccomp.compile(other, drafter="layer_skip", tree="auto")
+    png = plot_report(result, cache / "report.png")
+    assert png.stat().st_size > 10_000 and open(png, "rb").read(4) == b"\x89PNG"
+    assert "chosen" in result.summary()
+    # a damaged cache file is no result
+    open(result.path, "w").write("{not json")
+    assert load_result(model, "layer_skip") is None
+
+
+def test_autotune_token_recycling_static_tree(cache):
+    model = tiny_llama(initializer_range=0.2)
+    with pytest.raises(AutotuneError, match="static trees only"):
+        speccomp.autotune(model, "token_recycling", prompts(), mode="dynamic", save=False)
+    result = speccomp.autotune(model, "token_recycling", prompts(), max_new_tokens=24, repeats=2, max_nodes=12, measure_sizes=[4])
+    assert result.mode == "static" and not result.dynamic
+    assert result.drafter_options == {"ngram_branches": 0}  # tuned as pure Token Recycling
+    assert result.acceptance["probe_ranks"] == 8 and {r["n"] for r in result.measured} >= {4}
+    assert all(0.0 <= f <= 1.0 for f in result.timing["presence"])
+    fast = speccomp.compile(model, drafter="token_recycling", tree="auto")
+    assert fast.drafter.tree == Tree.from_choices(result.tree) and fast.drafter.ngram_branches == 0
+    for ids in prompts():
+        assert torch.equal(fast.generate(ids, max_new_tokens=20, eos_token_id=2), hf_greedy(model, ids, 20))
+    with pytest.warns(UserWarning, match="tuned with drafter_options"):
+        tree, options = resolve_auto(model, "token_recycling", "eager", {"ngram_branches": 1})
+    assert tree == result.tree and options == {"ngram_branches": 1}  # the user's options win
+
+
+def test_untunable_drafters_and_bad_settings_are_refused(cache):
+    model = tiny_llama()
+    with pytest.raises(AutotuneError, match="takes no tree"):
+        speccomp.autotune(model, "ngram", prompts())
+    with pytest.raises(AutotuneError, match="takes no tree"):
+        speccomp.compile(model, drafter="ngram", tree="auto")
+    with pytest.raises(AutotuneError, match="unknown drafter"):
+        speccomp.autotune(model, "nope", prompts())
+    with pytest.raises(AutotuneError, match="max_nodes"):
+        speccomp.autotune(model, "layer_skip", prompts(), max_nodes=1)
+    with pytest.raises(AutotuneError, match="calibration prompt"):
+        speccomp.autotune(model, "layer_skip", [])
+    with pytest.raises(AutotuneError, match="named drafter"):
+        speccomp.compile(model, drafter=Oracle([], Tree.chain(1)), tree="auto")
+    with pytest.raises(ValueError, match="give a drafter"):
+        speccomp.compile(model, tree="auto")
+    assert not result_path(model, "layer_skip", "eager").exists()
+
+
+def test_cli_parses_autotune():
+    from speccomp.cli import build_parser, cmd_autotune
+
+    args = build_parser().parse_args(["autotune", "--drafter", "layer_skip", "--max-nodes", "32", "--report", "r.png"])
+    assert args.func is cmd_autotune and args.max_nodes == 32 and args.report == "r.png" and args.mode == "auto"
