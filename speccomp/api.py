@@ -154,17 +154,17 @@ def compile(  # noqa: A001
     from .speculative import Drafter
 
     _choice("backend", backend, BACKENDS)
-    if kv_cache is not None or kv_mode is not None:  # mode (a): the model drafts over its compressed cache
+    if kv_cache is not None or kv_mode is not None:  # KV compression: kv_mode "draft" (lossless) or "target" (LOSSY)
         from .drafters_kv import check_kv_options, compile_kv_draft
 
         policy, mode = check_kv_options(kv_cache, kv_mode, drafter)
+        if mode == "target" and (tree is not None or drafter_options):
+            raise ValueError("kv_mode='target' decodes without a drafter; drop tree= and drafter_options=")
         base = SpecGraph.from_captured(capture(model))
         base.model = model
-        if mode == "target":  # LOSSY: the target itself reads the compressed cache
+        if mode == "target":  # the target itself reads the compressed cache
             from .kv_target import compile_kv_target
 
-            if tree is not None or drafter_options:
-                raise ValueError("kv_mode='target' decodes without a drafter; drop tree= and drafter_options=")
             return compile_kv_target(base, policy, backend)
         return compile_kv_draft(base, policy, tree, backend, drafter_options)
     if drafter is not None and not isinstance(drafter, Drafter):

@@ -1,0 +1,568 @@
+"""KV-cache compression (issue 7): policy specs, the compression math, compressed caches (bytes, rollback),
+the AttentionScores pass, and mode (a): a lossless self-drafter over the compressed cache."""
+import pytest
+import torch
+
+import speccomp
+from speccomp.backends import lower
+from speccomp.capture import KVSpec, capture
+from speccomp.compressed_cache import make_cache
+from speccomp.graph import SpecGraph, run_passes
+from speccomp.kv_policies import (
+    KVPolicyError,
+    dequantize_keys,
+    dequantize_values,
+    full_bytes,
+    gather_tokens,
+    kivi_split,
+    pack_codes,
+    parse_kv_cache,
+    policy_bytes,
+    pool_votes,
+    pooled_attention,
+    quantize_keys,
+    quantize_values,
+    sink_keep,
+    topk_keep,
+    unpack_codes,
+    value_group,
+)
+from speccomp.passes.kv_compress import KIVI_INPUTS, AttentionScores, KiviCacheRead
+from speccomp.passes.tree_attention import TreeAttention
+from tiny_models import ARCHITECTURES, tiny_llama
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+POLICIES = ["sink:16", "snapkv:16", "h2o:16", "kivi4:8:8", "kivi2:8:8", "kivi8:8:8"]
+
+
+def random_kv(spec: KVSpec, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*spec.shape(length), generator=torch.Generator().manual_seed(seed))
+
+
+def random_votes(spec: KVSpec, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.rand(spec.num_layers, spec.num_kv_heads, length, generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------------------
+# Specs and validation
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "spec, fields",
+    [
+        ("sink:256", dict(kind="sink", budget=256, sinks=4, window=252)),
+        ("sink:64:2", dict(kind="sink", budget=64, sinks=2, window=62)),
+        ("snapkv:512", dict(kind="snapkv", budget=512, window=32)),
+        ("snapkv:16", dict(kind="snapkv", budget=16, window=8)),
+        ("h2o:512", dict(kind="h2o", budget=512, window=256)),
+        ("kivi4", dict(kind="kivi", bits=4, residual=128, group=32, window=128)),
+        ("kivi2:64", dict(kind="kivi", bits=2, residual=64, group=32)),
+        ("KIVI8:16:8", dict(kind="kivi", bits=8, residual=16, group=8)),
+    ],
+)
+def test_parse_accepted_forms(spec, fields):
+    policy = parse_kv_cache(spec)
+    for name, value in fields.items():
+        assert getattr(policy, name) == value, (spec, name)
+    assert policy.spec == spec
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("sink:0", r"budget must be >= 1, got 0"),
+        ("h2o:0", r"budget must be >= 1, got 0"),
+        ("snapkv:-5", r"budget must be >= 1"),
+        ("sink:abc", r"budget 'abc' is not an integer"),
+        ("sink", r"sink takes BUDGET\[:SINKS\]"),
+        ("sink:4:4", r"must exceed the 4 sink tokens"),
+        ("h2o:1", r"needs a budget >= 2"),
+        ("kivi3", r"KIVI bits must be one of \[2, 4, 8\]"),
+        ("kivi16", r"KIVI bits must be one of \[2, 4, 8\]"),
+        ("kivi", r"KIVI bits must be one of \[2, 4, 8\]"),
+        ("kivi4:0", r"full-precision window must be >= 1"),
+        ("kivi4:8:8:8", r"too many"),
+        ("zip", r"unknown kv_cache 'zip'; accepted forms: 'sink:BUDGET'"),
+        (42, r"expected a string"),
+    ],
+)
+def test_bad_specs_name_accepted_forms(spec, match):
+    with pytest.raises(KVPolicyError, match=match):
+        parse_kv_cache(spec)
+    assert issubclass(KVPolicyError, ValueError)
+
+
+def test_policy_checks_context_window_and_packing():
+    with pytest.raises(KVPolicyError, match=r"budget 300 is larger than the model's context of 256"):
+        parse_kv_cache("sink:300").check(SPEC, max_positions=256)
+    with pytest.raises(KVPolicyError, match=r"full-precision window 512 is larger than the model's context"):
+        parse_kv_cache("kivi4:512").check(SPEC, max_positions=256)
+    with pytest.raises(KVPolicyError, match=r"window is 4 tokens but at least 7"):
+        parse_kv_cache("h2o:8").check(SPEC, min_window=7)
+    odd = KVSpec(2, 2, 6, torch.float32)
+    with pytest.raises(KVPolicyError, match=r"head dimension 6 is not a multiple of 4"):
+        parse_kv_cache("kivi2").check(odd)
+    parse_kv_cache("kivi4").check(odd)  # two 4-bit codes per byte fit 6 channels
+    assert parse_kv_cache("sink:256").check(SPEC, max_positions=256, min_window=7).budget == 256
+
+
+# --------------------------------------------------------------------------------------
+# Compression math
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_packing_round_trips_and_really_shrinks(bits):
+    codes = torch.randint(0, 2**bits, (3, 5, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 5, 16 * bits // 8)
+    assert packed.untyped_storage().nbytes() == codes.nbytes * bits // 8  # storage, not just a view
+    assert torch.equal(unpack_codes(packed, bits), codes)
+    if bits == 4:  # low nibble first: codes (1, 2) -> 0x21
+        assert pack_codes(torch.tensor([[1, 2]], dtype=torch.uint8), 4).item() == 0x21
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_kivi_error_bounds_keys_per_channel_values_per_token(bits):
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 3, 64, 16, generator=g)  # [..., T, D]
+    k[..., 5] *= 50  # an outlier channel, as real keys have
+    qk = quantize_keys(k, bits, group=16)
+    assert qk.scale.shape == (2, 3, 4, 16)  # one (scale, min) per (group of 16 tokens, channel)
+    err = (dequantize_keys(qk, 16) - k).abs()
+    bound = qk.scale.repeat_interleave(16, dim=-2) / 2  # [..., T, D]
+    assert (err <= bound * (1 + 1e-5) + 1e-6).all()
+    # per channel: the outlier channel's range does not coarsen the others
+    assert err[..., 5].max() > 10 * err[..., [c for c in range(16) if c != 5]].max()
+
+    v = torch.randn(2, 3, 64, 16, generator=g)
+    v[..., 7, :] *= 50  # an outlier token
+    qv = quantize_values(v, bits, group=8)
+    assert qv.scale.shape == (2, 3, 64, 2)  # one (scale, min) per (token, 8 channels)
+    err = (dequantize_values(qv, 8) - v).abs()
+    assert (err <= qv.scale.repeat_interleave(8, dim=-1) / 2 * (1 + 1e-5) + 1e-6).all()
+    assert err[..., 7, :].max() > 10 * err[..., [t for t in range(64) if t != 7], :].max()
+
+
+def test_more_bits_less_error():
+    x = torch.randn(1, 1, 64, 16, generator=torch.Generator().manual_seed(2))
+    errors = [(dequantize_keys(quantize_keys(x, b, 32), 32) - x).abs().mean().item() for b in (2, 4, 8)]
+    assert errors[0] > 3 * errors[1] > 9 * errors[2] > 0
+
+
+def test_constant_group_quantises_exactly():
+    x = torch.full((1, 1, 8, 8), 0.3)
+    assert torch.equal(dequantize_keys(quantize_keys(x, 2, 8), 8), x)
+    assert torch.equal(dequantize_values(quantize_values(x, 2, 8), 8), x)
+
+
+def test_sink_and_topk_selection():
+    assert sink_keep(10, 2, 6).tolist() == [0, 1, 6, 7, 8, 9]
+    assert sink_keep(5, 2, 6).tolist() == [0, 1, 2, 3, 4]
+    scores = torch.zeros(1, 2, 10)
+    scores[0, 0, 3] = scores[0, 1, 5] = 1.0  # heavy hitters differ per KV head
+    scores[0, :, 8:] = 9.0  # recent tokens win by position, not by score
+    keep = topk_keep(scores, recent=3, budget=4)  # 3 recent + 1 heavy hitter per KV head
+    assert keep.tolist() == [[[3, 7, 8, 9], [5, 7, 8, 9]]]
+    assert torch.equal(keep, keep.sort(-1).values)  # position order is kept
+
+
+def test_votes_pooled_per_kv_head_and_over_neighbours():
+    probs = torch.zeros(1, 4, 2, 6)  # [L, H=4 query heads, q, T], 2 KV heads
+    probs[0, 0, :, 1] = 1.0  # only query head 0 (KV head 0) looks at token 1
+    pooled = pooled_attention(probs, num_kv_heads=2)  # [L, Hkv, q, T]
+    assert pooled.shape == (1, 2, 2, 6)
+    assert pooled[0, 0, :, 1].tolist() == [0.5, 0.5] and pooled[0, 1].abs().sum() == 0
+    votes = torch.zeros(1, 1, 9)
+    votes[0, 0, 4] = 7.0
+    smoothed = pool_votes(votes, kernel=3)
+    assert smoothed[0, 0].nonzero().flatten().tolist() == [3, 4, 5]  # a voted token lends its neighbours votes
+
+
+def test_gather_tokens_per_head():
+    kv = random_kv(SPEC, 6)
+    keep = torch.tensor([[[0, 2], [1, 5]], [[3, 4], [0, 1]]])  # [L, Hkv, 2]
+    out = gather_tokens(kv, keep)
+    assert out.shape == SPEC.shape(2)
+    assert torch.equal(out[1, :, 0, 0], kv[1, :, 0, 0, [3, 4]])
+    assert torch.equal(out[0, :, 0, 1], kv[0, :, 0, 1, [1, 5]])
+
+
+# --------------------------------------------------------------------------------------
+# Compressed caches: zero compression, bytes, rollback, the recent window
+# --------------------------------------------------------------------------------------
+def filled(policy_spec: str, full: torch.Tensor, prompt: int, spec: KVSpec = SPEC):
+    """A cache fed like the drafter feeds it: the prompt (compacted with votes), then one token at a time."""
+    policy = parse_kv_cache(policy_spec)
+    cache = make_cache(spec, policy)
+    cache.append(full[..., :prompt, :])
+    cache.compact(random_votes(spec, prompt) if policy.needs_attention else None)
+    for t in range(prompt, full.shape[4]):
+        cache.append(full[..., t : t + 1, :])
+        cache.compact()
+    return cache
+
+
+@pytest.mark.parametrize("spec", ["sink:64", "snapkv:64", "h2o:64", "kivi4:64:8", "kivi2:64", "kivi8:70:8"])
+def test_zero_compression_is_the_full_cache_bitwise(spec):
+    full = random_kv(SPEC, 60)
+    cache = filled(spec, full, prompt=40)
+    assert torch.equal(cache.dense(), full)
+    assert torch.equal(cache.workspace(5)[..., :60, :], full)
+    assert cache.nbytes() == full.nbytes == full_bytes(SPEC, 60)
+
+
+@pytest.mark.parametrize("spec", POLICIES)
+def test_bytes_held_equal_the_closed_form(spec):
+    full = random_kv(SPEC, 90)
+    policy = parse_kv_cache(spec)
+    cache = make_cache(SPEC, policy)
+    cache.append(full[..., :50, :])
+    cache.compact(random_votes(SPEC, 50) if policy.needs_attention else None)
+    for t in range(50, 90):
+        assert cache.nbytes() == policy_bytes(SPEC, policy, t, prompt_length=50), t
+        cache.append(full[..., t : t + 1, :])
+        cache.compact()
+    assert cache.length == 90
+    assert cache.nbytes() == policy_bytes(SPEC, policy, 90, prompt_length=50) < full_bytes(SPEC, 90)
+    if policy.kind in ("sink", "h2o"):
+        assert cache.slots == 16 and cache.nbytes() == full_bytes(SPEC, 16)
+    if policy.kind == "snapkv":
+        assert cache.slots == 16 + 40  # the prompt is compressed once; decoded tokens are kept
+    if policy.kind == "kivi":  # the packed tensors' storage really is that small
+        quantised, tail = kivi_split(90, 8, 8)
+        assert (quantised, tail) == (80, 10) and cache.tail_len == tail
+        codes = cache.keys.packed
+        assert codes.dtype == torch.uint8 and codes.untyped_storage().nbytes() == codes.numel()
+        assert codes.numel() == 2 * 2 * quantised * 8 * policy.bits // 8
+
+
+def test_kivi_memory_on_a_real_sized_head():
+    """SmolLM2-like heads (D = 64) at 1k tokens, 128 of them full precision: int4 holds 29% of the full
+    cache, int2 23% (codes 1/8 or 1/16 of fp32, plus fp32 scale and minimum per 32 values: 1/16)."""
+    spec = KVSpec(num_layers=2, num_kv_heads=3, head_dim=64, dtype=torch.float32)
+    full = random_kv(spec, 1024)
+    for text, ratio in (("kivi4", 0.29), ("kivi2", 0.235)):
+        cache = filled(text, full, prompt=1000, spec=spec)
+        held = cache.nbytes()
+        assert held == policy_bytes(spec, parse_kv_cache(text), 1024) < ratio * full.nbytes, (text, held / full.nbytes)
+        err = (cache.dense() - full).abs()
+        assert torch.equal(cache.dense()[..., -128:, :], full[..., -128:, :])  # the residual window is exact
+        assert 0 < err.max() < (1.0 if text == "kivi4" else 3.0)
+
+
+@pytest.mark.parametrize("spec", POLICIES)
+def test_recent_window_is_never_compressed(spec):
+    full = random_kv(SPEC, 80)
+    cache = filled(spec, full, prompt=30)
+    w = cache.policy.window
+    dense = cache.dense()
+    if cache.policy.kind == "kivi":
+        assert cache.tail_len >= w and torch.equal(dense[..., -w:, :], full[..., -w:, :])
+    else:  # every KV head holds the newest w positions, in full precision, last
+        newest = torch.arange(80 - w, 80)
+        assert torch.equal(cache.positions()[..., -w:], newest.expand(2, 2, w))
+        assert torch.equal(dense[..., -w:, :], full[..., -w:, :])
+        # and every slot holds exactly the token at its position
+        assert torch.equal(dense, gather_tokens(full, cache.positions()))
+
+
+@pytest.mark.parametrize("spec", POLICIES)
+def test_rollback_is_exact(spec):
+    full = random_kv(SPEC, 70)
+    cache = filled(spec, full, prompt=40)
+    before = (cache.dense().clone(), cache.nbytes(), cache.length, cache.slots)
+    k = cache.policy.window  # a whole rejected draft path of the deepest tree the window allows
+    cache.append(random_kv(SPEC, k, seed=9))
+    assert cache.length == 70 + k
+    cache.rollback(k)
+    assert torch.equal(cache.dense(), before[0]) and (cache.nbytes(), cache.length, cache.slots) == before[1:]
+    # rolled back after a compaction, the dropped tokens are exactly the newest ones
+    cache.append(full[..., 60:62, :])
+    cache.compact()
+    cache.rollback(2)
+    assert cache.length == 70
+    assert torch.equal(cache.dense()[..., -3:, :], full[..., 67:70, :])
+
+
+@pytest.mark.parametrize("spec", ["sink:16", "h2o:16", "kivi4:8:8"])
+def test_rollback_past_the_window_is_refused(spec):
+    cache = filled(spec, random_kv(SPEC, 60), prompt=30)
+    with pytest.raises(ValueError, match="cannot roll back"):
+        cache.rollback(cache.policy.window + 8)
+
+
+def test_h2o_evicts_the_least_attended():
+    policy = parse_kv_cache("h2o:8")  # the 4 most recent + 4 heavy hitters
+    cache = make_cache(SPEC, policy)
+    cache.append(random_kv(SPEC, 8))
+    probs = torch.zeros(2, 2, 8)
+    probs[:, 0, :6] = torch.tensor([0.5, 3, 2, 0.1, 0.2, 1])  # KV head 0: tokens 3, 4 least attended
+    probs[:, 1, :6] = torch.tensor([0, 0.3, 0.2, 4, 5, 0.1])  # KV head 1: tokens 0, 5
+    probs[:, :, 6:] = 0.0  # recent tokens stay whatever their score
+    cache.accumulate(probs)
+    cache.accumulate(probs)  # scores accumulate over steps
+    assert torch.equal(cache.score[..., :8], 2 * probs)
+    cache.append(random_kv(SPEC, 2, seed=3))  # positions 8, 9: two tokens must go
+    cache.compact()
+    pos = cache.positions()
+    assert pos[0, 0].tolist() == [0, 1, 2, 5, 6, 7, 8, 9]
+    assert pos[1, 1].tolist() == [1, 2, 3, 4, 6, 7, 8, 9]
+    assert torch.equal(cache.score[0, 0, :8], torch.tensor([1.0, 6, 4, 2, 0, 0, 0, 0]))  # scores move with tokens
+
+
+# --------------------------------------------------------------------------------------
+# The AttentionScores pass
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["llama", "gemma2"])  # sdpa with GQA, eager with softcapping
+def test_attention_scores_match_hf_attentions(name):
+    model = ARCHITECTURES[name].build()
+    sg = run_passes(SpecGraph.from_captured(capture(model)), [TreeAttention(), AttentionScores()])
+    assert len(sg.gm.graph.output_node().args[0]) == 4
+    step = lower(sg, "eager")
+    if name == "llama":  # the scores read the un-repeated keys: lowering still drops every repeat_kv copy
+        sdpa = [n for n in step.graph.nodes if "scaled_dot_product" in str(n.target)]
+        assert sdpa and all(n.kwargs.get("enable_gqa") for n in sdpa)
+    kv = sg.captured.kv
+    ids = torch.randint(3, 100, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        prefix = model(ids[:, :6], use_cache=True).past_key_values
+        past = torch.stack([torch.stack([layer.keys, layer.values]) for layer in prefix.layers])
+        out = step(ids[:, 6:], torch.arange(6, 10)[None], torch.ones(1, 10, dtype=torch.long), past,
+                   torch.ones(4, 4, dtype=torch.bool).tril())
+        model.set_attn_implementation("eager")
+        ref = torch.stack([a[0] for a in model(ids, output_attentions=True).attentions])[:, :, 6:]  # [L, H, 4, 10]
+    expected = pooled_attention(ref, kv.num_kv_heads)
+    assert out[3].shape == (kv.num_layers, 1, kv.num_kv_heads, 4, 10)
+    assert (out[3][:, 0] - expected).abs().max() < 1e-5
+    assert torch.allclose(out[3].sum(-1), torch.ones(()))
+
+
+# --------------------------------------------------------------------------------------
+# Mode (a): a lossless self-drafter over the compressed cache
+# --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama():
+    model = tiny_llama(num_hidden_layers=4, initializer_range=0.2)
+    model.generation_config.eos_token_id = None  # HF would stop at the config's eos; speccomp is not told it
+    return model
+
+
+def hf_greedy(model, ids, n):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+def prompt(seed=3, n=60):
+    return torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("spec", ["sink:16", "snapkv:16", "h2o:16", "kivi4:8:8", "kivi2:8:8"])
+def test_draft_mode_greedy_equals_hf(llama, spec):
+    fast = speccomp.compile(llama, kv_cache=spec)
+    ids = prompt()  # 60 tokens: well past every budget / full-precision window
+    assert torch.equal(fast.generate(ids, max_new_tokens=40), hf_greedy(llama, ids, 40))
+    s = fast.last_stats
+    assert s["lossless"] and s["kv_mode"] == "draft" and s["kv_cache"] == spec
+    assert s["kv_bytes_draft"] == s["kv_bytes_draft_closed_form"] < s["kv_bytes_full"]
+    assert s["kv_bytes_full"] == full_bytes(fast.kv, s["kv_tokens_full"])
+    assert s["steps"] < 40  # some drafts were accepted: the drafter is real, not a no-op
+    if spec in ("sink:16", "h2o:16"):
+        assert s["kv_tokens_draft"] == 16
+
+
+@pytest.fixture(scope="module")
+def llama_base(llama):
+    return SpecGraph.from_captured(capture(llama))
+
+
+@pytest.fixture(scope="module")
+def llama_step(llama_base):
+    return lower(run_passes(llama_base.clone(), []), "eager")
+
+
+def kivi_reader(base: SpecGraph, spec: str):
+    policy = parse_kv_cache(spec)
+    return lower(run_passes(base.clone(), [KiviCacheRead(policy.bits, policy.group, value_group(base.captured.kv.head_dim))]), "eager")
+
+
+@pytest.mark.parametrize("spec", ["sink:64", "snapkv:64", "h2o:64", "kivi4:64:8", "kivi2:64:8"])
+def test_zero_compression_gives_bitwise_identical_logits(llama, llama_step, spec):
+    """Budget >= context: the target graph reads the compressed cache and the full one to the same bits."""
+    step = llama_step
+    ids = prompt(seed=6, n=50)
+    with torch.no_grad():
+        full = step(ids, torch.arange(50)[None], torch.ones(1, 50, dtype=torch.long), torch.zeros(step_kv(llama).shape(0)))[1]
+    policy = parse_kv_cache(spec)
+    cache = make_cache(step_kv(llama), policy)
+    cache.append(full)
+    cache.compact(random_votes(step_kv(llama), 50) if policy.needs_attention else None)
+    token, pos, mask = torch.tensor([[7]]), torch.tensor([[50]]), torch.ones(1, 51, dtype=torch.long)
+    with torch.no_grad():
+        a = step(token, pos, mask, full)
+        b = step(token, pos, mask, cache.dense())
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def step_kv(model) -> KVSpec:
+    c = model.config
+    return KVSpec(c.num_hidden_layers, c.num_key_value_heads, c.hidden_size // c.num_attention_heads, torch.float32)
+
+
+@pytest.mark.parametrize("name, spec", [("mistral", "sink:16"), ("gemma2", "h2o:16")])  # sliding windows; eager softmax
+def test_draft_mode_other_architectures(name, spec):
+    model = ARCHITECTURES[name].build()
+    model.generation_config.eos_token_id = None
+    fast = speccomp.compile(model, kv_cache=spec)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(fast.generate(ids, max_new_tokens=24), hf_greedy(model, ids, 24))
+    assert fast.last_stats["kv_tokens_draft"] == 16 < fast.last_stats["kv_tokens_full"]
+
+
+def test_zero_compression_drafts_like_the_target(llama):
+    fast = speccomp.compile(llama, kv_cache="sink:200", tree=3)
+    ids = prompt(seed=4)
+    assert torch.equal(fast.generate(ids, max_new_tokens=30), hf_greedy(llama, ids, 30))
+    s = fast.last_stats
+    assert s["kv_bytes_draft"] == s["kv_bytes_full"]
+    assert s["acceptance_by_depth"][0] == 1.0  # the drafter is the target: its greedy chain is accepted
+
+
+def test_drafts_rejected_every_step_still_exact(llama):
+    """The drafter runs for real (its cache syncs every step), but every draft token is made wrong."""
+    ids = prompt(seed=5)
+    ref = hf_greedy(llama, ids, 30)[0].tolist()
+    fast = speccomp.compile(llama, kv_cache="kivi2:8:8", tree=[[0], [1], [0, 0]])
+    real_propose = fast.drafter.propose
+
+    def wrong(ctx):
+        draft = real_propose(ctx)
+        target_next = ref[len(ctx.tokens)]  # what the target will emit after the root
+        draft.tokens[1:] = (target_next + 1) % 96
+        return draft
+
+    fast.drafter.propose = wrong
+    assert fast.generate(ids, max_new_tokens=30)[0].tolist() == ref
+    s = fast.last_stats
+    assert s["steps"] == 30 and all(a == 0 for a in s["acceptance_by_depth"])
+    # last draft step: 28 tokens out, the newest (the root) not yet cached
+    assert s["kv_tokens_full"] == 60 + 27 and s["kv_bytes_draft"] == s["kv_bytes_draft_closed_form"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(kv_cache="kivi3"), r"KIVI bits must be one of \[2, 4, 8\]"),
+        (dict(kv_cache="sink:0"), r"budget must be >= 1"),
+        (dict(kv_cache="sink:4", kv_mode="fast"), r"unknown kv_mode 'fast'"),
+        (dict(kv_cache="sink:64", kv_mode="target", drafter="ngram"), r"LOSSY.*plain decoding only"),
+        (dict(kv_mode="draft"), r"needs a kv_cache= policy"),
+        (dict(kv_cache="sink:64", drafter="ngram"), r"drop drafter="),
+    ],
+)
+def test_bad_kv_options_fail_before_capture(llama, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        speccomp.compile(llama, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(kv_cache="sink:300"), r"budget 300 is larger than the model's context of 256"),
+        (dict(kv_cache="h2o:8"), r"window is 4 tokens but at least 7"),  # dynamic tree: depth up to 6
+        (dict(kv_cache="h2o:8", tree=2), None),  # a chain of 2 needs a window of 3 only
+    ],
+)
+def test_budget_checked_against_context_and_tree(llama, kwargs, match):
+    if match is None:
+        assert speccomp.compile(llama, **kwargs).drafter.min_window == 3
+        return
+    with pytest.raises(ValueError, match=match):
+        speccomp.compile(llama, **kwargs)
+
+
+def test_draft_mode_with_layer_skip(llama):
+    """drafter_options skip layers in the draft graph too (fewer layers and fewer keys per draft)."""
+    fast = speccomp.compile(llama, kv_cache="h2o:16", drafter_options={"skip": [1]})
+    assert fast.drafter.layer_index.tolist() == [0, 2, 3]
+    ids = prompt(seed=8)
+    assert torch.equal(fast.generate(ids, max_new_tokens=30), hf_greedy(llama, ids, 30))
+    with pytest.raises(ValueError, match=r"unknown compressed-KV drafter options \['foo'\]"):
+        speccomp.compile(llama, kv_cache="sink:16", drafter_options={"foo": 1})
+
+
+# --------------------------------------------------------------------------------------
+# Mode (b): the target reads the compressed cache (LOSSY), quality measured
+# --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_scored(llama_base):
+    return lower(run_passes(llama_base.clone(), [AttentionScores()]), "eager")
+
+
+def text_ids(n=120, seed=7):
+    return torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_target_mode_is_labelled_lossy_and_measures_bytes(llama):
+    fast = speccomp.compile(llama, kv_cache="sink:16", kv_mode="target")
+    ids = prompt()
+    out = fast.generate(ids, max_new_tokens=20)
+    assert out.shape == (1, 80)
+    s = fast.last_stats
+    assert s["lossless"] is False and "lossy" in s and s["kv_mode"] == "target"
+    assert s["kv_bytes_target"] == s["kv_bytes_target_closed_form"] == full_bytes(fast.kv, 16) < s["kv_bytes_full"]
+    assert s["kv_tokens_target"] == 16 and s["kv_tokens_full"] == 79
+    with pytest.raises(ValueError, match=r"kv_mode='target'.*plain decoding only"):
+        speccomp.compile(llama, kv_cache="sink:16", kv_mode="target", drafter="ngram")
+
+
+def test_target_mode_zero_compression_is_the_model(llama):
+    fast = speccomp.compile(llama, kv_cache="h2o:200", kv_mode="target")
+    ids = prompt(seed=9)
+    assert torch.equal(fast.generate(ids, max_new_tokens=30), hf_greedy(llama, ids, 30))
+    q = fast.quality(text_ids(), prompt_length=60)
+    assert q["mean_kl"] == 0.0 and q["perplexity_compressed"] == q["perplexity_full"]
+    assert q["kv_bytes_compressed"] == q["kv_bytes_full"]
+
+
+def test_quality_measured_token_by_token(llama, llama_base, llama_step, llama_scored):
+    from speccomp.kv_target import kv_quality
+
+    kv = step_kv(llama)
+    results = {}
+    for spec in ["kivi8:8:8", "kivi4:8:8", "kivi2:8:8", "sink:16", "snapkv:16", "h2o:16"]:
+        reader = kivi_reader(llama_base, spec) if spec.startswith("kivi") else llama_step
+        results[spec] = kv_quality(llama_step, reader, llama_scored, kv, parse_kv_cache(spec), text_ids(), 60)
+    for spec, r in results.items():
+        assert r["tokens_scored"] == 60 and r["mean_kl"] > 0, spec
+        assert r["kv_bytes_compressed"] == r["kv_bytes_compressed_closed_form"] < r["kv_bytes_full"], spec
+        assert 1 < r["perplexity_compressed"] < 1000 and r["perplexity_full"] == results["sink:16"]["perplexity_full"]
+    # fewer bits, further from the full-cache model
+    assert results["kivi8:8:8"]["mean_kl"] < results["kivi4:8:8"]["mean_kl"] < results["kivi2:8:8"]["mean_kl"]
+    with pytest.raises(ValueError, match=r"prompt_length must be in \[1, 119\]"):
+        kv_quality(llama_step, llama_step, None, kv, parse_kv_cache("sink:16"), text_ids(), 120)
+
+
+@pytest.mark.parametrize("spec", ["kivi4:8:8", "kivi2:8:8", "kivi8:8:8", "kivi4:64:8"])  # the last: nothing quantised
+def test_kivi_cache_read_pass(llama, llama_base, llama_step, spec):
+    """The graph reads the packed cache itself, bit for bit what the dequantised dense cache gives; past_kv
+    is read for its shape only (a stride-0 view is passed)."""
+    reader = kivi_reader(llama_base, spec)
+    names = [n.name for n in reader.graph.nodes if n.op == "placeholder"]
+    assert names == ["input_ids", "position_ids", "attention_mask", "past_kv", *KIVI_INPUTS]
+    past = next(n for n in reader.graph.nodes if n.name == "past_kv")
+    assert all(u.target is torch.ops.aten.sym_size.int or u.op == "call_module" for u in past.users)
+    kv = step_kv(llama)
+    ids = prompt(seed=10, n=50)
+    with torch.no_grad():
+        full = llama_step(ids, torch.arange(50)[None], torch.ones(1, 50, dtype=torch.long), torch.zeros(kv.shape(0)))[1]
+    cache = make_cache(kv, parse_kv_cache(spec))
+    cache.append(full)
+    cache.compact()
+    held = cache.graph_inputs()
+    assert held[0].stride() == (0,) * 6 and held[0].shape == kv.shape(50)
+    tokens, pos, mask = torch.tensor([[5, 6]]), torch.tensor([[50, 51]]), torch.ones(1, 52, dtype=torch.long)
+    with torch.no_grad():
+        dense = llama_step(tokens, pos, mask, cache.dense())
+        packed = reader(tokens, pos, mask, *held)
+    assert torch.equal(dense[0], packed[0]) and torch.equal(dense[1], packed[1])
+    if spec != "kivi4:64:8":
+        assert cache.quantised == 40
+        full_logits = llama_step(tokens, pos, mask, full)[0]
+        assert not torch.equal(full_logits, packed[0])  # it really read the quantised keys/values
