@@ -116,8 +116,9 @@ def distilled_text(out) -> tuple[list[torch.Tensor], list[int]]:
     return [flat[f"seq_{i}"] for i in range(n)], [int(flat[f"start_{i}"]) for i in range(n)]
 
 
-def _hidden_states(model, seqs, progress: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per sequence: final hidden states h [n, H] and the model's greedy next token after every position [n]."""
+def _hidden_states(model, seqs, progress: bool, mass: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence: final hidden states h [n, H] and the model's greedy next token after every position [n].
+    `mass` [V], if given, accumulates the model's next-token probabilities over all positions."""
     import speccomp
     from tqdm import tqdm
 
@@ -130,6 +131,8 @@ def _hidden_states(model, seqs, progress: bool) -> list[tuple[torch.Tensor, torc
             empty = torch.zeros(*kv.shape(0), dtype=kv.dtype)
             logits, _, h = plain.step(s[None], torch.arange(n)[None], torch.ones(1, n, dtype=torch.long), empty)
             out.append((h[0].clone(), logits[0].argmax(-1)))
+            if mass is not None:
+                mass += logits[0].softmax(-1).sum(0)
     return out
 
 
@@ -153,12 +156,26 @@ def _examples(seqs, states, num_heads: int, starts=None):
     return torch.cat(hs), torch.cat(ins), torch.cat(ts)
 
 
-def frequent_tokens(seqs, size: int, always=()) -> torch.Tensor:
-    """The `size` most frequent token ids of `seqs` (ties: smaller id first), plus `always`, sorted."""
+def frequent_tokens(seqs, size: int, always=(), fill: torch.Tensor | None = None) -> torch.Tensor:
+    """The `size` most frequent token ids of `seqs` (ties: smaller id first), plus `always`, sorted.
+    With fewer distinct tokens than `size`, the rest are the highest-scoring ids of `fill` [V] (e.g. the
+    model's probability mass): tokens that never won an argmax in the training text still get drafted."""
     counts = torch.bincount(torch.cat(seqs))
     order = sorted(range(len(counts)), key=lambda t: (-int(counts[t]), t))
-    chosen = {t for t in order[:size] if counts[t] > 0} | {int(t) for t in always}
+    chosen = {t for t in order[:size] if counts[t] > 0}
+    if fill is not None and len(chosen) < size:
+        for t in fill.argsort(descending=True).tolist():
+            if len(chosen) >= size:
+                break
+            chosen.add(t)
+    chosen |= {int(t) for t in always}
     return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def _vocab_size(model) -> int:
+    from .medusa import _lm_head_weight
+
+    return _lm_head_weight(model).shape[0]
 
 
 def _check_settings(kind, **ints) -> None:
@@ -205,14 +222,16 @@ def train_heads(
 
     seqs, starts = _self_distill(model, [p.reshape(-1) for p in prompts], max_new_tokens, eos_token_id, progress, state,
                                  sampled, temperature, seed)
-    h, inputs, targets = _examples(seqs, _hidden_states(model, seqs, progress), num_heads, starts)
+    mass = torch.zeros(_vocab_size(model)) if kind == "hydra" else None
+    h, inputs, targets = _examples(seqs, _hidden_states(model, seqs, progress, mass), num_heads, starts)
 
     torch.manual_seed(seed)
     if kind == "hydra":
         from .hydra import new_hydra
 
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
-        heads = new_hydra(model, frequent_tokens([targets.flatten()], draft_vocab, always=eos), num_heads, num_layers)
+        vocab = frequent_tokens([targets.flatten()], draft_vocab, always=eos, fill=mass)
+        heads = new_hydra(model, vocab, num_heads, num_layers)
         # targets as indices into the draft vocabulary; -100 (skipped by cross_entropy) outside it
         index = torch.full((heads.vocab,), -100, dtype=torch.long)
         index[heads.draft_vocab] = torch.arange(len(heads.draft_vocab))
@@ -272,10 +291,11 @@ def train_heads(
     return heads
 
 
-def head_accuracy(heads, model, seqs) -> list[float]:
+def head_accuracy(heads, model, seqs, starts=None) -> list[float]:
     """Top-1 accuracy of each head on `seqs` (token id tensors), every position: how often head k names the
-    model's greedy token after x_{t+k+1} (Hydra heads read x_{t+1..t+k+1}, as along an accepted path)."""
-    h, inputs, targets = _examples(seqs, _hidden_states(model, seqs, progress=False), heads.num_heads)
+    model's greedy token after x_{t+k+1} (Hydra heads read x_{t+1..t+k+1}, as along an accepted path).
+    `starts`: where each reply starts (then only reply positions count)."""
+    h, inputs, targets = _examples(seqs, _hidden_states(model, seqs, progress=False), heads.num_heads, starts)
     with torch.no_grad():
         if isinstance(heads, MedusaHeads):
             pred = heads(h).argmax(-1)
