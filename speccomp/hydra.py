@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .medusa import HeadsError, ResBlock, _lm_head_weight
+from .medusa import HeadsError, ResBlock, _lm_head_weight, read_head_files
 
 WEIGHTS = "hydra_heads.safetensors"
 CONFIG = "config.json"
@@ -126,22 +126,9 @@ def save_hydra(heads: HydraHeads, directory, *, base_model: str = "") -> Path:
 
 def load_hydra(directory, model) -> HydraHeads:
     """Heads from a directory written by `save_hydra`, checked against `model`."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     directory = Path(directory)
-    cfg_path, w_path = directory / CONFIG, directory / WEIGHTS
-    if not w_path.exists() or not cfg_path.exists():
-        raise HeadsError(f"{directory} is not a Hydra head directory: it needs {CONFIG} and {WEIGHTS}")
-    try:
-        config = json.loads(cfg_path.read_text())
-        k_heads, layers = int(config["hydra_num_heads"]), int(config.get("hydra_num_layers", 1))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise HeadsError(f"{cfg_path}: not a Hydra config (needs hydra_num_heads, hydra_num_layers): {exc}") from None
-    try:
-        tensors = load_file(str(w_path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise HeadsError(f"{w_path} is corrupt or not a safetensors file: {exc}") from None
+    w_path = directory / WEIGHTS
+    config, k_heads, layers, tensors = read_head_files(directory, "hydra", WEIGHTS)
     lm = _lm_head_weight(model)
     vocab, hidden = lm.shape
     first = tensors.get("hydra_head.0.embed.weight")

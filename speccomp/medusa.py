@@ -121,24 +121,35 @@ def save_medusa(heads: MedusaHeads, directory, *, base_model: str = "", medusa_l
     return directory
 
 
-def load_medusa(directory, model) -> MedusaHeads:
-    """Heads from a Medusa-layout directory, checked against `model` (hidden size, vocabulary)."""
+def read_head_files(directory, kind: str, weights: str):
+    """(config, number of heads, layers per head, tensors) of a head directory (`kind`: "medusa" or
+    "hydra", the prefix of its config keys), with clear errors for missing or corrupt files."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     directory = Path(directory)
-    cfg_path, w_path = directory / CONFIG, directory / WEIGHTS
+    cfg_path, w_path = directory / CONFIG, directory / weights
     if not w_path.exists() or not cfg_path.exists():
-        raise HeadsError(f"{directory} is not a Medusa head directory: it needs {CONFIG} and {WEIGHTS}")
+        raise HeadsError(f"{directory} is not a {kind.capitalize()} head directory: it needs {CONFIG} and {weights}")
     try:
         config = json.loads(cfg_path.read_text())
-        k_heads, layers = int(config["medusa_num_heads"]), int(config.get("medusa_num_layers", 1))
+        k_heads, layers = int(config[f"{kind}_num_heads"]), int(config.get(f"{kind}_num_layers", 1))
     except (ValueError, KeyError, TypeError) as exc:
-        raise HeadsError(f"{cfg_path}: not a Medusa config (needs medusa_num_heads, medusa_num_layers): {exc}") from None
+        raise HeadsError(
+            f"{cfg_path}: not a {kind.capitalize()} config (needs {kind}_num_heads, {kind}_num_layers): {exc}"
+        ) from None
     try:
         tensors = load_file(str(w_path))
     except (SafetensorError, OSError, ValueError) as exc:
         raise HeadsError(f"{w_path} is corrupt or not a safetensors file: {exc}") from None
+    return config, k_heads, layers, tensors
+
+
+def load_medusa(directory, model) -> MedusaHeads:
+    """Heads from a Medusa-layout directory, checked against `model` (hidden size, vocabulary)."""
+    directory = Path(directory)
+    w_path = directory / WEIGHTS
+    config, k_heads, layers, tensors = read_head_files(directory, "medusa", WEIGHTS)
     lm = _lm_head_weight(model)
     vocab, hidden = lm.shape
     first = tensors.get("medusa_head.0.0.linear.weight")
