@@ -71,6 +71,7 @@ def find_heads(model, path=None, kind: str = "medusa") -> Path:
 
 class MedusaDrafter(Drafter):
     name = "medusa"
+    wants_states = True
 
     def __init__(self, heads: MedusaHeads, tree: Tree):
         if tree.max_depth > heads.num_heads:
@@ -84,8 +85,6 @@ class MedusaDrafter(Drafter):
         self.target_passes = [MedusaHeadsPass(heads)]
         self.states = None
         self.top = max(tree.ranks) + 1
-
-    wants_states = True
 
     def take_states(self, states) -> None:
         self.states = states[1]  # (hidden [H], medusa_states [K, H])
@@ -182,9 +181,9 @@ class HydraDrafter(Drafter):
             nodes = [u for u in range(tree.size) if depth[u] == d and tree.children[u]]
             z, logp = self._expand(d, torch.cat([state[u] for u in nodes]), [tokens[u] for u in nodes])
             for i, u in enumerate(nodes):
-                ranks = logp[i].topk(max(tree.ranks[c] for c in tree.children[u]) + 1).indices
+                top = logp[i].topk(max(tree.ranks[c] for c in tree.children[u]) + 1).indices  # draft-vocab indices
                 for c in tree.children[u]:
-                    tokens[c] = int(vocab[ranks[tree.ranks[c]]])
+                    tokens[c] = int(vocab[top[tree.ranks[c]]])
                     state[c] = z[i : i + 1]
         return Draft(tree, torch.tensor(tokens, dtype=torch.long))
 

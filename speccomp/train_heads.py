@@ -54,8 +54,8 @@ def _generate_batch(model, batch: list[torch.Tensor], max_new_tokens: int, eos, 
     if eos is None:  # HF then stops at the model's own eos ids and pads after them: cut there
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
-    torch.manual_seed(seed)  # sampled replies are reproducible
-    with torch.no_grad():
+    with torch.no_grad(), torch.random.fork_rng():  # reproducible samples; the caller's RNG is left alone
+        torch.manual_seed(seed)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
                              pad_token_id=pad, **sampling)
     seqs = []
