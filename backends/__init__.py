@@ -2,16 +2,35 @@
 
     step = lower(spec_graph, "eager")
     logits, new_kv, hidden = step(input_ids, position_ids, attention_mask, past_kv)
+
+    eager               the FX graph run op by op, after CPU lowering passes (eager.py)
+    inductor            torch.compile / TorchInductor of the same graph (inductor.py)
+    onnxruntime         exported to ONNX, run by ONNX Runtime's CPU provider (onnxruntime.py)
+    onnxruntime:cuda    the same on ONNX Runtime's CUDA provider (needs onnxruntime-gpu and a GPU)
+    tensorrt            the same on ONNX Runtime's TensorRT provider (needs onnxruntime-gpu, TensorRT, a GPU)
+    triton              the eager graph with attention in a Triton kernel (triton.py; GPU or TRITON_INTERPRET=1)
+
+Each import happens only when its backend is chosen, so a missing optional package fails there,
+with a message naming it. GPU-only choices fail at compile time on a machine without the GPU stack.
 """
 from __future__ import annotations
 
 from .eager import lower_eager
 
 
-def lower_onnxruntime(sg):
-    from .onnxruntime import lower_onnxruntime as lower  # imports onnx / onnxruntime only when chosen
+def lower_inductor(sg):
+    from .inductor import lower_inductor as lower  # torch._inductor is heavy to import
 
     return lower(sg)
+
+
+def _onnxruntime(provider: str):
+    def lower_on(sg):
+        from .onnxruntime import lower_onnxruntime as lower  # imports onnx / onnxruntime only when chosen
+
+        return lower(sg, provider)
+
+    return lower_on
 
 
 def lower_triton(sg):
@@ -20,7 +39,24 @@ def lower_triton(sg):
     return lower(sg)
 
 
-BACKENDS = {"eager": lower_eager, "onnxruntime": lower_onnxruntime, "triton": lower_triton}
+BACKENDS = {
+    "eager": lower_eager,
+    "inductor": lower_inductor,
+    "onnxruntime": _onnxruntime("cpu"),
+    "onnxruntime:cuda": _onnxruntime("cuda"),
+    "tensorrt": _onnxruntime("tensorrt"),
+    "triton": lower_triton,
+}
+
+
+def check(backend: str) -> None:
+    """Fail fast (before capture) on an unknown backend or a GPU provider this machine lacks."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; accepted values: {sorted(BACKENDS)}")
+    if backend in ("onnxruntime:cuda", "tensorrt"):
+        from speccomp.engine import check_provider
+
+        check_provider("cuda" if backend == "onnxruntime:cuda" else "tensorrt")
 
 
 def lower(sg, backend: str):

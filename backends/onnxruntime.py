@@ -40,8 +40,8 @@ def _export_dir(name: str) -> Path:
     return path
 
 
-def lower_onnxruntime(sg):
-    name = "-".join(sg.applied) or "plain"  # e.g. "tree_attention", "skip_layers-tree_attention"
+def export_args(sg):
+    """(example_args, dynamic_shapes) for exporting `sg`: the calling convention plus `tree_mask` [q, T]."""
     names = sg.input_names()
     unknown = [n for n in names if n not in INPUT_NAMES and n != TREE_MASK]
     if unknown:
@@ -52,5 +52,15 @@ def lower_onnxruntime(sg):
     if TREE_MASK in names:
         args.append(torch.ones(_EXAMPLE_Q, _EXAMPLE_Q + 2, dtype=torch.bool).tril(2))  # [q, T], T >= q
         dynamic.append({0: Dim("q", min=1), 1: Dim.AUTO})
-    path = export_onnx(sg, _export_dir(name) / f"{name}.onnx", example_args=tuple(args), dynamic_shapes=tuple(dynamic))
-    return OrtStep(path)
+    return tuple(args), tuple(dynamic)
+
+
+def lower_onnxruntime(sg, provider: str = "cpu"):
+    """An OrtStep running `sg` exported to ONNX on `provider` ("cpu", "cuda", "tensorrt")."""
+    from speccomp.engine import check_provider
+
+    providers = check_provider(provider)  # before the export: a missing provider fails in a second, not a minute
+    name = "-".join(sg.applied) or "plain"  # e.g. "tree_attention", "skip_layers-tree_attention"
+    args, dynamic = export_args(sg)
+    path = export_onnx(sg, _export_dir(name) / f"{name}.onnx", example_args=args, dynamic_shapes=dynamic)
+    return OrtStep(path, providers=providers)

@@ -26,8 +26,9 @@ def _choice(name: str, value, accepted) -> None:
 class SpecModel:
     """A compiled causal LM. `generate` returns prompt + new tokens, like HF `generate`."""
 
-    def __init__(self, spec_graph: SpecGraph, step, backend: str, drafter=None):
+    def __init__(self, spec_graph: SpecGraph, step, backend: str, drafter=None, model=None):
         self.graph = spec_graph
+        self.model = model  # the source model (identity for export manifests)
         self.step = step
         self.backend = backend
         self.drafter = drafter
@@ -108,6 +109,14 @@ class SpecModel:
         return torch.cat([input_ids, new[None]], dim=1)
 
 
+    def export(self, path, tokenizer=None, overwrite: bool = False):
+        """Write an engine directory (ONNX graph + manifest.json [+ tokenizer.json]) that `speccomp.load`
+        runs with ONNX Runtime and numpy only. Plain, ngram and token_recycling compilations export."""
+        from speccomp.backends.onnx_engine import export_engine
+
+        return export_engine(self, path, tokenizer=tokenizer, overwrite=overwrite)
+
+
 def _default_tree(tree, fallback, dynamic_ok: bool = False, drafter: str = ""):
     """The user's tree= as a Tree (or a DynamicTreeSpec where `dynamic_ok`), or `fallback` when None."""
     from .tree import AutoTreeSpec, DynamicTreeSpec, Tree, parse_tree_spec
@@ -141,19 +150,20 @@ def compile(  # noqa: A001
     tree: token tree for the drafter: a Medusa-style choice list, an int k (a chain of k), "dynamic:B:K", or
         "auto" (the tree `speccomp autotune` stored for this model, drafter, backend and machine).
     drafter_options: options of the named drafter (e.g. {"exit_layer": 12}, {"skip": [3, 5]}).
-    backend: "eager" (FX graph with CPU lowering passes) or "onnxruntime" (exported ONNX, ORT sessions).
+    backend: "eager" (FX graph with CPU lowering passes), "inductor" (torch.compile), "onnxruntime" (exported
+        ONNX, ORT sessions; "onnxruntime:cuda" / "tensorrt" on a GPU), "triton" (Triton tree attention).
     kv_cache: None (full cache) or a compression policy "POLICY[:BUDGET]": "sink:256", "snapkv:512", "h2o:512",
         "kivi4", "kivi2", ... (speccomp/kv_policies.py). kv_mode: "draft" (default with a policy; lossless: the
         model drafts for itself over the compressed cache and verifies against the full one, tree= shapes its
         drafts) or "target" (LOSSY: the model itself reads the compressed cache; plain decoding, `last_stats`
         says lossless=False; `.quality(ids, prompt_length)` measures perplexity and KL to the full cache).
     """
-    from speccomp.backends import BACKENDS, lower
+    from speccomp.backends import check, lower
     from speccomp.passes.tree_attention import TreeAttention
 
     from .speculative import Drafter
 
-    _choice("backend", backend, BACKENDS)
+    check(backend)  # unknown names and missing GPU providers fail here, before the capture
     if kv_cache is not None or kv_mode is not None:  # KV compression: kv_mode "draft" (lossless) or "target" (LOSSY)
         from .drafters_kv import check_kv_options, compile_kv_draft
 
@@ -184,7 +194,7 @@ def compile(  # noqa: A001
     base.model = model  # drafters that look things up per model (stored heads, searches) need it
     if drafter is None:
         sg = run_passes(base, [])
-        return SpecModel(sg, lower(sg, backend), backend)
+        return SpecModel(sg, lower(sg, backend), backend, model=model)
 
     if isinstance(drafter, Drafter):
         drafter_obj = drafter
@@ -197,7 +207,7 @@ def compile(  # noqa: A001
         drafter_obj = DRAFTERS[drafter](base, dict(options or {}), tree, backend)
     # a drafter may need the target graph to compute more (Medusa: head states on every token)
     target = run_passes(base.clone(), list(getattr(drafter_obj, "target_passes", [])) + [TreeAttention()])
-    return SpecModel(target, lower(target, backend), backend, drafter=drafter_obj)
+    return SpecModel(target, lower(target, backend), backend, drafter=drafter_obj, model=model)
 
 
 def _graph_drafter(passes_for, default_name):

@@ -165,6 +165,34 @@ def cmd_autotune(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """Compile the default model and write it as an engine directory (ONNX + manifest + tokenizer)."""
+    model, tok = _load(args)
+    fast = _compile(model, args)
+    t = time.perf_counter()
+    path = fast.export(args.out, tokenizer=tok, overwrite=args.overwrite)
+    print(f"engine written to {path} in {time.perf_counter() - t:.1f}s; run it (no torch needed) with: "
+          f"speccomp run --engine {path} --prompt \"...\"")
+    return 0
+
+
+def cmd_run(args) -> int:
+    """Generate from an exported engine directory: ONNX Runtime + numpy + tokenizers, no torch."""
+    from .engine import load
+
+    engine = load(args.engine, provider=args.provider, threads=args.threads)
+    ids = engine.chat_ids(args.prompt)
+    out = engine.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=engine.eos_token_id,
+                          do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    print(engine.decode(out[0, ids.shape[1]:]))
+    s = engine.last_stats
+    print(f"\n{s['new_tokens']} tokens in {s['seconds']:.2f}s = {s['tokens_per_second']:.1f} tok/s, tau={s['tau']:.2f} "
+          f"({engine!r})", file=sys.stderr)
+    if args.ids:
+        print(" ".join(str(int(i)) for i in out[0, ids.shape[1]:]))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speccomp", description="Lossless speculative decoding by graph compilation.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -227,6 +255,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", default=None, metavar="PNG", help="also decode trees of several sizes and write a PNG: latency, acceptance, predicted vs measured tok/s")
     p.set_defaults(func=cmd_autotune)
 
+    p = sub.add_parser("export", help="compile the default model and write an engine directory that runs without torch")
+    common(p)
+    p.set_defaults(backend="onnxruntime", drafter="token_recycling")
+    p.add_argument("out", help="engine directory to write")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("run", help="generate from an exported engine directory (ONNX Runtime + numpy; torch not needed)")
+    p.add_argument("--engine", required=True, help="engine directory written by `speccomp export` / compiled.export()")
+    p.add_argument("--prompt", required=True, help="user message (the engine's chat template is applied)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens (default 128)")
+    p.add_argument("--provider", default="cpu", help="ONNX Runtime execution provider: cpu, cuda, tensorrt (default cpu)")
+    p.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (default 2)")
+    p.add_argument("--do-sample", action="store_true", help="sample (lossless: same distribution as the model) instead of greedy")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ids", action="store_true", help="also print the new token ids (one line)")
+    p.set_defaults(func=cmd_run)
+
     from .bench import add_bench_parser  # the bench subcommand (options + handler) lives in speccomp/bench.py
 
     add_bench_parser(sub)
@@ -234,13 +282,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from .errors import SpeccompError
+
     args = build_parser().parse_args(argv)
     if getattr(args, "max_new_tokens", 1) <= 0:
         print("speccomp: error: --max-new-tokens must be positive", file=sys.stderr)
         return 2
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, SpeccompError) as exc:
         print(f"speccomp: error: {exc}", file=sys.stderr)
         return 2
 

@@ -17,16 +17,11 @@ shallow before deep), so cutting a draft to its first `max_nodes` nodes keeps a 
 from __future__ import annotations
 
 import inspect
-from collections import defaultdict
-
 import torch
 
+from .lookup import NGramIndex, Trie, fill_template, recycle
 from .speculative import Draft, DraftContext, Drafter
 from .tree import AutoTreeSpec, DynamicTreeSpec, Tree, parse_tree_spec
-
-# Occurrences of one n-gram looked at per step. Frequent short n-grams ("the") can occur thousands
-# of times; the most recent few are the useful ones, and this keeps a step O(1) in the text length.
-MAX_SCAN = 64
 
 # Token Recycling's default template: 24 drafts, depth 6, wide near the root where the
 # adjacency guesses are best (the paper's tree has ~80 nodes; on CPU every node costs compute).
@@ -48,44 +43,9 @@ def _int_option(name: str, value, minimum: int) -> int:
     return value
 
 
-class _Trie:
-    """Draft paths under one root; equal prefixes share nodes. Node 0 is the root."""
-
-    def __init__(self, root: int):
-        self.tokens = [root]
-        self.kids: list[dict[int, int]] = [{}]  # node -> {token: child}, in insertion order
-
-    def child(self, node: int, token: int) -> int:
-        c = self.kids[node].get(token)
-        if c is None:
-            c = len(self.tokens)
-            self.tokens.append(token)
-            self.kids.append({})
-            self.kids[node][token] = c
-        return c
-
-    def insert(self, path: list[int]) -> bool:
-        """Add a root-to-node path of tokens; True if it created any node."""
-        before, node = len(self.tokens), 0
-        for t in path:
-            node = self.child(node, t)
-        return len(self.tokens) > before
-
-    def draft(self, max_depth: int, max_nodes: int) -> Draft:
-        """The trie in BFS order (siblings in insertion order), cut at max_depth and max_nodes."""
-        order, parents, depth = [0], [-1], [0]
-        i = 0
-        while i < len(order) and len(order) < max_nodes:
-            if depth[i] < max_depth:
-                for c in self.kids[order[i]].values():
-                    if len(order) >= max_nodes:
-                        break
-                    order.append(c)
-                    parents.append(i)
-                    depth.append(depth[i] + 1)
-            i += 1
-        tokens = torch.tensor([self.tokens[u] for u in order], dtype=torch.long)
-        return Draft(Tree.from_parents(parents), tokens)  # ranks: sibling order = insertion order
+def _draft(trie: Trie, max_depth: int, max_nodes: int) -> Draft:
+    parents, tokens = trie.bfs(max_depth, max_nodes)
+    return Draft(Tree.from_parents(parents), torch.tensor(tokens, dtype=torch.long))  # ranks: insertion order
 
 
 class NGramDrafter(Drafter):
@@ -108,51 +68,17 @@ class NGramDrafter(Drafter):
             raise ValueError(f"max_ngram ({max_ngram}) must be >= min_ngram ({min_ngram})")
         self.num_branches = _int_option("num_branches", num_branches, 1)
         self.max_depth = _int_option("max_depth", max_depth, 1)
-        self.begin([])
+        self.lookup = NGramIndex(self.max_ngram, self.min_ngram)
 
     def begin(self, prompt: list[int]) -> None:
-        # n-gram tuple -> end positions (index of its last token), ascending. Only positions with a
-        # next token are indexed, so every hit has a continuation and the root's own n-gram (which
-        # ends at the last position) never matches itself.
-        self.index: dict[tuple[int, ...], list[int]] = defaultdict(list)
-        self.indexed = 0  # positions [0, indexed) are in the index
-        self._extend(list(prompt))
-
-    def _extend(self, tokens: list[int]) -> None:
-        end = len(tokens) - 1  # the last token has no successor yet
-        if end < self.indexed:  # not a continuation of what we indexed (drafter reused without begin)
-            self.index.clear()
-            self.indexed = 0
-        for i in range(self.indexed, end):
-            for n in range(self.min_ngram, min(self.max_ngram, i + 1) + 1):
-                self.index[tuple(tokens[i - n + 1 : i + 1])].append(i)
-        self.indexed = max(self.indexed, end)
-
-    def matches(self, tokens: list[int]):
-        """End positions of earlier occurrences of the suffix n-grams: longest n first, then most recent."""
-        self._extend(tokens)
-        seen = set()  # an occurrence of the 4-gram is also one of the 3-gram: use it once
-        for n in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
-            ends = self.index.get(tuple(tokens[len(tokens) - n :]), ())
-            for e in reversed(ends[-MAX_SCAN:]):
-                if e not in seen:
-                    seen.add(e)
-                    yield e
-
-    def add_branches(self, trie: _Trie, tokens: list[int], branches: int, depth: int) -> None:
-        """Insert up to `branches` continuations that are not already in `trie`."""
-        added = 0
-        for e in self.matches(tokens):
-            if added >= branches:
-                break
-            added += trie.insert(tokens[e + 1 : e + 1 + depth])
+        self.lookup.begin(prompt)
 
     def propose(self, ctx: DraftContext) -> Draft:
         depth = min(self.max_depth, ctx.max_depth)
-        trie = _Trie(ctx.tokens[-1])
+        trie = Trie(ctx.tokens[-1])
         if depth > 0:
-            self.add_branches(trie, ctx.tokens, self.num_branches, depth)
-        return trie.draft(depth, ctx.max_nodes)  # no match: root only
+            self.lookup.add_branches(trie, ctx.tokens, self.num_branches, depth)
+        return _draft(trie, depth, ctx.max_nodes)  # no match: root only
 
 
 class TokenRecyclingDrafter(Drafter):
@@ -199,28 +125,15 @@ class TokenRecyclingDrafter(Drafter):
             self.ngram.begin(prompt)
 
     def propose(self, ctx: DraftContext) -> Draft:
-        trie = _Trie(ctx.tokens[-1])
-        node_of = [0] + [None] * (self.tree.size - 1)  # template node -> trie node; None: pruned
-        for i in range(1, self.tree.size):  # topological: the parent is filled (or pruned) first
-            parent = node_of[self.tree.parents[i]]
-            if parent is None:
-                continue
-            row = self.adj.get(trie.tokens[parent])
-            r = self.tree.ranks[i]
-            if row is not None and r < len(row):  # a token never verified has no row: stop here
-                node_of[i] = trie.child(parent, row[r])  # top-k rows hold distinct tokens: no duplicate siblings
+        trie = Trie(ctx.tokens[-1])
+        fill_template(trie, self.tree.parents, self.tree.ranks, self.adj)
         if self.ngram_branches and ctx.max_depth > 0:
-            self.ngram.add_branches(trie, ctx.tokens, self.ngram_branches, min(self.ngram.max_depth, ctx.max_depth))
-        return trie.draft(ctx.max_depth, ctx.max_nodes)
+            self.ngram.lookup.add_branches(trie, ctx.tokens, self.ngram_branches, min(self.ngram.max_depth, ctx.max_depth))
+        return _draft(trie, ctx.max_depth, ctx.max_nodes)
 
     def observe(self, draft: Draft, path: list[int], target_logits: torch.Tensor) -> None:
-        # Every node's top-k, rejected nodes included: that is the recycling. The accepted path is
-        # written last so that, when a token sits at several nodes, its real context wins.
         top = target_logits.topk(min(self.top_k, target_logits.shape[-1]), dim=-1).indices.tolist()
-        tokens = draft.tokens.tolist()
-        on_path = set(path)
-        for i in [i for i in range(len(tokens)) if i not in on_path] + list(path):
-            self.adj[tokens[i]] = top[i]
+        recycle(self.adj, draft.tokens.tolist(), path, top)
 
 
 def _make(cls, options: dict):

@@ -1,0 +1,145 @@
+"""Write a compiled model as an engine directory that speccomp/engine.py runs without torch.
+
+    fast = speccomp.compile(model, drafter="token_recycling", backend="onnxruntime")
+    fast.export("engine/", tokenizer=tokenizer)        # target.onnx + manifest.json + tokenizer.json
+    engine = speccomp.load("engine/")                  # elsewhere: onnxruntime + numpy only
+
+The target graph exported is the one the compiled model verifies with (TreeAttention applied; for
+plain decoding the pass is applied to a copy here). With backend="onnxruntime" the ONNX file the
+backend already exported is copied instead of exported again. The directory is written next to
+its destination and renamed into place, so an interrupted export never leaves a half engine, and
+an existing directory is replaced only with overwrite=True (and only if it is an engine).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import onnx
+
+from speccomp.engine import ENGINE_DRAFTERS, FORMAT, FORMAT_VERSION, MANIFEST, EngineError, sha256
+
+
+def drafter_spec(drafter) -> dict:
+    """The manifest's `drafter` entry: the name and every option the torch-free loop needs."""
+    if drafter is None:
+        return {"name": None, "options": {}}
+    name = getattr(drafter, "name", type(drafter).__name__)
+    if name not in ENGINE_DRAFTERS:
+        raise EngineError(
+            f"drafter {name!r} cannot be exported as an engine yet: the torch-free runtime drafts with "
+            f"{[d for d in ENGINE_DRAFTERS if d]} or decodes plainly; compile with one of those (or drafter=None)"
+        )
+    if name == "ngram":
+        options = dict(max_ngram=drafter.max_ngram, min_ngram=drafter.min_ngram,
+                       num_branches=drafter.num_branches, max_depth=drafter.max_depth)
+    else:  # token_recycling
+        ng = drafter.ngram
+        options = dict(top_k=drafter.top_k, parents=list(drafter.tree.parents), ranks=list(drafter.tree.ranks),
+                       ngram_branches=drafter.ngram_branches, max_ngram=ng.max_ngram, min_ngram=ng.min_ngram,
+                       ngram_depth=ng.max_depth, persist=drafter.persist)
+    return {"name": name, "options": options}
+
+
+def _tokenizer_entry(tokenizer, out: Path) -> dict | None:
+    if tokenizer is None:
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise EngineError("export(tokenizer=...) needs a Hugging Face *fast* tokenizer (it has .backend_tokenizer)")
+    backend.save(str(out / "tokenizer.json"))
+    special = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    return {
+        "file": "tokenizer.json",
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "special_tokens": {k: v for k, v in special.items() if isinstance(v, str)},
+    }
+
+
+def _target_onnx(fast, out: Path) -> Path:
+    """target.onnx in `out`: copied from the onnxruntime backend, else exported from the graph."""
+    from speccomp.graph import run_passes
+    from speccomp.passes.tree_attention import TreeAttention
+
+    from .onnx_export import OrtStep, export_onnx
+    from .onnxruntime import export_args
+
+    path = out / "target.onnx"
+    step = fast.step
+    if isinstance(step, OrtStep) and "tree_attention" in fast.graph.applied:
+        shutil.copyfile(step.path, path)
+        data = step.path.with_name(step.path.name + ".data")
+        if data.exists():  # weights beyond protobuf's 2 GB live next to the graph
+            shutil.copyfile(data, path.with_name(path.name + ".data"))
+        return path
+    sg = fast.graph
+    if "tree_attention" not in sg.applied:  # plain decoding: the engine verifies with the same graph always
+        sg = run_passes(sg.clone(), [TreeAttention()], dump_input=False)
+    extra = [n for n in sg.applied if n != "tree_attention"]
+    if extra:
+        raise EngineError(f"the target graph carries passes {extra} the engine runtime cannot feed; export supports "
+                          "plain, ngram and token_recycling compilations")
+    args, dynamic = export_args(sg)
+    return export_onnx(sg, path, example_args=args, dynamic_shapes=dynamic)
+
+
+def export_engine(fast, path, tokenizer=None, overwrite: bool = False, model_id: str | None = None) -> Path:
+    """Write `fast` (a SpecModel) as an engine directory at `path`; returns the path."""
+    import speccomp
+    from speccomp.search import fingerprint
+
+    path = Path(path)
+    if path.exists():
+        if not path.is_dir():
+            raise EngineError(f"{path} exists and is not a directory; choose another path")
+        if any(path.iterdir()):
+            if not (path / MANIFEST).is_file():
+                raise EngineError(f"{path} is a non-empty directory that is not an engine; refusing to replace it")
+            if not overwrite:
+                raise EngineError(f"{path} already holds an engine; pass overwrite=True (CLI: --overwrite) to replace it")
+    drafter = drafter_spec(fast.drafter)  # fails early, before any export work
+    model = getattr(fast, "model", None)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        target = _target_onnx(fast, tmp)
+        proto = onnx.load(str(target), load_external_data=False)
+        opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+        kv = fast.kv
+        config = getattr(model, "config", None)
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "speccomp_version": speccomp.__version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "model": {
+                "name": model_id or getattr(config, "_name_or_path", None) or type(model).__name__,
+                "model_type": fast.graph.captured.model_type,
+                "fingerprint": fingerprint(model) if model is not None else None,
+                "vocab_size": fast.graph.captured.vocab_size,
+                "max_positions": fast.max_positions,
+                "eos_token_id": getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else
+                getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+            },
+            "kv": {"num_layers": kv.num_layers, "num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim,
+                   "dtype": str(kv.dtype).removeprefix("torch."), "layout": "[layers, 2 (k, v), 1, kv_heads, tokens, head_dim]"},
+            "graphs": {"target": {
+                "file": target.name, "bytes": target.stat().st_size, "sha256": sha256(target),
+                "inputs": [i.name for i in proto.graph.input], "outputs": [o.name for o in proto.graph.output],
+            }},
+            "opset": opset,
+            "max_tree": fast.max_tree,
+            "drafter": drafter,
+            "tokenizer": _tokenizer_entry(tokenizer, tmp),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path

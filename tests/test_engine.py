@@ -1,0 +1,240 @@
+"""Exported engines: `compiled.export(dir)` + `speccomp.load(dir)` decode exactly like the model, in a
+process that has no torch; bad directories and missing providers fail with errors naming the fix."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import speccomp
+from speccomp.engine import EngineError, load, read_manifest
+from tiny_models import ARCHITECTURES, tiny_llama
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def hf_greedy(model, ids, n, eos=2):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          eos_token_id=eos, pad_token_id=eos)
+
+
+def repetitive_prompt(seed: int, vocab: int = 96) -> torch.Tensor:
+    base = torch.randint(3, vocab, (6,), generator=torch.Generator().manual_seed(seed))
+    return base.repeat(3)[None]  # drafts get accepted
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama(num_hidden_layers=4, initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def engine_dir(llama, tmp_path_factory):
+    """token_recycling engine of the tiny llama, exported from the eager backend (fresh ONNX export)."""
+    path = tmp_path_factory.mktemp("engines") / "tr"
+    speccomp.compile(llama, drafter="token_recycling").export(path)
+    return path
+
+
+def test_manifest_describes_the_engine(engine_dir, llama):
+    m = read_manifest(engine_dir)
+    assert m["format"] == "speccomp-engine" and m["speccomp_version"] == speccomp.__version__
+    assert m["drafter"]["name"] == "token_recycling" and m["drafter"]["options"]["top_k"] == 8
+    target = m["graphs"]["target"]
+    assert target["inputs"] == ["input_ids", "position_ids", "attention_mask", "past_kv", "tree_mask"]
+    assert target["outputs"][:2] == ["logits", "new_kv"]
+    assert m["kv"]["num_layers"] == 4 and m["model"]["vocab_size"] == llama.config.vocab_size
+    assert isinstance(m["opset"], int) and m["opset"] >= 17
+    assert sorted(p.name for p in engine_dir.iterdir()) == ["manifest.json", "target.onnx"]
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram", "token_recycling"])
+def test_engine_greedy_identical(llama, drafter, tmp_path):
+    fast = speccomp.compile(llama, drafter=drafter, backend="onnxruntime")
+    fast.export(tmp_path / "e")  # from the onnxruntime backend: its ONNX file is copied, not exported again
+    engine = speccomp.load(tmp_path / "e")
+    for seed in (0, 1):
+        ids = repetitive_prompt(seed)
+        out = engine.generate(ids.numpy(), max_new_tokens=30, eos_token_id=2)
+        assert out.dtype == np.int64
+        assert np.array_equal(out, hf_greedy(llama, ids, 30).numpy()), (drafter, seed)
+        assert np.array_equal(out, fast.generate(ids, max_new_tokens=30, eos_token_id=2).numpy())
+    if drafter is not None:
+        assert engine.last_stats["tau"] > 1.2, "drafts were accepted (else the tree path is untested)"
+
+
+def test_engine_sliding_window_past_the_window(tmp_path):
+    model = ARCHITECTURES["mistral"].build()
+    speccomp.compile(model, drafter="token_recycling").export(tmp_path / "e")
+    ids = torch.randint(3, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    out = speccomp.load(tmp_path / "e").generate(ids[0].tolist(), max_new_tokens=30, eos_token_id=2)  # 42 > window 8
+    assert np.array_equal(out, hf_greedy(model, ids, 30).numpy())
+
+
+TORCH_FREE_CHILD = textwrap.dedent("""
+    import json, sys
+    for name in ("torch", "transformers"):
+        sys.modules[name] = None  # any `import torch` in this process now raises ImportError
+    import speccomp
+    engine = speccomp.load(sys.argv[1])
+    prompts = json.loads(sys.argv[2])
+    outs = [engine.generate(p, max_new_tokens=int(sys.argv[3]), eos_token_id=2).tolist() for p in prompts]
+    assert not any(m == "torch" or m.startswith("torch.") for m in sys.modules if sys.modules[m] is not None)
+    print(json.dumps(outs))
+""")
+
+
+def test_engine_runs_without_torch(llama, engine_dir):
+    prompts = [repetitive_prompt(seed) for seed in (0, 1)]
+    child = subprocess.run(
+        [sys.executable, "-c", TORCH_FREE_CHILD, str(engine_dir), json.dumps([p[0].tolist() for p in prompts]), "30"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    outs = json.loads(child.stdout.strip().splitlines()[-1])
+    for ids, out in zip(prompts, outs):
+        assert out == hf_greedy(llama, ids, 30).tolist()
+
+
+def test_engine_sampling_follows_the_model(tmp_path):
+    """Sampling through an engine (deterministic drafts, walk-the-tree acceptance) draws from the model's
+    own distribution: chi-square over the joint law of 3 new tokens, and the test can tell tempered
+    from untempered sampling."""
+    from scipy.stats import chisquare
+
+    from test_speculative import V, exact_distribution
+
+    model = tiny_llama(vocab_size=V, num_hidden_layers=4, initializer_range=0.3, tie_word_embeddings=True)
+    ids = torch.tensor([[1, 2, 3, 4, 1, 2]])
+    # persist: the recycling table survives between the 3-token generations, so drafts are made
+    options = {"top_k": 4, "persist": True, "ngram_branches": 0}
+    fast = speccomp.compile(model, drafter="token_recycling", tree=[[0], [1], [2], [3], [0, 0], [1, 0]],
+                            drafter_options=options)
+    engine = speccomp.load(fast.export(tmp_path / "e"))
+    exact = exact_distribution(model, ids, 3, 1.5, 0.8).flatten().numpy()
+    draws, drafted = 1200, 0
+    counts = np.zeros_like(exact)
+    for seed in range(draws):
+        out = engine.generate(ids.numpy(), max_new_tokens=3, do_sample=True, temperature=1.5, top_p=0.8, seed=seed)
+        a, b, c = out[0, -3:].tolist()
+        counts[(a * V + b) * V + c] += 1
+        drafted += engine.last_stats["steps"] < 3
+    assert drafted > draws // 10, f"drafts were accepted in only {drafted} of {draws} runs: nothing is tested"
+
+    def pvalue(expected_p):
+        keep = expected_p * draws >= 5  # chi-square needs expected counts >= 5; pool the rest
+        observed = np.append(counts[keep], counts[~keep].sum())
+        expected = np.append(expected_p[keep], expected_p[~keep].sum()) * draws
+        if expected[-1] == 0:
+            assert observed[-1] == 0
+            observed, expected = observed[:-1], expected[:-1]
+        return chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
+
+    assert pvalue(exact) > 1e-3
+    assert pvalue(exact_distribution(model, ids, 3, 1.0, 1.0).flatten().numpy()) < 1e-3
+
+
+# ---- bad input ------------------------------------------------------------------------------
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_bad_engine_directories(engine_dir, tmp_path):
+    with pytest.raises(EngineError, match="no engine directory"):
+        load(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EngineError, match="no manifest.json"):
+        load(tmp_path / "empty")
+
+    bad = _copy(engine_dir, tmp_path / "json")
+    (bad / "manifest.json").write_text("{ not json")
+    with pytest.raises(EngineError, match="not valid JSON"):
+        load(bad)
+
+    bad = _copy(engine_dir, tmp_path / "version")
+    m = json.loads((bad / "manifest.json").read_text())
+    (bad / "manifest.json").write_text(json.dumps(dict(m, format_version=99)))
+    with pytest.raises(EngineError, match="format_version 99"):
+        load(bad)
+    (bad / "manifest.json").write_text(json.dumps({k: v for k, v in m.items() if k != "kv"}))
+    with pytest.raises(EngineError, match=r"lacks the keys \['kv'\]"):
+        load(bad)
+
+    bad = _copy(engine_dir, tmp_path / "corrupt")
+    data = bytearray((bad / "target.onnx").read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte inside the weights
+    (bad / "target.onnx").write_bytes(bytes(data))
+    with pytest.raises(EngineError, match="does not match its manifest"):
+        load(bad)
+    (bad / "target.onnx").write_bytes(bytes(data[: len(data) // 3]))  # truncated
+    with pytest.raises(EngineError, match="does not match its manifest"):
+        load(bad)
+    (bad / "target.onnx").unlink()
+    with pytest.raises(EngineError, match="target graph .* is missing"):
+        load(bad)
+
+
+def test_engine_generate_input_errors(engine_dir):
+    engine = load(engine_dir)
+    with pytest.raises(ValueError, match="batch size 1"):
+        engine.generate(np.ones((2, 3), dtype=np.int64), 4)
+    with pytest.raises(ValueError, match=r"must be in \[0, 96\)"):
+        engine.generate([1, 500], 4)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
+        engine.generate([1, 2], 0)
+    with pytest.raises(TypeError, match="integer token ids"):
+        engine.generate(np.array([1.5, 2.0]), 4)
+    with pytest.raises(EngineError, match="without a tokenizer"):
+        engine.chat_ids("hello")
+
+
+def test_missing_execution_provider_is_named(engine_dir, llama):
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this machine has the CUDA provider")
+    with pytest.raises(EngineError, match="CUDAExecutionProvider .*onnxruntime-gpu"):
+        load(engine_dir, provider="cuda")
+    with pytest.raises(EngineError, match="TensorrtExecutionProvider .*TensorRT"):
+        load(engine_dir, provider="tensorrt")
+    with pytest.raises(EngineError, match="unknown execution provider 'gpu'"):
+        load(engine_dir, provider="gpu")
+    for backend in ("tensorrt", "onnxruntime:cuda"):  # compile fails before capturing anything
+        with pytest.raises(EngineError, match="onnxruntime-gpu"):
+            speccomp.compile(llama, backend=backend)
+
+
+def test_export_refuses_what_it_cannot_run_or_would_destroy(llama, engine_dir, tmp_path):
+    with pytest.raises(EngineError, match="drafter 'early_exit' cannot be exported"):
+        speccomp.compile(llama, drafter="early_exit", drafter_options={"exit_layer": 1}).export(tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("precious")
+    fast = speccomp.compile(llama)
+    with pytest.raises(EngineError, match="not an engine; refusing"):
+        fast.export(keep, overwrite=True)
+    assert (keep / "notes.txt").read_text() == "precious"
+    again = _copy(engine_dir, tmp_path / "again")
+    with pytest.raises(EngineError, match="overwrite=True"):
+        fast.export(again)
+    fast.export(again, overwrite=True)  # plain decoding replaces the token_recycling engine
+    assert read_manifest(again)["drafter"]["name"] is None
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary directories left behind"
+
+
+def test_import_speccomp_does_not_import_torch():
+    code = "import sys, speccomp, speccomp.engine; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
