@@ -213,6 +213,7 @@ def main(argv=None) -> int:
             )
         if not all(table[n]["identical"] for n in names):
             exit_code = 1
+        Path(args.json).write_text(json.dumps(report, indent=1, default=float))  # after every drafter: no lost work
     report["machine"]["load_end"] = load()
     print(f"load average at end: {load()}", file=sys.stderr)
     Path(args.json).write_text(json.dumps(report, indent=1, default=float))

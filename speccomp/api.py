@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from .capture import capture
-from .errors import SpeccompError
 from .graph import SpecGraph, run_passes
 from .runtime import decode_plain
 from .sampling import Sampler
@@ -119,7 +118,7 @@ class SpecModel:
 
 def _default_tree(tree, fallback, dynamic_ok: bool = False, drafter: str = ""):
     """The user's tree= as a Tree (or a DynamicTreeSpec where `dynamic_ok`), or `fallback` when None."""
-    from .tree import AutoTreeSpec, DynamicTreeSpec, Tree, parse_tree_spec
+    from .tree import AutoTreeSpec, DynamicTreeSpec, parse_tree_spec
 
     if tree is None:
         return fallback

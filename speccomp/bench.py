@@ -68,6 +68,28 @@ class RowSpec:
     drafter: str | None = None  # speccomp rows: drafter name (None = plain decoding)
     tree: Any = None  # speccomp drafter rows: the `tree=` given to speccomp.compile
     drafter_options: dict | None = None
+    kv_cache: str | None = None  # KV-compression rows: the `kv_cache=` policy ...
+    kv_mode: str | None = None  # ... and `kv_mode=` ("draft": lossless; "target": LOSSY)
+
+    @property
+    def lossy(self) -> bool:
+        return self.kv_mode == "target"
+
+
+def kv_rows(policies: str, mode: str = "draft") -> list[RowSpec]:
+    """Rows for `speccomp bench --kv sink:256,kivi4 [--kv-mode target]`, named e.g. "kv-draft sink:256"."""
+    from .kv_policies import parse_kv_cache
+
+    if mode not in ("draft", "target"):
+        raise ValueError(f"unknown --kv-mode {mode!r}; accepted: draft (lossless), target (LOSSY)")
+    out = []
+    for spec in [p.strip() for p in policies.split(",") if p.strip()]:
+        parse_kv_cache(spec)  # a bad policy or budget fails before the model loads
+        name = f"kv-{mode} {spec}" + (" (LOSSY)" if mode == "target" else "")
+        out.append(RowSpec(name, "speccomp", kv_cache=spec, kv_mode=mode))
+    if not out:
+        raise ValueError("--kv needs at least one policy, e.g. --kv sink:256,kivi4")
+    return out
 
 
 def row_spec(row: str | RowSpec, tree=None) -> RowSpec:
@@ -150,6 +172,7 @@ class Measurement:
     forwards: int | None  # target forwards, prefill included (None: unknown)
     acceptance_by_depth: list
     identical: bool
+    kv: dict | None = None  # KV rows: bytes held (last_stats kv_* entries)
 
     @property
     def tau(self) -> float | None:
@@ -159,6 +182,16 @@ class Measurement:
 def _mean(values):
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
+
+
+def _kv_bytes(kvs: list[dict]) -> dict | None:
+    """Mean over prompts of the KV bytes a row held at the end of generation: compressed (the draft
+    cache in mode draft, the target's in mode target), and the full cache for the same tokens."""
+    if not kvs:
+        return None
+    held = [k.get("kv_bytes_draft", k.get("kv_bytes_target")) for k in kvs]
+    full = [k["kv_bytes_full"] for k in kvs]
+    return {"compressed": _mean(held), "full": _mean(full), "ratio": _mean(full) / _mean(held) if _mean(held) else None}
 
 
 def _mean_by_depth(lists) -> list[float]:
@@ -206,6 +239,10 @@ class RowResult:
             "identical": self.identical,
             "mismatched_prompts": [m.prompt_id for m in ms if not m.identical],
             "error": self.error,
+            "kv_cache": self.spec.kv_cache,
+            "kv_mode": self.spec.kv_mode,
+            "lossless": not self.spec.lossy,
+            "kv_bytes": _kv_bytes([m.kv for m in ms if m.kv]),
         }
         cats: dict[str, list[Measurement]] = {}
         for m in ms:
@@ -248,8 +285,9 @@ class BenchResult:
         return list(dict.fromkeys(p.category for p in self.prompts))
 
     def all_identical(self, kinds: Sequence[str] = ("speccomp",)) -> bool:
-        """True when every row of the given kinds ("speccomp", "hf") ran without error and matched the baseline."""
-        return all(r["identical"] for r in self.row_dicts() if r["kind"] in kinds)
+        """True when every lossless row of the given kinds ("speccomp", "hf") ran without error and matched the
+        baseline (LOSSY kv_mode="target" rows are expected to differ and are left out)."""
+        return all(r["identical"] for r in self.row_dicts() if r["kind"] in kinds and r.get("lossless", True))
 
     def markdown(self) -> str:
         return format_markdown(self.header, self.row_dicts(), self.categories())
@@ -281,7 +319,7 @@ def _hf_runner(model, eos, pad, extra: dict) -> Callable:
             secs = time.perf_counter() - start
         finally:
             handle.remove()
-        return out, secs, forwards, []
+        return out, secs, forwards, [], None
 
     return run
 
@@ -292,7 +330,8 @@ def _speccomp_runner(fast, eos) -> Callable:
         out = fast.generate(ids, max_new_tokens=max_new, eos_token_id=eos)
         secs = time.perf_counter() - start
         stats = fast.last_stats
-        return out, secs, stats.get("steps"), list(stats.get("acceptance_by_depth", []))
+        kv = {k: v for k, v in stats.items() if k.startswith("kv_bytes")} or None
+        return out, secs, stats.get("steps"), list(stats.get("acceptance_by_depth", [])), kv
 
     return run
 
@@ -441,6 +480,7 @@ def run_bench(
                     fast = speccomp.compile(
                         model, drafter=spec.drafter, tree=spec.tree if spec.drafter else None,
                         backend=backend, drafter_options=spec.drafter_options if spec.drafter else None,
+                        kv_cache=spec.kv_cache, kv_mode=spec.kv_mode,
                     )
                 except Exception as exc:  # noqa: BLE001 - a broken drafter must not sink the other rows
                     res.error = f"compile failed: {_short(exc)}"
@@ -487,10 +527,10 @@ def run_bench(
                     bar.update(1)
                 ref = outputs[0][0]
                 n_prompt = prompt.input_ids.shape[1]
-                for i, (out, secs, forwards, accept) in sorted(outputs.items()):
+                for i, (out, secs, forwards, accept, kv) in sorted(outputs.items()):
                     same = out.shape == ref.shape and bool(torch.equal(out.cpu(), ref.cpu()))
                     results[i].measurements.append(
-                        Measurement(prompt.id, prompt.category, int(out.shape[1] - n_prompt), secs, forwards, accept, same)
+                        Measurement(prompt.id, prompt.category, int(out.shape[1] - n_prompt), secs, forwards, accept, same, kv)
                     )
         finally:
             bar.close()
@@ -522,6 +562,8 @@ def format_markdown(header: dict, rows: list[dict], categories: list[str]) -> st
         if len(r["acceptance_by_depth"]) > 6:
             acc += " …"
         ident = "yes" if r["identical"] else ("ERROR" if r["error"] else f"NO ({len(r['mismatched_prompts'])} differ)")
+        if not r.get("lossless", True) and not r["error"]:
+            ident += ", LOSSY by design"
         lines.append(
             f"| {r['drafter']} | {r['new_tokens']} | {_f(r['tokens_per_second'], '{:.1f}')} | {_f(r['speedup'], '{:.2f}x')} | "
             f"{_f(r['tau'])} | {acc} | {ident} |"
@@ -535,6 +577,15 @@ def format_markdown(header: dict, rows: list[dict], categories: list[str]) -> st
                 pc = r["per_category"].get(c)
                 cells.append("–" if pc is None else f"{_f(pc['speedup'], '{:.2f}x')} / {_f(pc['tau'])}")
             lines.append(f"| {r['drafter']} | " + " | ".join(cells) + " |")
+    kv = [r for r in rows if r.get("kv_bytes")]
+    if kv:
+        lines += ["", "KV cache held at the end of generation (bytes, mean over prompts; full = the whole cache for the same tokens)",
+                  "", "| row | mode | compressed | full | full / compressed |", "|---|---|---:|---:|---:|"]
+        for r in kv:
+            b = r["kv_bytes"]
+            mode = "draft (lossless)" if r["lossless"] else "target (LOSSY)"
+            lines.append(f"| {r['drafter']} | {mode} | {_f(b['compressed'], '{:,.0f}')} | {_f(b['full'], '{:,.0f}')} | "
+                         f"{_f(b['ratio'], '{:.2f}x')} |")
     errors = [r for r in rows if r["error"]]
     if errors:
         lines += [""] + [f"- {r['drafter']}: {r['error']}" for r in errors]
@@ -595,7 +646,7 @@ def add_bench_parser(sub) -> None:
         "same prompts, interleaved per prompt; check every output equals the baseline's tokens; print a markdown table.",
     )
     p.add_argument("--model", default="SmolLM2-135M-Instruct", choices=["SmolLM2-135M-Instruct"], help="model to load (default: the default model)")
-    p.add_argument("--drafters", default="all", help="comma-separated drafter names, or 'all' (default: all of speccomp.available_drafters())")
+    p.add_argument("--drafters", default="all", help="comma-separated drafter names, 'all' (default: all of speccomp.available_drafters()) or 'none'")
     p.add_argument("--prompts", nargs="+", default=None, metavar="FILE.jsonl", help="JSONL prompt files (default: prompts shipped with speccomp)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts of each file")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
@@ -607,6 +658,12 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs of every row before timing (default 1)")
     p.add_argument("--hf-prompt-lookup", action=argparse.BooleanOptionalAction, default=True,
                    help=f"include HF assisted generation with prompt_lookup_num_tokens={PROMPT_LOOKUP_TOKENS} as a peer row (default: yes)")
+    p.add_argument("--kv", default=None, metavar="POLICIES",
+                   help="also bench KV-cache compression rows, comma-separated policies such as sink:256,snapkv:512,kivi4; "
+                        "their table reports the KV bytes held vs the full cache")
+    p.add_argument("--kv-mode", default="draft", choices=["draft", "target"],
+                   help="draft (default, lossless: the model drafts over the compressed cache) or target "
+                        "(LOSSY: the model itself reads it; outputs differ from HF greedy by design)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
 
@@ -622,6 +679,8 @@ def _equivalent_command(args) -> str:
               "--warmup", str(args.warmup), "--hf-prompt-lookup" if args.hf_prompt_lookup else "--no-hf-prompt-lookup"]
     if args.tree is not None:
         parts += ["--tree", args.tree]
+    if args.kv:
+        parts += ["--kv", args.kv, "--kv-mode", args.kv_mode]
     if args.json:
         parts += ["--json", args.json]
     if args.plot:
@@ -660,6 +719,8 @@ def cmd_bench(args) -> int:
     available = speccomp.available_drafters()
     if args.drafters.strip() == "all":
         drafters = available
+    elif args.drafters.strip() in ("", "none"):
+        drafters = []  # plain and HF rows only (with --kv: the KV rows)
     else:
         drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
         unknown = [d for d in drafters if d not in available]
@@ -667,6 +728,7 @@ def cmd_bench(args) -> int:
             raise ValueError(f"unknown drafter(s) {unknown}; available: {available} (or 'all')")
     if args.tree is not None:
         parse_tree_spec(args.tree)
+    extra_rows = kv_rows(args.kv, args.kv_mode) if args.kv else []
     if args.plot:
         import matplotlib  # noqa: F401 - fail now, not after the run
 
@@ -680,7 +742,7 @@ def cmd_bench(args) -> int:
     torch.set_num_threads(args.threads)
     print(f"loading {args.model} ...", file=sys.stderr)
     model, tok = speccomp.load_default_model()
-    rows = default_rows(drafters, hf_prompt_lookup=args.hf_prompt_lookup, tree=args.tree)
+    rows = default_rows(drafters, hf_prompt_lookup=args.hf_prompt_lookup, tree=args.tree) + extra_rows
     header = {
         "command": shlex.join(sys.argv),
         "equivalent_command": _equivalent_command(args),

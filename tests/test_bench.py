@@ -36,6 +36,7 @@ def result():
 ROW_KEYS = {
     "drafter", "kind", "speedup", "tau", "identical", "tokens_per_second", "acceptance_by_depth", "per_category",
     "per_prompt", "new_tokens", "seconds", "prompts", "error", "mismatched_prompts", "backend", "tree", "compile_seconds",
+    "kv_cache", "kv_mode", "lossless", "kv_bytes",
 }
 
 
@@ -144,8 +145,34 @@ def test_bench_subcommand_listed():
         (["bench", "--limit", "0"], "--limit"),
         (["bench", "--max-new-tokens", "0"], "max-new-tokens"),
         (["bench", "--prompts", "/nonexistent/p.jsonl"], "does not exist"),
+        (["bench", "--kv", "sink:0"], "budget"),
+        (["bench", "--kv", "kivi3"], "KIVI bits must be one of"),
     ],
 )
 def test_cli_bad_args_fail_before_loading(argv, words, capsys):
     assert main(argv) == 2
     assert words in capsys.readouterr().err
+
+
+def test_kv_rows_report_bytes_and_label_lossy():
+    """`speccomp bench --kv`: lossless draft rows match HF and hold fewer KV bytes; LOSSY target rows are
+    labelled and do not fail the run's identity verdict."""
+    model = tiny_llama()
+    rows = ["plain"] + bench.kv_rows("sink:12:2") + bench.kv_rows("sink:12:2", "target")
+    res = bench.run_bench(model, _prompts(), rows, 24, eos_token_id=None, warmup=0, progress=False)
+    by_name = {r["drafter"]: r for r in res.row_dicts()}
+    draft, target = by_name["kv-draft sink:12:2"], by_name["kv-target sink:12:2 (LOSSY)"]
+    assert draft["error"] is None and target["error"] is None, (draft["error"], target["error"])
+    assert draft["lossless"] and draft["identical"] and draft["kv_mode"] == "draft"
+    assert not target["lossless"] and target["kv_mode"] == "target"
+    for r in (draft, target):  # 30+ tokens of context, 12 kept
+        assert r["kv_bytes"]["compressed"] < r["kv_bytes"]["full"] and r["kv_bytes"]["ratio"] > 1.5
+    assert by_name["plain"]["kv_bytes"] is None
+    md = res.markdown()
+    assert "KV cache held" in md and "target (LOSSY)" in md and "draft (lossless)" in md
+    assert res.all_identical(("speccomp",))  # the lossy row is left out of the verdict, by design
+
+
+def test_kv_rows_bad_mode():
+    with pytest.raises(ValueError, match="unknown --kv-mode"):
+        bench.kv_rows("sink:8", "both")

@@ -1,7 +1,6 @@
 """Exported engines: `compiled.export(dir)` + `speccomp.load(dir)` decode exactly like the model, in a
 process that has no torch; bad directories and missing providers fail with errors naming the fix."""
 import json
-import os
 import subprocess
 import sys
 import textwrap

@@ -92,3 +92,77 @@ def test_prompt_longer_than_context(smollm, smollm_compiled):
     ids = torch.ones(1, 8190, dtype=torch.long)
     with pytest.raises(ValueError, match="exceeds the model's context of 8192"):
         smollm_compiled.generate(ids, max_new_tokens=10)
+
+
+ENGINE_CHILD = """
+import json, sys
+for name in ("torch", "transformers"):
+    sys.modules[name] = None  # `import torch` now raises ImportError in this process
+import speccomp
+from speccomp.cli import main
+
+engine_dir, prompts, n = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+main(["run", "--engine", engine_dir, "--prompt", prompts[0], "--max-new-tokens", n, "--ids"])  # the CLI, first prompt
+engine = speccomp.load(engine_dir, verify=False)
+rows = []
+for text in prompts:
+    ids = engine.chat_ids(text)
+    out = engine.generate(ids, max_new_tokens=int(n), eos_token_id=engine.eos_token_id)
+    rows.append({"prompt": ids[0].tolist(), "out": out[0].tolist()})
+assert "torch" not in sys.modules or sys.modules["torch"] is None
+print(json.dumps(rows))
+"""
+
+
+@needs_shared
+def test_onnxruntime_and_torch_free_engine_256_tokens_identical(smollm, hf_refs, tmp_path):
+    """backend="onnxruntime" with token_recycling, then its engine directory run by `speccomp run --engine`
+    and `speccomp.load` in a process where torch cannot be imported: HF greedy's 256 tokens on every shared
+    file, from prompt ids the engine's own tokenizer + chat template produce."""
+    import subprocess
+    import sys
+
+    import speccomp
+
+    model, tok = smollm
+    fast = speccomp.compile(model, drafter="token_recycling", backend="onnxruntime")
+    texts = {p.id: p.values[0] for p in PROMPTS}
+    for name, (ids, ref) in hf_refs.items():
+        assert torch.equal(fast.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=tok.eos_token_id), ref), name
+    path = fast.export(tmp_path / "engine", tokenizer=tok)
+    child = subprocess.run(
+        [sys.executable, "-c", ENGINE_CHILD, str(path), json.dumps(list(texts.values())), str(NEW_TOKENS)],
+        capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1],
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    lines = child.stdout.strip().splitlines()
+    rows = json.loads(lines[-1])
+    first_ids, first_ref = hf_refs[next(iter(texts))]
+    assert lines[-2].split() == [str(t) for t in first_ref[0, first_ids.shape[1]:].tolist()], "CLI --ids"
+    for (name, (ids, ref)), row in zip(hf_refs.items(), rows):
+        assert row["prompt"] == ids[0].tolist(), f"{name}: the engine's chat template differs from HF's"
+        assert row["out"] == ref[0].tolist(), name
+
+
+LONG_TEXT = Path(__file__).resolve().parent / "data" / "long_text.txt"
+
+
+def test_kv_compression_on_long_text(smollm):
+    """Past the budget: sink:128 drafting (lossless) equals HF greedy after a 700-token prompt, and KIVI int4
+    read by the model itself (LOSSY) holds >= 3.5x fewer bytes (= the closed form) at a small KL."""
+    import speccomp
+
+    model, tok = smollm
+    ids = torch.tensor([tok(LONG_TEXT.read_text(), add_special_tokens=False)["input_ids"]])
+    assert ids.shape[1] > 4200, "the shipped text must reach past a 4k-token context"
+    prompt = ids[:, :700]
+    fast = speccomp.compile(model, kv_cache="sink:128")
+    out = fast.generate(prompt, max_new_tokens=48, eos_token_id=tok.eos_token_id)
+    assert torch.equal(out, hf_greedy(model, prompt, 48, tok.eos_token_id))
+    s = fast.last_stats
+    assert s["lossless"] and s["kv_bytes_draft"] == s["kv_bytes_draft_closed_form"] < s["kv_bytes_full"] / 4
+    lossy = speccomp.compile(model, kv_cache="kivi4", kv_mode="target")
+    q = lossy.quality(ids[:, :1400], 1336)  # 64 tokens decoded through the int4 cache, scored against the text
+    assert q["kv_bytes_compressed"] == q["kv_bytes_compressed_closed_form"]
+    assert q["kv_bytes_full"] / q["kv_bytes_compressed"] >= 3.5
+    assert q["mean_kl"] < 0.05 and abs(q["perplexity_compressed"] - q["perplexity_full"]) < 0.5 * q["perplexity_full"]

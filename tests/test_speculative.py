@@ -1,6 +1,4 @@
 """Speculative decoding is lossless: greedy equality for every drafter, distribution equality when sampling."""
-import itertools
-
 import pytest
 import torch
 

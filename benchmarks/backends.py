@@ -1,0 +1,212 @@
+"""Every CPU backend against HF greedy decoding, SmolLM2-135M, in one run: end-to-end tokens/s and
+per-step latency (1 token and a 16-node tree).
+
+    python benchmarks/backends.py                          # 4 shared files x 1 prompt, 256 new tokens, 2 threads
+    python benchmarks/backends.py --backends eager,onnxruntime,engine --limit 1 --max-new-tokens 64   # quicker
+
+Rows (each with plain decoding and with a drafter, default token_recycling):
+    hf_greedy            HF `model.generate(do_sample=False)`, the reference every row is compared with
+    eager                the FX graph after the CPU lowering passes (backends/eager.py)
+    inductor             torch.compile / TorchInductor of that graph (compiled during the warm-up)
+    onnxruntime          exported ONNX in ONNX Runtime sessions, decode loop in Python/torch
+    engine               the same graph as an exported engine directory run by speccomp/engine.py's
+                         numpy loop (IO binding; no torch on the hot path); in this process, so timed alike
+For every prompt all rows run back to back in an order that rotates from prompt to prompt, after one
+untimed warm-up per row. Speedup = HF seconds / row seconds over the same prompts (ratio of sums).
+
+Step latency: one forward of the target verify graph (after TreeAttention) with 300 cached tokens, for
+q = 1 and for the 16-node tree of the first 15 drafts of token_recycling's default template; median of
+--repeats runs per backend, in one process. `triton` and the GPU backends are left out: the Triton
+kernel runs on CPU only in the (slow) interpreter, and this machine has no GPU.
+
+Writes the tables to stdout and everything to --json (default benchmarks/results_backends.json).
+Run it on an otherwise idle machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+PROMPTS_DIR = HERE.parent.parent / "shared" / "data" / "prompts"
+FILES = ("alpaca", "gsm8k", "humaneval", "vicuna_bench")
+BACKENDS = ("eager", "inductor", "onnxruntime", "engine")
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up (first-call allocations, lazy compilation)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def bench_tree(q: int):
+    """The first q nodes of token_recycling's default template (q = 1: the root alone)."""
+    from speccomp.drafters_ngram import DEFAULT_RECYCLING_TREE
+    from speccomp.tree import Tree
+
+    return Tree.from_choices(DEFAULT_RECYCLING_TREE[: q - 1]) if q > 1 else Tree.from_parents([-1])
+
+
+def step_inputs(sg, q: int, past: int):
+    """Inputs of the verify graph: q tokens (bench_tree) against `past` cached ones."""
+    from speccomp.capture import example_inputs
+
+    tree = bench_tree(q)
+    ids, _, mask, past_kv = example_inputs(sg.captured.kv, q, past, vocab_size=sg.captured.vocab_size)
+    return ids, tree.positions(past), mask, past_kv, tree.mask
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated (default {','.join(BACKENDS)})")
+    ap.add_argument("--drafter", default="token_recycling", help="drafter of the speculative rows (default token_recycling)")
+    ap.add_argument("--limit", type=int, default=1, help="prompts per shared file (default 1)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--past", type=int, default=300, help="cached tokens in the step-latency rows (default 300)")
+    ap.add_argument("--repeats", type=int, default=20, help="timed runs per step-latency cell (default 20)")
+    ap.add_argument("--json", default=str(HERE / "results_backends.json"))
+    args = ap.parse_args(argv)
+
+    import speccomp
+    from speccomp.models import chat_ids
+    from speccomp.prompts import load_prompts
+
+    torch.set_num_threads(args.threads)
+    model, tok = speccomp.load_default_model()
+    eos = tok.eos_token_id
+    prompts = [(f, chat_ids(tok, p.text)) for f in FILES for p in load_prompts(PROMPTS_DIR / f"{f}.jsonl", limit=args.limit)]
+    backends = [b for b in args.backends.split(",") if b]
+    load = lambda: " ".join(f"{x:.2f}" for x in os.getloadavg())  # noqa: E731
+    report = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads, "load_start": load()},
+              "settings": vars(args), "command": " ".join(["python", "benchmarks/backends.py", *(argv or sys.argv[1:])])}
+
+    # ---- build every row -----------------------------------------------------------------------
+    rows: dict[str, object] = {}  # name -> generate(ids) -> (new tokens list, stats dict)
+    setup: dict[str, float] = {}
+    steps: dict[str, object] = {}  # backend -> the verify step (for latency)
+    tmp = Path(tempfile.mkdtemp(prefix="speccomp-bench-"))
+
+    def hf(ids):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                             do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        return out[0, ids.shape[1]:].tolist(), {}
+
+    rows["hf_greedy"] = hf
+    ort_models = {}  # drafter -> the onnxruntime rows' compiled models; the engine rows export these
+    order = [b for b in backends if b != "engine"] + (["engine"] if "engine" in backends else [])
+    for backend in order:
+        for drafter in (None, args.drafter):
+            name = f"{backend}/{drafter or 'plain'}"
+            start = time.perf_counter()
+            if backend == "engine":
+                fast = ort_models.get(drafter) or speccomp.compile(model, drafter=drafter, backend="onnxruntime")
+                engine = speccomp.load(fast.export(tmp / (drafter or "plain"), tokenizer=tok), threads=args.threads)
+
+                def run(ids, engine=engine):
+                    out = engine.generate(ids.numpy(), max_new_tokens=args.max_new_tokens, eos_token_id=eos)
+                    return out[0, ids.shape[1]:].tolist(), engine.last_stats
+
+                if drafter is not None:
+                    steps["engine"] = engine
+            else:
+                fast = speccomp.compile(model, drafter=drafter, backend=backend)
+                if backend == "onnxruntime":
+                    ort_models[drafter] = fast
+
+                def run(ids, fast=fast):
+                    out = fast.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=eos)
+                    return out[0, ids.shape[1]:].tolist(), fast.last_stats
+
+                if drafter is not None:
+                    steps[backend] = fast
+            run(prompts[0][1][:, :32])  # warm-up; inductor compiles here (prefill, 1 token, tree classes)
+            setup[name] = time.perf_counter() - start
+            rows[name] = run
+            print(f"built {name} in {setup[name]:.0f}s", file=sys.stderr)
+
+    # ---- end to end -----------------------------------------------------------------------------
+    names = list(rows)
+    seconds = {n: 0.0 for n in names}
+    tokens = {n: 0 for n in names}
+    taus = {n: [] for n in names}
+    identical = {n: True for n in names}
+    for i, (file, ids) in enumerate(prompts):
+        order = names[i % len(names):] + names[: i % len(names)]
+        ref = None
+        results = {}
+        for n in order:
+            start = time.perf_counter()
+            out, stats = rows[n](ids)
+            seconds[n] += time.perf_counter() - start
+            tokens[n] += len(out)
+            results[n] = out
+            if stats:
+                taus[n].append(stats["tau"])
+        ref = results["hf_greedy"]
+        for n in names:
+            identical[n] &= results[n] == ref
+        print(f"prompt {i + 1}/{len(prompts)} ({file}) done", file=sys.stderr)
+    e2e = []
+    for n in names:
+        e2e.append({
+            "row": n, "tokens_per_second": tokens[n] / seconds[n], "speedup_vs_hf": seconds["hf_greedy"] / seconds[n],
+            "tau": statistics.mean(taus[n]) if taus[n] else 1.0, "identical": identical[n], "setup_seconds": setup.get(n, 0.0),
+        })
+    report["end_to_end"] = e2e
+
+    # ---- per-step latency -----------------------------------------------------------------------
+    latency = []
+    for backend, obj in steps.items():
+        for q in (1, 16):
+            if backend == "engine":  # the engine's own session call: numpy inputs, IO binding
+                from speccomp.engine import KVCache, tree_arrays
+
+                depth, tree_mask, _ = tree_arrays(list(bench_tree(q).parents))
+                cache = KVCache(obj.kv, args.past + q, obj.dtype)
+                cache.length = args.past
+                toks = list(range(5, 5 + q))
+                ms = median_ms(lambda: obj._forward(cache, toks, args.past + depth, tree_mask), args.repeats)
+            else:
+                inputs = step_inputs(obj.graph, q, args.past)
+                ms = median_ms(lambda: obj.step(*inputs), args.repeats)
+            latency.append({"backend": backend, "q": q, "ms": ms})
+    report["step_latency"] = latency
+    report["machine"]["load_end"] = load()
+
+    # ---- tables ---------------------------------------------------------------------------------
+    print(f"\nend to end: SmolLM2-135M, {len(prompts)} prompts ({', '.join(FILES)}; {args.limit} each), "
+          f"{args.max_new_tokens} new tokens, {args.threads} threads")
+    print("| row | tokens/s | speedup vs HF greedy | tau | identical | setup s |")
+    print("|---|---:|---:|---:|---|---:|")
+    for r in e2e:
+        print(f"| {r['row']} | {r['tokens_per_second']:.1f} | {r['speedup_vs_hf']:.2f}x | {r['tau']:.2f} | "
+              f"{'yes' if r['identical'] else 'NO'} | {r['setup_seconds']:.0f} |")
+    print(f"\nstep latency: one verify forward with {args.past} cached tokens (median of {args.repeats})")
+    print("| backend | 1 token ms | 16-node tree ms | tree / token |")
+    print("|---|---:|---:|---:|")
+    for backend in steps:
+        one = next(r["ms"] for r in latency if r["backend"] == backend and r["q"] == 1)
+        tree = next(r["ms"] for r in latency if r["backend"] == backend and r["q"] == 16)
+        print(f"| {backend} | {one:.1f} | {tree:.1f} | {tree / one:.2f} |")
+    print(f"load average: start {report['machine']['load_start']}, end {report['machine']['load_end']}")
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"written to {args.json}")
+    return 0 if all(r["identical"] for r in e2e) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
