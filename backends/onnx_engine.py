@@ -5,13 +5,17 @@
     engine = speccomp.load("engine/")                  # elsewhere: onnxruntime + numpy only
 
 The target graph exported is the one the compiled model verifies with (TreeAttention applied; for
-plain decoding the pass is applied to a copy here). With backend="onnxruntime" the ONNX file the
+plain decoding the pass is applied to a copy here; with Medusa heads, MedusaHeads too, so the graph
+also returns every token's head states). A Medusa engine adds medusa.onnx, the heads' projection to
+the vocabulary with a top-k (tied heads: a copy of the LM head, so the engine grows by its size). With backend="onnxruntime" the ONNX file the
 backend already exported is copied instead of exported again. The directory is written next to
 its destination and renamed into place, so an interrupted export never leaves a half engine, and
 an existing directory is replaced only with overwrite=True (and only if it is an engine).
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import tempfile
@@ -20,7 +24,7 @@ from pathlib import Path
 
 import onnx
 
-from speccomp.engine import ENGINE_DRAFTERS, FORMAT, FORMAT_VERSION, MANIFEST, EngineError, sha256
+from speccomp.engine import ENGINE_DRAFTERS, FORMAT, FORMAT_VERSION, MANIFEST, MEDUSA_FILE, EngineError, sha256
 
 
 def drafter_spec(drafter) -> dict:
@@ -36,6 +40,10 @@ def drafter_spec(drafter) -> dict:
     if name == "ngram":
         options = dict(max_ngram=drafter.max_ngram, min_ngram=drafter.min_ngram,
                        num_branches=drafter.num_branches, max_depth=drafter.max_depth)
+    elif name == "medusa":  # states_output is filled in once the target graph is exported
+        options = dict(parents=list(drafter.tree.parents), ranks=list(drafter.tree.ranks),
+                       num_heads=drafter.heads.num_heads, top=drafter.top)
+        return {"name": name, "options": options, "graph": MEDUSA_FILE}
     else:  # token_recycling
         ng = drafter.ngram
         options = dict(top_k=drafter.top_k, parents=list(drafter.tree.parents), ranks=list(drafter.tree.ranks),
@@ -59,6 +67,30 @@ def _tokenizer_entry(tokenizer, out: Path) -> dict | None:
     }
 
 
+def _medusa_onnx(drafter, out: Path) -> Path:
+    """medusa.onnx: head states [K, H] (one token's) -> each head's top token ids [K, top], best first."""
+    import torch
+
+    from .onnx_export import OnnxBackendError
+
+    heads, top = drafter.heads, drafter.top
+
+    class HeadsTopK(torch.nn.Module):
+        def forward(self, medusa_states):  # [K, H]
+            return heads.project(medusa_states).topk(top, dim=-1).indices  # [K, V] -> [K, top]
+
+    path = out / MEDUSA_FILE
+    example = torch.zeros(heads.num_heads, heads.hidden)
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            program = torch.onnx.export(HeadsTopK(), (example,), dynamo=True, input_names=["medusa_states"],
+                                        output_names=["top_ids"], optimize=True)
+        except Exception as exc:
+            raise OnnxBackendError(f"exporting the Medusa heads' projection failed: {str(exc).splitlines()[0]}") from exc
+    program.save(path)
+    return path
+
+
 def _target_onnx(fast, out: Path) -> Path:
     """target.onnx in `out`: copied from the onnxruntime backend, else exported from the graph."""
     from speccomp.graph import run_passes
@@ -78,12 +110,17 @@ def _target_onnx(fast, out: Path) -> Path:
     sg = fast.graph
     if "tree_attention" not in sg.applied:  # plain decoding: the engine verifies with the same graph always
         sg = run_passes(sg.clone(), [TreeAttention()], dump_input=False)
-    extra = [n for n in sg.applied if n != "tree_attention"]
+    extra = [n for n in sg.applied if n not in ("tree_attention", "medusa_heads")]
     if extra:
         raise EngineError(f"the target graph carries passes {extra} the engine runtime cannot feed; export supports "
-                          "plain, ngram and token_recycling compilations")
+                          "plain, ngram, token_recycling and medusa compilations")
     args, dynamic = export_args(sg)
     return export_onnx(sg, path, example_args=args, dynamic_shapes=dynamic)
+
+
+def _graph_entry(path: Path, proto) -> dict:
+    return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256(path),
+            "inputs": [i.name for i in proto.graph.input], "outputs": [o.name for o in proto.graph.output]}
 
 
 def export_engine(fast, path, tokenizer=None, overwrite: bool = False, model_id: str | None = None) -> Path:
@@ -107,6 +144,14 @@ def export_engine(fast, path, tokenizer=None, overwrite: bool = False, model_id:
     try:
         target = _target_onnx(fast, tmp)
         proto = onnx.load(str(target), load_external_data=False)
+        graphs = {"target": _graph_entry(target, proto)}
+        if drafter["name"] == "medusa":
+            outputs = graphs["target"]["outputs"]
+            if len(outputs) != 4:
+                raise EngineError(f"the Medusa target graph should return (logits, new_kv, hidden, head states), got {outputs}")
+            drafter["options"]["states_output"] = outputs[3]
+            medusa = _medusa_onnx(fast.drafter, tmp)
+            graphs["medusa"] = _graph_entry(medusa, onnx.load(str(medusa), load_external_data=False))
         opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
         kv = fast.kv
         config = getattr(model, "config", None)
@@ -126,10 +171,7 @@ def export_engine(fast, path, tokenizer=None, overwrite: bool = False, model_id:
             },
             "kv": {"num_layers": kv.num_layers, "num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim,
                    "dtype": str(kv.dtype).removeprefix("torch."), "layout": "[layers, 2 (k, v), 1, kv_heads, tokens, head_dim]"},
-            "graphs": {"target": {
-                "file": target.name, "bytes": target.stat().st_size, "sha256": sha256(target),
-                "inputs": [i.name for i in proto.graph.input], "outputs": [o.name for o in proto.graph.output],
-            }},
+            "graphs": graphs,
             "opset": opset,
             "max_tree": fast.max_tree,
             "drafter": drafter,

@@ -36,18 +36,6 @@ from torch.export import Dim
 from ..capture import INPUT_NAMES, OUTPUT_NAMES, CapturedModel, KVSpec, example_inputs
 from ..errors import SpeccompError
 
-# Which pip package provides an execution provider that the plain `onnxruntime` wheel lacks.
-_PROVIDER_PACKAGES = {
-    "CUDAExecutionProvider": "onnxruntime-gpu",
-    "TensorrtExecutionProvider": "onnxruntime-gpu (plus TensorRT)",
-    "DmlExecutionProvider": "onnxruntime-directml",
-    "OpenVINOExecutionProvider": "onnxruntime-openvino",
-    "QNNExecutionProvider": "onnxruntime-qnn",
-    "ROCMExecutionProvider": "onnxruntime-rocm",
-    "MIGraphXExecutionProvider": "onnxruntime-migraphx",
-    "CoreMLExecutionProvider": "onnxruntime (the macOS wheel)",
-}
-
 _EXAMPLE_Q, _EXAMPLE_PAST = 3, 7  # distinct sizes, none 0 or 1, so export cannot confuse or specialise them
 
 
@@ -225,16 +213,12 @@ def _onnxruntime():
 
 
 def _check_providers(ort, providers) -> list:
-    available = ort.get_available_providers()
+    from ..engine import missing_provider
+
     for provider in providers:
-        name = provider[0] if isinstance(provider, (tuple, list)) else provider
-        if name not in available:
-            package = _PROVIDER_PACKAGES.get(name)
-            hint = f"install {package} in place of onnxruntime" if package else "install an onnxruntime build that has it"
-            raise OnnxBackendError(
-                f"ONNX Runtime execution provider {name!r} is not available (onnxruntime {ort.__version__} has "
-                f"{available}); {hint}"
-            )
+        message = missing_provider(ort, provider[0] if isinstance(provider, (tuple, list)) else provider)
+        if message:
+            raise OnnxBackendError(message)
     return list(providers)
 
 

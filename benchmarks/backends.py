@@ -3,6 +3,7 @@ per-step latency (1 token and a 16-node tree).
 
     python benchmarks/backends.py                          # 4 shared files x 1 prompt, 256 new tokens, 2 threads
     python benchmarks/backends.py --backends eager,onnxruntime,engine --limit 1 --max-new-tokens 64   # quicker
+    python benchmarks/backends.py --tree auto     # speculative rows on each backend's autotuned tree
 
 Rows (each with plain decoding and with a drafter, default token_recycling):
     hf_greedy            HF `model.generate(do_sample=False)`, the reference every row is compared with
@@ -73,6 +74,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated (default {','.join(BACKENDS)})")
     ap.add_argument("--drafter", default="token_recycling", help="drafter of the speculative rows (default token_recycling)")
+    ap.add_argument("--tree", default=None,
+                    help="tree of the speculative rows: 'auto' (each backend's stored `speccomp autotune` result) or a "
+                         "spec as for compile (default: the drafter's own default tree)")
     ap.add_argument("--limit", type=int, default=1, help="prompts per shared file (default 1)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
@@ -113,7 +117,8 @@ def main(argv=None) -> int:
             name = f"{backend}/{drafter or 'plain'}"
             start = time.perf_counter()
             if backend == "engine":
-                fast = ort_models.get(drafter) or speccomp.compile(model, drafter=drafter, backend="onnxruntime")
+                fast = ort_models.get(drafter) or speccomp.compile(model, drafter=drafter, backend="onnxruntime",
+                                                                  tree=args.tree if drafter else None)
                 engine = speccomp.load(fast.export(tmp / (drafter or "plain"), tokenizer=tok), threads=args.threads)
 
                 def run(ids, engine=engine):
@@ -123,7 +128,7 @@ def main(argv=None) -> int:
                 if drafter is not None:
                     steps["engine"] = engine
             else:
-                fast = speccomp.compile(model, drafter=drafter, backend=backend)
+                fast = speccomp.compile(model, drafter=drafter, backend=backend, tree=args.tree if drafter else None)
                 if backend == "onnxruntime":
                     ort_models[drafter] = fast
 
@@ -170,6 +175,8 @@ def main(argv=None) -> int:
 
     # ---- per-step latency -----------------------------------------------------------------------
     latency = []
+    grad = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)  # as in generate: a step called with autograd on records a graph, ~50x slower at q=1
     for backend, obj in steps.items():
         for q in (1, 16):
             if backend == "engine":  # the engine's own session call: numpy inputs, IO binding
@@ -184,6 +191,7 @@ def main(argv=None) -> int:
                 inputs = step_inputs(obj.graph, q, args.past)
                 ms = median_ms(lambda: obj.step(*inputs), args.repeats)
             latency.append({"backend": backend, "q": q, "ms": ms})
+    torch.set_grad_enabled(grad)
     report["step_latency"] = latency
     report["machine"]["load_end"] = load()
 

@@ -11,11 +11,13 @@
     target.onnx      the target verify graph after TreeAttention: one file serves prefill (causal
                      tree_mask), plain decoding (q = 1) and tree verification (q = tree size)
     tokenizer.json   the Hugging Face fast tokenizer (when export was given one)
+    medusa.onnx      (Medusa engines) the heads' projection: head states [K, H] -> top token ids [K, top]
 
 The decode loop is speccomp/speculative.py's, restated in numpy: draft a tree (no drafter: the root
 alone), verify it in one session run, walk the tree while the target agrees, keep the KV of the
 accepted path. Drafters here are the model-free ones (prompt lookup, Token Recycling), sharing their
-lookup code with the torch drafters (speccomp/lookup.py). Sessions run through IO binding; the KV
+lookup code with the torch drafters (speccomp/lookup.py), and Medusa heads, whose residual blocks are
+inside target.onnx (an extra output: head states of every token) and whose projection is medusa.onnx. Sessions run through IO binding; the KV
 cache and the contiguous `past_kv` it is fed from are allocated once per generate.
 """
 from __future__ import annotations
@@ -33,8 +35,9 @@ from .lookup import NGramIndex, Trie, fill_template, recycle
 
 FORMAT, FORMAT_VERSION = "speccomp-engine", 1
 MANIFEST = "manifest.json"
+MEDUSA_FILE = "medusa.onnx"
 MANIFEST_KEYS = ("format", "format_version", "speccomp_version", "model", "kv", "graphs", "opset", "max_tree", "drafter")
-ENGINE_DRAFTERS = (None, "ngram", "token_recycling")  # drafters the torch-free loop can run
+ENGINE_DRAFTERS = (None, "ngram", "token_recycling", "medusa")  # drafters the torch-free loop can run
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
 
 
@@ -82,6 +85,8 @@ def read_manifest(path, verify: bool = True) -> dict:
     drafter = manifest["drafter"].get("name")
     if drafter not in ENGINE_DRAFTERS:
         raise EngineError(f"{file} asks for drafter {drafter!r}; engines run {list(ENGINE_DRAFTERS)}")
+    if drafter == "medusa" and (manifest["drafter"].get("graph") != MEDUSA_FILE or "medusa" not in manifest["graphs"]):
+        raise EngineError(f"{file} asks for Medusa heads but names no {MEDUSA_FILE} graph; the engine is corrupt, {remake}")
     for name, graph in manifest["graphs"].items():
         onnx_file = path / graph["file"]
         if not onnx_file.is_file():
@@ -104,9 +109,13 @@ PROVIDERS = {  # speccomp's names for ONNX Runtime execution providers
     "cuda": "CUDAExecutionProvider",
     "tensorrt": "TensorrtExecutionProvider",
 }
-_PROVIDER_HINTS = {
+_PROVIDER_HINTS = {  # what to install for an execution provider the plain `onnxruntime` wheel lacks
     "CUDAExecutionProvider": "pip install onnxruntime-gpu (in place of onnxruntime) on a machine with an NVIDIA GPU and CUDA",
     "TensorrtExecutionProvider": "pip install onnxruntime-gpu (in place of onnxruntime) plus TensorRT, on a machine with an NVIDIA GPU",
+    "DmlExecutionProvider": "pip install onnxruntime-directml (in place of onnxruntime)",
+    "OpenVINOExecutionProvider": "pip install onnxruntime-openvino (in place of onnxruntime)",
+    "ROCMExecutionProvider": "pip install onnxruntime-rocm (in place of onnxruntime)",
+    "CoreMLExecutionProvider": "use the macOS onnxruntime wheel",
 }
 
 
@@ -118,19 +127,26 @@ def onnxruntime_module():
     return onnxruntime
 
 
+def missing_provider(ort, name: str, alias: str | None = None) -> str | None:
+    """None if ONNX Runtime `ort` has execution provider `name`, else a message naming what to install.
+    (Shared with backends/onnx_export.py's OrtStep, which takes ORT's own provider names.)"""
+    available = ort.get_available_providers()
+    if name in available:
+        return None
+    label = f"{name} ({alias!r})" if alias else repr(name)
+    hint = _PROVIDER_HINTS.get(name, "Install an onnxruntime build that has it")
+    return f"ONNX Runtime execution provider {label} is not available: onnxruntime {ort.__version__} here has {available}. {hint}."
+
+
 def check_provider(provider: str) -> list[str]:
     """ORT provider list for speccomp's provider name ("cpu", "cuda", "tensorrt"), CPU as the fallback for
     ops a GPU provider leaves out. Raises EngineError naming what to install when the build lacks it."""
     if provider not in PROVIDERS:
         raise EngineError(f"unknown execution provider {provider!r}; accepted values: {sorted(PROVIDERS)}")
-    ort = onnxruntime_module()
     name = PROVIDERS[provider]
-    available = ort.get_available_providers()
-    if name not in available:
-        raise EngineError(
-            f"ONNX Runtime execution provider {name} ({provider!r}) is not available: onnxruntime {ort.__version__} "
-            f"here has {available}. {_PROVIDER_HINTS.get(name, 'Install an onnxruntime build that has it')}."
-        )
+    message = missing_provider(onnxruntime_module(), name, provider)
+    if message:
+        raise EngineError(message)
     return [name] if name == "CPUExecutionProvider" else [name, "CPUExecutionProvider"]
 
 
@@ -241,10 +257,12 @@ def accept(tokens: list[int], children: list[list[int]], pick) -> tuple[list[int
 # Drafters (model-free; same lookup code as speccomp/drafters_ngram.py)
 # --------------------------------------------------------------------------------------
 class _NGram:
+    outputs: tuple[str, ...] = ()  # extra outputs of the target graph the drafter reads (see _Medusa)
+
     def __init__(self, max_ngram=4, min_ngram=1, num_branches=4, max_depth=8):
         self.lookup, self.num_branches, self.max_depth = NGramIndex(max_ngram, min_ngram), num_branches, max_depth
 
-    def begin(self, prompt):
+    def begin(self, prompt, extras):
         self.lookup.begin(prompt)
 
     def propose(self, tokens, max_depth, max_nodes):
@@ -254,18 +272,20 @@ class _NGram:
             self.lookup.add_branches(trie, tokens, self.num_branches, depth)
         return trie.bfs(depth, max_nodes)
 
-    def observe(self, tokens, path, logits):
+    def observe(self, tokens, path, logits, extras):
         pass
 
 
 class _TokenRecycling:
+    outputs: tuple[str, ...] = ()
+
     def __init__(self, top_k, parents, ranks, ngram_branches, max_ngram, min_ngram, ngram_depth, persist):
         self.top_k, self.parents, self.ranks, self.persist = top_k, parents, ranks, persist
         self.ngram_branches, self.ngram_depth = ngram_branches, ngram_depth
         self.lookup = NGramIndex(max_ngram, min_ngram)
         self.adj: dict[int, list[int]] = {}
 
-    def begin(self, prompt):
+    def begin(self, prompt, extras):
         if not self.persist:
             self.adj = {}
         if self.ngram_branches:
@@ -278,19 +298,51 @@ class _TokenRecycling:
             self.lookup.add_branches(trie, tokens, self.ngram_branches, min(self.ngram_depth, max_depth))
         return trie.bfs(max_depth, max_nodes)
 
-    def observe(self, tokens, path, logits):  # logits [n, V]
+    def observe(self, tokens, path, logits, extras):  # logits [n, V]
         k = min(self.top_k, logits.shape[-1])
         part = np.argpartition(-logits, k - 1, axis=-1)[:, :k]  # the top k, unordered
         order = np.argsort(-np.take_along_axis(logits, part, -1), axis=-1, kind="stable")
         recycle(self.adj, tokens, path, np.take_along_axis(part, order, -1).tolist())
 
 
-def make_drafter(spec: dict):
+class _Medusa:
+    """Medusa heads (speccomp/drafters_medusa.py's MedusaDrafter in numpy). The target graph returns the
+    head states [1, q, K, H] of every token as the extra output `states_output`; after each step the
+    newest accepted token's [K, H] go through medusa.onnx, which returns each head's top token ids, and
+    the next tree gives a node at depth d with sibling rank r head d-1's rank-r token."""
+
+    def __init__(self, parents, ranks, num_heads, top, states_output, session: BoundSession):
+        self.parents, self.ranks, self.num_heads, self.top = parents, ranks, num_heads, top
+        self.depth, _, _ = tree_arrays(parents)
+        self.outputs = (states_output,)
+        self.session, self.top_ids = session, None
+
+    def _take(self, states: np.ndarray, row: int) -> None:
+        feed = {self.session.inputs[0]: np.ascontiguousarray(states[0, row])}  # [K, H] of one token
+        self.top_ids = self.session.run(feed, ["top_ids"])[0]  # [K, top]
+
+    def begin(self, prompt, extras):
+        self._take(extras[0], len(prompt) - 1)
+
+    def propose(self, tokens, max_depth, max_nodes):
+        keep = [i for i, d in enumerate(self.depth) if d <= max_depth][:max_nodes]  # as speculative.truncate
+        remap = {old: new for new, old in enumerate(keep)}
+        parents = [-1] + [remap[self.parents[i]] for i in keep[1:]]
+        drafted = [tokens[-1]] + [int(self.top_ids[self.depth[i] - 1, self.ranks[i]]) for i in keep[1:]]
+        return parents, drafted
+
+    def observe(self, tokens, path, logits, extras):
+        self._take(extras[0], path[-1])
+
+
+def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | None):
     name, options = spec.get("name"), dict(spec.get("options") or {})
     if name is None:
         return None
     if name == "ngram":
         return _NGram(**options)
+    if name == "medusa":
+        return _Medusa(**options, session=BoundSession(path / spec["graph"], providers, threads))
     return _TokenRecycling(**options)
 
 
@@ -317,7 +369,7 @@ class Engine:
                 f"{target['file']} takes inputs {self.session.inputs} but the manifest says {target['inputs']}; "
                 "the engine is corrupt, re-export it"
             )
-        self.drafter = make_drafter(m["drafter"])
+        self.drafter = make_drafter(m["drafter"], self.path, check_provider(provider), threads)
         self.tokenizer = None
         self.last_stats: dict = {}
 
@@ -358,6 +410,7 @@ class Engine:
 
     # ---- decoding ---------------------------------------------------------------------
     def _forward(self, cache: KVCache, tokens: list[int], positions: np.ndarray, tree_mask: np.ndarray):
+        """logits [q, V], new_kv [L, 2, 1, Hkv, q, D], and the extra outputs the drafter reads."""
         q = len(tokens)
         feeds = {
             "input_ids": np.array([tokens], dtype=np.int64),
@@ -366,8 +419,9 @@ class Engine:
             "past_kv": cache.past(),
             "tree_mask": tree_mask,
         }
-        logits, new_kv = self.session.run(feeds, ["logits", "new_kv"])
-        return logits[0], new_kv  # [q, V], [L, 2, 1, Hkv, q, D]
+        extra = list(self.drafter.outputs) if self.drafter is not None else []
+        logits, new_kv, *extras = self.session.run(feeds, ["logits", "new_kv", *extra])
+        return logits[0], new_kv, extras
 
     def _check(self, input_ids, max_new_tokens, temperature, top_p) -> list[int]:
         ids = np.asarray(input_ids)
@@ -409,14 +463,14 @@ class Engine:
         start = time.perf_counter()
         n = len(prompt)
         cache = KVCache(self.kv, n + max_new_tokens + self.max_tree + 1, self.dtype)
-        logits, new_kv = self._forward(cache, prompt, np.arange(n, dtype=np.int64), np.tril(np.ones((n, n), dtype=bool)))
+        logits, new_kv, extras = self._forward(cache, prompt, np.arange(n, dtype=np.int64), np.tril(np.ones((n, n), dtype=bool)))
         cache.append(new_kv)
         prefill_seconds = time.perf_counter() - start
         out = [pick(logits[-1])]
         steps, accepted = 1, 0
         context = prompt + out
         if self.drafter is not None:
-            self.drafter.begin(prompt)
+            self.drafter.begin(prompt, extras)
         while len(out) < max_new_tokens and out[-1] not in eos:
             room = max_new_tokens - len(out)  # tokens still allowed, the bonus included
             if self.drafter is None or room <= 1:
@@ -424,11 +478,11 @@ class Engine:
             else:
                 parents, tokens = self.drafter.propose(context, room - 1, self.max_tree)
             depth, mask, children = tree_arrays(parents)
-            logits, new_kv = self._forward(cache, tokens, cache.length + depth, mask)
+            logits, new_kv, extras = self._forward(cache, tokens, cache.length + depth, mask)
             path, bonus = accept(tokens, children, lambda node: pick(logits[node]))
             cache.append(new_kv, keep=path)
             if self.drafter is not None:
-                self.drafter.observe(tokens, path, logits)
+                self.drafter.observe(tokens, path, logits, extras)
             steps += 1
             accepted += len(path) - 1
             for t in [tokens[i] for i in path[1:]] + [bonus]:

@@ -70,6 +70,42 @@ def test_engine_greedy_identical(llama, drafter, tmp_path):
         assert engine.last_stats["tau"] > 1.2, "drafts were accepted (else the tree path is untested)"
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_medusa_engine_greedy_identical_and_drafts_like_torch(tied, tmp_path):
+    """Medusa heads in an engine: the target graph returns head states, medusa.onnx projects them. Zero
+    ResBlocks make every head read the model's own hidden state, so drafts get accepted on these prompts;
+    the engine takes exactly as many steps as the torch MedusaDrafter (the same drafts)."""
+    from speccomp.medusa import MedusaHeads, new_heads, save_medusa
+
+    model = tiny_llama(num_hidden_layers=3, initializer_range=0.2, tie_word_embeddings=True)
+    if tied:
+        heads = new_heads(model, 3)  # ResBlocks start at zero (Medusa's initialisation)
+    else:  # own projections (here copies of the LM head), exported from the heads, not the model
+        heads = MedusaHeads(3, 32, model.config.vocab_size)
+        with torch.no_grad():
+            for proj in heads.proj:
+                proj.copy_(model.lm_head.weight)
+    save_medusa(heads, tmp_path / "heads")
+    fast = speccomp.compile(model, drafter="medusa", drafter_options={"heads": str(tmp_path / "heads")},
+                            tree=[[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    engine = speccomp.load(fast.export(tmp_path / "e"))
+    m = engine.manifest
+    assert m["drafter"]["graph"] == "medusa.onnx" and m["graphs"]["medusa"]["outputs"] == ["top_ids"]
+    assert m["drafter"]["options"]["states_output"] == m["graphs"]["target"]["outputs"][3]
+    taus = []
+    for seed in (0, 1, 2):
+        ids = repetitive_prompt(seed)
+        out = engine.generate(ids.numpy(), max_new_tokens=30, eos_token_id=2)
+        assert np.array_equal(out, hf_greedy(model, ids, 30).numpy()), seed
+        fast.generate(ids, max_new_tokens=30, eos_token_id=2)
+        assert engine.last_stats["steps"] == fast.last_stats["steps"], seed
+        taus.append(engine.last_stats["tau"])
+    assert max(taus) > 1.2, "drafts were accepted (else the tree path is untested)"
+    (tmp_path / "e" / "medusa.onnx").unlink()
+    with pytest.raises(EngineError, match="medusa graph .* is missing"):
+        speccomp.load(tmp_path / "e")
+
+
 def test_engine_sliding_window_past_the_window(tmp_path):
     model = ARCHITECTURES["mistral"].build()
     speccomp.compile(model, drafter="token_recycling").export(tmp_path / "e")
@@ -215,7 +251,7 @@ def test_missing_execution_provider_is_named(engine_dir, llama):
 
 
 def test_export_refuses_what_it_cannot_run_or_would_destroy(llama, engine_dir, tmp_path):
-    with pytest.raises(EngineError, match="drafter 'early_exit' cannot be exported"):
+    with pytest.raises(EngineError, match="drafter 'early_exit' cannot be exported .* or decodes plainly"):
         speccomp.compile(llama, drafter="early_exit", drafter_options={"exit_layer": 1}).export(tmp_path / "x")
     assert not (tmp_path / "x").exists()
     keep = tmp_path / "mine"

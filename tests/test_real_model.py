@@ -53,7 +53,7 @@ def hf_refs(smollm):
 
 @needs_shared
 @pytest.mark.parametrize("drafter, options, files", [
-    (None, None, None), ("token_recycling", None, None), ("ngram", None, None),
+    (None, None, None), ("token_recycling", None, None), ("ngram", None, ("alpaca", "humaneval")),
     # explicit layers (what `speccomp search` picked on the project machine, README): the test then does
     # not depend on a search stored on the machine running it. Self-drafters run a model forward per
     # draft depth, so they are checked on two of the files (the bench run covers all four).
@@ -101,47 +101,55 @@ for name in ("torch", "transformers"):
 import speccomp
 from speccomp.cli import main
 
-engine_dir, prompts, n = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-main(["run", "--engine", engine_dir, "--prompt", prompts[0], "--max-new-tokens", n, "--ids"])  # the CLI, first prompt
-engine = speccomp.load(engine_dir, verify=False)
+jobs, n = json.loads(sys.argv[1]), sys.argv[2]  # [[engine dir, [prompt texts]], ...]
+main(["run", "--engine", jobs[0][0], "--prompt", jobs[0][1][0], "--max-new-tokens", n, "--ids"])  # the CLI
 rows = []
-for text in prompts:
-    ids = engine.chat_ids(text)
-    out = engine.generate(ids, max_new_tokens=int(n), eos_token_id=engine.eos_token_id)
-    rows.append({"prompt": ids[0].tolist(), "out": out[0].tolist()})
+for engine_dir, prompts in jobs:
+    engine = speccomp.load(engine_dir, verify=False)
+    for text in prompts:
+        ids = engine.chat_ids(text)
+        out = engine.generate(ids, max_new_tokens=int(n), eos_token_id=engine.eos_token_id)
+        rows.append({"prompt": ids[0].tolist(), "out": out[0].tolist(), "tau": engine.last_stats["tau"]})
 assert "torch" not in sys.modules or sys.modules["torch"] is None
 print(json.dumps(rows))
 """
 
 
 @needs_shared
-def test_onnxruntime_and_torch_free_engine_256_tokens_identical(smollm, hf_refs, tmp_path):
-    """backend="onnxruntime" with token_recycling, then its engine directory run by `speccomp run --engine`
-    and `speccomp.load` in a process where torch cannot be imported: HF greedy's 256 tokens on every shared
-    file, from prompt ids the engine's own tokenizer + chat template produce."""
+def test_onnxruntime_and_torch_free_engines_256_tokens_identical(smollm, hf_refs, tmp_path):
+    """backend="onnxruntime" with token_recycling on one file; its engine directory, and a Medusa engine (the
+    shipped heads: head states from target.onnx, projection in medusa.onnx), run by `speccomp run --engine`
+    and `speccomp.load` in a process where torch cannot be imported: HF greedy's 256 tokens, from prompt ids
+    the engine's own tokenizer + chat template produce. The files are split between the runs to keep the
+    suite short (benchmarks/backends.py runs every file through the backend and the engine)."""
     import subprocess
     import sys
 
     import speccomp
 
     model, tok = smollm
+    texts = {p.id.split("-")[0]: (p.id, p.values[0]) for p in PROMPTS}
     fast = speccomp.compile(model, drafter="token_recycling", backend="onnxruntime")
-    texts = {p.id: p.values[0] for p in PROMPTS}
-    for name, (ids, ref) in hf_refs.items():
-        assert torch.equal(fast.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=tok.eos_token_id), ref), name
-    path = fast.export(tmp_path / "engine", tokenizer=tok)
-    child = subprocess.run(
-        [sys.executable, "-c", ENGINE_CHILD, str(path), json.dumps(list(texts.values())), str(NEW_TOKENS)],
-        capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1],
-    )
+    ids, ref = hf_refs[texts["alpaca"][0]]
+    assert torch.equal(fast.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=tok.eos_token_id), ref)
+    jobs = [  # Medusa on prompts its heads were not trained on (alpaca and humaneval were)
+        (fast.export(tmp_path / "token_recycling", tokenizer=tok), ["gsm8k", "humaneval"]),
+        (speccomp.compile(model, drafter="medusa").export(tmp_path / "medusa", tokenizer=tok), ["vicuna_bench"]),
+    ]
+    arg = json.dumps([[str(path), [texts[f][1] for f in files]] for path, files in jobs])
+    child = subprocess.run([sys.executable, "-c", ENGINE_CHILD, arg, str(NEW_TOKENS)], capture_output=True, text=True,
+                           timeout=900, cwd=Path(__file__).resolve().parents[1])
     assert child.returncode == 0, child.stderr[-3000:]
     lines = child.stdout.strip().splitlines()
     rows = json.loads(lines[-1])
-    first_ids, first_ref = hf_refs[next(iter(texts))]
+    first_ids, first_ref = hf_refs[texts["gsm8k"][0]]
     assert lines[-2].split() == [str(t) for t in first_ref[0, first_ids.shape[1]:].tolist()], "CLI --ids"
-    for (name, (ids, ref)), row in zip(hf_refs.items(), rows):
-        assert row["prompt"] == ids[0].tolist(), f"{name}: the engine's chat template differs from HF's"
-        assert row["out"] == ref[0].tolist(), name
+    names = [(path.name, f) for path, files in jobs for f in files]
+    for (engine, f), row in zip(names, rows, strict=True):
+        ids, ref = hf_refs[texts[f][0]]
+        assert row["prompt"] == ids[0].tolist(), f"{f}: the engine's chat template differs from HF's"
+        assert row["out"] == ref[0].tolist(), (engine, f)
+        assert row["tau"] > 1.2, (engine, f)  # drafts were accepted
 
 
 LONG_TEXT = Path(__file__).resolve().parent / "data" / "long_text.txt"
