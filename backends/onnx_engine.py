@@ -7,10 +7,11 @@
 The target graph exported is the one the compiled model verifies with (TreeAttention applied; for
 plain decoding the pass is applied to a copy here; with Medusa heads, MedusaHeads too, so the graph
 also returns every token's head states). A Medusa engine adds medusa.onnx, the heads' projection to
-the vocabulary with a top-k (tied heads: a copy of the LM head, so the engine grows by its size). With backend="onnxruntime" the ONNX file the
-backend already exported is copied instead of exported again. The directory is written next to
-its destination and renamed into place, so an interrupted export never leaves a half engine, and
-an existing directory is replaced only with overwrite=True (and only if it is an engine).
+the vocabulary with a top-k (tied heads: a copy of the LM head, so the engine grows by its size).
+With backend="onnxruntime" the ONNX file the backend already exported is copied instead of exported
+again. The directory is written next to its destination and renamed into place, so an interrupted
+export never leaves a half engine, and an existing directory is replaced only with overwrite=True
+(and only if it is an engine).
 """
 from __future__ import annotations
 

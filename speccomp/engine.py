@@ -17,8 +17,9 @@ The decode loop is speccomp/speculative.py's, restated in numpy: draft a tree (n
 alone), verify it in one session run, walk the tree while the target agrees, keep the KV of the
 accepted path. Drafters here are the model-free ones (prompt lookup, Token Recycling), sharing their
 lookup code with the torch drafters (speccomp/lookup.py), and Medusa heads, whose residual blocks are
-inside target.onnx (an extra output: head states of every token) and whose projection is medusa.onnx. Sessions run through IO binding; the KV
-cache and the contiguous `past_kv` it is fed from are allocated once per generate.
+inside target.onnx (an extra output: head states of every token) and whose projection is medusa.onnx.
+Sessions run through IO binding; the KV cache and the contiguous `past_kv` it is fed from are
+allocated once per generate.
 """
 from __future__ import annotations
 
@@ -135,7 +136,8 @@ def missing_provider(ort, name: str, alias: str | None = None) -> str | None:
         return None
     label = f"{name} ({alias!r})" if alias else repr(name)
     hint = _PROVIDER_HINTS.get(name, "Install an onnxruntime build that has it")
-    return f"ONNX Runtime execution provider {label} is not available: onnxruntime {ort.__version__} here has {available}. {hint}."
+    return (f"ONNX Runtime execution provider {label} is not available: onnxruntime {ort.__version__} here has "
+            f"{available}. {hint}.")
 
 
 def check_provider(provider: str) -> list[str]:
