@@ -40,27 +40,33 @@ PROMPTS = shared_prompts()
 needs_shared = pytest.mark.skipif(not PROMPTS, reason="../shared/data/prompts not present")
 
 
+# Two files carry the 256-token checks, the two the shipped heads were not trained on; every drafter and
+# backend runs all four files in the benchmarks (benchmarks/backends.py, speccomp bench), which assert
+# identity too. One file per self-drafter / heads row keeps the suite inside its time budget.
+REAL_FILES = ("gsm8k", "vicuna_bench")
+
+
 @pytest.fixture(scope="module")
 def hf_refs(smollm):
-    """HF greedy `generate` of NEW_TOKENS tokens for the first prompt of each shared file (computed once)."""
+    """HF greedy `generate` of NEW_TOKENS tokens for the first prompt of REAL_FILES (computed once)."""
     model, tok = smollm
     refs = {}
     for p in PROMPTS:
-        ids = chat_ids(tok, p.values[0])
-        refs[p.id] = (ids, hf_greedy(model, ids, NEW_TOKENS, tok.eos_token_id))
+        if p.id.split("-")[0] in REAL_FILES:
+            ids = chat_ids(tok, p.values[0])
+            refs[p.id] = (ids, hf_greedy(model, ids, NEW_TOKENS, tok.eos_token_id))
     return refs
 
 
 @needs_shared
 @pytest.mark.parametrize("drafter, options, files", [
-    (None, None, None), ("token_recycling", None, None), ("ngram", None, ("alpaca", "humaneval")),
+    (None, None, None), ("token_recycling", None, None), ("ngram", None, ("gsm8k",)),
     # explicit layers (what `speccomp search` picked on the project machine, README): the test then does
-    # not depend on a search stored on the machine running it. Self-drafters run a model forward per
-    # draft depth, so they are checked on two of the files (the bench run covers all four).
-    ("layer_skip", {"skip": list(range(11, 19))}, ("alpaca", "gsm8k")),
-    ("early_exit", {"exit_layer": 25}, ("humaneval", "vicuna_bench")),
+    # not depend on a search stored on the machine running it.
+    ("layer_skip", {"skip": list(range(11, 19))}, ("vicuna_bench",)),
+    ("early_exit", {"exit_layer": 25}, ("gsm8k",)),
     # trained heads shipped for SmolLM2 (trained on alpaca + humaneval) on files they never saw
-    ("medusa", None, ("gsm8k", "vicuna_bench")), ("hydra", None, ("gsm8k", "vicuna_bench")),
+    ("medusa", None, ("vicuna_bench",)), ("hydra", None, ("gsm8k",)),
 ])
 def test_greedy_256_tokens_identical_shared(smollm, hf_refs, drafter, options, files):
     """Plain decoding and every drafter (default tree) equal HF greedy token for token."""
@@ -117,7 +123,7 @@ print(json.dumps(rows))
 
 @needs_shared
 def test_onnxruntime_and_torch_free_engines_256_tokens_identical(smollm, hf_refs, tmp_path):
-    """backend="onnxruntime" with token_recycling on one file; its engine directory, and a Medusa engine (the
+    """backend="onnxruntime" with token_recycling on one prompt; its engine directory, and a Medusa engine (the
     shipped heads: head states from target.onnx, projection in medusa.onnx), run by `speccomp run --engine`
     and `speccomp.load` in a process where torch cannot be imported: HF greedy's 256 tokens, from prompt ids
     the engine's own tokenizer + chat template produce. The files are split between the runs to keep the
@@ -130,10 +136,10 @@ def test_onnxruntime_and_torch_free_engines_256_tokens_identical(smollm, hf_refs
     model, tok = smollm
     texts = {p.id.split("-")[0]: (p.id, p.values[0]) for p in PROMPTS}
     fast = speccomp.compile(model, drafter="token_recycling", backend="onnxruntime")
-    ids, ref = hf_refs[texts["alpaca"][0]]
+    ids, ref = hf_refs[texts["vicuna_bench"][0]]
     assert torch.equal(fast.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=tok.eos_token_id), ref)
-    jobs = [  # Medusa on prompts its heads were not trained on (alpaca and humaneval were)
-        (fast.export(tmp_path / "token_recycling", tokenizer=tok), ["gsm8k", "humaneval"]),
+    jobs = [  # Medusa on a prompt its heads were not trained on (alpaca and humaneval were)
+        (fast.export(tmp_path / "token_recycling", tokenizer=tok), ["gsm8k"]),
         (speccomp.compile(model, drafter="medusa").export(tmp_path / "medusa", tokenizer=tok), ["vicuna_bench"]),
     ]
     arg = json.dumps([[str(path), [texts[f][1] for f in files]] for path, files in jobs])
