@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -44,16 +43,8 @@ HERE = Path(__file__).resolve().parent
 PROMPTS_DIR = HERE.parent.parent / "shared" / "data" / "prompts"
 FILES = ("alpaca", "gsm8k", "humaneval", "vicuna_bench")
 BACKENDS = ("eager", "inductor", "onnxruntime", "engine")
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up (first-call allocations, lazy compilation)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+sys.path.insert(0, str(HERE))
+from step_cost import median_ms  # noqa: E402  (one warm-up call, then the median in ms)
 
 
 def bench_tree(q: int):
