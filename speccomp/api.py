@@ -110,7 +110,7 @@ class SpecModel:
 
     def export(self, path, tokenizer=None, overwrite: bool = False):
         """Write an engine directory (ONNX graph + manifest.json [+ tokenizer.json]) that `speccomp.load`
-        runs with ONNX Runtime and numpy only. Plain, ngram and token_recycling compilations export."""
+        runs with ONNX Runtime and numpy only. Plain, ngram, token_recycling and medusa compilations export."""
         from speccomp.backends.onnx_engine import export_engine
 
         return export_engine(self, path, tokenizer=tokenizer, overwrite=overwrite)

@@ -191,7 +191,7 @@ def cmd_run(args) -> int:
     """Generate from an exported engine directory: ONNX Runtime + numpy + tokenizers, no torch."""
     from .engine import load
 
-    engine = load(args.engine, provider=args.provider, threads=args.threads)
+    engine = load(args.engine, provider=args.provider, threads=args.threads, draft=not args.no_draft)
     ids = engine.chat_ids(args.prompt)
     out = engine.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=engine.eos_token_id,
                           do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
@@ -293,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ids", action="store_true", help="also print the new token ids (one line)")
+    p.add_argument("--no-draft", action="store_true", help="plain decoding on the engine's target graph (a speed baseline)")
     p.set_defaults(func=cmd_run)
 
     from .bench import add_bench_parser  # the bench subcommand (options + handler) lives in speccomp/bench.py

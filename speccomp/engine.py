@@ -354,7 +354,8 @@ def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | No
 class Engine:
     """An exported engine: `generate` with SpecModel's contract, on ONNX Runtime and numpy."""
 
-    def __init__(self, path, provider: str = "cpu", threads: int | None = None, verify: bool = True):
+    def __init__(self, path, provider: str = "cpu", threads: int | None = None, verify: bool = True,
+                 draft: bool = True):
         self.path = Path(path)
         self.manifest = read_manifest(self.path, verify=verify)
         m = self.manifest
@@ -371,7 +372,8 @@ class Engine:
                 f"{target['file']} takes inputs {self.session.inputs} but the manifest says {target['inputs']}; "
                 "the engine is corrupt, re-export it"
             )
-        self.drafter = make_drafter(m["drafter"], self.path, check_provider(provider), threads)
+        # draft=False: plain decoding on the same target graph (extra outputs a drafter would read go unused)
+        self.drafter = make_drafter(m["drafter"], self.path, check_provider(provider), threads) if draft else None
         self.tokenizer = None
         self.last_stats: dict = {}
 
@@ -501,14 +503,15 @@ class Engine:
         return np.array([prompt + out], dtype=np.int64)
 
     def __repr__(self) -> str:
-        d = self.manifest["drafter"].get("name") or "plain"
+        d = (self.manifest["drafter"].get("name") if self.drafter is not None else None) or "plain"
         return f"Engine({str(self.path)!r}, drafter={d}, provider={self.provider!r})"
 
 
-def load(path, provider: str = "cpu", threads: int | None = None, verify: bool = True) -> Engine:
+def load(path, provider: str = "cpu", threads: int | None = None, verify: bool = True, draft: bool = True) -> Engine:
     """Load an engine directory written by `SpecModel.export` (see the module docstring).
 
     provider: "cpu", "cuda" or "tensorrt" (ONNX Runtime execution providers; the GPU ones need
     onnxruntime-gpu and a GPU, and say so when missing). verify: check graph files against the
-    manifest's SHA-256 first."""
-    return Engine(path, provider, threads, verify)
+    manifest's SHA-256 first. draft=False: decode without the engine's drafter (plain decoding on
+    the same target graph, the baseline to compare a drafter's speed against)."""
+    return Engine(path, provider, threads, verify, draft)

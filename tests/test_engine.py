@@ -101,6 +101,10 @@ def test_medusa_engine_greedy_identical_and_drafts_like_torch(tied, tmp_path):
         assert engine.last_stats["steps"] == fast.last_stats["steps"], seed
         taus.append(engine.last_stats["tau"])
     assert max(taus) > 1.2, "drafts were accepted (else the tree path is untested)"
+    plain = speccomp.load(tmp_path / "e", draft=False)  # the speed baseline: the same target graph, no drafter
+    out = plain.generate(ids.numpy(), max_new_tokens=30, eos_token_id=2)
+    assert np.array_equal(out, hf_greedy(model, ids, 30).numpy()) and "drafter=plain" in repr(plain)
+    assert plain.last_stats["steps"] == plain.last_stats["new_tokens"] == out.shape[1] - ids.shape[1]
     (tmp_path / "e" / "medusa.onnx").unlink()
     with pytest.raises(EngineError, match="medusa graph .* is missing"):
         speccomp.load(tmp_path / "e")

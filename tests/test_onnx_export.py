@@ -195,9 +195,10 @@ def test_wrong_number_of_inputs(tiny):
 # SmolLM2-135M
 # --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smol_onnx(smollm, tmp_path_factory):
+def smol_onnx(smollm, smollm_compiled, tmp_path_factory):
     model, tokenizer = smollm
-    captured = capture(model, check=False)  # capture's own check is covered by test_real_model
+    captured = smollm_compiled.graph.captured  # plain compile: the captured graph, no pass applied
+    assert not smollm_compiled.graph.applied
     path = tmp_path_factory.mktemp("onnx_smollm") / "smollm2.onnx"
     start = time.perf_counter()
     export_onnx(captured, path)
