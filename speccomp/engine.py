@@ -356,6 +356,8 @@ class Engine:
 
     def __init__(self, path, provider: str = "cpu", threads: int | None = None, verify: bool = True,
                  draft: bool = True):
+        if not isinstance(draft, bool):
+            raise TypeError(f"draft must be True (use the engine's drafter) or False (plain decoding), got {draft!r}")
         self.path = Path(path)
         self.manifest = read_manifest(self.path, verify=verify)
         m = self.manifest

@@ -105,6 +105,8 @@ def test_medusa_engine_greedy_identical_and_drafts_like_torch(tied, tmp_path):
     out = plain.generate(ids.numpy(), max_new_tokens=30, eos_token_id=2)
     assert np.array_equal(out, hf_greedy(model, ids, 30).numpy()) and "drafter=plain" in repr(plain)
     assert plain.last_stats["steps"] == plain.last_stats["new_tokens"] == out.shape[1] - ids.shape[1]
+    with pytest.raises(TypeError, match="draft must be True"):
+        speccomp.load(tmp_path / "e", draft="no")
     (tmp_path / "e" / "medusa.onnx").unlink()
     with pytest.raises(EngineError, match="medusa graph .* is missing"):
         speccomp.load(tmp_path / "e")
