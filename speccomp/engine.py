@@ -368,14 +368,15 @@ class Engine:
         self.max_tree = int(m["max_tree"])
         self.provider = provider
         target = m["graphs"]["target"]
-        self.session = BoundSession(self.path / target["file"], check_provider(provider), threads)
+        providers = check_provider(provider)
+        self.session = BoundSession(self.path / target["file"], providers, threads)
         if self.session.inputs != target["inputs"]:
             raise EngineError(
                 f"{target['file']} takes inputs {self.session.inputs} but the manifest says {target['inputs']}; "
                 "the engine is corrupt, re-export it"
             )
         # draft=False: plain decoding on the same target graph (extra outputs a drafter would read go unused)
-        self.drafter = make_drafter(m["drafter"], self.path, check_provider(provider), threads) if draft else None
+        self.drafter = make_drafter(m["drafter"], self.path, providers, threads) if draft else None
         self.tokenizer = None
         self.last_stats: dict = {}
 

@@ -110,7 +110,7 @@ import speccomp
 from speccomp.cli import main
 
 jobs, n = json.loads(sys.argv[1]), sys.argv[2]  # [[engine dir, draft, [prompt texts]], ...]
-main(["run", "--engine", jobs[0][0], "--prompt", jobs[0][2][0], "--max-new-tokens", n, "--ids"])  # the CLI
+main(["run", "--engine", jobs[0][0], "--prompt", jobs[0][2][0], "--max-new-tokens", n, "--ids", "--no-draft"])  # the CLI
 rows = []
 for engine_dir, draft, prompts in jobs:
     engine = speccomp.load(engine_dir, verify=False, draft=draft)
