@@ -18,15 +18,20 @@
      median of `repeats`, made non-decreasing (`monotone_fit`); linear between the timed sizes.
    - drafting: graph drafters (layer_skip, early_exit) run one draft forward per depth over that
      depth's nodes, so their draft forward is timed per width w the same way and a tree costs
-     sum over its depths of t_draft(width) (+ the probe's measured Python overhead); other
-     drafters cost their median `propose` time per step in the probe. `observe` (token
-     recycling's table update) is charged per verified node.
-   - the loop's own cost per step: the probe decodes' wall time minus all the above, per step;
-     and the share of each depth's nodes the drafter really sends (token recycling drops the
+     sum over its depths of (t_draft(width) + c_level), c_level being the probe's propose time
+     beyond its timed forwards divided by the probe's draft levels (Python and top-k work is paid
+     per level: a one-level tree does not pay for six); other drafters cost their median
+     `propose` time per step in the probe. `observe` (token recycling's table update) is charged
+     per verified node.
+   - the loop's own cost per step (tree bookkeeping, masks, stats), a + b*n: each decode run
+     gives one point, its wall time minus the parts above divided by its steps, at its mean tree
+     size: the plain reference run (n = 1), the probe (n = 1 + D*K) and every dynamic budget;
+     `fit_loop_overhead` is the least-squares line through them with a, b >= 0. Also measured:
+     the share of each depth's nodes the drafter really sends (token recycling drops the
      children of tokens its table has no row for), which makes a tree's realized size n' <= n.
 2. Optimise (speccomp/tree_dp.py): for every depth limit <= D and every size n <= max_nodes the
    DP gives the tree with the highest E[tokens per step]; the prediction is
-       tokens/s(tree) = E[tokens per step] / (t_verify(n') + t_draft(tree) + t_observe(n') + t_loop)
+       tokens/s(tree) = E[tokens per step] / (t_verify(n') + t_draft(tree) + t_observe(n') + t_loop(n'))
    and the static tree with the highest prediction wins. Dynamic trees (EAGLE-2 style, for the
    drafters that grow them) are a second mode: each budget of a small grid is decoded on the
    calibration prompts, its mean tokens per step and draft time measured, the same formula
@@ -340,7 +345,10 @@ def _decode_rate(runs: list[dict]) -> tuple[float, float]:
 
 
 def _run(sm, prompts, max_new_tokens, eos, refs=None, bar=None) -> dict:
-    """Decode every prompt with `sm`; stats summed over prompts, and whether all outputs equal `refs`."""
+    """Decode every prompt with `sm`; stats summed over prompts, and whether all outputs equal `refs`.
+
+    Also returns `runs`, each decode's `last_stats` (wall time, prefill time, steps).
+    """
     runs, identical, outs = [], True, []
     for i, p in enumerate(prompts):
         out = sm.generate(p, max_new_tokens=max_new_tokens, eos_token_id=eos)
@@ -351,7 +359,7 @@ def _run(sm, prompts, max_new_tokens, eos, refs=None, bar=None) -> dict:
         if bar is not None:
             bar.update()
     rate, per_step = _decode_rate(runs)
-    return {"tokens_per_s": rate, "tokens_per_step": per_step, "identical": identical, "outputs": outs}
+    return {"tokens_per_s": rate, "tokens_per_step": per_step, "identical": identical, "outputs": outs, "runs": runs}
 
 
 def measure_acceptance(sm, prompts, *, max_new_tokens: int, eos=None, depth: int, ranks: int, bar=None):
@@ -485,7 +493,7 @@ class AutotuneResult:
     measured_tokens_per_s: float  # decode speed of the chosen tree on the calibration prompts (prefill excluded)
     context_len: int
     acceptance: dict  # p, hits, visits, probe_depth, probe_ranks
-    timing: dict  # sizes, verify_s, widths, draft_s, draft_overhead_s, propose_s, observe_per_node_s
+    timing: dict  # sizes, verify_s, widths, draft_s, draft_overhead_per_level_s, propose_s, observe_per_node_s, loop_*
     static: list = field(default_factory=list)  # per size n: the DP's best tree and its prediction
     dynamic: list = field(default_factory=list)  # per budget: expected, mean size, prediction, measurement
     measured: list = field(default_factory=list)  # decoded configurations: predicted vs measured tokens/s
@@ -516,6 +524,12 @@ class AutotuneResult:
         ]
         for d, (row, v) in enumerate(zip(self.acceptance["p"], self.acceptance["visits"]), 1):
             lines.append(f"  depth {d} ({v:>4} visits): " + " ".join(f"{x:.2f}" for x in row))
+        t = self.timing
+        if "loop_overhead_per_node_s" in t:
+            lines.append(
+                f"step costs: loop overhead {1e3 * t['loop_overhead_s']:.1f} ms + {1e3 * t['loop_overhead_per_node_s']:.2f} ms/node"
+                + (f", draft overhead {1e3 * t['draft_overhead_per_level_s']:.1f} ms per draft level" if t.get("widths") else "")
+            )
         lines.append("| n | depth | E[tokens/step] | step ms | predicted tok/s |")
         lines.append("|---:|---:|---:|---:|---:|")
         best_n = len(self.tree) + 1 if self.mode == "static" else None
@@ -567,18 +581,65 @@ def _tree_widths(choices: list) -> list[int]:
 
 
 def draft_seconds(timing: dict, choices: list) -> float:
-    """Predicted drafting time of a static tree: per-depth forwards (graph drafters) or the probe's propose time."""
+    """Predicted drafting time of a static tree: per-depth forwards (graph drafters) or the probe's propose time.
+
+    A graph drafter pays, per draft level, one forward over that level's nodes plus the Python/top-k
+    work around it (`draft_overhead_per_level_s`, measured on the probe).
+    """
     if timing["widths"]:
         widths = _tree_widths(choices)
         forwards = widths[:-1]  # every depth that has children below it runs one forward over its nodes
-        return timing["draft_overhead_s"] + sum(_interp(timing["widths"], timing["draft_s"], w) for w in forwards)
+        per_level = timing.get("draft_overhead_per_level_s")
+        overhead = per_level * len(forwards) if per_level is not None else timing.get("draft_overhead_s", 0.0)  # old results
+        return overhead + sum(_interp(timing["widths"], timing["draft_s"], w) for w in forwards)
     return timing["propose_s"]
+
+
+def loop_seconds(timing: dict, n: float) -> float:
+    """The decode loop's own cost of a step verifying n nodes: a + b*n (`fit_loop_overhead`)."""
+    return timing.get("loop_overhead_s", 0.0) + timing.get("loop_overhead_per_node_s", 0.0) * n
 
 
 def step_seconds(timing: dict, n: float, draft_s: float) -> float:
     """Predicted seconds of one decode step: verify n nodes + draft + observe + the loop's own overhead."""
     verify = _interp(timing["sizes"], timing["verify_s"], n)
-    return verify + draft_s + timing["observe_per_node_s"] * n + timing.get("loop_overhead_s", 0.0)
+    return verify + draft_s + timing["observe_per_node_s"] * n + loop_seconds(timing, n)
+
+
+def fit_loop_overhead(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least-squares a, b >= 0 of overhead(n) = a + b*n from (n, seconds per step, weight) points.
+
+    Each point is one calibration decode (weight = its steps). One distinct size gives b = 0 and a = the
+    weighted mean; a negative slope or intercept (noise) is clamped to 0 and the other refitted.
+    """
+    pts = [(float(n), float(y), float(w)) for n, y, w in points if w > 0]
+    if not pts:
+        return 0.0, 0.0
+    sw = sum(w for _, _, w in pts)
+    mean_n = sum(w * n for n, _, w in pts) / sw
+    mean_y = sum(w * y for _, y, w in pts) / sw
+    var = sum(w * (n - mean_n) ** 2 for n, _, w in pts)
+    if var <= 1e-12 * sw:
+        return max(0.0, mean_y), 0.0
+    b = sum(w * (n - mean_n) * (y - mean_y) for n, y, w in pts) / var
+    a = mean_y - b * mean_n
+    if b < 0:  # more nodes never cost less: a flat line
+        return max(0.0, mean_y), 0.0
+    if a < 0:  # a line through the origin
+        b = max(0.0, sum(w * n * y for n, y, w in pts) / sum(w * n * n for n, _, w in pts))
+        return 0.0, b
+    return a, b
+
+
+def _loop_point(runs: list[dict], steps: list[dict], timing: dict) -> tuple[float, float, float]:
+    """(mean tree size, loop seconds per step, steps) of decode runs whose steps a _Recorder timed (or of a
+    drafter-less run when `steps` is empty: every step then verifies the root alone)."""
+    wall = sum(r["seconds"] - r["prefill_seconds"] for r in runs)
+    n_steps = sum(r["steps"] - 1 for r in runs)  # the prefill counts as a step
+    if not steps:  # plain decoding: one node per step, nothing proposed
+        return 1.0, (wall - n_steps * _interp(timing["sizes"], timing["verify_s"], 1)) / max(n_steps, 1), n_steps
+    parts = sum(_interp(timing["sizes"], timing["verify_s"], s["size"]) + s["propose_s"] + s["observe_s"] for s in steps)
+    return statistics.mean(s["size"] for s in steps), (wall - parts) / len(steps), len(steps)
 
 
 def realized_size(timing: dict, choices: list) -> float:
@@ -732,44 +793,52 @@ def autotune(
     proposed = [s for s in steps if s["room"] > 0]
     timing["propose_s"] = statistics.median(s["propose_s"] for s in proposed) if proposed else 0.0
     timing["observe_per_node_s"] = statistics.median(s["observe_s"] / s["size"] for s in steps) if steps else 0.0
-    timing["draft_overhead_s"] = 0.0
-    if timing["widths"]:  # what propose costs beyond its forwards (Python, top-k), from the probe
-        timing["draft_overhead_s"] = max(0.0, timing["propose_s"] - draft_seconds(timing, probe_choices))
+    timing["draft_overhead_per_level_s"] = 0.0
+    if timing["widths"]:  # what propose costs beyond its forwards (Python, top-k), per draft level of the probe
+        probe_levels = len(_tree_widths(probe_choices)) - 1
+        timing["draft_overhead_per_level_s"] = max(0.0, timing["propose_s"] - draft_seconds(timing, probe_choices)) / probe_levels
     # nodes the drafter really sent, per depth, against the probe's (token recycling prunes rowless tokens)
     presence = []
     for d in range(1, depth + 1):
         sent = [s["per_depth"][d] if d < len(s["per_depth"]) else 0 for s in steps if s["room"] >= d]
         presence.append(min(1.0, sum(sent) / (ranks * len(sent))) if sent else 1.0)
     timing["presence"] = presence
-    # the decode loop's own cost per step (tree bookkeeping, stats): the probe decodes' wall time minus the
-    # parts timed above, per verify step
-    timing["loop_overhead_s"] = 0.0
-    if steps:
-        wall = sum(r["seconds"] - r["prefill_seconds"] for r in probe_runs)
-        parts = sum(_interp(timing["sizes"], timing["verify_s"], s["size"]) + s["propose_s"] + s["observe_s"] for s in steps)
-        timing["loop_overhead_s"] = max(0.0, (wall - parts) / len(steps))
 
-    # 2. optimise
-    static_rows = plan_static(acc.p, timing, max_nodes, depth) if do_static else []
-    dynamic_rows = []
+    # dynamic budgets: decoded now, since their wall times also calibrate the loop overhead below
+    dynamic_runs = []
     for b in budgets:
         bar.set_postfix_str(f"dynamic budget {b}")
         dyn = with_tree(sm, DynamicTreeSpec(b, dynamic_top_k))
         recorder = _Recorder(dyn.drafter)
         dyn.drafter = recorder
         run = _run(dyn, prompts, max_new_tokens, eos_token_id, refs, bar=bar)
-        full = [s for s in recorder.steps if s["room"] >= min(b, MAX_DYNAMIC_DEPTH)] or recorder.steps  # steady state
+        if not run["identical"]:
+            raise RuntimeError(f"{drafter} with tree dynamic:{b}:{dynamic_top_k} changed the greedy output; please report this")
+        dynamic_runs.append((b, recorder.steps, run))
+
+    # the decode loop's own cost per step (tree bookkeeping, masks, stats), a + b*n over every calibration
+    # decode: wall time minus the parts timed above, per step, at the run's mean tree size
+    points = [_loop_point(ref["runs"], [], timing)]
+    if steps:
+        points.append(_loop_point(probe_runs, steps, timing))
+    points += [_loop_point(run["runs"], rec_steps, timing) for _, rec_steps, run in dynamic_runs if rec_steps]
+    timing["loop_points"] = [list(pt) for pt in points]
+    timing["loop_overhead_s"], timing["loop_overhead_per_node_s"] = fit_loop_overhead(points)
+
+    # 2. optimise
+    static_rows = plan_static(acc.p, timing, max_nodes, depth) if do_static else []
+    dynamic_rows = []
+    for b, rec_steps, run in dynamic_runs:
+        full = [s for s in rec_steps if s["room"] >= min(b, MAX_DYNAMIC_DEPTH)] or rec_steps  # steady state
         expected = statistics.mean(len(s["path"]) for s in full) if full else 1.0
         mean_size = statistics.mean(s["size"] for s in full) if full else 1.0
-        t_draft = statistics.median(s["propose_s"] for s in recorder.steps) if recorder.steps else 0.0
+        t_draft = statistics.median(s["propose_s"] for s in rec_steps) if rec_steps else 0.0
         t = step_seconds(timing, mean_size, t_draft)
         dynamic_rows.append({
             "budget": b, "top_k": dynamic_top_k, "expected": expected, "mean_size": mean_size, "draft_s": t_draft,
             "step_s": t, "tokens_per_s": expected / t, "measured_tokens_per_s": run["tokens_per_s"],
             "measured_tokens_per_step": run["tokens_per_step"], "identical": run["identical"],
         })
-        if not run["identical"]:
-            raise RuntimeError(f"{drafter} with tree dynamic:{b}:{dynamic_top_k} changed the greedy output; please report this")
 
     best_static = max(static_rows, key=lambda r: r["tokens_per_s"]) if static_rows else None
     best_dynamic = max(dynamic_rows, key=lambda r: r["tokens_per_s"]) if dynamic_rows else None

@@ -10,7 +10,10 @@ import speccomp
 from speccomp.autotune import (
     Acceptance,
     AutotuneError,
+    draft_seconds,
+    fit_loop_overhead,
     load_result,
+    loop_seconds,
     measure_acceptance,
     monotone_fit,
     plan_static,
@@ -194,7 +197,7 @@ def test_dp_rejects_bad_tables():
 def test_plan_static_prediction_is_expected_over_step_time():
     p = [[0.8, 0.1], [0.7, 0.1], [0.6, 0.1]]
     flat = {"sizes": [1, 16], "verify_s": [0.05, 0.05], "widths": [], "draft_s": [], "propose_s": 0.001,
-            "observe_per_node_s": 0.0, "loop_overhead_s": 0.0, "draft_overhead_s": 0.0}
+            "observe_per_node_s": 0.0, "loop_overhead_s": 0.0, "draft_overhead_per_level_s": 0.0}
     rows = plan_static(p, flat, 16, 3)
     assert [r["n"] for r in rows] == list(range(2, 16))  # 3 deep x 2 wide holds at most 15 nodes
     for r in rows:
@@ -202,6 +205,30 @@ def test_plan_static_prediction_is_expected_over_step_time():
         assert r["expected"] == pytest.approx(expected_accepted(r["choices"], p))
     steep = dict(flat, verify_s=[0.05, 0.5])  # verification cost grows fast with n: small trees win
     assert max(plan_static(p, steep, 16, 3), key=lambda r: r["tokens_per_s"])["n"] < max(rows, key=lambda r: r["tokens_per_s"])["n"]
+
+
+def test_loop_overhead_fit_recovers_a_line_and_clamps_noise():
+    # exact points on 2 ms + 0.5 ms/node come back exactly, whatever the weights
+    pts = [(1, 0.0025, 100), (5, 0.0045, 30), (49, 0.0265, 60), (17, 0.0105, 10)]
+    a, b = fit_loop_overhead(pts)
+    assert a == pytest.approx(0.002) and b == pytest.approx(0.0005)
+    assert loop_seconds({"loop_overhead_s": a, "loop_overhead_per_node_s": b}, 9) == pytest.approx(0.0065)
+    assert fit_loop_overhead([(8, 0.004, 5)]) == (0.004, 0.0)  # one size: a constant
+    assert fit_loop_overhead([(1, 0.010, 1), (49, 0.002, 1)]) == (pytest.approx(0.006), 0.0)  # falling: flat mean
+    a, b = fit_loop_overhead([(1, -0.004, 1), (49, 0.020, 1)])  # negative intercept: through the origin
+    assert a == 0.0 and b > 0
+    assert fit_loop_overhead([]) == (0.0, 0.0)
+
+
+def test_graph_drafter_overhead_is_charged_per_draft_level():
+    timing = {"widths": [1, 8], "draft_s": [0.05, 0.07], "draft_overhead_per_level_s": 0.005, "propose_s": 1.0}
+    one_level = [[0], [1], [2]]  # root -> 3 children: one draft forward over the root
+    chain = [[0], [0, 0], [0, 0, 0]]  # three forwards of width 1
+    assert draft_seconds(timing, one_level) == pytest.approx(0.05 + 0.005)
+    assert draft_seconds(timing, chain) == pytest.approx(3 * (0.05 + 0.005))
+    old = {"widths": [1, 8], "draft_s": [0.05, 0.07], "draft_overhead_s": 0.02, "propose_s": 1.0}  # results stored before
+    assert draft_seconds(old, one_level) == pytest.approx(0.07)
+    assert draft_seconds({"widths": [], "propose_s": 0.3}, chain) == 0.3  # other drafters: the probe's propose time
 
 
 def test_monotone_fit_and_realized_size():
