@@ -138,18 +138,25 @@ def cmd_train_heads(args) -> int:
     from .drafters_medusa import heads_dir
     from .models import chat_ids
     from .prompts import load_prompts
+    from .synthetic_prompts import synthetic_prompts
     from .train_heads import train_heads
 
-    model, tok = _load(args)
     files = args.prompts or [str(p) for p in DEFAULT_TRAIN_FILES if p.exists()]
     if not files:
         raise ValueError("no training prompts: give --prompts FILE.jsonl [...] (e.g. ../shared/data/prompts/alpaca.jsonl)")
+    if args.synthetic < 0:
+        raise ValueError(f"--synthetic (extra synthetic prompts) must be >= 0, got {args.synthetic}")
+    # more kinds of request than the files hold (speccomp/synthetic_prompts.py); checked before the model loads
+    extra = synthetic_prompts(args.synthetic, seed=args.seed) if args.synthetic else []
+    model, tok = _load(args)
     prompts = [chat_ids(tok, p.text) for f in files for p in load_prompts(f, limit=args.limit)]
+    prompts += [chat_ids(tok, text) for text in extra]
     out = Path(args.out) if args.out else heads_dir(model, args.kind)
-    print(f"training {args.heads} {args.kind} heads on {len(prompts)} prompts from {files} -> {out}", file=sys.stderr)
+    source = f"{files}" + (f" + {args.synthetic} synthetic" if args.synthetic else "")
+    print(f"training {args.heads} {args.kind} heads on {len(prompts)} prompts from {source} -> {out}", file=sys.stderr)
     train_heads(model, prompts, out=out, kind=args.kind, num_heads=args.heads, num_layers=args.layers,
                 max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, seed=args.seed,
-                draft_vocab=args.draft_vocab, sampled=args.sampled, eos_token_id=tok.eos_token_id, base_model=args.model)
+                draft_vocab=args.draft_vocab, sampled=args.sampled, soft_labels=args.soft_labels, eos_token_id=tok.eos_token_id, base_model=args.model)
     print(f"heads written to {out}; speccomp.compile(model, drafter={args.kind!r}) finds them there")
     return 0
 
@@ -257,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=3, help="training epochs (default 3)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate, decayed linearly (default 1e-3)")
     p.add_argument("--draft-vocab", type=int, default=8192, help="hydra: tokens the heads score (default 8192)")
+    p.add_argument("--soft-labels", type=int, default=0,
+                   help="also learn the model's top-K next-token probabilities (teacher distillation; default 0 = argmax only)")
+    p.add_argument("--synthetic", type=int, default=0,
+                   help="also distill from N synthetic instructions of many kinds (speccomp/synthetic_prompts.py; default 0)")
     p.add_argument("--sampled", type=int, default=1, help="sampled replies per prompt besides the greedy one (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed (data order, init)")
     p.add_argument("--out", default=None, help="output directory (default: the user cache, where compile looks)")

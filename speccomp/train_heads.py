@@ -13,7 +13,9 @@
 3. Heads: head k learns g_{t+k+1} from h_t (Medusa) or from h_t and x_{t+1} .. x_{t+k+1} (Hydra,
    teacher-forced), over reply positions, cross-entropy weighted 0.8^k as in Medusa, AdamW with a
    linearly decaying learning rate. Projections are the frozen LM head, so only the heads'
-   small matrices train. Hydra scores a draft vocabulary: the `draft_vocab` most frequent labels
+   small matrices train. With `soft_labels=S`, each head also learns the model's top-S next-token
+   probabilities at its position (cross-entropy to that distribution, teacher distillation as in
+   Hydra++ / Medusa-2): more signal per position than the argmax alone. Hydra scores a draft vocabulary: the `draft_vocab` most frequent labels
    (others are skipped), which makes training and drafting several times cheaper (speccomp/hydra.py).
 
 Resumable: after every data batch and every epoch the state goes to `out/_train/` (tokens,
@@ -116,9 +118,10 @@ def distilled_text(out) -> tuple[list[torch.Tensor], list[int]]:
     return [flat[f"seq_{i}"] for i in range(n)], [int(flat[f"start_{i}"]) for i in range(n)]
 
 
-def _hidden_states(model, seqs, progress: bool, mass: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per sequence: final hidden states h [n, H] and the model's greedy next token after every position [n].
-    `mass` [V], if given, accumulates the model's next-token probabilities over all positions."""
+def _hidden_states(model, seqs, progress: bool, mass: torch.Tensor | None = None, soft_k: int = 0) -> list[tuple]:
+    """Per sequence: final hidden states h [n, H], the model's greedy next token after every position [n] and,
+    with soft_k > 0, its top-`soft_k` next-token probabilities (float16 [n, soft_k]) and ids ([n, soft_k]), else
+    None. `mass` [V], if given, accumulates the model's next-token probabilities over all positions."""
     import speccomp
     from tqdm import tqdm
 
@@ -130,30 +133,41 @@ def _hidden_states(model, seqs, progress: bool, mass: torch.Tensor | None = None
             n = s.shape[0]
             empty = torch.zeros(*kv.shape(0), dtype=kv.dtype)
             logits, _, h = plain.step(s[None], torch.arange(n)[None], torch.ones(1, n, dtype=torch.long), empty)
-            out.append((h[0].clone(), logits[0].argmax(-1)))
+            probs = logits[0].softmax(-1) if (mass is not None or soft_k) else None
+            soft = None
+            if soft_k:
+                top = probs.topk(soft_k, dim=-1)
+                soft = (top.values.half(), top.indices)
+            out.append((h[0].clone(), logits[0].argmax(-1), soft))
             if mass is not None:
-                mass += logits[0].softmax(-1).sum(0)
+                mass += probs.sum(0)
     return out
 
 
 def _examples(seqs, states, num_heads: int, starts=None):
-    """(h [N, H], inputs [N, K], targets [N, K]) over positions t >= start (the reply, and the last prompt
-    token) with all K targets inside the sequence. inputs[:, k] = x_{t+k+1} (the text's token: what Hydra
+    """(h [N, H], inputs [N, K], targets [N, K], soft) over positions t >= start (the reply, and the last prompt
+    token) with all K targets inside the sequence. soft: None, or (probabilities [N, K, S], ids [N, K, S]) of
+    the model's top-S next tokens where targets holds its argmax (when `states` carry them). inputs[:, k] = x_{t+k+1} (the text's token: what Hydra
     head k reads along a path), targets[:, k] = the model's greedy token after x_{t+k+1}, i.e. what the
     target accepts at depth k + 1. For greedy text that is x_{t+k+2}; for sampled text it still is the
     label verification would check, so sampled replies are valid training text."""
-    hs, ins, ts = [], [], []
-    for i, (s, (h, greedy)) in enumerate(zip(seqs, states)):
+    hs, ins, ts, sp, si = [], [], [], [], []
+    for i, (s, (h, greedy, soft)) in enumerate(zip(seqs, states)):
         first = max(0, (starts[i] - 1) if starts else 0)
         n = s.shape[0] - num_heads - first
         if n <= 0:
             continue
+        ahead = lambda x: torch.stack([x[first + k + 1 : first + k + 1 + n] for k in range(num_heads)], dim=1)  # noqa: E731
         hs.append(h[first : first + n])
-        ins.append(torch.stack([s[first + k + 1 : first + k + 1 + n] for k in range(num_heads)], dim=1))
-        ts.append(torch.stack([greedy[first + k + 1 : first + k + 1 + n] for k in range(num_heads)], dim=1))
+        ins.append(ahead(s))
+        ts.append(ahead(greedy))  # [n, K]
+        if soft is not None:
+            sp.append(ahead(soft[0]))  # [n, K, S]
+            si.append(ahead(soft[1]))
     if not hs:
         raise ValueError(f"no training positions: sequences are shorter than {num_heads + 2} tokens")
-    return torch.cat(hs), torch.cat(ins), torch.cat(ts)
+    soft = (torch.cat(sp), torch.cat(si)) if sp else None
+    return torch.cat(hs), torch.cat(ins), torch.cat(ts), soft
 
 
 def frequent_tokens(seqs, size: int, always=(), fill: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,8 +203,8 @@ def _check_settings(kind, **ints) -> None:
 def train_heads(
     model, prompts, *, out, kind: str = "medusa", num_heads: int = 4, num_layers: int = 1, max_new_tokens: int = 128,
     epochs: int = 3, lr: float = 1e-3, batch_size: int = 256, draft_vocab: int = 8192, sampled: int = 0,
-    temperature: float = 0.8, weight_decay: float = 0.0, seed: int = 0, eos_token_id=None, progress: bool = True,
-    base_model: str = "",
+    temperature: float = 0.8, weight_decay: float = 0.0, soft_labels: int = 0, seed: int = 0, eos_token_id=None,
+    progress: bool = True, base_model: str = "",
 ):
     """Train heads of `kind` for `model` on its own continuations of `prompts` (token id tensors); save to `out`."""
     from safetensors.torch import load_file, save_file
@@ -202,10 +216,15 @@ def train_heads(
         raise ValueError(f"lr must be > 0, got {lr!r}")
     if isinstance(sampled, bool) or not isinstance(sampled, int) or sampled < 0:
         raise ValueError(f"sampled (extra sampled replies per prompt) must be an int >= 0, got {sampled!r}")
+    if isinstance(soft_labels, bool) or not isinstance(soft_labels, int) or soft_labels < 0:
+        raise ValueError(f"soft_labels (the model's top-k probabilities learned besides its argmax; 0 = off) must be an "
+                         f"int >= 0, got {soft_labels!r}")
     if sampled and not temperature > 0:
         raise ValueError(f"temperature must be > 0 for sampled replies, got {temperature!r}")
     if not prompts:
         raise ValueError("train_heads needs at least one prompt (token ids) to self-distill from")
+    if soft_labels > _vocab_size(model):
+        raise ValueError(f"soft_labels={soft_labels} is more than the model's vocabulary ({_vocab_size(model)} tokens)")
     out = Path(out)
     state = _state_dir(out)
     args = {"kind": kind, "num_heads": num_heads, "num_layers": num_layers, "max_new_tokens": max_new_tokens,
@@ -213,6 +232,8 @@ def train_heads(
             "sampled": sampled, "temperature": temperature, "weight_decay": weight_decay}
     if kind == "hydra":
         args["draft_vocab"] = draft_vocab
+    if soft_labels:  # only when on, so runs stored before the option existed still resume
+        args["soft_labels"] = soft_labels
     progress_file = state / "progress.json"
     done = json.loads(progress_file.read_text()) if progress_file.exists() else {}
     if done and done.get("args") != args:
@@ -223,7 +244,7 @@ def train_heads(
     seqs, starts = _self_distill(model, [p.reshape(-1) for p in prompts], max_new_tokens, eos_token_id, progress, state,
                                  sampled, temperature, seed)
     mass = torch.zeros(_vocab_size(model)) if kind == "hydra" else None
-    h, inputs, targets = _examples(seqs, _hidden_states(model, seqs, progress, mass), num_heads, starts)
+    h, inputs, targets, soft = _examples(seqs, _hidden_states(model, seqs, progress, mass, soft_labels), num_heads, starts)
 
     torch.manual_seed(seed)
     if kind == "hydra":
@@ -236,6 +257,8 @@ def train_heads(
         index = torch.full((heads.vocab,), -100, dtype=torch.long)
         index[heads.draft_vocab] = torch.arange(len(heads.draft_vocab))
         targets = index[targets]
+        if soft is not None:  # soft labels outside the draft vocabulary get probability 0
+            soft = (soft[0] * (index[soft[1]] >= 0), index[soft[1]].clamp(min=0))
     else:
         heads = new_heads(model, num_heads, num_layers)
     opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
@@ -266,6 +289,11 @@ def train_heads(
             ).view(len(idx), num_heads)
             valid = (targets[idx] != -100).float()
             loss = ((ce * valid).sum(0) / valid.sum(0).clamp(min=1) * weights).sum()
+            if soft is not None:  # teacher distillation: cross-entropy to the model's top-k distribution
+                p = soft[0][idx].float()  # [B, K, S]
+                p = p / p.sum(-1, keepdim=True).clamp(min=1e-6)
+                logq = logits.log_softmax(-1).gather(-1, soft[1][idx])  # [B, K, S]
+                loss = loss + (-(p * logq).sum(-1).mean(0) * weights).sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -295,7 +323,7 @@ def head_accuracy(heads, model, seqs, starts=None) -> list[float]:
     """Top-1 accuracy of each head on `seqs` (token id tensors), every position: how often head k names the
     model's greedy token after x_{t+k+1} (Hydra heads read x_{t+1..t+k+1}, as along an accepted path).
     `starts`: where each reply starts (then only reply positions count)."""
-    h, inputs, targets = _examples(seqs, _hidden_states(model, seqs, progress=False), heads.num_heads, starts)
+    h, inputs, targets, _ = _examples(seqs, _hidden_states(model, seqs, progress=False), heads.num_heads, starts)
     with torch.no_grad():
         if isinstance(heads, MedusaHeads):
             pred = heads(h).argmax(-1)

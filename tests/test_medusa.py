@@ -133,6 +133,8 @@ def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
 @pytest.mark.parametrize("bad, match", [
     (dict(epochs=0), "epochs"), (dict(num_heads=0), "num_heads"), (dict(lr=0.0), "lr"),
     (dict(batch_size=-1), "batch_size"), (dict(prompts=[]), "at least one prompt"),
+    (dict(soft_labels=-1), "soft_labels"), (dict(soft_labels=True), "soft_labels"), (dict(soft_labels=2.0), "soft_labels"),
+    (dict(soft_labels=97), "more than the model's vocabulary"),
 ])
 def test_training_rejects_bad_settings(model, tmp_path, bad, match):
     kw = {"prompts": prompts(2), "out": tmp_path / "x", "progress": False, **bad}
@@ -236,6 +238,34 @@ def test_hydra_training_learns(model, tmp_path):
                          eos_token_id=2, pad_token_id=2)
     assert torch.equal(fast.generate(ids, max_new_tokens=20, eos_token_id=2), ref)
     assert fast.last_stats["tau"] > 1.3  # trained heads on their own training text are accepted
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_soft_labels_teach_the_models_distribution(model, tmp_path, kind):
+    """Teacher distillation: heads trained also on the model's top-8 probabilities match that distribution
+    better than heads trained on its argmax alone (same data, seed and steps), and still decode losslessly."""
+    from speccomp.train_heads import _examples, _hidden_states
+
+    train = prompts(8, seed=1)
+    kw = dict(kind=kind, num_heads=2, max_new_tokens=24, epochs=4, lr=3e-2, batch_size=32, draft_vocab=96, progress=False)
+    hard = train_heads(model, train, out=tmp_path / "hard", **kw)
+    soft = train_heads(model, train, out=tmp_path / "soft", soft_labels=8, **kw)
+    seqs, starts = distilled_text(tmp_path / "soft")
+    assert all(torch.equal(a, b) for a, b in zip(seqs, distilled_text(tmp_path / "hard")[0]))  # the same text
+    h, inputs, _, (p, ids) = _examples(seqs, _hidden_states(model, seqs, progress=False, soft_k=8), 2, starts)
+    p = p.float() / p.float().sum(-1, keepdim=True)
+
+    def teacher_ce(heads):  # cross-entropy of the heads' distribution to the model's top-8, over all positions
+        with torch.no_grad():
+            logits = heads(h, inputs) if kind == "hydra" else heads(h)  # draft vocab == full vocab (96) here
+            return float(-(p * logits.log_softmax(-1).gather(-1, ids)).sum(-1).mean())
+
+    assert teacher_ce(soft) < teacher_ce(hard) - 0.05, (teacher_ce(soft), teacher_ce(hard))
+    fast = speccomp.compile(model, drafter=kind, drafter_options={"heads": str(tmp_path / "soft")}, tree=[[0], [1], [0, 0]])
+    ids0 = seqs[0][:10]
+    ref = model.generate(ids0[None], attention_mask=torch.ones(1, 10, dtype=torch.long), max_new_tokens=20,
+                         do_sample=False, eos_token_id=2, pad_token_id=2)
+    assert torch.equal(fast.generate(ids0, max_new_tokens=20, eos_token_id=2), ref)
 
 
 def test_typical_acceptance_is_opt_in_and_labelled_lossy(model, tmp_path):
