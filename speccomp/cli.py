@@ -156,7 +156,8 @@ def cmd_train_heads(args) -> int:
     print(f"training {args.heads} {args.kind} heads on {len(prompts)} prompts from {source} -> {out}", file=sys.stderr)
     train_heads(model, prompts, out=out, kind=args.kind, num_heads=args.heads, num_layers=args.layers,
                 max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, seed=args.seed,
-                draft_vocab=args.draft_vocab, sampled=args.sampled, soft_labels=args.soft_labels, eos_token_id=tok.eos_token_id, base_model=args.model)
+                draft_vocab=args.draft_vocab, sampled=args.sampled, soft_labels=args.soft_labels,
+                eos_token_id=tok.eos_token_id, base_model=args.model)
     print(f"heads written to {out}; speccomp.compile(model, drafter={args.kind!r}) finds them there")
     return 0
 

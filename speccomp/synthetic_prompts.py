@@ -59,7 +59,8 @@ KINDS: dict[str, list[str]] = {
         "A shop sells {i} for ${x} each. Maria buys {n} and pays with a ${z} bill. How much change does she get?",
         "Tom reads {x} pages a day. His book has {y} pages. How many days does he need to finish it?",
         "A train travels {x} km in {n} hours. What is its average speed?",
-        "A farmer has {y} apples. He gives {x} to his neighbour and packs the rest in bags of {n}. How many bags does he fill?",
+        "A farmer has {y} apples. He gives {x} to his neighbour and packs the rest in bags of {n}. "
+        "How many bags does he fill?",
         "Lisa earns ${x} per hour and works {n} hours a week. How much does she earn in {m} weeks?",
         "A class has {y} students. {x} of them play football and the rest play chess. What fraction plays chess?",
         "What is {x} percent of {y}? Show your work.", "Solve for n: {n}n + {x} = {y}.",
@@ -134,7 +135,8 @@ def _fill(template: str, rng: random.Random) -> str:
     values = {
         "t": t, "t2": t2, "o": o, "o2": o2, "a": a, "a2": a2, "p": rng.choice(PLACES), "e": rng.choice(EVENTS),
         "j": rng.choice(JOBS), "r": rng.choice(RELATIONS), "q": rng.choice(REQUESTS), "s": rng.choice(STRESSORS),
-        "f": rng.choice(FUNCTIONS), "i": rng.choice(ITEMS), "c": rng.choice(CONCEPTS), "g": rng.choice(QUERIES), "py": rng.choice(SNIPPETS),
+        "f": rng.choice(FUNCTIONS), "i": rng.choice(ITEMS), "c": rng.choice(CONCEPTS), "g": rng.choice(QUERIES),
+        "py": rng.choice(SNIPPETS),
         "n": n, "m": rng.randint(2, 12), "x": x, "y": x * rng.randint(2, 9) + rng.randint(0, 9),
         "z": bill,
     }

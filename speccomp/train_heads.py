@@ -15,8 +15,9 @@
    linearly decaying learning rate. Projections are the frozen LM head, so only the heads'
    small matrices train. With `soft_labels=S`, each head also learns the model's top-S next-token
    probabilities at its position (cross-entropy to that distribution, teacher distillation as in
-   Hydra++ / Medusa-2): more signal per position than the argmax alone. Hydra scores a draft vocabulary: the `draft_vocab` most frequent labels
-   (others are skipped), which makes training and drafting several times cheaper (speccomp/hydra.py).
+   Hydra++ / Medusa-2): more signal per position than the argmax alone. Hydra scores a draft
+   vocabulary: the `draft_vocab` most frequent labels (others are skipped), which makes training and
+   drafting several times cheaper (speccomp/hydra.py).
 
 Resumable: after every data batch and every epoch the state goes to `out/_train/` (tokens,
 heads, optimizer moments as safetensors, progress as JSON); a rerun with the same arguments
@@ -146,11 +147,11 @@ def _hidden_states(model, seqs, progress: bool, mass: torch.Tensor | None = None
 
 def _examples(seqs, states, num_heads: int, starts=None):
     """(h [N, H], inputs [N, K], targets [N, K], soft) over positions t >= start (the reply, and the last prompt
-    token) with all K targets inside the sequence. soft: None, or (probabilities [N, K, S], ids [N, K, S]) of
-    the model's top-S next tokens where targets holds its argmax (when `states` carry them). inputs[:, k] = x_{t+k+1} (the text's token: what Hydra
+    token) with all K targets inside the sequence. inputs[:, k] = x_{t+k+1} (the text's token: what Hydra
     head k reads along a path), targets[:, k] = the model's greedy token after x_{t+k+1}, i.e. what the
     target accepts at depth k + 1. For greedy text that is x_{t+k+2}; for sampled text it still is the
-    label verification would check, so sampled replies are valid training text."""
+    label verification would check, so sampled replies are valid training text. soft: None, or (probabilities
+    [N, K, S], ids [N, K, S]) of the model's top-S tokens where targets holds its argmax (when `states` carry them)."""
     hs, ins, ts, sp, si = [], [], [], [], []
     for i, (s, (h, greedy, soft)) in enumerate(zip(seqs, states)):
         first = max(0, (starts[i] - 1) if starts else 0)
