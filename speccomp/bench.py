@@ -157,6 +157,13 @@ def prepare_prompts(prompts: Sequence, tokenizer=None) -> list[BenchPrompt]:
         out.append(BenchPrompt(str(pid), str(cat or "default"), ids.long()))
     if not out:
         raise ValueError("no prompts to benchmark")
+    # ids must be unique: results are matched to the baseline by id. Files number their prompts from 0 each,
+    # so prompts from several files repeat ids; a repeat becomes "id#2", "id#3", ...
+    seen: dict[str, int] = {}
+    for k, p in enumerate(out):
+        seen[p.id] = seen.get(p.id, 0) + 1
+        if seen[p.id] > 1:
+            out[k] = BenchPrompt(f"{p.id}#{seen[p.id]}", p.category, p.input_ids)
     return out
 
 

@@ -102,6 +102,23 @@ def test_failed_row_is_reported_not_fatal():
     assert not res.all_identical() and "ERROR" in res.markdown()
 
 
+def test_prompts_with_repeated_ids_are_kept_apart():
+    """Prompt files number their prompts from 0 each, so prompts from two files repeat ids. Each result must
+    still be compared with the baseline on its own prompt: the baseline's speedup is exactly 1 and a row's is
+    its own ratio of summed seconds, prompt by prompt."""
+    model = tiny_llama()
+    gen = torch.Generator().manual_seed(5)
+    ids = [torch.randint(3, 96, (1, n), generator=gen) for n in (6, 15, 9, 12)]
+    prompts = [bench.BenchPrompt(pid, cat, x) for pid, cat, x in zip(["0", "1", "0", "1"], ["a", "a", "b", "b"], ids)]
+    assert [p.id for p in bench.prepare_prompts(prompts)] == ["0", "1", "0#2", "1#2"]
+    res = bench.run_bench(model, prompts, ["plain"], 8, eos_token_id=None, warmup=0, progress=False)
+    base, plain = res.row_dicts()
+    assert base["speedup"] == 1.0 and all(c["speedup"] == 1.0 for c in base["per_category"].values())
+    assert [m["id"] for m in plain["per_prompt"]] == ["0", "1", "0#2", "1#2"]
+    by_pos = sum(m["seconds"] for m in base["per_prompt"]) / sum(m["seconds"] for m in plain["per_prompt"])
+    assert plain["speedup"] == pytest.approx(by_pos)
+
+
 def test_bad_inputs():
     model = tiny_llama()
     with pytest.raises(ValueError, match="baseline"):
