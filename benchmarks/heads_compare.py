@@ -34,13 +34,32 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
 
+    # everything is checked before the model loads
+    if args.limit < 1 or args.max_new_tokens < 1:
+        raise SystemExit(f"--limit and --max-new-tokens must be >= 1, got {args.limit} and {args.max_new_tokens}")
+    kinds = [k for k in args.kinds.split(",") if k]
+    if set(kinds) - {"medusa", "hydra"}:
+        raise SystemExit(f"--kinds takes medusa and/or hydra, got {args.kinds!r}")
+    tree = None
+    if args.tree is not None:
+        from speccomp.tree import parse_tree_spec
+
+        try:
+            tree = parse_tree_spec(args.tree)
+        except ValueError as exc:  # names the accepted forms
+            raise SystemExit(f"--tree: {exc}") from None
+    for f in args.prompts:
+        if not Path(f).is_file():
+            raise SystemExit(f"prompt file {f} does not exist (the default files live in ../shared/data/prompts/)")
     rows_spec = []
-    for c in args.candidates:  # check the candidates before loading the model
+    for c in args.candidates:
         config = Path(c) / "config.json"
         if not config.is_file():
             raise SystemExit(f"{c}: no config.json; give directories written by `speccomp train-heads --out DIR`")
         kind = json.loads(config.read_text()).get("head_type", "medusa")
-        rows_spec.append((f"{kind} {Path(c).name}", kind, {"heads": str(c)}))
+        rows_spec.append((f"{kind} {c}", kind, {"heads": str(c)}))  # the path as given: unique per directory
+    if len({name for name, _, _ in rows_spec}) < len(rows_spec):
+        raise SystemExit(f"a candidate directory is given twice: {args.candidates}")
 
     import torch
 
@@ -51,8 +70,8 @@ def main(argv=None) -> int:
     model, tok = speccomp.load_default_model()
     prompts = load_bench_prompts(args.prompts, args.limit)  # ids "<file>/<id>", as `speccomp bench` names them
     rows = [RowSpec("plain", "speccomp")]
-    rows += [RowSpec(f"{k} (installed)", "speccomp", drafter=k, tree=args.tree) for k in args.kinds.split(",") if k]
-    rows += [RowSpec(name, "speccomp", drafter=kind, tree=args.tree, drafter_options=opts) for name, kind, opts in rows_spec]
+    rows += [RowSpec(f"{k} (installed)", "speccomp", drafter=k, tree=tree) for k in kinds]
+    rows += [RowSpec(name, "speccomp", drafter=kind, tree=tree, drafter_options=opts) for name, kind, opts in rows_spec]
     result = run_bench(model, prompts, rows, max_new_tokens=args.max_new_tokens, tokenizer=tok, warmup=1,
                        header={"candidates": args.candidates, "prompt_files": args.prompts})
     print(result.markdown())

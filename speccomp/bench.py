@@ -159,11 +159,15 @@ def prepare_prompts(prompts: Sequence, tokenizer=None) -> list[BenchPrompt]:
         raise ValueError("no prompts to benchmark")
     # ids must be unique: results are matched to the baseline by id. Files number their prompts from 0 each,
     # so prompts from several files repeat ids; a repeat becomes "id#2", "id#3", ...
-    seen: dict[str, int] = {}
+    used: set[str] = set()
     for k, p in enumerate(out):
-        seen[p.id] = seen.get(p.id, 0) + 1
-        if seen[p.id] > 1:
-            out[k] = BenchPrompt(f"{p.id}#{seen[p.id]}", p.category, p.input_ids)
+        pid, n = p.id, 1
+        while pid in used:  # "0", "0", "0#2" -> "0", "0#2", "0#2#2": bump until free
+            n += 1
+            pid = f"{p.id}#{n}"
+        used.add(pid)
+        if pid != p.id:
+            out[k] = BenchPrompt(pid, p.category, p.input_ids)
     return out
 
 

@@ -146,6 +146,8 @@ def cmd_train_heads(args) -> int:
         raise ValueError("no training prompts: give --prompts FILE.jsonl [...] (e.g. ../shared/data/prompts/alpaca.jsonl)")
     if args.synthetic < 0:
         raise ValueError(f"--synthetic (extra synthetic prompts) must be >= 0, got {args.synthetic}")
+    if args.soft_labels < 0 or args.soft_labels == 1:
+        raise ValueError(f"--soft-labels must be 0 (off) or >= 2 (1 would repeat the argmax label), got {args.soft_labels}")
     # more kinds of request than the files hold (speccomp/synthetic_prompts.py); checked before the model loads
     extra = synthetic_prompts(args.synthetic, seed=args.seed) if args.synthetic else []
     model, tok = _load(args)

@@ -10,7 +10,9 @@ still the model's own argmax tokens (speccomp/train_heads.py).
     synthetic_prompts(500, seed=0)   # -> 500 distinct English instructions, the same for a seed
 
 Every prompt is a template from KINDS filled with a topic, item or numbers drawn with a seeded
-`random.Random`. Templates and word lists are this project's own; none comes from a benchmark.
+`random.Random`. Kinds take turns until one runs out of new combinations (code after ~40, advice
+after ~60): up to about 430 prompts the mix is even, beyond that the larger kinds (arithmetic,
+stories) fill the rest. Templates and word lists are this project's own; none comes from a benchmark.
 """
 from __future__ import annotations
 
@@ -164,5 +166,6 @@ def synthetic_prompts(n: int, seed: int = 0) -> list[str]:
             if len(out) == n:
                 break
         if not kinds:
-            raise ValueError(f"the templates make only {len(out)} distinct synthetic prompts; ask for at most that many")
+            raise ValueError(f"the templates make only {len(out)} distinct synthetic prompts; ask for at most that many "
+                             f"(speccomp train-heads --synthetic N)")
     return out

@@ -217,9 +217,9 @@ def train_heads(
         raise ValueError(f"lr must be > 0, got {lr!r}")
     if isinstance(sampled, bool) or not isinstance(sampled, int) or sampled < 0:
         raise ValueError(f"sampled (extra sampled replies per prompt) must be an int >= 0, got {sampled!r}")
-    if isinstance(soft_labels, bool) or not isinstance(soft_labels, int) or soft_labels < 0:
-        raise ValueError(f"soft_labels (the model's top-k probabilities learned besides its argmax; 0 = off) must be an "
-                         f"int >= 0, got {soft_labels!r}")
+    if isinstance(soft_labels, bool) or not isinstance(soft_labels, int) or soft_labels < 0 or soft_labels == 1:
+        raise ValueError(f"soft_labels (the model's top-k probabilities learned besides its argmax) must be 0 (off) or an "
+                         f"int >= 2 (1 would be the argmax label again), got {soft_labels!r}")
     if sampled and not temperature > 0:
         raise ValueError(f"temperature must be > 0 for sampled replies, got {temperature!r}")
     if not prompts:
@@ -259,6 +259,8 @@ def train_heads(
         index[heads.draft_vocab] = torch.arange(len(heads.draft_vocab))
         targets = index[targets]
         if soft is not None:  # soft labels outside the draft vocabulary get probability 0
+            # (the rest is renormalized below, also where the argmax itself is outside and the hard loss skips the
+            # position: the head then learns the in-vocabulary shape there; the shipped heads were trained so)
             soft = (soft[0] * (index[soft[1]] >= 0), index[soft[1]].clamp(min=0))
     else:
         heads = new_heads(model, num_heads, num_layers)

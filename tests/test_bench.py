@@ -111,6 +111,8 @@ def test_prompts_with_repeated_ids_are_kept_apart():
     ids = [torch.randint(3, 96, (1, n), generator=gen) for n in (6, 15, 9, 12)]
     prompts = [bench.BenchPrompt(pid, cat, x) for pid, cat, x in zip(["0", "1", "0", "1"], ["a", "a", "b", "b"], ids)]
     assert [p.id for p in bench.prepare_prompts(prompts)] == ["0", "1", "0#2", "1#2"]
+    tricky = [bench.BenchPrompt(pid, "a", ids[0]) for pid in ("0", "0", "0#2")]  # a suffix that is taken already
+    assert len({p.id for p in bench.prepare_prompts(tricky)}) == 3
     res = bench.run_bench(model, prompts, ["plain"], 8, eos_token_id=None, warmup=0, progress=False)
     base, plain = res.row_dicts()
     assert base["speedup"] == 1.0 and all(c["speedup"] == 1.0 for c in base["per_category"].values())

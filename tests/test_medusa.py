@@ -134,7 +134,7 @@ def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
     (dict(epochs=0), "epochs"), (dict(num_heads=0), "num_heads"), (dict(lr=0.0), "lr"),
     (dict(batch_size=-1), "batch_size"), (dict(prompts=[]), "at least one prompt"),
     (dict(soft_labels=-1), "soft_labels"), (dict(soft_labels=True), "soft_labels"), (dict(soft_labels=2.0), "soft_labels"),
-    (dict(soft_labels=97), "more than the model's vocabulary"),
+    (dict(soft_labels=97), "more than the model's vocabulary"), (dict(soft_labels=1), "argmax label again"),
 ])
 def test_training_rejects_bad_settings(model, tmp_path, bad, match):
     kw = {"prompts": prompts(2), "out": tmp_path / "x", "progress": False, **bad}
@@ -266,6 +266,26 @@ def test_soft_labels_teach_the_models_distribution(model, tmp_path, kind):
     ref = model.generate(ids0[None], attention_mask=torch.ones(1, 10, dtype=torch.long), max_new_tokens=20,
                          do_sample=False, eos_token_id=2, pad_token_id=2)
     assert torch.equal(fast.generate(ids0, max_new_tokens=20, eos_token_id=2), ref)
+
+
+def test_hydra_soft_labels_with_a_draft_vocabulary(model, tmp_path):
+    """Hydra scores a draft vocabulary smaller than the model's: soft labels are mapped into it (tokens outside get
+    probability 0), and training on them still learns and decodes losslessly."""
+    from speccomp.hydra import new_hydra
+
+    train = prompts(8, seed=1)
+    heads = train_heads(model, train, out=tmp_path / "h", kind="hydra", num_heads=2, max_new_tokens=24, epochs=6,
+                        lr=3e-2, batch_size=32, draft_vocab=40, soft_labels=8, progress=False)
+    assert len(heads.draft_vocab) < 96
+    seqs, _ = distilled_text(tmp_path / "h")
+    trained = head_accuracy(heads, model, seqs)
+    untrained = head_accuracy(new_hydra(model, heads.draft_vocab, 2), model, seqs)
+    assert all(t > u + 0.1 for t, u in zip(trained, untrained)), (trained, untrained)
+    fast = speccomp.compile(model, drafter="hydra", drafter_options={"heads": str(tmp_path / "h")})
+    ids = seqs[0][:10]
+    ref = model.generate(ids[None], attention_mask=torch.ones(1, 10, dtype=torch.long), max_new_tokens=20, do_sample=False,
+                         eos_token_id=2, pad_token_id=2)
+    assert torch.equal(fast.generate(ids, max_new_tokens=20, eos_token_id=2), ref)
 
 
 def test_typical_acceptance_is_opt_in_and_labelled_lossy(model, tmp_path):
