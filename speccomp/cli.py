@@ -139,15 +139,14 @@ def cmd_train_heads(args) -> int:
     from .models import chat_ids
     from .prompts import load_prompts
     from .synthetic_prompts import synthetic_prompts
-    from .train_heads import train_heads
+    from .train_heads import check_soft_labels, train_heads
 
     files = args.prompts or [str(p) for p in DEFAULT_TRAIN_FILES if p.exists()]
     if not files:
         raise ValueError("no training prompts: give --prompts FILE.jsonl [...] (e.g. ../shared/data/prompts/alpaca.jsonl)")
     if args.synthetic < 0:
         raise ValueError(f"--synthetic (extra synthetic prompts) must be >= 0, got {args.synthetic}")
-    if args.soft_labels < 0 or args.soft_labels == 1:
-        raise ValueError(f"--soft-labels must be 0 (off) or >= 2 (1 would repeat the argmax label), got {args.soft_labels}")
+    check_soft_labels(args.soft_labels)
     # more kinds of request than the files hold (speccomp/synthetic_prompts.py); checked before the model loads
     extra = synthetic_prompts(args.synthetic, seed=args.seed) if args.synthetic else []
     model, tok = _load(args)

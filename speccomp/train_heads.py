@@ -193,6 +193,21 @@ def _vocab_size(model) -> int:
     return _lm_head_weight(model).shape[0]
 
 
+def check_soft_labels(k) -> None:
+    """soft_labels is 0 (off) or the number (>= 2) of the model's top tokens whose probabilities heads learn."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0 or k == 1:
+        raise ValueError(f"soft_labels / --soft-labels (the model's top-k probabilities learned besides its argmax) must be "
+                         f"0 (off) or an int >= 2 (1 would be the argmax label again), got {k!r}")
+
+
+def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the heads' scores logits [..., V] to a top-S teacher distribution (probs, ids [..., S],
+    renormalized over what is left of it): [...]."""
+    p = probs.float()
+    p = p / p.sum(-1, keepdim=True).clamp(min=1e-6)
+    return -(p * logits.log_softmax(-1).gather(-1, ids)).sum(-1)
+
+
 def _check_settings(kind, **ints) -> None:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
@@ -217,9 +232,7 @@ def train_heads(
         raise ValueError(f"lr must be > 0, got {lr!r}")
     if isinstance(sampled, bool) or not isinstance(sampled, int) or sampled < 0:
         raise ValueError(f"sampled (extra sampled replies per prompt) must be an int >= 0, got {sampled!r}")
-    if isinstance(soft_labels, bool) or not isinstance(soft_labels, int) or soft_labels < 0 or soft_labels == 1:
-        raise ValueError(f"soft_labels (the model's top-k probabilities learned besides its argmax) must be 0 (off) or an "
-                         f"int >= 2 (1 would be the argmax label again), got {soft_labels!r}")
+    check_soft_labels(soft_labels)
     if sampled and not temperature > 0:
         raise ValueError(f"temperature must be > 0 for sampled replies, got {temperature!r}")
     if not prompts:
@@ -293,10 +306,7 @@ def train_heads(
             valid = (targets[idx] != -100).float()
             loss = ((ce * valid).sum(0) / valid.sum(0).clamp(min=1) * weights).sum()
             if soft is not None:  # teacher distillation: cross-entropy to the model's top-k distribution
-                p = soft[0][idx].float()  # [B, K, S]
-                p = p / p.sum(-1, keepdim=True).clamp(min=1e-6)
-                logq = logits.log_softmax(-1).gather(-1, soft[1][idx])  # [B, K, S]
-                loss = loss + (-(p * logq).sum(-1).mean(0) * weights).sum()
+                loss = loss + (soft_cross_entropy(logits, soft[0][idx], soft[1][idx]).mean(0) * weights).sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -247,7 +247,7 @@ def test_hydra_training_learns(model, tmp_path, draft_vocab, soft_labels):
 def test_soft_labels_teach_the_models_distribution(model, tmp_path, kind):
     """Teacher distillation: heads trained also on the model's top-8 probabilities match that distribution
     better than heads trained on its argmax alone (same data, seed and steps), and still decode losslessly."""
-    from speccomp.train_heads import _examples, _hidden_states
+    from speccomp.train_heads import _examples, _hidden_states, soft_cross_entropy
 
     train = prompts(8, seed=1)
     kw = dict(kind=kind, num_heads=2, max_new_tokens=24, epochs=4, lr=3e-2, batch_size=32, draft_vocab=96, progress=False)
@@ -256,12 +256,11 @@ def test_soft_labels_teach_the_models_distribution(model, tmp_path, kind):
     seqs, starts = distilled_text(tmp_path / "soft")
     assert all(torch.equal(a, b) for a, b in zip(seqs, distilled_text(tmp_path / "hard")[0]))  # the same text
     h, inputs, _, (p, ids) = _examples(seqs, _hidden_states(model, seqs, progress=False, soft_k=8), 2, starts)
-    p = p.float() / p.float().sum(-1, keepdim=True)
 
     def teacher_ce(heads):  # cross-entropy of the heads' distribution to the model's top-8, over all positions
         with torch.no_grad():
             logits = heads(h, inputs) if kind == "hydra" else heads(h)  # draft vocab == full vocab (96) here
-            return float(-(p * logits.log_softmax(-1).gather(-1, ids)).sum(-1).mean())
+            return float(soft_cross_entropy(logits, p, ids).mean())
 
     assert teacher_ce(soft) < teacher_ce(hard) - 0.05, (teacher_ce(soft), teacher_ce(hard))
     fast = speccomp.compile(model, drafter=kind, drafter_options={"heads": str(tmp_path / "soft")}, tree=[[0], [1], [0, 0]])
