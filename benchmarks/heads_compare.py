@@ -38,8 +38,8 @@ def main(argv=None) -> int:
     if args.limit < 1 or args.max_new_tokens < 1:
         raise SystemExit(f"--limit and --max-new-tokens must be >= 1, got {args.limit} and {args.max_new_tokens}")
     kinds = [k for k in args.kinds.split(",") if k]
-    if set(kinds) - {"medusa", "hydra"}:
-        raise SystemExit(f"--kinds takes medusa and/or hydra, got {args.kinds!r}")
+    if set(kinds) - {"medusa", "hydra", "eagle"}:
+        raise SystemExit(f"--kinds takes medusa, hydra and/or eagle, got {args.kinds!r}")
     tree = None
     if args.tree is not None:
         from speccomp.tree import parse_tree_spec

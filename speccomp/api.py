@@ -128,7 +128,7 @@ def _default_tree(tree, fallback, dynamic_ok: bool = False, drafter: str = ""):
     if isinstance(spec, DynamicTreeSpec) and not dynamic_ok:
         raise ValueError(
             f"tree={tree!r}: the {drafter!r} drafter takes static trees only (a choice list or an int k); "
-            "dynamic trees are grown by the early_exit, layer_skip and hydra drafters"
+            "dynamic trees are grown by the early_exit, layer_skip, hydra and eagle drafters"
         )
     return spec
 
@@ -291,3 +291,12 @@ def _hydra(base: SpecGraph, options: dict, tree, backend: str):
 
 
 DRAFTERS["hydra"] = _hydra
+
+
+def _eagle(base: SpecGraph, options: dict, tree, backend: str):
+    from .drafters_eagle import make_eagle
+
+    return make_eagle(base, options, _default_tree(tree, None, dynamic_ok=True, drafter="eagle"))
+
+
+DRAFTERS["eagle"] = _eagle

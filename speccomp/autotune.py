@@ -178,7 +178,8 @@ def _drafter_classes():
 
 def supports_dynamic(drafter: Drafter) -> bool:
     graph, _, _, hydra = _drafter_classes()
-    return isinstance(drafter, graph) or (hydra is not None and isinstance(drafter, hydra))
+    return (isinstance(drafter, graph) or (hydra is not None and isinstance(drafter, hydra))
+            or bool(getattr(drafter, "dynamic_trees", False)))
 
 
 def max_tree_depth(drafter: Drafter) -> int | None:
@@ -200,6 +201,8 @@ def retree(drafter: Drafter, tree) -> Drafter:
     """
     hook = getattr(drafter, "with_tree", None)
     if callable(hook):
+        if isinstance(tree, DynamicTreeSpec) and not supports_dynamic(drafter):
+            raise AutotuneError(f"the {drafter.name} drafter takes static trees only; tune it with mode='static'")
         return hook(tree)
     graph, recycling, medusa, hydra = _drafter_classes()
     dynamic = isinstance(tree, DynamicTreeSpec)

@@ -132,7 +132,7 @@ def cmd_search(args) -> int:
 
 
 def cmd_train_heads(args) -> int:
-    """Train Medusa or Hydra heads for the default model on its own replies to prompt files; store them."""
+    """Train Medusa, Hydra or EAGLE heads for the default model on its own replies to prompt files; store them."""
     from pathlib import Path
 
     from .drafters_medusa import heads_dir
@@ -156,7 +156,7 @@ def cmd_train_heads(args) -> int:
     source = f"{files}" + (f" + {args.synthetic} synthetic" if args.synthetic else "")
     print(f"training {args.heads} {args.kind} heads on {len(prompts)} prompts from {source} -> {out}", file=sys.stderr)
     train_heads(model, prompts, out=out, kind=args.kind, num_heads=args.heads, num_layers=args.layers,
-                max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, seed=args.seed,
+                max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, seed=args.seed, batch_size=args.batch_size,
                 draft_vocab=args.draft_vocab, sampled=args.sampled, soft_labels=args.soft_labels,
                 eos_token_id=tok.eos_token_id, base_model=args.model)
     print(f"heads written to {out}; speccomp.compile(model, drafter={args.kind!r}) finds them there")
@@ -255,17 +255,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse", action="store_true", help="do nothing when this machine already has a stored result")
     p.set_defaults(func=cmd_search)
 
-    p = sub.add_parser("train-heads", help="train Medusa or Hydra heads (frozen model, its own replies as data) on CPU")
+    p = sub.add_parser("train-heads", help="train Medusa, Hydra or EAGLE heads (frozen model, its own replies as data) on CPU")
     common(p)
     p.set_defaults(max_new_tokens=256)
-    p.add_argument("--kind", choices=["medusa", "hydra"], default="medusa", help="head type (default medusa)")
+    p.add_argument("--kind", choices=["medusa", "hydra", "eagle"], default="medusa", help="head type (default medusa)")
     p.add_argument("--prompts", nargs="+", default=None, help="JSONL prompt files (default: alpaca and humaneval from ../shared/data/prompts)")
     p.add_argument("--limit", type=int, default=None, help="prompts per file (default: all)")
-    p.add_argument("--heads", type=int, default=4, help="number of heads (default 4)")
+    p.add_argument("--heads", type=int, default=4,
+                   help="draft depths trained: number of heads (Medusa, Hydra), unrolled steps (EAGLE) (default 4)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="positions per batch (heads, default 256) or sequences per batch (EAGLE, default 8)")
     p.add_argument("--layers", type=int, default=1, help="ResBlocks per head (default 1)")
     p.add_argument("--epochs", type=int, default=3, help="training epochs (default 3)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate, decayed linearly (default 1e-3)")
-    p.add_argument("--draft-vocab", type=int, default=8192, help="hydra: tokens the heads score (default 8192)")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="hydra, eagle: tokens the heads score (default 8192)")
     p.add_argument("--soft-labels", type=int, default=0,
                    help="also learn the model's top-K next-token probabilities (teacher distillation; default 0 = argmax only)")
     p.add_argument("--synthetic", type=int, default=0,

@@ -38,7 +38,7 @@ DEFAULT_MEDUSA_TREE = [
 ]  # fmt: skip
 
 
-HEAD_KINDS = {"medusa": "heads", "hydra": "hydra"}  # kind -> directory name under the caches
+HEAD_KINDS = {"medusa": "heads", "hydra": "hydra", "eagle": "eagle"}  # kind -> directory name under the caches
 
 
 def heads_dir(model, kind: str = "medusa") -> Path:

@@ -56,7 +56,8 @@ class Drafter:
     def observe(self, draft: Draft, path: list[int], target_logits: torch.Tensor) -> None:
         """After verification: the accepted `path` and the target's logits [n, V] at every node."""
 
-    wants_states = False  # True: the runtime calls take_states after every target forward
+    wants_states = False  # True: the runtime calls take_states after every target forward; "path": with every
+    # newly accepted position's states ([m, ...]: after the prefill all prompt positions, then each accepted path)
 
     def take_states(self, states: tuple) -> None:
         """The target's outputs from `hidden` on (hidden [H], then extra outputs of passes, e.g. Medusa
@@ -106,13 +107,13 @@ def decode_speculative(
     cache = KVCache(kv, n + max_new_tokens + max_tree + 1, device)
     outs = prefill(target, cache, prompt)
     logits = outs[0]
+    drafter.begin(prompt[0].tolist())
     if drafter.wants_states:
-        drafter.take_states(tuple(x[0, -1] for x in outs[2:]))
+        drafter.take_states(tuple(x[0] if drafter.wants_states == "path" else x[0, -1] for x in outs[2:]))
     stats.prefill_seconds = time.perf_counter() - start
     out = [int(sampler(logits[0, -1]))]
     stats.steps = 1  # the prefill produced the first token
     context = prompt[0].tolist() + out
-    drafter.begin(prompt[0].tolist())
     accepted_at_depth: list[int] = []  # how many steps accepted a draft at depth d (index d-1)
     proposed_at_depth: list[int] = []
     while len(out) < max_new_tokens and out[-1] not in eos:
@@ -137,7 +138,8 @@ def decode_speculative(
         cache.append(new_kv, keep=torch.tensor(path, device=device))
         drafter.observe(draft, path, logits)
         if drafter.wants_states:
-            drafter.take_states(tuple(x[0, path[-1]] for x in outs[2:]))
+            at = path if drafter.wants_states == "path" else path[-1]
+            drafter.take_states(tuple(x[0, at] for x in outs[2:]))
         stats.steps += 1
         depth = int(tree.max_depth)
         while len(proposed_at_depth) < depth:

@@ -33,7 +33,7 @@ import torch
 
 from .medusa import MedusaHeads, new_heads, save_medusa
 
-KINDS = ("medusa", "hydra")
+KINDS = ("medusa", "hydra", "eagle")
 DISTILL_BATCH = 32  # prompts decoded together by HF generate
 
 
@@ -208,6 +208,32 @@ def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor, ids: torch.Ten
     return -(p * logits.log_softmax(-1).gather(-1, ids)).sum(-1)
 
 
+def _checkpoint(state: Path, heads, opt, args: dict, epoch: int) -> None:
+    """Heads, AdamW moments and progress after `epoch` epochs, so a rerun resumes there."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous() for k, v in heads.state_dict().items()}, str(state / "heads.safetensors"))
+    moments = {}
+    for i, st in opt.state_dict()["state"].items():
+        moments[f"{i}.step"] = torch.as_tensor(st["step"]).reshape(1).float()
+        moments[f"{i}.exp_avg"] = st["exp_avg"].contiguous()
+        moments[f"{i}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
+    save_file(moments, str(state / "optimizer.safetensors"))
+    (state / "progress.json").write_text(json.dumps({"args": args, "epoch": epoch}))
+
+
+def _resume(state: Path, heads, opt) -> None:
+    from safetensors.torch import load_file
+
+    heads.load_state_dict(load_file(str(state / "heads.safetensors")))
+    moments = load_file(str(state / "optimizer.safetensors"))
+    opt_state = opt.state_dict()
+    for i, _ in enumerate(opt.param_groups[0]["params"]):
+        opt_state["state"][i] = {"step": moments[f"{i}.step"].reshape(()), "exp_avg": moments[f"{i}.exp_avg"],
+                                 "exp_avg_sq": moments[f"{i}.exp_avg_sq"]}
+    opt.load_state_dict(opt_state)
+
+
 def _check_settings(kind, **ints) -> None:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
@@ -218,7 +244,7 @@ def _check_settings(kind, **ints) -> None:
 
 def train_heads(
     model, prompts, *, out, kind: str = "medusa", num_heads: int = 4, num_layers: int = 1, max_new_tokens: int = 128,
-    epochs: int = 3, lr: float = 1e-3, batch_size: int = 256, draft_vocab: int = 8192, sampled: int = 0,
+    epochs: int = 3, lr: float = 1e-3, batch_size: int | None = None, draft_vocab: int = 8192, sampled: int = 0,
     temperature: float = 0.8, weight_decay: float = 0.0, soft_labels: int = 0, seed: int = 0, eos_token_id=None,
     progress: bool = True, base_model: str = "",
 ):
@@ -226,6 +252,11 @@ def train_heads(
     from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
+    if batch_size is None:  # positions per batch for heads; sequences per batch for EAGLE
+        batch_size = 8 if kind == "eagle" else 256
+    if kind == "eagle" and soft_labels:
+        raise ValueError("soft_labels does not apply to kind='eagle': it always learns the model's whole distribution "
+                         "over its draft vocabulary")
     _check_settings(kind, num_heads=num_heads, num_layers=num_layers, max_new_tokens=max_new_tokens, epochs=epochs,
                     batch_size=batch_size, draft_vocab=draft_vocab)
     if not lr > 0:
@@ -244,7 +275,7 @@ def train_heads(
     args = {"kind": kind, "num_heads": num_heads, "num_layers": num_layers, "max_new_tokens": max_new_tokens,
             "epochs": epochs, "lr": lr, "batch_size": batch_size, "seed": seed, "prompts": len(prompts),
             "sampled": sampled, "temperature": temperature, "weight_decay": weight_decay}
-    if kind == "hydra":
+    if kind in ("hydra", "eagle"):
         args["draft_vocab"] = draft_vocab
     if soft_labels:  # only when on, so runs stored before the option existed still resume
         args["soft_labels"] = soft_labels
@@ -257,7 +288,12 @@ def train_heads(
 
     seqs, starts = _self_distill(model, [p.reshape(-1) for p in prompts], max_new_tokens, eos_token_id, progress, state,
                                  sampled, temperature, seed)
-    mass = torch.zeros(_vocab_size(model)) if kind == "hydra" else None
+    mass = torch.zeros(_vocab_size(model)) if kind in ("hydra", "eagle") else None
+    if kind == "eagle":
+        return _train_eagle(model, seqs, starts, _hidden_states(model, seqs, progress, mass), state=state, args=args,
+                            done=done, steps=num_heads, epochs=epochs, lr=lr, batch_size=batch_size, draft_vocab=draft_vocab,
+                            weight_decay=weight_decay, seed=seed, eos_token_id=eos_token_id, mass=mass, progress=progress,
+                            out=out, base_model=base_model)
     h, inputs, targets, soft = _examples(seqs, _hidden_states(model, seqs, progress, mass, soft_labels), num_heads, starts)
 
     torch.manual_seed(seed)
@@ -281,13 +317,7 @@ def train_heads(
     total = math.ceil(h.shape[0] / batch_size)
     start = 0
     if (state / "heads.safetensors").exists() and done.get("epoch", 0) > 0:
-        heads.load_state_dict(load_file(str(state / "heads.safetensors")))
-        moments = load_file(str(state / "optimizer.safetensors"))
-        opt_state = opt.state_dict()
-        for i, _ in enumerate(opt.param_groups[0]["params"]):
-            opt_state["state"][i] = {"step": moments[f"{i}.step"].reshape(()), "exp_avg": moments[f"{i}.exp_avg"],
-                                     "exp_avg_sq": moments[f"{i}.exp_avg_sq"]}
-        opt.load_state_dict(opt_state)
+        _resume(state, heads, opt)
         start = done["epoch"]
     weights = torch.tensor([0.8**k for k in range(num_heads)])
     gen = torch.Generator().manual_seed(seed)
@@ -314,14 +344,7 @@ def train_heads(
             loss_sum += float(loss.detach())
             bar.set_postfix(loss=f"{loss_sum / seen:.3f}")
         heads.eval()
-        save_file({k: v.detach().contiguous() for k, v in heads.state_dict().items()}, str(state / "heads.safetensors"))
-        moments = {}
-        for i, st in opt.state_dict()["state"].items():
-            moments[f"{i}.step"] = torch.as_tensor(st["step"]).reshape(1).float()
-            moments[f"{i}.exp_avg"] = st["exp_avg"].contiguous()
-            moments[f"{i}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
-        save_file(moments, str(state / "optimizer.safetensors"))
-        progress_file.write_text(json.dumps({"args": args, "epoch": epoch + 1}))
+        _checkpoint(state, heads, opt, args, epoch + 1)
     heads.eval()
     if kind == "hydra":
         from .hydra import save_hydra
@@ -343,3 +366,106 @@ def head_accuracy(heads, model, seqs, starts=None) -> list[float]:
         else:
             pred = heads.draft_vocab[heads(h, inputs).argmax(-1)]
     return (pred == targets).float().mean(0).tolist()
+
+
+def _train_eagle(model, seqs, starts, states, *, state, args, done, steps, epochs, lr, batch_size, draft_vocab,
+                 weight_decay, seed, eos_token_id, mass, progress, out, base_model):
+    """EAGLE: the head's one layer, unrolled `steps` deep on its own guesses (eagle.EagleHead.unrolled), learns at
+    every anchor p and step s the target's feature f_{p+s} (smooth L1) and its next-token distribution over the
+    draft vocabulary (cross-entropy to softmax(P f_{p+s}), the teacher), weighted 0.8^(s-1). Batches are
+    `batch_size` sequences of similar length (padded)."""
+    from tqdm import tqdm
+
+    from .eagle import new_eagle, save_eagle
+
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    labels = [greedy[max(0, st - 1):] for (_, greedy, _), st in zip(states, starts)]
+    torch.manual_seed(seed)
+    head = new_eagle(model, frequent_tokens(labels, draft_vocab, always=eos, fill=mass))
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    if (state / "heads.safetensors").exists() and done.get("epoch", 0) > 0:
+        _resume(state, head, opt)
+    first = done.get("epoch", 0)
+    by_length = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]), i))
+    batches = [by_length[i : i + batch_size] for i in range(0, len(by_length), batch_size)]
+    gen = torch.Generator().manual_seed(seed)
+    orders = [torch.randperm(len(batches), generator=gen).tolist() for _ in range(epochs)]
+    weights = [0.8**s for s in range(steps)]
+    total = len(batches)
+    for epoch in range(first, epochs):
+        head.train()
+        seen, loss_sum = 0, 0.0
+        bar = tqdm(orders[epoch], desc=f"epoch {epoch + 1}/{epochs}", disable=not progress)
+        for b, which in enumerate(bar):
+            it = epoch * total + b  # 50 steps of linear warm-up (the layer starts far from useful), then linear decay
+            opt.param_groups[0]["lr"] = lr * min(1.0, (it + 1) / 50) * max(0.05, 1 - it / (epochs * total))
+            loss = _eagle_loss(head, [seqs[i] for i in batches[which]], [states[i][0] for i in batches[which]],
+                               [starts[i] for i in batches[which]], steps, weights)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            seen += 1
+            loss_sum += float(loss.detach())
+            bar.set_postfix(loss=f"{loss_sum / seen:.3f}")
+        head.eval()
+        _checkpoint(state, head, opt, args, epoch + 1)
+    head.eval()
+    save_eagle(head, out, base_model=base_model)
+    return head
+
+
+def _pad(seqs, feats, starts):
+    """Pad a batch: tokens [B, T], features [B, T, H], valid [B, T], reply [B, T] (anchors from the last prompt token)."""
+    t = max(len(s) for s in seqs)
+    tokens = torch.zeros(len(seqs), t, dtype=torch.long)
+    f = torch.zeros(len(seqs), t, feats[0].shape[-1])
+    valid = torch.zeros(len(seqs), t, dtype=torch.bool)
+    reply = torch.zeros(len(seqs), t, dtype=torch.bool)
+    for i, (s, h, st) in enumerate(zip(seqs, feats, starts)):
+        tokens[i, : len(s)], f[i, : len(s)], valid[i, : len(s)] = s, h.float(), True
+        reply[i, max(0, st - 1) : len(s)] = True
+    return tokens, f, valid, reply
+
+
+def _eagle_loss(head, seqs, feats, starts, steps: int, weights) -> torch.Tensor:
+    tokens, f, valid, reply = _pad(seqs, feats, starts)
+    t = tokens.shape[1]
+    outs = head.unrolled(f, tokens, valid, steps)
+    with torch.no_grad():
+        teacher = head.logits(f).softmax(-1)  # [B, T, Vd]: the model's distribution over the draft vocabulary
+    loss = f.new_zeros(())
+    for s, o in enumerate(outs, start=1):
+        # anchor p predicts position p + s: it must exist (valid) and p must be in the reply
+        ok = reply[:, : t - s] & valid[:, s:]  # [B, T - s]
+        if not ok.any():
+            continue
+        o = o[:, : t - s][ok]  # [N, H]
+        target = f[:, s:][ok]
+        ce = -(teacher[:, s:][ok] * head.logits(o).log_softmax(-1)).sum(-1).mean()
+        reg = torch.nn.functional.smooth_l1_loss(o, target)
+        loss = loss + weights[s - 1] * (ce + reg)
+    return loss
+
+
+def eagle_accuracy(head, model, seqs, starts=None, steps: int = 4) -> list[float]:
+    """Chain acceptance of an EAGLE head on `seqs` (greedy text of the model): for depth s, the fraction of reply
+    anchors whose first s drafts (each made from the head's own guesses) are all the model's greedy tokens."""
+    states = _hidden_states(model, seqs, progress=False)
+    hits = torch.zeros(steps)
+    count = 0
+    with torch.no_grad():
+        for i, (s, (h, greedy, _)) in enumerate(zip(seqs, states)):
+            st = max(0, (starts[i] - 1) if starts else 0)
+            n = len(s) - steps - 1 - st
+            if n <= 0:
+                continue
+            outs = head.unrolled(h[None], s[None], torch.ones(1, len(s), dtype=torch.bool), steps)
+            ok = torch.ones(n, dtype=torch.bool)
+            for d, o in enumerate(outs):
+                pred = head.draft_vocab[head.logits(o[0, st : st + n]).argmax(-1)]
+                # the draft at depth d + 1 is the model's token after x_{p+d+1}; along greedy text, path tokens match
+                ok &= (pred == greedy[st + d + 1 : st + d + 1 + n]) & (s[st + d + 2 : st + d + 2 + n] == greedy[st + d + 1 : st + d + 1 + n])
+                hits[d] += float(ok.sum())
+            count += n
+    return (hits / max(count, 1)).tolist()

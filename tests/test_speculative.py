@@ -139,10 +139,14 @@ def sampling_drafter(model, kind, tmp_path):
         from speccomp.medusa import new_heads, save_medusa
 
         heads, save = new_heads(model, 2), save_medusa
-    else:
+    elif kind == "hydra":
         from speccomp.hydra import new_hydra, save_hydra
 
         heads, save = new_hydra(model, torch.arange(V), 2), save_hydra
+    else:
+        from speccomp.eagle import new_eagle, save_eagle
+
+        heads, save = new_eagle(model, torch.arange(V)), save_eagle
     with torch.no_grad():
         for w in heads.parameters():
             w.copy_(torch.randn(w.shape, generator=g) * 0.5)
@@ -151,7 +155,7 @@ def sampling_drafter(model, kind, tmp_path):
     return dict(drafter=kind, drafter_options={"heads": str(tmp_path / kind)}, tree=[[0], [1], [2], [3], [0, 0], [1, 0]])
 
 
-@pytest.mark.parametrize("kind, top_p", [("early_exit", 0.8), ("medusa", 1.0), ("hydra", 0.8)])
+@pytest.mark.parametrize("kind, top_p", [("early_exit", 0.8), ("medusa", 1.0), ("hydra", 0.8), ("eagle", 1.0)])
 def test_sampling_distribution_equals_model(kind, top_p, tmp_path):
     """Speculative sampling (drafts verified by recursive rejection sampling) draws from the model's own
     distribution: the joint law of 3 new tokens, so that drafts are verified (with 2 tokens the last

@@ -1,0 +1,227 @@
+"""EAGLE draft head: one small decoder layer that runs ahead of the target in its feature space.
+
+Medusa and Hydra heads read one hidden state h_t and guess several tokens ahead blind to the
+rest of the text. EAGLE (Li et al., 2024) drafts autoregressively at the *feature* level: a
+single decoder layer reads, at every position p, the target's feature f_p (its final hidden
+state, the LM head's input) and the embedding of the next token x_{p+1}, attends over all
+earlier positions through its own KV cache, and predicts f_{p+1}; the frozen LM head turns
+that into the next draft token. Deeper drafts feed the predicted feature back in:
+
+    u_p   = W_fc [f_p ; E(x_{p+1})] + b_fc                 f_p: target feature, or the head's own guess
+    o_p   = Layer(u_p | u_{<p})                            pre-norm attention (RoPE) + SwiGLU MLP, residual
+    f̂_{p+1} = o_p,  logits = P o_p                         P: the frozen LM head on the draft vocabulary
+
+Training (speccomp/train_heads.py, kind="eagle") unrolls the head on its own predictions
+(`unrolled`), so the deeper drafts it is trained on are the ones it makes at run time (the
+"training-time test" of HASS / EAGLE-3): at unroll step s, anchor p attends to the true
+entries <= p and to its own earlier steps, exactly as a chain drafted after p does.
+
+Checkpoint layout (our own), in a directory:
+
+    config.json               {"head_type": "eagle", "eagle_num_heads": A, "eagle_num_layers": 1,
+                               "hidden_size": H, "vocab_size": V, "draft_vocab_size": Vd,
+                               "intermediate_size": F, "rope_theta": ..., ...}
+    eagle_head.safetensors    fc.weight [H, 2H], fc.bias [H], norm1.weight, qkv.weight [3H, H],
+                              o.weight [H, H], norm2.weight, gate_up.weight [2F, H], down.weight [H, F],
+                              draft_vocab [Vd] (int64 token ids)
+Weights are stored as float16 and loaded as float32.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .hydra import _input_embedding
+from .medusa import HeadsError, _lm_head_weight
+
+WEIGHTS = "eagle_head.safetensors"
+CONFIG = "config.json"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE: x [..., n, A, D] at positions [..., n]."""
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)  # [D/2]
+    ang = positions.to(torch.float32)[..., None] * inv  # [..., n, D/2]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[..., None, :]  # [..., n, 1, D]
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[..., None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class EagleHead(nn.Module):
+    """The draft layer. `entries(f, tokens, positions)` -> (u, q, k, v); `finish(u, attn)` -> o; `logits(o)`."""
+
+    kind = "eagle"
+    num_layers = 1
+
+    def __init__(self, hidden: int, vocab: int, num_heads: int, intermediate: int, lm_head: torch.Tensor,
+                 embed: torch.Tensor, draft_vocab: torch.Tensor, rope_theta: float = 10000.0):
+        super().__init__()
+        if num_heads < 1 or hidden % num_heads:
+            raise HeadsError(f"the hidden size {hidden} must split into num_heads={num_heads} attention heads")
+        self.hidden, self.vocab, self.num_heads, self.intermediate = hidden, vocab, num_heads, intermediate
+        self.head_dim, self.rope_theta = hidden // num_heads, float(rope_theta)
+        self.fc = nn.Linear(2 * hidden, hidden)
+        self.norm1 = RMSNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.o = nn.Linear(hidden, hidden, bias=False)
+        self.norm2 = RMSNorm(hidden)
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+        for lin in (self.qkv, self.gate_up):
+            nn.init.normal_(lin.weight, std=0.02)
+        with torch.no_grad():  # start as the identity on the feature: o_p = f_p (the blocks' outputs begin at zero)
+            self.fc.weight.zero_()
+            self.fc.weight[:, :hidden] = torch.eye(hidden)
+            self.fc.bias.zero_()
+            self.o.weight.zero_()
+            self.down.weight.zero_()
+        self.embed = embed  # [V, H] frozen, not saved
+        self.set_draft_vocab(lm_head, draft_vocab)
+
+    # same contract as HydraHeads: frozen LM head restricted to the draft vocabulary
+    def set_draft_vocab(self, lm_head: torch.Tensor, draft_vocab: torch.Tensor) -> None:
+        draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long)
+        if draft_vocab.dim() != 1 or len(draft_vocab) == 0:
+            raise HeadsError("draft_vocab must be a non-empty 1-D list of token ids")
+        if int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= self.vocab:
+            raise HeadsError(f"draft_vocab holds token ids outside the model's vocabulary [0, {self.vocab})")
+        self.lm_head, self.draft_vocab = lm_head, draft_vocab
+        self.draft_lm = lm_head.index_select(0, draft_vocab).contiguous()  # [Vd, H], frozen
+
+    def logits(self, o: torch.Tensor) -> torch.Tensor:
+        """Scores [..., Vd] over the draft vocabulary (index i is token draft_vocab[i])."""
+        return o @ self.draft_lm.t()
+
+    def entries(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+        """Layer inputs of entries (feature f_p, next token x_{p+1}) at `positions`: feats [..., n, H], tokens and
+        positions [..., n] -> u [..., n, H] (the residual stream) and q, k, v [..., n, A, D] (RoPE applied)."""
+        u = self.fc(torch.cat([feats, self.embed[tokens]], -1))
+        q, k, v = self.qkv(self.norm1(u)).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
+        return u, _rotate(q, positions, self.rope_theta), _rotate(k, positions, self.rope_theta), v
+
+    def finish(self, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual stream u [..., n, H] + attention output attn [..., n, A, D] -> the predicted next feature."""
+        x = u + self.o(attn.flatten(-2))
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, -1)
+        return x + self.down(F.silu(gate) * up)
+
+    def unrolled(self, feats: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training view, `steps` chained drafts from every anchor at once. feats [B, T, H] (f_0..f_{T-1}), tokens
+        [B, T] (x_0..x_{T-1}), valid [B, T] (False on padding). Returns o^s [B, T, H] for s = 1..steps, where o^s at
+        anchor p predicts f_{p+s} after reading the true entries <= p and its own s - 1 earlier guesses, with the
+        true tokens x_{p+2}..x_{p+s} as the path (rows whose p + s is out of range are garbage; mask them)."""
+        b, t, _ = feats.shape
+        pos = torch.arange(t, device=feats.device).expand(b, t)
+        nxt = torch.cat([tokens[:, 1:], tokens[:, -1:]], 1)  # x_{p+1}; the last column is never a valid anchor
+        u, q, k1, v1 = self.entries(feats, nxt, pos)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        causal = torch.ones(t, t, dtype=torch.bool, device=feats.device).tril() & valid[:, None, None, :]  # [B, 1, T, T]
+        keys, values = [], []  # the anchor's own earlier steps (s >= 2): one key per anchor each
+        outs = []
+        for s in range(1, steps + 1):
+            if s > 1:  # entry (o^{s-1}_p, x_{p+s}) at position p + s - 1
+                tok = torch.cat([tokens[:, s:], tokens[:, -1:].expand(b, s)], 1)  # x_{p+s}, clamped at the end
+                u, q, k, v = self.entries(outs[-1], tok, pos + s - 1)
+                keys.append(k)
+                values.append(v)
+            qh = q.transpose(1, 2)  # [B, A, T, D]
+            scores = (qh @ k1.transpose(1, 2).transpose(-1, -2)) * scale  # [B, A, T, T] over the true entries
+            scores = scores.masked_fill(~causal, float("-inf"))
+            diag = [((q * kk).sum(-1) * scale).transpose(1, 2)[..., None] for kk in keys]  # [B, A, T, 1] each
+            p = torch.cat([scores, *diag], -1).softmax(-1)
+            attn = p[..., :t] @ v1.transpose(1, 2)  # [B, A, T, D]
+            for j, vv in enumerate(values):
+                attn = attn + p[..., t + j : t + j + 1] * vv.transpose(1, 2)
+            outs.append(self.finish(u, attn.transpose(1, 2)))
+        return outs
+
+
+def new_eagle(model, draft_vocab, num_heads: int | None = None, intermediate: int | None = None,
+              rope_theta: float | None = None) -> EagleHead:
+    """A fresh head for `model`: attention heads / MLP width / RoPE base from its config when it has one."""
+    lm = _lm_head_weight(model)
+    vocab, hidden = lm.shape
+    cfg = getattr(model, "config", None)
+    if num_heads is None:
+        num_heads = getattr(cfg, "num_attention_heads", None) or max(1, hidden // 64)
+        if hidden % num_heads:
+            num_heads = 1
+    if intermediate is None:
+        intermediate = getattr(cfg, "intermediate_size", None) or 4 * hidden
+    if rope_theta is None:
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        rope_theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or getattr(cfg, "rope_theta", None) or 10000.0
+    return EagleHead(hidden, vocab, int(num_heads), int(intermediate), lm, _input_embedding(model), draft_vocab, rope_theta)
+
+
+_PARAMS = ("fc.weight", "fc.bias", "norm1.weight", "qkv.weight", "o.weight", "norm2.weight", "gate_up.weight", "down.weight")
+
+
+def save_eagle(head: EagleHead, directory, *, base_model: str = "") -> Path:
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = head.state_dict()
+    tensors = {name: state[name].detach().half().contiguous() for name in _PARAMS}
+    tensors["draft_vocab"] = head.draft_vocab.contiguous()
+    config = {
+        "head_type": "eagle",
+        "eagle_num_heads": head.num_heads,
+        "eagle_num_layers": 1,
+        "hidden_size": head.hidden,
+        "vocab_size": head.vocab,
+        "draft_vocab_size": len(head.draft_vocab),
+        "intermediate_size": head.intermediate,
+        "rope_theta": head.rope_theta,
+        "base_model_name_or_path": base_model,
+        "tied_lm_head": True,
+        "dtype": "float16",
+    }
+    save_file(tensors, str(directory / WEIGHTS))
+    (directory / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    return directory
+
+
+def load_eagle(directory, model) -> EagleHead:
+    """A head from a directory written by `save_eagle`, checked against `model`."""
+    from .medusa import read_head_files
+
+    directory = Path(directory)
+    w_path = directory / WEIGHTS
+    config, num_heads, _, tensors = read_head_files(directory, "eagle", WEIGHTS)
+    lm = _lm_head_weight(model)
+    vocab, hidden = lm.shape
+    missing = [n for n in (*_PARAMS, "draft_vocab") if n not in tensors]
+    if missing:
+        raise HeadsError(f"{w_path} is missing {missing}; is it an EAGLE head file?")
+    if tuple(tensors["o.weight"].shape) != (hidden, hidden):
+        raise HeadsError(f"the EAGLE head in {directory} was made for hidden size {tensors['o.weight'].shape[0]}, "
+                         f"but the model has hidden size {hidden}")
+    if int(config.get("vocab_size", vocab)) != vocab or int(tensors["draft_vocab"].max()) >= vocab:
+        raise HeadsError(f"the EAGLE head in {directory} was made for a vocabulary of {config.get('vocab_size')}, "
+                         f"the model's is {vocab}")
+    try:
+        head = EagleHead(hidden, vocab, num_heads, int(config["intermediate_size"]), lm, _input_embedding(model),
+                         tensors["draft_vocab"], float(config.get("rope_theta", 10000.0)))
+        head.load_state_dict({n: tensors[n].float() for n in _PARAMS})
+    except (KeyError, RuntimeError) as exc:
+        raise HeadsError(f"{directory}: config.json and {WEIGHTS} disagree ({exc})") from None
+    return head.eval()

@@ -1,0 +1,181 @@
+"""EAGLE draft head: the training view equals what the drafter computes, lossless decoding, training, checkpoints."""
+import importlib
+import json
+
+import pytest
+import torch
+
+import speccomp
+from speccomp.drafters_eagle import EagleDrafter
+from speccomp.eagle import EagleHead, load_eagle, new_eagle, save_eagle
+from speccomp.medusa import HeadsError
+from speccomp.speculative import DraftContext
+from speccomp.train_heads import distilled_text, eagle_accuracy, train_heads
+from speccomp.tree import Tree
+from tiny_models import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(num_hidden_layers=3, initializer_range=0.2, tie_word_embeddings=True)
+
+
+def random_eagle(model, vocab=None, seed=0, scale=0.1):
+    head = new_eagle(model, torch.arange(96) if vocab is None else vocab)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return head.eval()
+
+
+def test_unrolled_training_view_is_the_drafters_computation(model):
+    """Training unrolls the head on its own guesses for every anchor at once (custom attention over the true
+    entries plus the anchor's earlier steps). That must be exactly what the drafter computes at run time with
+    its KV cache and tree mask, also for a node under a second branch (whose sibling's entry it must not see)."""
+    head = random_eagle(model)
+    t, p = 12, 5
+    g = torch.Generator().manual_seed(1)
+    f, x = torch.randn(1, t, 32, generator=g), torch.randint(3, 96, (1, t), generator=g)
+    with torch.no_grad():
+        outs = head.unrolled(f, x, torch.ones(1, t, dtype=torch.bool), 3)
+        drafter = EagleDrafter(head, Tree.from_choices([[0], [1]]))
+        drafter.begin([])
+        drafter.take_states((f[0, : p + 1],))  # entries (f_q, x_{q+1}) for q <= p; the root is x_{p+1}
+        root = drafter._commit(DraftContext(x[0, : p + 2].tolist(), None, 5, 10))
+        # candidates: 0 root, 1 = a decoy sibling, 2 = x_{p+2} (true path, second branch), 3 = x_{p+3} under it
+        parent, depth = [-1, 0, 0, 2], [0, 1, 1, 2]
+        token = [int(x[0, p + 1]), int(x[0, p + 2]) + 1, int(x[0, p + 2]), int(x[0, p + 3])]
+        slot, out = {}, {0: root}
+        drafter._expand([1, 2], parent, token, depth, slot, out)
+        drafter._expand([3], parent, token, depth, slot, out)
+    torch.testing.assert_close(root[0], outs[0][0, p], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[2][0], outs[1][0, p], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[3][0], outs[2][0, p], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out[1][0], outs[1][0, p])  # the decoy is another token: another guess
+
+
+@pytest.mark.parametrize("tree", [[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], "dynamic:8:3", 5])
+def test_eagle_greedy_identical(model, tmp_path, tree):
+    save_eagle(random_eagle(model, vocab=torch.arange(3, 80)), tmp_path / "h")  # a draft vocabulary subset
+    fast = speccomp.compile(model, drafter="eagle", drafter_options={"heads": str(tmp_path / "h")}, tree=tree)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        ids = torch.randint(3, 96, (1, 10), generator=g)
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,
+                             eos_token_id=2, pad_token_id=2)
+        assert torch.equal(fast.generate(ids, max_new_tokens=30, eos_token_id=2), ref)
+
+
+def test_eagle_past_the_sliding_window():
+    """The target keeps its sliding window (the drafter only proposes tokens); text longer than the window."""
+    from tiny_models import WINDOW, _mistral
+
+    target = _mistral(0, tie_word_embeddings=True)
+    assert 12 + 24 > 2 * WINDOW
+    head = new_eagle(target, torch.arange(target.config.vocab_size))
+    fast = speccomp.compile(target, drafter=EagleDrafter(head, Tree.from_choices([[0], [1], [0, 0]])))
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(2))
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    assert torch.equal(fast.generate(ids, max_new_tokens=24), ref)
+
+
+def test_eagle_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
+    th = importlib.import_module("speccomp.train_heads")  # (speccomp.train_heads is also the function)
+
+    g = torch.Generator().manual_seed(1)
+    train = [torch.randint(3, 96, (1, 10), generator=g) for _ in range(8)]
+    epochs = 12
+    kwargs = dict(kind="eagle", num_heads=3, max_new_tokens=24, epochs=epochs, lr=1e-2, batch_size=2, draft_vocab=64,
+                  progress=False)
+    calls = {"n": 0, "stop": None}
+    real_loss = th._eagle_loss
+
+    def counting_loss(*args, **kw):
+        calls["n"] += 1
+        if calls["stop"] and calls["n"] > calls["stop"]:
+            raise KeyboardInterrupt  # the user stops the run in the middle of epoch 2
+        return real_loss(*args, **kw)
+
+    monkeypatch.setattr(th, "_eagle_loss", counting_loss)
+    head = train_heads(model, train, out=tmp_path / "h", **kwargs)
+    assert isinstance(head, EagleHead) and len(head.draft_vocab) <= 64
+    per_epoch = calls["n"] // epochs
+    calls.update(n=0, stop=per_epoch + 1)
+    with pytest.raises(KeyboardInterrupt):
+        train_heads(model, train, out=tmp_path / "h2", **kwargs)
+    assert json.loads((tmp_path / "h2" / "_train" / "progress.json").read_text())["epoch"] == 1
+    calls.update(n=0, stop=None)
+    again = train_heads(model, train, out=tmp_path / "h2", **kwargs)  # resumes at epoch 2
+    assert calls["n"] == (epochs - 1) * per_epoch
+    for a, b in zip(head.state_dict().values(), again.state_dict().values()):
+        assert torch.equal(a, b)  # seeded and resumable: the same head as the uninterrupted run
+
+    seqs, starts = distilled_text(tmp_path / "h")
+    trained = eagle_accuracy(head, model, seqs, starts, steps=3)
+    untrained = eagle_accuracy(new_eagle(model, head.draft_vocab), model, seqs, starts, steps=3)
+    # (the untrained head starts as the identity on the feature, so it already scores the token just read)
+    assert trained[0] > untrained[0] + 0.05 and trained[1] > untrained[1] + 0.03, (trained, untrained)
+    fast = speccomp.compile(model, drafter="eagle", drafter_options={"heads": str(tmp_path / "h")})
+    taus = []
+    for s in seqs[:4]:
+        ids = s[:10]
+        ref = model.generate(ids[None], attention_mask=torch.ones(1, 10, dtype=torch.long), max_new_tokens=20,
+                             do_sample=False, eos_token_id=2, pad_token_id=2)
+        assert torch.equal(fast.generate(ids, max_new_tokens=20, eos_token_id=2), ref)
+        taus.append(fast.last_stats["tau"])
+    assert sum(taus) / len(taus) > 1.2, taus  # a trained head on its own training text is accepted
+    with pytest.raises(ValueError, match="soft_labels does not apply"):
+        train_heads(model, train, out=tmp_path / "h3", **{**kwargs, "soft_labels": 4})
+
+
+def test_no_eagle_head_error_says_how_to_train(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECCOMP_CACHE", str(tmp_path))
+    with pytest.raises(HeadsError, match="speccomp train-heads --kind eagle"):
+        speccomp.compile(model, drafter="eagle")
+
+
+def test_eagle_round_trip_and_bad_files(model, tmp_path):
+    from safetensors.torch import load_file
+
+    head = random_eagle(model, vocab=torch.tensor([2, 5, 7, 11]))
+    save_eagle(head, tmp_path / "a")
+    back = load_eagle(tmp_path / "a", model)
+    assert torch.equal(back.draft_vocab, head.draft_vocab)
+    for (n1, x), (n2, y) in zip(head.state_dict().items(), back.state_dict().items()):
+        assert n1 == n2 and torch.equal(x.half().float(), y)  # stored as float16
+    save_eagle(back, tmp_path / "b")  # a loaded file saves back bit for bit
+    fa, fb = load_file(str(tmp_path / "a" / "eagle_head.safetensors")), load_file(str(tmp_path / "b" / "eagle_head.safetensors"))
+    assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert cfg["head_type"] == "eagle" and cfg["draft_vocab_size"] == 4 and cfg["hidden_size"] == 32
+
+    other = tiny_llama(hidden_size=48, num_attention_heads=4, num_key_value_heads=2)
+    save_eagle(new_eagle(other, torch.arange(10)), tmp_path / "wrong")
+    with pytest.raises(HeadsError, match="hidden size 48"):
+        load_eagle(tmp_path / "wrong", model)
+    small_vocab = tiny_llama(vocab_size=50, tie_word_embeddings=True)  # same hidden size, other vocabulary
+    with pytest.raises(HeadsError, match="vocabulary of 96"):
+        load_eagle(tmp_path / "a", small_vocab)
+    (tmp_path / "a" / "eagle_head.safetensors").write_bytes(b"garbage")
+    with pytest.raises(HeadsError, match="corrupt"):
+        load_eagle(tmp_path / "a", model)
+    with pytest.raises(HeadsError, match="not a Eagle head directory"):
+        speccomp.compile(model, drafter="eagle", drafter_options={"heads": str(tmp_path / "nothing")})
+    with pytest.raises(ValueError, match="unknown eagle options"):
+        speccomp.compile(model, drafter="eagle", drafter_options={"heads": str(tmp_path / "b"), "depth": 3})
+
+
+def test_autotune_can_retree_the_eagle_drafter(model):
+    from speccomp.autotune import retree, supports_dynamic
+    from speccomp.tree import DynamicTreeSpec
+
+    drafter = EagleDrafter(random_eagle(model), Tree.from_choices([[0]]))
+    assert supports_dynamic(drafter)
+    chain = retree(drafter, Tree.from_choices([[0], [0, 0]]))
+    grown = retree(drafter, DynamicTreeSpec(6, 2))
+    assert isinstance(chain, EagleDrafter) and chain.head is drafter.head and chain.tree.size == 3
+    assert isinstance(grown.tree, DynamicTreeSpec) and grown.head is drafter.head
+    with pytest.raises(TypeError, match="Tree or a DynamicTreeSpec"):
+        EagleDrafter(drafter.head, [[0]])
