@@ -42,7 +42,7 @@
    `autotune/`, keyed by (model fingerprint, drafter, backend, device, dtype, threads, CPU);
    `speccomp.compile(..., tree="auto")` reads it back (`resolve_auto`).
 
-Drafters: early_exit, layer_skip, token_recycling, medusa, hydra. `ngram` builds its tree from
+Drafters: early_exit, layer_skip, token_recycling, medusa, hydra, eagle. `ngram` builds its tree from
 the matches it finds and takes no tree, so it cannot be tuned (a clear error says so). Token
 recycling is tuned as pure Token Recycling (`ngram_branches=0`) unless drafter_options say
 otherwise: its prompt-lookup branch adds nodes the tree model does not see (with it, the
@@ -716,7 +716,7 @@ def autotune(
     prompts        calibration prompts (token id tensors [1, n] or [n])
     max_nodes      largest tree considered, root included (also capped by the model's sliding windows)
     max_depth, ranks   the probe tree: depths measured and candidates per node (the DP uses no more)
-    mode           "static", "dynamic" (drafters that grow trees: early_exit, layer_skip, hydra) or
+    mode           "static", "dynamic" (drafters that grow trees: early_exit, layer_skip, hydra, eagle) or
                    "auto" (both where the drafter supports dynamic trees; the faster prediction wins)
     dynamic_budgets    budgets tried in dynamic mode (draft nodes, root not counted), with `dynamic_top_k`
     measure_sizes  static tree sizes to decode for predicted-vs-measured rows besides the chosen one

@@ -147,6 +147,13 @@ def cmd_train_heads(args) -> int:
     if args.synthetic < 0:
         raise ValueError(f"--synthetic (extra synthetic prompts) must be >= 0, got {args.synthetic}")
     check_soft_labels(args.soft_labels)
+    if args.kind == "eagle" and args.soft_labels:
+        raise ValueError("--soft-labels does not apply to --kind eagle: it always learns the model's whole distribution "
+                         "over its draft vocabulary")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.kind == "eagle" and args.layers != 1:
+        raise ValueError(f"--layers is the ResBlocks per Medusa/Hydra head; an EAGLE head is one decoder layer, got --layers {args.layers}")
     # more kinds of request than the files hold (speccomp/synthetic_prompts.py); checked before the model loads
     extra = synthetic_prompts(args.synthetic, seed=args.seed) if args.synthetic else []
     model, tok = _load(args)
@@ -154,7 +161,8 @@ def cmd_train_heads(args) -> int:
     prompts += [chat_ids(tok, text) for text in extra]
     out = Path(args.out) if args.out else heads_dir(model, args.kind)
     source = f"{files}" + (f" + {args.synthetic} synthetic" if args.synthetic else "")
-    print(f"training {args.heads} {args.kind} heads on {len(prompts)} prompts from {source} -> {out}", file=sys.stderr)
+    what = f"an EAGLE head ({args.heads} unrolled steps)" if args.kind == "eagle" else f"{args.heads} {args.kind} heads"
+    print(f"training {what} on {len(prompts)} prompts from {source} -> {out}", file=sys.stderr)
     train_heads(model, prompts, out=out, kind=args.kind, num_heads=args.heads, num_layers=args.layers,
                 max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, seed=args.seed, batch_size=args.batch_size,
                 draft_vocab=args.draft_vocab, sampled=args.sampled, soft_labels=args.soft_labels,

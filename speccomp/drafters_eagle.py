@@ -49,7 +49,8 @@ class EagleDrafter(Drafter):
         self.length, self.pending = 0, None
 
     def take_states(self, states) -> None:
-        feats = states[0]  # [m, H]: the prompt after the prefill, the accepted path after a verification
+        # [m, H]: the prompt after the prefill, the accepted path after a verification (in the head's dtype)
+        feats = states[0].to(self.head.fc.weight.dtype)
         self.pending = feats if self.pending is None else torch.cat([self.pending, feats])
 
     def _room(self, n: int) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .medusa import HeadsError, MedusaHeads, load_medusa
+from .medusa import HeadsError, MedusaHeads, display_kind, load_medusa
 from .models import cache_dir
 from .drafters import LOG_MIN_PROB, MAX_DYNAMIC_DEPTH, select_tree
 from .speculative import Draft, DraftContext, Drafter, truncate
@@ -63,7 +63,7 @@ def find_heads(model, path=None, kind: str = "medusa") -> Path:
             return candidate
     layout = " (FasterDecoding/Medusa's layout)" if kind == "medusa" else ""
     raise HeadsError(
-        f"no {kind.capitalize()} heads for this model: train them with `speccomp train-heads --kind {kind}` "
+        f"no {display_kind(kind)[2:].strip()} heads for this model: train them with `speccomp train-heads --kind {kind}` "
         f"(default model), or `speccomp.train_heads(model, prompts, out=DIR, kind={kind!r})` in Python, "
         f"or pass drafter_options={{'heads': DIR}} for heads saved elsewhere{layout}"
     )

@@ -73,8 +73,9 @@ class EagleHead(nn.Module):
     def __init__(self, hidden: int, vocab: int, num_heads: int, intermediate: int, lm_head: torch.Tensor,
                  embed: torch.Tensor, draft_vocab: torch.Tensor, rope_theta: float = 10000.0):
         super().__init__()
-        if num_heads < 1 or hidden % num_heads:
-            raise HeadsError(f"the hidden size {hidden} must split into num_heads={num_heads} attention heads")
+        if num_heads < 1 or hidden % num_heads or (hidden // num_heads) % 2:
+            raise HeadsError(f"the hidden size {hidden} must split into num_heads={num_heads} attention heads of an even "
+                             f"size (RoPE rotates pairs of dimensions)")
         self.hidden, self.vocab, self.num_heads, self.intermediate = hidden, vocab, num_heads, intermediate
         self.head_dim, self.rope_theta = hidden // num_heads, float(rope_theta)
         self.fc = nn.Linear(2 * hidden, hidden)
@@ -161,7 +162,7 @@ def new_eagle(model, draft_vocab, num_heads: int | None = None, intermediate: in
     cfg = getattr(model, "config", None)
     if num_heads is None:
         num_heads = getattr(cfg, "num_attention_heads", None) or max(1, hidden // 64)
-        if hidden % num_heads:
+        if hidden % num_heads or (hidden // num_heads) % 2:
             num_heads = 1
     if intermediate is None:
         intermediate = getattr(cfg, "intermediate_size", None) or 4 * hidden
@@ -215,9 +216,13 @@ def load_eagle(directory, model) -> EagleHead:
     if tuple(tensors["o.weight"].shape) != (hidden, hidden):
         raise HeadsError(f"the EAGLE head in {directory} was made for hidden size {tensors['o.weight'].shape[0]}, "
                          f"but the model has hidden size {hidden}")
-    if int(config.get("vocab_size", vocab)) != vocab or int(tensors["draft_vocab"].max()) >= vocab:
+    if int(config.get("vocab_size", vocab)) != vocab:
         raise HeadsError(f"the EAGLE head in {directory} was made for a vocabulary of {config.get('vocab_size')}, "
                          f"the model's is {vocab}")
+    dv = tensors["draft_vocab"]
+    if dv.dim() != 1 or dv.numel() == 0 or int(dv.min()) < 0 or int(dv.max()) >= vocab:
+        raise HeadsError(f"{w_path}: draft_vocab must be a non-empty list of token ids below the model's vocabulary "
+                         f"({vocab}); the file is corrupt or made for another model")
     try:
         head = EagleHead(hidden, vocab, num_heads, int(config["intermediate_size"]), lm, _input_embedding(model),
                          tensors["draft_vocab"], float(config.get("rope_theta", 10000.0)))

@@ -121,6 +121,11 @@ def save_medusa(heads: MedusaHeads, directory, *, base_model: str = "", medusa_l
     return directory
 
 
+def display_kind(kind: str) -> str:
+    """"a Medusa", "a Hydra", "an EAGLE": how messages name a head kind."""
+    return {"eagle": "an EAGLE"}.get(kind, f"a {kind.capitalize()}")
+
+
 def read_head_files(directory, kind: str, weights: str):
     """(config, number of heads, layers per head, tensors) of a head directory (`kind`: "medusa" or
     "hydra", the prefix of its config keys), with clear errors for missing or corrupt files."""
@@ -130,7 +135,7 @@ def read_head_files(directory, kind: str, weights: str):
     directory = Path(directory)
     cfg_path, w_path = directory / CONFIG, directory / weights
     if not w_path.exists() or not cfg_path.exists():
-        raise HeadsError(f"{directory} is not a {kind.capitalize()} head directory: it needs {CONFIG} and {weights}")
+        raise HeadsError(f"{directory} is not {display_kind(kind)} head directory: it needs {CONFIG} and {weights}")
     try:
         config = json.loads(cfg_path.read_text())
         k_heads, layers = int(config[f"{kind}_num_heads"]), int(config.get(f"{kind}_num_layers", 1))

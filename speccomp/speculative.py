@@ -62,7 +62,9 @@ class Drafter:
     def take_states(self, states: tuple) -> None:
         """The target's outputs from `hidden` on (hidden [H], then extra outputs of passes, e.g. Medusa
         head states [K, H]) at the newest token: after the prefill its last prompt token, after a
-        verification the last accepted node. Called only when `wants_states` is True."""
+        verification the last accepted node. With wants_states == "path" every newly accepted position
+        instead ([m, H], ...: all prompt positions, then the accepted path root first). Called only when
+        `wants_states` is set (True or "path")."""
 
 
 ROOT_ONLY = Tree.from_parents((-1,))
@@ -107,10 +109,10 @@ def decode_speculative(
     cache = KVCache(kv, n + max_new_tokens + max_tree + 1, device)
     outs = prefill(target, cache, prompt)
     logits = outs[0]
-    drafter.begin(prompt[0].tolist())
+    stats.prefill_seconds = time.perf_counter() - start
+    drafter.begin(prompt[0].tolist())  # before take_states: a drafter may reset its state here
     if drafter.wants_states:
         drafter.take_states(tuple(x[0] if drafter.wants_states == "path" else x[0, -1] for x in outs[2:]))
-    stats.prefill_seconds = time.perf_counter() - start
     out = [int(sampler(logits[0, -1]))]
     stats.steps = 1  # the prefill produced the first token
     context = prompt[0].tolist() + out

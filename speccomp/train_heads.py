@@ -1,4 +1,4 @@
-"""Train Medusa or Hydra heads on CPU (frozen backbone) on the model's own outputs.
+"""Train Medusa, Hydra or EAGLE heads on CPU (frozen backbone) on the model's own outputs (EAGLE: `_train_eagle`).
 
     heads = speccomp.train_heads(model, prompts=[ids, ...], out="heads/", kind="hydra")
 
@@ -397,8 +397,9 @@ def _train_eagle(model, seqs, starts, states, *, state, args, done, steps, epoch
         seen, loss_sum = 0, 0.0
         bar = tqdm(orders[epoch], desc=f"epoch {epoch + 1}/{epochs}", disable=not progress)
         for b, which in enumerate(bar):
-            it = epoch * total + b  # 50 steps of linear warm-up (the layer starts far from useful), then linear decay
-            opt.param_groups[0]["lr"] = lr * min(1.0, (it + 1) / 50) * max(0.05, 1 - it / (epochs * total))
+            it = epoch * total + b  # linear warm-up (50 steps, at most a fifth of the run), then linear decay
+            warmup = min(50, max(1, epochs * total // 5))
+            opt.param_groups[0]["lr"] = lr * min(1.0, (it + 1) / warmup) * max(0.05, 1 - it / (epochs * total))
             loss = _eagle_loss(head, [seqs[i] for i in batches[which]], [states[i][0] for i in batches[which]],
                                [starts[i] for i in batches[which]], steps, weights)
             opt.zero_grad(set_to_none=True)

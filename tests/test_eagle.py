@@ -161,7 +161,7 @@ def test_eagle_round_trip_and_bad_files(model, tmp_path):
     (tmp_path / "a" / "eagle_head.safetensors").write_bytes(b"garbage")
     with pytest.raises(HeadsError, match="corrupt"):
         load_eagle(tmp_path / "a", model)
-    with pytest.raises(HeadsError, match="not a Eagle head directory"):
+    with pytest.raises(HeadsError, match="not an EAGLE head directory"):
         speccomp.compile(model, drafter="eagle", drafter_options={"heads": str(tmp_path / "nothing")})
     with pytest.raises(ValueError, match="unknown eagle options"):
         speccomp.compile(model, drafter="eagle", drafter_options={"heads": str(tmp_path / "b"), "depth": 3})
