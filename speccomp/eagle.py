@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .hydra import _input_embedding
+from .hydra import HydraHeads, _input_embedding
 from .medusa import HeadsError, _lm_head_weight
 
 WEIGHTS = "eagle_head.safetensors"
@@ -96,15 +96,8 @@ class EagleHead(nn.Module):
         self.embed = embed  # [V, H] frozen, not saved
         self.set_draft_vocab(lm_head, draft_vocab)
 
-    # same contract as HydraHeads: frozen LM head restricted to the draft vocabulary
-    def set_draft_vocab(self, lm_head: torch.Tensor, draft_vocab: torch.Tensor) -> None:
-        draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long)
-        if draft_vocab.dim() != 1 or len(draft_vocab) == 0:
-            raise HeadsError("draft_vocab must be a non-empty 1-D list of token ids")
-        if int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= self.vocab:
-            raise HeadsError(f"draft_vocab holds token ids outside the model's vocabulary [0, {self.vocab})")
-        self.lm_head, self.draft_vocab = lm_head, draft_vocab
-        self.draft_lm = lm_head.index_select(0, draft_vocab).contiguous()  # [Vd, H], frozen
+    # the same contract as HydraHeads: the frozen LM head restricted to the draft vocabulary (draft_lm [Vd, H])
+    set_draft_vocab = HydraHeads.set_draft_vocab
 
     def logits(self, o: torch.Tensor) -> torch.Tensor:
         """Scores [..., Vd] over the draft vocabulary (index i is token draft_vocab[i])."""
