@@ -122,7 +122,8 @@ class EagleDrafter(Drafter):
     def _propose_dynamic(self, ctx: DraftContext, root_out) -> Draft:
         spec, vocab = self.tree, self.head.draft_vocab
         budget = min(spec.budget, ctx.max_nodes - 1)
-        max_depth = min(MAX_DYNAMIC_DEPTH, ctx.max_depth, budget)
+        # no deeper than the head was trained to draft: its guesses past that are rarely accepted, each costs a forward
+        max_depth = min(MAX_DYNAMIC_DEPTH, self.head.train_steps or MAX_DYNAMIC_DEPTH, ctx.max_depth, budget)
         parent, token, score, depth = [-1], [ctx.tokens[-1]], [0.0], [0]
         slot, out = {}, {0: root_out}
         frontier, logp = [0], self._logp(root_out)

@@ -20,7 +20,7 @@ Checkpoint layout (our own), in a directory:
 
     config.json               {"head_type": "eagle", "eagle_num_heads": A, "eagle_num_layers": 1,
                                "hidden_size": H, "vocab_size": V, "draft_vocab_size": Vd,
-                               "intermediate_size": F, "rope_theta": ..., ...}
+                               "intermediate_size": F, "rope_theta": ..., "train_steps": S, ...}
     eagle_head.safetensors    fc.weight [H, 2H], fc.bias [H], norm1.weight, qkv.weight [3H, H],
                               o.weight [H, H], norm2.weight, gate_up.weight [2F, H], down.weight [H, F],
                               draft_vocab [Vd] (int64 token ids)
@@ -69,6 +69,7 @@ class EagleHead(nn.Module):
 
     kind = "eagle"
     num_layers = 1
+    train_steps: int | None = None  # draft depths it was trained for (unrolled steps); dynamic trees go no deeper
 
     def __init__(self, hidden: int, vocab: int, num_heads: int, intermediate: int, lm_head: torch.Tensor,
                  embed: torch.Tensor, draft_vocab: torch.Tensor, rope_theta: float = 10000.0):
@@ -185,6 +186,7 @@ def save_eagle(head: EagleHead, directory, *, base_model: str = "") -> Path:
         "draft_vocab_size": len(head.draft_vocab),
         "intermediate_size": head.intermediate,
         "rope_theta": head.rope_theta,
+        **({"train_steps": head.train_steps} if head.train_steps else {}),
         "base_model_name_or_path": base_model,
         "tied_lm_head": True,
         "dtype": "float16",
@@ -220,6 +222,7 @@ def load_eagle(directory, model) -> EagleHead:
         head = EagleHead(hidden, vocab, num_heads, int(config["intermediate_size"]), lm, _input_embedding(model),
                          tensors["draft_vocab"], float(config.get("rope_theta", 10000.0)))
         head.load_state_dict({n: tensors[n].float() for n in _PARAMS})
-    except (KeyError, RuntimeError) as exc:
+        head.train_steps = int(config["train_steps"]) if config.get("train_steps") else None
+    except (KeyError, RuntimeError, ValueError, TypeError) as exc:
         raise HeadsError(f"{directory}: config.json and {WEIGHTS} disagree ({exc})") from None
     return head.eval()

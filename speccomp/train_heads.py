@@ -412,6 +412,7 @@ def _train_eagle(model, seqs, starts, states, *, state, args, done, steps, epoch
         head.eval()
         _checkpoint(state, head, opt, args, epoch + 1)
     head.eval()
+    head.train_steps = steps
     save_eagle(head, out, base_model=base_model)
     return head
 

@@ -167,6 +167,28 @@ def test_eagle_round_trip_and_bad_files(model, tmp_path):
         speccomp.compile(model, drafter="eagle", drafter_options={"heads": str(tmp_path / "b"), "depth": 3})
 
 
+def test_dynamic_trees_stop_at_the_trained_depth(model, tmp_path):
+    from speccomp.drafters import MAX_DYNAMIC_DEPTH
+    from speccomp.tree import DynamicTreeSpec
+
+    head = random_eagle(model)
+    head.train_steps = 2
+    save_eagle(head, tmp_path / "h")
+    back = load_eagle(tmp_path / "h", model)
+    assert back.train_steps == 2 and json.loads((tmp_path / "h" / "config.json").read_text())["train_steps"] == 2
+    back.draft_lm = back.draft_lm * 100  # confident drafts: growth never stops for low probability
+
+    def depth(steps):
+        back.train_steps = steps
+        drafter = EagleDrafter(back, DynamicTreeSpec(16, 1))  # top-1: a chain as deep as allowed
+        g = torch.Generator().manual_seed(3)
+        drafter.begin([])
+        drafter.take_states((torch.randn(6, 32, generator=g),))
+        return drafter.propose(DraftContext(list(range(3, 10)), None, 8, 32)).tree.max_depth
+
+    assert depth(2) == 2 and depth(None) == MAX_DYNAMIC_DEPTH
+
+
 def test_autotune_can_retree_the_eagle_drafter(model):
     from speccomp.autotune import retree, supports_dynamic
     from speccomp.tree import DynamicTreeSpec
