@@ -107,15 +107,27 @@ class EagleHead(nn.Module):
     def entries(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
         """Layer inputs of entries (feature f_p, next token x_{p+1}) at `positions`: feats [..., n, H], tokens and
         positions [..., n] -> u [..., n, H] (the residual stream) and q, k, v [..., n, A, D] (RoPE applied)."""
-        u = self.fc(torch.cat([feats, self.embed[tokens]], -1))
-        q, k, v = self.qkv(self.norm1(u)).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
+        u = self._lin(torch.cat([feats, self.embed[tokens]], -1), self.fc)
+        q, k, v = self._lin(self.norm1(u), self.qkv).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
         return u, _rotate(q, positions, self.rope_theta), _rotate(k, positions, self.rope_theta), v
 
     def finish(self, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual stream u [..., n, H] + attention output attn [..., n, A, D] -> the predicted next feature."""
-        x = u + self.o(attn.flatten(-2))
-        gate, up = self.gate_up(self.norm2(x)).chunk(2, -1)
-        return x + self.down(F.silu(gate) * up)
+        x = u + self._lin(attn.flatten(-2), self.o)
+        gate, up = self._lin(self.norm2(x), self.gate_up).chunk(2, -1)
+        return x + self._lin(F.silu(gate) * up, self.down)
+
+    @staticmethod
+    def _lin(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        """layer(x); when drafting (no grad, CPU float32) through oneDNN on the weight packed once, which is
+        about twice as fast for the few rows a draft step has (passes/prepack_linear.py). Packed once per weight
+        tensor: weights changed in place after drafting need a fresh `load_eagle`."""
+        if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32:
+            return layer(x)
+        from speccomp.passes.prepack_linear import linear
+
+        y = linear(x.reshape(-1, x.shape[-1]), layer.weight).reshape(*x.shape[:-1], -1)
+        return y if layer.bias is None else y + layer.bias
 
     def unrolled(self, feats: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training view, `steps` chained drafts from every anchor at once. feats [B, T, H] (f_0..f_{T-1}), tokens
