@@ -46,12 +46,19 @@ class EagleDrafter(Drafter):
         return EagleDrafter(self.head, tree)
 
     def begin(self, prompt: list[int]) -> None:
-        self.length, self.pending = 0, None
+        self.length, self.pending, self.prompt = 0, None, list(prompt)
 
     def take_states(self, states) -> None:
         # [m, H]: the prompt after the prefill, the accepted path after a verification (in the head's dtype)
         feats = states[0].to(self.head.fc.weight.dtype)
         self.pending = feats if self.pending is None else torch.cat([self.pending, feats])
+        prompt, self.prompt = getattr(self, "prompt", None), None
+        if prompt and self.length == 0 and len(self.pending) == len(prompt) > 1:
+            # right after the prefill: every prompt entry but the last already knows its next token (a prompt
+            # token), so it runs now, with the prefill, rather than inside the first draft step
+            with torch.no_grad():
+                self._append(self.pending[:-1], torch.tensor(prompt[1:], dtype=torch.long))
+            self.pending = self.pending[-1:]
 
     def _room(self, n: int) -> None:
         if n > self.k.shape[1]:
@@ -79,12 +86,18 @@ class EagleDrafter(Drafter):
         if c + m != len(ctx.tokens) - 1:
             raise RuntimeError(f"EAGLE drafter out of step: {c} committed + {m} pending entries for "
                                f"{len(ctx.tokens) - 1} positions before the root")
-        self._room(c + m + 64)
-        tokens = torch.tensor(ctx.tokens[c + 1 : c + m + 1], dtype=torch.long)
-        mask = torch.ones(m, c + m, dtype=torch.bool).tril(c)  # entry i (position c + i) sees positions <= c + i
-        out = self._run(self.pending, tokens, torch.arange(c, c + m), c, mask)
-        self.length, self.pending, self.root_out = c + m, None, out[-1:]
+        out = self._append(self.pending, torch.tensor(ctx.tokens[c + 1 : c + m + 1], dtype=torch.long))
+        self.pending, self.root_out = None, out[-1:]
         return self.root_out
+
+    def _append(self, feats, tokens) -> torch.Tensor:
+        """Commit entries (feats [m, H], next tokens [m]) after the `length` committed ones; their outputs [m, H]."""
+        m, c = len(tokens), self.length
+        self._room(c + m + 64)
+        mask = torch.ones(m, c + m, dtype=torch.bool).tril(c)  # entry i (position c + i) sees positions <= c + i
+        out = self._run(feats, tokens, torch.arange(c, c + m), c, mask)
+        self.length = c + m
+        return out
 
     def _expand(self, nodes: list[int], parent, token, depth, slot, out):
         """Scratch entries for `nodes` (all at one depth >= 1); fills slot[c] and out[c]; log-probs [k, Vd]."""

@@ -29,7 +29,8 @@ def random_eagle(model, vocab=None, seed=0, scale=0.1):
     return head.eval()
 
 
-def test_unrolled_training_view_is_the_drafters_computation(model):
+@pytest.mark.parametrize("prompt_known", [True, False])
+def test_unrolled_training_view_is_the_drafters_computation(model, prompt_known):
     """Training unrolls the head on its own guesses for every anchor at once (custom attention over the true
     entries plus the anchor's earlier steps). That must be exactly what the drafter computes at run time with
     its KV cache and tree mask, also for a node under a second branch (whose sibling's entry it must not see)."""
@@ -40,8 +41,11 @@ def test_unrolled_training_view_is_the_drafters_computation(model):
     with torch.no_grad():
         outs = head.unrolled(f, x, torch.ones(1, t, dtype=torch.bool), 3)
         drafter = EagleDrafter(head, Tree.from_choices([[0], [1]]))
-        drafter.begin([])
-        drafter.take_states((f[0, : p + 1],))  # entries (f_q, x_{q+1}) for q <= p; the root is x_{p+1}
+        # entries (f_q, x_{q+1}) for q <= p; the root is x_{p+1}. Knowing the prompt x_0..x_p, the drafter runs
+        # the entries q < p at take_states (with the prefill), else all of them in the first propose
+        drafter.begin(x[0, : p + 1].tolist() if prompt_known else [])
+        drafter.take_states((f[0, : p + 1],))
+        assert drafter.length == (p if prompt_known else 0)
         root = drafter._commit(DraftContext(x[0, : p + 2].tolist(), None, 5, 10))
         # candidates: 0 root, 1 = a decoy sibling, 2 = x_{p+2} (true path, second branch), 3 = x_{p+3} under it
         parent, depth = [-1, 0, 0, 2], [0, 1, 1, 2]
