@@ -595,6 +595,8 @@ def draft_seconds(timing: dict, choices: list) -> float:
         per_level = timing.get("draft_overhead_per_level_s")
         overhead = per_level * len(forwards) if per_level is not None else timing.get("draft_overhead_s", 0.0)  # old results
         return overhead + sum(_interp(timing["widths"], timing["draft_s"], w) for w in forwards)
+    if timing.get("propose_per_level_s") is not None:  # drafters that run one forward per draft level (EAGLE)
+        return timing["propose_per_level_s"] * (len(_tree_widths(choices)) - 1)
     return timing["propose_s"]
 
 
@@ -797,9 +799,11 @@ def autotune(
     timing["propose_s"] = statistics.median(s["propose_s"] for s in proposed) if proposed else 0.0
     timing["observe_per_node_s"] = statistics.median(s["observe_s"] / s["size"] for s in steps) if steps else 0.0
     timing["draft_overhead_per_level_s"] = 0.0
+    probe_levels = len(_tree_widths(probe_choices)) - 1
     if timing["widths"]:  # what propose costs beyond its forwards (Python, top-k), per draft level of the probe
-        probe_levels = len(_tree_widths(probe_choices)) - 1
         timing["draft_overhead_per_level_s"] = max(0.0, timing["propose_s"] - draft_seconds(timing, probe_choices)) / probe_levels
+    elif getattr(sm.drafter, "drafts_by_level", False):  # its own forward per level: propose time scales with depth
+        timing["propose_per_level_s"] = timing["propose_s"] / probe_levels
     # nodes the drafter really sent, per depth, against the probe's (token recycling prunes rowless tokens)
     presence = []
     for d in range(1, depth + 1):

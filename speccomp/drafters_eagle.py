@@ -40,6 +40,7 @@ class EagleDrafter(Drafter):
         self.pending = None  # target features [m, H] of positions length .. length+m-1, not yet run
 
     dynamic_trees = True  # autotune may tune it in mode="dynamic"
+    drafts_by_level = True  # one layer forward per draft depth: autotune charges propose time per level
 
     def with_tree(self, tree) -> "EagleDrafter":
         """The same head drafting `tree` (autotune's hook)."""

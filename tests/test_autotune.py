@@ -404,3 +404,14 @@ def test_cli_parses_autotune():
 
     args = build_parser().parse_args(["autotune", "--drafter", "layer_skip", "--max-nodes", "32", "--report", "r.png"])
     assert args.func is cmd_autotune and args.max_nodes == 32 and args.report == "r.png" and args.mode == "auto"
+
+
+def test_level_by_level_drafters_pay_per_draft_depth():
+    """A drafter with its own forward per depth (EAGLE) costs the probe's propose time scaled by depth."""
+    from speccomp.autotune import draft_seconds
+
+    timing = {"widths": [], "propose_s": 0.06, "propose_per_level_s": 0.01}
+    assert draft_seconds(timing, [[0], [1], [0, 0]]) == pytest.approx(0.02)
+    assert draft_seconds(timing, [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]) == pytest.approx(0.04)
+    del timing["propose_per_level_s"]  # others (Medusa: one matmul for every depth) pay the probe's time
+    assert draft_seconds(timing, [[0]]) == pytest.approx(0.06)
