@@ -205,3 +205,18 @@ def test_autotune_can_retree_the_eagle_drafter(model):
     assert isinstance(grown.tree, DynamicTreeSpec) and grown.head is drafter.head
     with pytest.raises(TypeError, match="Tree or a DynamicTreeSpec"):
         EagleDrafter(drafter.head, [[0]])
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--soft-labels", "4"], "--soft-labels does not apply"), (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--layers", "2"], "one decoder layer"),
+])
+def test_cli_refuses_eagle_options_before_loading_the_model(capsys, monkeypatch, argv, match):
+    import speccomp.cli as cli
+
+    def no_load(args):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(cli, "_load", no_load)
+    assert cli.main(["train-heads", "--kind", "eagle", *argv, "--prompts", "x.jsonl"]) == 2
+    assert match in capsys.readouterr().err
