@@ -28,6 +28,8 @@ DEFAULT_EAGLE_TREE = DynamicTreeSpec(16, 4)
 class EagleDrafter(Drafter):
     name = "eagle"
     wants_states = "path"  # the target's hidden states of every accepted position, not only the newest
+    dynamic_trees = True  # autotune may tune it in mode="dynamic"
+    drafts_by_level = True  # one layer forward per draft depth: autotune charges propose time per level
 
     def __init__(self, head, tree):
         if not isinstance(tree, (Tree, DynamicTreeSpec)):
@@ -38,9 +40,7 @@ class EagleDrafter(Drafter):
         self.v = torch.zeros(a, 256, d)
         self.length = 0  # committed entries: positions 0 .. length-1
         self.pending = None  # target features [m, H] of positions length .. length+m-1, not yet run
-
-    dynamic_trees = True  # autotune may tune it in mode="dynamic"
-    drafts_by_level = True  # one layer forward per draft depth: autotune charges propose time per level
+        self.prompt = None  # set by begin, used once by the first take_states
 
     def with_tree(self, tree) -> "EagleDrafter":
         """The same head drafting `tree` (autotune's hook)."""
@@ -53,7 +53,7 @@ class EagleDrafter(Drafter):
         # [m, H]: the prompt after the prefill, the accepted path after a verification (in the head's dtype)
         feats = states[0].to(self.head.fc.weight.dtype)
         self.pending = feats if self.pending is None else torch.cat([self.pending, feats])
-        prompt, self.prompt = getattr(self, "prompt", None), None
+        prompt, self.prompt = self.prompt, None
         if prompt and self.length == 0 and len(self.pending) == len(prompt) > 1:
             # right after the prefill: every prompt entry but the last already knows its next token (a prompt
             # token), so it runs now, with the prefill, rather than inside the first draft step
