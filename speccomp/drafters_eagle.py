@@ -178,13 +178,8 @@ class EagleDrafter(Drafter):
 
 
 def make_eagle(base, options: dict, tree) -> EagleDrafter:
-    from .drafters_medusa import find_heads
+    from .drafters_medusa import heads_for
     from .eagle import load_eagle
 
-    path = options.pop("heads", None)
-    if options:
-        raise ValueError(f"unknown eagle options {sorted(options)}; accepted: ['heads']")
-    if base.model is None:
-        raise ValueError("the eagle drafter needs the model (speccomp.compile passes it)")
-    head = load_eagle(find_heads(base.model, path, "eagle"), base.model)
+    head = load_eagle(heads_for(base, options, "eagle"), base.model)
     return EagleDrafter(head, tree if tree is not None else DEFAULT_EAGLE_TREE)

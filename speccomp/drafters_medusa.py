@@ -188,25 +188,24 @@ class HydraDrafter(Drafter):
         return Draft(tree, torch.tensor(tokens, dtype=torch.long))
 
 
+def heads_for(base, options: dict, kind: str) -> Path:
+    """The head directory a `kind` drafter uses: drafter_options={"heads": DIR} (the only option), else found."""
+    path = options.pop("heads", None)
+    if options:
+        raise ValueError(f"unknown {kind} options {sorted(options)}; accepted: ['heads']")
+    if base.model is None:
+        raise ValueError(f"the {kind} drafter needs the model (speccomp.compile passes it)")
+    return find_heads(base.model, path, kind)
+
+
 def make_hydra(base, options: dict, tree) -> HydraDrafter:
     from .hydra import load_hydra
     from .tree import DynamicTreeSpec
 
-    path = options.pop("heads", None)
-    if options:
-        raise ValueError(f"unknown hydra options {sorted(options)}; accepted: ['heads']")
-    if base.model is None:
-        raise ValueError("the hydra drafter needs the model (speccomp.compile passes it)")
-    heads = load_hydra(find_heads(base.model, path, "hydra"), base.model)
+    heads = load_hydra(heads_for(base, options, "hydra"), base.model)
     return HydraDrafter(heads, tree if tree is not None else DynamicTreeSpec(16, 4))
 
 
 def make_medusa(base, options: dict, tree) -> MedusaDrafter:
-    path = options.pop("heads", None)
-    if options:
-        raise ValueError(f"unknown medusa options {sorted(options)}; accepted: ['heads']")
-    model = base.model
-    if model is None:
-        raise ValueError("the medusa drafter needs the model (speccomp.compile passes it)")
-    heads = load_medusa(find_heads(model, path, "medusa"), model)
+    heads = load_medusa(heads_for(base, options, "medusa"), base.model)
     return MedusaDrafter(heads, tree if tree is not None else Tree.from_choices(DEFAULT_MEDUSA_TREE))
