@@ -100,16 +100,24 @@ class GraphDrafter(Drafter):
                 slot_of[c] = used + i
             logits = self._forward(cache, base, used, torch.tensor([token[c] for c in frontier]), d, rows)
             logp, top = logits.float().log_softmax(-1).topk(spec.top_k, dim=-1)  # [k, top_k]
-            new = []
-            for i, c in enumerate(frontier):
-                for r in range(spec.top_k):
-                    parent.append(c)
-                    token.append(int(top[i, r]))
-                    score.append(score[c] + float(logp[i, r]))
-                    depth.append(d + 1)
-                    new.append(len(token) - 1)
-            frontier = sorted(new, key=lambda c: -score[c])[: spec.top_k]
+            frontier = add_children(frontier, logp, top, parent, token, score, depth)
         return select_tree(parent, token, score, depth, budget)
+
+
+def add_children(frontier: list[int], top_logp: torch.Tensor, top_tokens: torch.Tensor, parent: list[int],
+                 token: list[int], score: list[float], depth: list[int]) -> list[int]:
+    """One level of dynamic growth: every frontier node c (row i) gets a child per column of top_tokens [k, top_k]
+    (token ids) with cumulative score score[c] + top_logp[i, r]; appended to the candidate lists. Returns the next
+    frontier: the top_k likeliest new candidates."""
+    new = []
+    for i, c in enumerate(frontier):
+        for r in range(top_tokens.shape[1]):
+            parent.append(c)
+            token.append(int(top_tokens[i, r]))
+            score.append(score[c] + float(top_logp[i, r]))
+            depth.append(depth[c] + 1)
+            new.append(len(token) - 1)
+    return sorted(new, key=lambda c: -score[c])[: top_tokens.shape[1]]
 
 
 def select_tree(parent: list[int], token: list[int], score: list[float], depth: list[int], budget: int) -> Draft:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from .drafters import LOG_MIN_PROB, MAX_DYNAMIC_DEPTH, select_tree
+from .drafters import LOG_MIN_PROB, MAX_DYNAMIC_DEPTH, add_children, select_tree
 from .speculative import Draft, DraftContext, Drafter, truncate
 from .tree import DynamicTreeSpec, Tree
 
@@ -144,16 +144,8 @@ class EagleDrafter(Drafter):
         for d in range(max_depth):
             if d > 0:
                 logp = self._expand(frontier, parent, token, depth, slot, out)
-            top_p, top = logp.topk(spec.top_k, dim=-1)  # [k, top_k]
-            new = []
-            for i, c in enumerate(frontier):
-                for r in range(spec.top_k):
-                    parent.append(c)
-                    token.append(int(vocab[top[i, r]]))
-                    score.append(score[c] + float(top_p[i, r]))
-                    depth.append(d + 1)
-                    new.append(len(token) - 1)
-            frontier = sorted(new, key=lambda c: -score[c])[: spec.top_k]
+            top_p, top = logp.topk(spec.top_k, dim=-1)  # [k, top_k] draft-vocabulary indices
+            frontier = add_children(frontier, top_p, vocab[top], parent, token, score, depth)
             if max(score[c] for c in frontier) < LOG_MIN_PROB:
                 break
         return select_tree(parent, token, score, depth, budget)

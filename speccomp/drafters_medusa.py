@@ -25,7 +25,7 @@ import torch
 
 from .medusa import HeadsError, MedusaHeads, display_kind, load_medusa
 from .models import cache_dir
-from .drafters import LOG_MIN_PROB, MAX_DYNAMIC_DEPTH, select_tree
+from .drafters import LOG_MIN_PROB, MAX_DYNAMIC_DEPTH, add_children, select_tree
 from .speculative import Draft, DraftContext, Drafter, truncate
 from .tree import Tree
 
@@ -151,21 +151,15 @@ class HydraDrafter(Drafter):
         max_depth = min(MAX_DYNAMIC_DEPTH, self.heads.num_heads, ctx.max_depth, budget)
         vocab = self.heads.draft_vocab
         parent, token, score, depth = [-1], [ctx.tokens[-1]], [0.0], [0]
-        state = {0: self.h[None]}  # candidate -> the state its head reads (its parent's output)
+        out = {}  # expanded candidate -> its head's output, the state its children's head reads
         frontier = [0]
         for d in range(max_depth):
-            z, logp = self._expand(d, torch.cat([state[c] for c in frontier]), [token[c] for c in frontier])
-            top_p, top = logp.topk(spec.top_k, dim=-1)  # [k, top_k]
-            new = []
+            states = torch.cat([self.h[None] if c == 0 else out[parent[c]] for c in frontier])
+            z, logp = self._expand(d, states, [token[c] for c in frontier])
             for i, c in enumerate(frontier):
-                for r in range(spec.top_k):
-                    parent.append(c)
-                    token.append(int(vocab[top[i, r]]))
-                    score.append(score[c] + float(top_p[i, r]))
-                    depth.append(d + 1)
-                    state[len(token) - 1] = z[i : i + 1]
-                    new.append(len(token) - 1)
-            frontier = sorted(new, key=lambda c: -score[c])[: spec.top_k]
+                out[c] = z[i : i + 1]
+            top_p, top = logp.topk(spec.top_k, dim=-1)  # [k, top_k] draft-vocabulary indices
+            frontier = add_children(frontier, top_p, vocab[top], parent, token, score, depth)
             if max(score[c] for c in frontier) < LOG_MIN_PROB:
                 break
         return select_tree(parent, token, score, depth, budget)

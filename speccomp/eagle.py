@@ -28,7 +28,6 @@ Weights are stored as float16 and loaded as float32.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -37,10 +36,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from .hydra import HydraHeads, _input_embedding
-from .medusa import HeadsError, _lm_head_weight
+from .medusa import HeadsError, _lm_head_weight, write_head_files
 
 WEIGHTS = "eagle_head.safetensors"
-CONFIG = "config.json"
 
 
 class RMSNorm(nn.Module):
@@ -182,10 +180,6 @@ _PARAMS = ("fc.weight", "fc.bias", "norm1.weight", "qkv.weight", "o.weight", "no
 
 
 def save_eagle(head: EagleHead, directory, *, base_model: str = "") -> Path:
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     state = head.state_dict()
     tensors = {name: state[name].detach().half().contiguous() for name in _PARAMS}
     tensors["draft_vocab"] = head.draft_vocab.contiguous()
@@ -203,9 +197,7 @@ def save_eagle(head: EagleHead, directory, *, base_model: str = "") -> Path:
         "tied_lm_head": True,
         "dtype": "float16",
     }
-    save_file(tensors, str(directory / WEIGHTS))
-    (directory / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
-    return directory
+    return write_head_files(directory, WEIGHTS, tensors, config)
 
 
 def load_eagle(directory, model) -> EagleHead:

@@ -26,16 +26,14 @@ Weights are stored as float16 (a few MB) and loaded as float32.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .medusa import HeadsError, ResBlock, _lm_head_weight, read_head_files
+from .medusa import HeadsError, ResBlock, _lm_head_weight, read_head_files, write_head_files
 
 WEIGHTS = "hydra_heads.safetensors"
-CONFIG = "config.json"
 
 
 def _input_embedding(model) -> torch.Tensor:
@@ -97,10 +95,6 @@ def new_hydra(model, draft_vocab, num_heads: int = 4, num_layers: int = 1) -> Hy
 
 
 def save_hydra(heads: HydraHeads, directory, *, base_model: str = "") -> Path:
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     tensors = {"draft_vocab": heads.draft_vocab.contiguous()}
     for k in range(heads.num_heads):
         tensors[f"hydra_head.{k}.embed.weight"] = heads.embeds[k].weight.detach().half().contiguous()
@@ -119,9 +113,7 @@ def save_hydra(heads: HydraHeads, directory, *, base_model: str = "") -> Path:
         "tied_lm_head": True,
         "dtype": "float16",
     }
-    save_file(tensors, str(directory / WEIGHTS))
-    (directory / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
-    return directory
+    return write_head_files(directory, WEIGHTS, tensors, config)
 
 
 def load_hydra(directory, model) -> HydraHeads:

@@ -94,10 +94,6 @@ def new_heads(model, num_heads: int = 4, num_layers: int = 1) -> MedusaHeads:
 
 def save_medusa(heads: MedusaHeads, directory, *, base_model: str = "", medusa_layout: bool = False) -> Path:
     """Write config.json + medusa_lm_head.safetensors; `medusa_layout` also writes tied projections."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for k, blocks in enumerate(heads.blocks):
         for j, block in enumerate(blocks):
@@ -116,7 +112,16 @@ def save_medusa(heads: MedusaHeads, directory, *, base_model: str = "", medusa_l
         "base_model_name_or_path": base_model,
         "tied_lm_head": tied_out,
     }
-    save_file(tensors, str(directory / WEIGHTS))
+    return write_head_files(directory, WEIGHTS, tensors, config)
+
+
+def write_head_files(directory, weights: str, tensors: dict, config: dict) -> Path:
+    """Write a head directory: `weights` (safetensors) + config.json; read back by `read_head_files`."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / weights))
     (directory / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
     return directory
 

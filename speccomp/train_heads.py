@@ -222,9 +222,12 @@ def _checkpoint(state: Path, heads, opt, args: dict, epoch: int) -> None:
     (state / "progress.json").write_text(json.dumps({"args": args, "epoch": epoch}))
 
 
-def _resume(state: Path, heads, opt) -> None:
+def _resume(state: Path, heads, opt, done: dict) -> int:
+    """The epoch to start at: 0 for a new run, else the last checkpointed one, with heads and AdamW moments loaded."""
     from safetensors.torch import load_file
 
+    if not (state / "heads.safetensors").exists() or done.get("epoch", 0) == 0:
+        return 0
     heads.load_state_dict(load_file(str(state / "heads.safetensors")))
     moments = load_file(str(state / "optimizer.safetensors"))
     opt_state = opt.state_dict()
@@ -232,6 +235,17 @@ def _resume(state: Path, heads, opt) -> None:
         opt_state["state"][i] = {"step": moments[f"{i}.step"].reshape(()), "exp_avg": moments[f"{i}.exp_avg"],
                                  "exp_avg_sq": moments[f"{i}.exp_avg_sq"]}
     opt.load_state_dict(opt_state)
+    return done["epoch"]
+
+
+def _update(opt, loss: torch.Tensor, clip=None) -> float:
+    """One optimizer step on `loss` (gradient norm clipped to 1 over the parameters `clip`, if given); its value."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(clip, 1.0)
+    opt.step()
+    return float(loss.detach())
 
 
 def _check_settings(kind, **ints) -> None:
@@ -249,7 +263,6 @@ def train_heads(
     progress: bool = True, base_model: str = "",
 ):
     """Train heads of `kind` for `model` on its own continuations of `prompts` (token id tensors); save to `out`."""
-    from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
     if batch_size is None:  # positions per batch for heads; sequences per batch for EAGLE
@@ -315,16 +328,13 @@ def train_heads(
         heads = new_heads(model, num_heads, num_layers)
     opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
     total = math.ceil(h.shape[0] / batch_size)
-    start = 0
-    if (state / "heads.safetensors").exists() and done.get("epoch", 0) > 0:
-        _resume(state, heads, opt)
-        start = done["epoch"]
+    start = _resume(state, heads, opt, done)
     weights = torch.tensor([0.8**k for k in range(num_heads)])
     gen = torch.Generator().manual_seed(seed)
     orders = [torch.randperm(h.shape[0], generator=gen) for _ in range(epochs)]  # fixed whatever the resume point
     for epoch in range(start, epochs):
         heads.train()
-        seen, loss_sum = 0, 0.0
+        loss_sum = 0.0
         bar = tqdm(range(total), desc=f"epoch {epoch + 1}/{epochs}", disable=not progress)
         for b in bar:
             idx = orders[epoch][b * batch_size : (b + 1) * batch_size]
@@ -337,12 +347,8 @@ def train_heads(
             loss = ((ce * valid).sum(0) / valid.sum(0).clamp(min=1) * weights).sum()
             if soft is not None:  # teacher distillation: cross-entropy to the model's top-k distribution
                 loss = loss + (soft_cross_entropy(logits, soft[0][idx], soft[1][idx]).mean(0) * weights).sum()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            seen += 1
-            loss_sum += float(loss.detach())
-            bar.set_postfix(loss=f"{loss_sum / seen:.3f}")
+            loss_sum += _update(opt, loss)
+            bar.set_postfix(loss=f"{loss_sum / (b + 1):.3f}")
         heads.eval()
         _checkpoint(state, heads, opt, args, epoch + 1)
     heads.eval()
@@ -383,32 +389,25 @@ def _train_eagle(model, seqs, starts, states, *, state, args, done, steps, epoch
     torch.manual_seed(seed)
     head = new_eagle(model, frequent_tokens(labels, draft_vocab, always=eos, fill=mass))
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
-    if (state / "heads.safetensors").exists() and done.get("epoch", 0) > 0:
-        _resume(state, head, opt)
-    first = done.get("epoch", 0)
+    first = _resume(state, head, opt, done)
     by_length = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]), i))
     batches = [by_length[i : i + batch_size] for i in range(0, len(by_length), batch_size)]
     gen = torch.Generator().manual_seed(seed)
     orders = [torch.randperm(len(batches), generator=gen).tolist() for _ in range(epochs)]
     weights = [0.8**s for s in range(steps)]
     total = len(batches)
+    warmup = min(50, max(1, epochs * total // 5))
     for epoch in range(first, epochs):
         head.train()
-        seen, loss_sum = 0, 0.0
+        loss_sum = 0.0
         bar = tqdm(orders[epoch], desc=f"epoch {epoch + 1}/{epochs}", disable=not progress)
         for b, which in enumerate(bar):
             it = epoch * total + b  # linear warm-up (50 steps, at most a fifth of the run), then linear decay
-            warmup = min(50, max(1, epochs * total // 5))
             opt.param_groups[0]["lr"] = lr * min(1.0, (it + 1) / warmup) * max(0.05, 1 - it / (epochs * total))
             loss = _eagle_loss(head, [seqs[i] for i in batches[which]], [states[i][0] for i in batches[which]],
                                [starts[i] for i in batches[which]], steps, weights)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-            opt.step()
-            seen += 1
-            loss_sum += float(loss.detach())
-            bar.set_postfix(loss=f"{loss_sum / seen:.3f}")
+            loss_sum += _update(opt, loss, clip=head.parameters())
+            bar.set_postfix(loss=f"{loss_sum / (b + 1):.3f}")
         head.eval()
         _checkpoint(state, head, opt, args, epoch + 1)
     head.eval()
