@@ -145,7 +145,8 @@ def compile(  # noqa: A001
 ) -> SpecModel:
     """Capture `model` with torch.export, rewrite the graph for speculative decoding, lower it.
 
-    drafter: None (plain decoding), a name from `available_drafters()`, or a `Drafter` object.
+    drafter: None (plain decoding), a name from `available_drafters()`, names joined by "+" (one tree merged
+        from several drafters' trees, e.g. "hydra+token_recycling"; speccomp/drafters_merge.py), or a `Drafter`.
     tree: token tree for the drafter: a Medusa-style choice list, an int k (a chain of k), "dynamic:B:K", or
         "auto" (the tree `speccomp autotune` stored for this model, drafter, backend and machine).
     drafter_options: options of the named drafter (e.g. {"exit_layer": 12}, {"skip": [3, 5]}).
@@ -176,7 +177,11 @@ def compile(  # noqa: A001
 
             return compile_kv_target(base, policy, backend)
         return compile_kv_draft(base, policy, tree, backend, drafter_options)
-    if drafter is not None and not isinstance(drafter, Drafter):
+    from .autotune import is_auto, resolve_auto
+    from .drafters_merge import check_merge, make_merged, split_names
+
+    merged = split_names(drafter)  # "hydra+token_recycling": one tree merged from several drafters
+    if drafter is not None and not isinstance(drafter, Drafter) and merged is None:
         _choice("drafter", drafter, DRAFTERS)
     if drafter is None and tree is not None:
         raise ValueError("tree= shapes the drafter's token tree; give a drafter too (see speccomp.available_drafters())")
@@ -184,9 +189,13 @@ def compile(  # noqa: A001
         raise ValueError("drafter_options= given without a drafter")
     if drafter_options is not None and not isinstance(drafter_options, dict):
         raise ValueError(f"drafter_options must be a dict, got {type(drafter_options).__name__}")
-    from .autotune import is_auto, resolve_auto
-
-    if is_auto(tree):  # the tree `speccomp autotune` stored for this model, drafter, backend and machine
+    if merged:  # names and options are checked before the capture
+        check_merge(merged, drafter_options, None if is_auto(tree) else tree, DRAFTERS)
+    if is_auto(tree) and merged:  # the first drafter's stored tree (and options)
+        first = (drafter_options or {}).get(merged[0])
+        tree, first = resolve_auto(model, merged[0], backend, first)
+        drafter_options = {**(drafter_options or {}), **({merged[0]: first} if first else {})}
+    elif is_auto(tree):  # the tree `speccomp autotune` stored for this model, drafter, backend and machine
         tree, drafter_options = resolve_auto(model, drafter, backend, drafter_options)
 
     base = SpecGraph.from_captured(capture(model))
@@ -197,6 +206,8 @@ def compile(  # noqa: A001
 
     if isinstance(drafter, Drafter):
         drafter_obj = drafter
+    elif merged:
+        drafter_obj = make_merged(merged, base, drafter_options, tree, backend, DRAFTERS)
     else:
         options = drafter_options
         if options is None and drafter in SEARCHED:  # a search on this machine may have chosen the layers

@@ -36,7 +36,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -665,6 +665,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", default=None, metavar="OUT.json", help="write the header and all rows as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="plot speedup and tau per category per row")
     p.add_argument("--tree", default=None, help="token tree for the drafter rows: an int k (chain) or a JSON choice list")
+    p.add_argument("--drafter-options", action="append", default=None, metavar="DRAFTER=JSON",
+                   help='drafter_options of one drafter row, repeatable: early_exit=\'{"exit_layer": 12}\'; a merged '
+                        'drafter takes one dict per drafter: hydra+token_recycling=\'{"token_recycling": {"tree": 3}}\'')
     p.add_argument("--backend", default="eager", help="lowering backend for the speccomp rows (default: eager)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs of every row before timing (default 1)")
     p.add_argument("--hf-prompt-lookup", action=argparse.BooleanOptionalAction, default=True,
@@ -690,6 +693,8 @@ def _equivalent_command(args) -> str:
               "--warmup", str(args.warmup), "--hf-prompt-lookup" if args.hf_prompt_lookup else "--no-hf-prompt-lookup"]
     if args.tree is not None:
         parts += ["--tree", args.tree]
+    for item in args.drafter_options or []:
+        parts += ["--drafter-options", item]
     if args.kv:
         parts += ["--kv", args.kv, "--kv-mode", args.kv_mode]
     if args.json:
@@ -734,11 +739,24 @@ def cmd_bench(args) -> int:
         drafters = []  # plain and HF rows only (with --kv: the KV rows)
     else:
         drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
-        unknown = [d for d in drafters if d not in available]
+        unknown = [d for d in drafters if any(part not in available for part in d.split("+"))]
         if unknown:
-            raise ValueError(f"unknown drafter(s) {unknown}; available: {available} (or 'all')")
+            raise ValueError(f"unknown drafter(s) {unknown}; available: {available}, merged with '+' "
+                             "(e.g. hydra+token_recycling), or 'all'")
     if args.tree is not None:
         parse_tree_spec(args.tree)
+    options = {}  # drafter row -> its drafter_options
+    for item in args.drafter_options or []:
+        name, eq, text = item.partition("=")
+        name = name.strip()
+        if not eq or name not in drafters:
+            raise ValueError(f"--drafter-options {item!r}: write DRAFTER=JSON with DRAFTER one of the --drafters rows {drafters}")
+        try:
+            options[name] = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--drafter-options {item!r}: the part after '=' must be a JSON object ({exc})") from None
+        if not isinstance(options[name], dict):
+            raise ValueError(f"--drafter-options {item!r}: the part after '=' must be a JSON object")
     extra_rows = kv_rows(args.kv, args.kv_mode) if args.kv else []
     if args.plot:
         import matplotlib  # noqa: F401 - fail now, not after the run
@@ -753,7 +771,9 @@ def cmd_bench(args) -> int:
     torch.set_num_threads(args.threads)
     print(f"loading {args.model} ...", file=sys.stderr)
     model, tok = speccomp.load_default_model()
-    rows = default_rows(drafters, hf_prompt_lookup=args.hf_prompt_lookup, tree=args.tree) + extra_rows
+    rows = default_rows(drafters, hf_prompt_lookup=args.hf_prompt_lookup, tree=args.tree)
+    rows = [replace(r, drafter_options=options[r.drafter]) if r.drafter in options else r for r in rows]
+    rows += extra_rows
     header = {
         "command": shlex.join(sys.argv),
         "equivalent_command": _equivalent_command(args),

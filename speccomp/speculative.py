@@ -74,7 +74,11 @@ def truncate(tree: Tree, max_depth: int, max_nodes: int) -> tuple[Tree, list[int
     """The sub-tree of nodes with depth <= max_depth (and the first max_nodes of them), plus kept indices."""
     if tree.max_depth <= max_depth and tree.size <= max_nodes:  # the usual case: nothing to cut (decode loop)
         return tree, list(range(tree.size))
-    keep = [i for i, d in enumerate(tree.depth.tolist()) if d <= max_depth][:max_nodes]
+    return restrict(tree, [i for i, d in enumerate(tree.depth.tolist()) if d <= max_depth][:max_nodes])
+
+
+def restrict(tree: Tree, keep: list[int]) -> tuple[Tree, list[int]]:
+    """The sub-tree of the nodes `keep` (ascending, prefix-closed: every kept node's parent is kept), plus `keep`."""
     if len(keep) == tree.size:
         return tree, keep
     remap = {old: new for new, old in enumerate(keep)}

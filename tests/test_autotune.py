@@ -388,6 +388,8 @@ def test_untunable_drafters_and_bad_settings_are_refused(cache):
         speccomp.compile(model, drafter="ngram", tree="auto")
     with pytest.raises(AutotuneError, match="unknown drafter"):
         speccomp.autotune(model, "nope", prompts())
+    with pytest.raises(AutotuneError, match="autotune its first drafter"):
+        speccomp.autotune(model, "layer_skip+ngram", prompts())
     with pytest.raises(AutotuneError, match="max_nodes"):
         speccomp.autotune(model, "layer_skip", prompts(), max_nodes=1)
     with pytest.raises(AutotuneError, match="calibration prompt"):

@@ -161,6 +161,10 @@ def test_bench_subcommand_listed():
     "argv, words",
     [
         (["bench", "--drafters", "nope"], "unknown drafter"),
+        (["bench", "--drafters", "hydra+nope"], "merged with '+'"),
+        (["bench", "--drafters", "hydra", "--drafter-options", "eagle={}"], "one of the --drafters rows"),
+        (["bench", "--drafters", "hydra", "--drafter-options", "hydra={bad"], "must be a JSON object"),
+        (["bench", "--drafters", "hydra", "--drafter-options", "hydra=[1]"], "must be a JSON object"),
         (["bench", "--limit", "0"], "--limit"),
         (["bench", "--max-new-tokens", "0"], "max-new-tokens"),
         (["bench", "--prompts", "/nonexistent/p.jsonl"], "does not exist"),

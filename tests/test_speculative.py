@@ -132,6 +132,11 @@ V = 5  # vocabulary of the sampling tests' model: 125 outcomes for 3 tokens
 
 def sampling_drafter(model, kind, tmp_path):
     """compile() arguments for a drafter that really drafts on the tiny vocabulary-V model."""
+    if "+" in kind:  # merged: the first drafter's tree plus the text drafter's (prompt lookup finds the repeat)
+        first, text = kind.split("+")
+        args = sampling_drafter(model, first, tmp_path)
+        return dict(drafter=kind, tree=args["tree"], drafter_options={
+            first: args.get("drafter_options") or {}, text: {"tree": [[0], [1], [0, 0]], "top_k": 3}})
     if kind == "early_exit":
         return dict(drafter="early_exit", drafter_options={"exit_layer": 1}, tree=[[0], [1], [0, 0]])
     g = torch.Generator().manual_seed(0)
@@ -155,7 +160,8 @@ def sampling_drafter(model, kind, tmp_path):
     return dict(drafter=kind, drafter_options={"heads": str(tmp_path / kind)}, tree=[[0], [1], [2], [3], [0, 0], [1, 0]])
 
 
-@pytest.mark.parametrize("kind, top_p", [("early_exit", 0.8), ("medusa", 1.0), ("hydra", 0.8), ("eagle", 1.0)])
+@pytest.mark.parametrize("kind, top_p", [("early_exit", 0.8), ("medusa", 1.0), ("hydra", 0.8), ("eagle", 1.0),
+                                         ("hydra+token_recycling", 1.0)])
 def test_sampling_distribution_equals_model(kind, top_p, tmp_path):
     """Speculative sampling (drafts verified by recursive rejection sampling) draws from the model's own
     distribution: the joint law of 3 new tokens, so that drafts are verified (with 2 tokens the last
