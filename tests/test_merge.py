@@ -124,3 +124,12 @@ def test_merged_drafter_bad_input(llama6):
         speccomp.compile(llama6, drafter="token_recycling+ngram", tree=2, drafter_options={"token_recycling": {"tree": 3}})
     with pytest.raises(ValueError, match="exit_layer must be"):  # each drafter still checks its own options
         speccomp.compile(llama6, drafter="early_exit+ngram", drafter_options={"early_exit": {"exit_layer": 9}})
+
+
+def test_merged_drafter_is_not_exported_as_an_engine(llama6, tmp_path):
+    from speccomp.engine import EngineError
+
+    fast = speccomp.compile(llama6, drafter="token_recycling+ngram")
+    with pytest.raises(EngineError, match="cannot be exported as an engine yet"):
+        fast.export(tmp_path / "engine")
+    assert not (tmp_path / "engine").exists()  # refused before any work
