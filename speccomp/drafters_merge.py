@@ -13,8 +13,8 @@ tree is accepted deeper than either alone, for the cost of a few more verified n
     recycling: root - "The" - "total"                     \\ "So"
 
 After verification every drafter sees its own tree again (its nodes, the part of the accepted
-path that lies in its tree, the target's logits at its nodes), so stateful drafters (Token
-Recycling's table) learn exactly what they would have learned alone.
+path that lies in its tree, the target's logits at its nodes), so a stateful drafter (Token
+Recycling's table) learns from its own nodes as it would alone.
 
 Lossless: the merged drafts are deterministic (every drafter here drafts by argmax / table
 lookup, probs=None), and verification (greedy or SpecInfer's multi-draft rejection sampling)
@@ -23,7 +23,8 @@ is exact for any deterministic tree.
 Rules, checked at compile time: at most one drafter that reads the model (heads, EAGLE, layer-skip /
 early-exit graphs: they read the target's states or write its cache's scratch room); any number
 of text drafters (ngram, token_recycling). Options go per drafter: drafter_options={"hydra":
-{...}, "token_recycling": {"tree": [[0], [0, 0]]}}; `tree=` shapes the first drafter's tree.
+{...}, "token_recycling": {"tree": [[0], [0, 0]]}}; `tree=` shapes the first drafter's tree. Token
+Recycling after the first drafter defaults to a small 7-node tree (MERGED_RECYCLING_TREE).
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ from .speculative import Draft, DraftContext, Drafter, restrict
 from .tree import Tree
 
 TEXT_DRAFTERS = ("ngram", "token_recycling")  # need neither the model's states nor its cache
+# Token Recycling's tree when it complements another drafter (its own default has 24 nodes): every node
+# costs verify time on CPU, and with Hydra's 5-node tree this 7-node one measured fastest (README)
+MERGED_RECYCLING_TREE = [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
 
 
 class MergedDrafter(Drafter):
@@ -52,10 +56,12 @@ class MergedDrafter(Drafter):
 
     def take_states(self, states: tuple) -> None:
         for d in self.drafters:
-            if d.wants_states == "path" or (d.wants_states and self.wants_states is True):
-                d.take_states(states)
-            elif d.wants_states:  # it wants the newest position only; we were handed the whole path
+            if not d.wants_states:
+                continue
+            if d.wants_states is True and self.wants_states == "path":  # handed the whole path; it wants the newest
                 d.take_states(tuple(x[-1] for x in states))
+            else:
+                d.take_states(states)
 
     def propose(self, ctx: DraftContext) -> Draft:
         parents, tokens, depth = [-1], [ctx.tokens[-1]], [0]
@@ -145,6 +151,11 @@ def make_merged(names: list[str], base, options: dict | None, tree, backend: str
     drafters = []
     for i, n in enumerate(names):
         own = dict(options.get(n, {}))
-        own_tree = own.pop("tree", tree if i == 0 else None)
+        if "tree" in own:
+            own_tree = own.pop("tree")
+        elif i == 0:
+            own_tree = tree
+        else:
+            own_tree = MERGED_RECYCLING_TREE if n == "token_recycling" else None
         drafters.append(factories[n](base, own, own_tree, backend))
     return MergedDrafter(drafters, names)

@@ -347,6 +347,11 @@ def test_autotune_layer_skip_then_compile_auto_equals_hf(cache):
     assert fast.drafter.tree == spec and (result.mode == "dynamic") == isinstance(spec, DynamicTreeSpec)
     for ids in prompts():
         assert torch.equal(fast.generate(ids, max_new_tokens=20, eos_token_id=2), hf_greedy(model, ids, 20))
+    # a merge takes its first drafter's stored tree and options
+    merged = speccomp.compile(model, drafter="layer_skip+ngram", tree="auto")
+    assert merged.drafter.drafters[0].tree == spec and merged.drafter.drafters[0].options == result.drafter_options
+    ids = prompts()[0]
+    assert torch.equal(merged.generate(ids, max_new_tokens=20, eos_token_id=2), hf_greedy(model, ids, 20))
     with pytest.raises(AutotuneError, match="backend 'onnxruntime'"):
         speccomp.compile(model, drafter="layer_skip", tree="auto", backend="onnxruntime")
     with pytest.raises(AutotuneError, match="speccomp autotune --drafter early_exit"):

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import speccomp
-from speccomp.drafters_merge import MergedDrafter
-from speccomp.tree import greedy_accept
+from speccomp.drafters_merge import MERGED_RECYCLING_TREE, MergedDrafter
+from speccomp.tree import Tree, greedy_accept
 from test_speculative import hf_greedy, repetitive_prompt
 from tiny_models import tiny_llama
 
@@ -14,15 +14,21 @@ def llama6():
     return tiny_llama(num_hidden_layers=6, initializer_range=0.2)
 
 
-def random_hydra(model, path):
-    from speccomp.hydra import new_hydra, save_hydra
+def random_heads(model, kind, path):
+    """Random Hydra heads or EAGLE head (scaled up so that they draft varied tokens), saved to `path`."""
+    if kind == "hydra":
+        from speccomp.hydra import new_hydra as new, save_hydra as save
 
-    heads = new_hydra(model, torch.arange(model.config.vocab_size), 3)
+        heads = new(model, torch.arange(model.config.vocab_size), 3)
+    else:
+        from speccomp.eagle import new_eagle as new, save_eagle as save
+
+        heads = new(model, torch.arange(model.config.vocab_size))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for w in heads.parameters():
             w.copy_(torch.randn(w.shape, generator=g) * 0.3)
-    save_hydra(heads, path)
+    save(heads, path)
     return str(path)
 
 
@@ -62,13 +68,14 @@ CASES = [
     ("layer_skip+ngram", {"layer_skip": {"skip": [1, 3]}}, [[0], [0, 0], [0, 0, 0]]),
     ("token_recycling+ngram", None, None),
     ("hydra+token_recycling", "hydra", [[0], [1], [0, 0]]),
+    ("eagle+ngram", "eagle", "dynamic:6:2"),  # EAGLE takes the states of every accepted position ("path")
 ]
 
 
 @pytest.mark.parametrize("name, options, tree", CASES)
 def test_merged_greedy_identical_and_trees_are_unions(llama6, tmp_path, name, options, tree):
-    if options == "hydra":
-        options = {"hydra": {"heads": random_hydra(llama6, tmp_path / "hydra")}}
+    if options in ("hydra", "eagle"):
+        options = {options: {"heads": random_heads(llama6, options, tmp_path / options)}}
     fast = speccomp.compile(llama6, drafter=name, drafter_options=options, tree=tree)
     seen = spy_merge(fast)
     for seed in (0, 1):
@@ -100,6 +107,7 @@ def test_merged_tree_fits_a_sliding_window():
     fast = speccomp.compile(target, drafter="layer_skip+token_recycling", drafter_options={"layer_skip": {"skip": [1]}},
                             tree="dynamic:6:2")
     assert fast.max_tree == WINDOW
+    assert fast.drafter.drafters[1].tree == Tree.from_choices(MERGED_RECYCLING_TREE)  # the small default in a merge
     seen = spy_merge(fast)
     ids = repetitive_prompt(90, 1, n=12)
     ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,
