@@ -4,7 +4,7 @@
 
 Rows (HF greedy is the baseline; every output is checked against it): plain, Hydra alone, and Hydra merged
 with Token Recycling on a chain of 3, on a 7-node tree (speccomp.drafters_merge.MERGED_RECYCLING_TREE), on
-its own 24-node default, and Hydra merged with prompt lookup instead. Prompts: the first --limit prompts of
+its own 24-node default, Hydra merged with prompt lookup instead, and all three merged. Prompts: the first --limit prompts of
 gsm8k and vicuna_bench (files the shipped heads never saw). Timing and columns are `speccomp bench`'s.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "prompts"
 HYDRA_TREE = [[0], [1], [2], [0, 0]]  # what `speccomp autotune --drafter hydra` chose on the project machine
+LOOKUP = {"num_branches": 2, "max_depth": 6}  # prompt lookup kept small beside the heads (its default: 4 x 8)
 
 
 def main(argv=None) -> int:
@@ -48,7 +49,9 @@ def main(argv=None) -> int:
         RowSpec("hydra + recycling 24-node default", "speccomp", drafter=merged, tree=HYDRA_TREE,
                 drafter_options={"token_recycling": {"tree": None}}),
         RowSpec("hydra + prompt lookup", "speccomp", drafter="hydra+ngram", tree=HYDRA_TREE,
-                drafter_options={"ngram": {"num_branches": 2, "max_depth": 6}}),
+                drafter_options={"ngram": LOOKUP}),
+        RowSpec("hydra + recycling 7-node tree + prompt lookup", "speccomp", drafter="hydra+token_recycling+ngram",
+                tree=HYDRA_TREE, drafter_options={"token_recycling": {"tree": MERGED_RECYCLING_TREE}, "ngram": LOOKUP}),
     ]
     prompts = load_bench_prompts([str(f) for f in files], args.limit)
     result = run_bench(model, prompts, rows, max_new_tokens=args.max_new_tokens, tokenizer=tok, warmup=1,

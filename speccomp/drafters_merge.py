@@ -36,7 +36,8 @@ from .tree import Tree
 TEXT_DRAFTERS = ("ngram", "token_recycling")  # need neither the model's states nor its cache
 # Token Recycling's tree when it complements another drafter (its own default has 24 nodes): every node
 # costs verify time on CPU. Beside Hydra's 5-node tree, small complements (a chain of 3, this tree, prompt
-# lookup) ran within noise of each other and 24 nodes ran ~15% slower (benchmarks/merged_trees.py, README)
+# lookup) ran within noise of each other and 24 nodes ran 13-15% slower (benchmarks/merged_trees.py on 4 and on
+# 12 prompts, README)
 MERGED_RECYCLING_TREE = [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
 
 

@@ -68,6 +68,7 @@ CASES = [
     ("layer_skip+ngram", {"layer_skip": {"skip": [1, 3]}}, [[0], [0, 0], [0, 0, 0]]),
     ("token_recycling+ngram", None, None),
     ("hydra+token_recycling", "hydra", [[0], [1], [0, 0]]),
+    ("hydra+token_recycling+ngram", "hydra", [[0], [1], [0, 0]]),  # three trees, two of them text drafters
     ("eagle+ngram", "eagle", "dynamic:6:2"),  # EAGLE takes the states of every accepted position ("path")
 ]
 
