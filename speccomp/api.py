@@ -190,11 +190,11 @@ def compile(  # noqa: A001
     if drafter_options is not None and not isinstance(drafter_options, dict):
         raise ValueError(f"drafter_options must be a dict, got {type(drafter_options).__name__}")
     if merged:  # names and options are checked before the capture
-        check_merge(merged, drafter_options, None if is_auto(tree) else tree, DRAFTERS)
+        check_merge(merged, drafter_options, tree, DRAFTERS)
     if is_auto(tree) and merged:  # the first drafter's stored tree (and options)
-        first = (drafter_options or {}).get(merged[0])
-        tree, first = resolve_auto(model, merged[0], backend, first)
-        drafter_options = {**(drafter_options or {}), **({merged[0]: first} if first else {})}
+        tree, first = resolve_auto(model, merged[0], backend, (drafter_options or {}).get(merged[0]))
+        if first:
+            drafter_options = {**(drafter_options or {}), merged[0]: first}
     elif is_auto(tree):  # the tree `speccomp autotune` stored for this model, drafter, backend and machine
         tree, drafter_options = resolve_auto(model, drafter, backend, drafter_options)
 

@@ -730,10 +730,12 @@ def autotune(
     from .api import DRAFTERS
     from .drafters import MAX_DYNAMIC_DEPTH
 
-    if isinstance(drafter, str) and "+" in drafter:
+    from .drafters_merge import split_names
+
+    if split_names(drafter):
         raise AutotuneError(
             f"cannot autotune the merged drafter {drafter!r} as a whole: autotune its first drafter "
-            f"({drafter.split('+')[0]!r}); compile(drafter={drafter!r}, tree='auto') then uses that drafter's tree"
+            f"({split_names(drafter)[0]!r}); compile(drafter={drafter!r}, tree='auto') then uses that drafter's tree"
         )
     if not isinstance(drafter, str) or drafter not in DRAFTERS:
         raise AutotuneError(f"unknown drafter {drafter!r}; accepted values: {sorted(DRAFTERS)}")

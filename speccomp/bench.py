@@ -723,6 +723,7 @@ def load_bench_prompts(files: Sequence[str] | None, limit: int | None):
 def cmd_bench(args) -> int:
     import speccomp
 
+    from .drafters_merge import check_merge, split_names
     from .tree import parse_tree_spec
 
     # everything that can be wrong with the arguments fails here, before the model loads
@@ -757,6 +758,9 @@ def cmd_bench(args) -> int:
             raise ValueError(f"--drafter-options {item!r}: the part after '=' must be a JSON object ({exc})") from None
         if not isinstance(options[name], dict):
             raise ValueError(f"--drafter-options {item!r}: the part after '=' must be a JSON object")
+    for d in drafters:  # a merged row's rules (one model drafter, options per drafter) before the model loads
+        if split_names(d):
+            check_merge(split_names(d), options.get(d), args.tree, available)
     extra_rows = kv_rows(args.kv, args.kv_mode) if args.kv else []
     if args.plot:
         import matplotlib  # noqa: F401 - fail now, not after the run

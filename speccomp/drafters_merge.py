@@ -119,8 +119,9 @@ def split_names(drafter: str) -> list[str] | None:
     return drafter.split("+") if isinstance(drafter, str) and "+" in drafter else None
 
 
-def check_merge(names: list[str], options: dict | None, tree, factories: dict) -> None:
-    """Refuse a bad merge before anything is captured: names, the one-model-drafter rule, options per drafter."""
+def check_merge(names: list[str], options: dict | None, tree, factories) -> None:
+    """Refuse a bad merge before anything is captured or loaded: names (`factories`: the known drafter names),
+    the one-model-drafter rule, options per drafter, one tree for the first drafter (tree= or its options)."""
     unknown = [n for n in names if n not in factories]
     if unknown or len(set(names)) != len(names) or "" in names:
         raise ValueError(
@@ -148,7 +149,7 @@ def check_merge(names: list[str], options: dict | None, tree, factories: dict) -
 
 
 def make_merged(names: list[str], base, options: dict | None, tree, backend: str, factories: dict) -> MergedDrafter:
-    check_merge(names, options, tree, factories)
+    """The MergedDrafter of `names` (already checked by check_merge) over the captured graph `base`."""
     options = dict(options or {})
     drafters = []
     for i, n in enumerate(names):

@@ -162,6 +162,8 @@ def test_bench_subcommand_listed():
     [
         (["bench", "--drafters", "nope"], "unknown drafter"),
         (["bench", "--drafters", "hydra+nope"], "merged with '+'"),
+        (["bench", "--drafters", "hydra+eagle"], "at most one drafter that reads the model"),
+        (["bench", "--drafters", "hydra+ngram", "--drafter-options", 'hydra+ngram={"heads": "x"}'], "go per drafter"),
         (["bench", "--drafters", "hydra", "--drafter-options", "eagle={}"], "one of the --drafters rows"),
         (["bench", "--drafters", "hydra", "--drafter-options", "hydra={bad"], "must be a JSON object"),
         (["bench", "--drafters", "hydra", "--drafter-options", "hydra=[1]"], "must be a JSON object"),

@@ -131,6 +131,8 @@ def test_merged_drafter_bad_input(llama6):
         speccomp.compile(llama6, drafter="early_exit+ngram", drafter_options={"early_exit": 2})
     with pytest.raises(ValueError, match="two trees"):
         speccomp.compile(llama6, drafter="token_recycling+ngram", tree=2, drafter_options={"token_recycling": {"tree": 3}})
+    with pytest.raises(ValueError, match="two trees"):  # tree="auto" is a tree too, refused before any lookup
+        speccomp.compile(llama6, drafter="token_recycling+ngram", tree="auto", drafter_options={"token_recycling": {"tree": 3}})
     with pytest.raises(ValueError, match="exit_layer must be"):  # each drafter still checks its own options
         speccomp.compile(llama6, drafter="early_exit+ngram", drafter_options={"early_exit": {"exit_layer": 9}})
 
