@@ -13,12 +13,13 @@ import sys
 import types
 from importlib import import_module
 
-from .errors import GraphStructureError, SpeccompError, UnsupportedModelError
+from .errors import GraphStructureError, OptionError, OptionTypeError, SpeccompError, UnsupportedModelError
 
 __version__ = "0.1.0"
 
 _LAZY = {  # public name -> module that defines it
     "compile": ".api",
+    "capture": ".capture",
     "SpecModel": ".api",
     "available_drafters": ".api",
     "load_default_model": ".models",
@@ -28,7 +29,7 @@ _LAZY = {  # public name -> module that defines it
     "load": ".engine",
     "Engine": ".engine",
 }
-__all__ = [*_LAZY, "SpeccompError", "UnsupportedModelError", "GraphStructureError"]
+__all__ = [*_LAZY, "SpeccompError", "UnsupportedModelError", "GraphStructureError", "OptionError", "OptionTypeError"]
 
 
 def __getattr__(name: str):
@@ -44,7 +45,7 @@ def __dir__():
 
 
 class _Package(types.ModuleType):
-    """`speccomp.autotune` and `speccomp.train_heads` are functions named like their modules: importing
+    """`speccomp.autotune`, `speccomp.capture` and `speccomp.train_heads` are functions named like their modules: importing
     the module must not replace the function on the package (the import system sets the attribute)."""
 
     def __setattr__(self, name, value):

@@ -145,6 +145,9 @@ def compile(  # noqa: A001
 ) -> SpecModel:
     """Capture `model` with torch.export, rewrite the graph for speculative decoding, lower it.
 
+    model: a Hugging Face causal LM, a plain nn.Module LM, or what `speccomp.capture(model)` returned
+        (compiling one model several ways then exports it once).
+
     drafter: None (plain decoding), a name from `available_drafters()`, names joined by "+" (one tree merged
         from several drafters' trees, e.g. "hydra+token_recycling"; speccomp/drafters_merge.py), or a `Drafter`.
     tree: token tree for the drafter: a Medusa-style choice list, an int k (a chain of k), "dynamic:B:K", or
@@ -161,8 +164,12 @@ def compile(  # noqa: A001
     from speccomp.backends import check, lower
     from speccomp.passes.tree_attention import TreeAttention
 
+    from .capture import CapturedModel
     from .speculative import Drafter
 
+    captured = None
+    if isinstance(model, CapturedModel):  # speccomp.capture(model) once, compiled several ways: rewrite a copy
+        captured, model = model.copy(), model.model
     check(backend)  # unknown names and missing GPU providers fail here, before the capture
     if kv_cache is not None or kv_mode is not None:  # KV compression: kv_mode "draft" (lossless) or "target" (LOSSY)
         from .drafters_kv import check_kv_options, compile_kv_draft
@@ -170,7 +177,7 @@ def compile(  # noqa: A001
         policy, mode = check_kv_options(kv_cache, kv_mode, drafter)
         if mode == "target" and (tree is not None or drafter_options):
             raise ValueError("kv_mode='target' decodes without a drafter; drop tree= and drafter_options=")
-        base = SpecGraph.from_captured(capture(model))
+        base = SpecGraph.from_captured(captured or capture(model))
         base.model = model
         if mode == "target":  # the target itself reads the compressed cache
             from .kv_target import compile_kv_target
@@ -198,7 +205,7 @@ def compile(  # noqa: A001
     elif is_auto(tree):  # the tree `speccomp autotune` stored for this model, drafter, backend and machine
         tree, drafter_options = resolve_auto(model, drafter, backend, drafter_options)
 
-    base = SpecGraph.from_captured(capture(model))
+    base = SpecGraph.from_captured(captured or capture(model))
     base.model = model  # drafters that look things up per model (stored heads, searches) need it
     if drafter is None:
         sg = run_passes(base, [])

@@ -21,6 +21,7 @@ prefill (past = 0), single-token decode (q = 1) and tree verification (q = tree 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import re
 from dataclasses import dataclass, field
@@ -65,6 +66,14 @@ class CapturedModel:
     model_type: str
     sliding_windows: dict[str, int] = field(default_factory=dict)  # attention module path -> window
     module_types: dict[str, type] = field(default_factory=dict)  # module path -> class (from the model)
+    model: object = field(default=None, repr=False, compare=False)  # the source nn.Module (identity, heads)
+
+    def copy(self) -> "CapturedModel":
+        """A copy whose graph can be rewritten without touching this one (weights are shared, not copied)."""
+        graph = torch.fx.Graph()
+        graph.output(graph.graph_copy(self.graph_module.graph, {}))
+        graph._codegen = self.graph_module.graph._codegen
+        return dataclasses.replace(self, graph_module=torch.fx.GraphModule(self.graph_module, graph))
 
 
 # --------------------------------------------------------------------------------------
@@ -383,9 +392,27 @@ def _flatten(program: torch.export.ExportedProgram) -> torch.fx.GraphModule:
 
 
 def capture(model: nn.Module, *, check: bool = True) -> CapturedModel:
-    """torch.export a Hugging Face causal LM into the flat graph described in the module docstring."""
+    """torch.export a causal LM into the flat graph described in the module docstring.
+
+    `speccomp.compile(model)` calls this; call it yourself to compile one model several ways without
+    exporting it again (`speccomp.compile(captured, drafter=...)`: each compile rewrites a copy). The
+    model is captured in eval mode and handed back in the modes it came in (nothing of it is changed)."""
+    from .errors import OptionTypeError
+
     if not isinstance(model, nn.Module):
-        raise TypeError(f"expected a torch.nn.Module causal LM, got {type(model).__name__}")
+        raise OptionTypeError("model", model, f"expected a torch.nn.Module causal LM, got {type(model).__name__}",
+                              "pass a Hugging Face *ForCausalLM or an nn.Module mapping input_ids to logits")
+    modes = {m: m.training for m in model.modules()}
+    try:
+        captured = _capture(model, check)
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    captured.model = model
+    return captured
+
+
+def _capture(model: nn.Module, check: bool) -> CapturedModel:
     from transformers import PreTrainedConfig
 
     if not isinstance(getattr(model, "config", None), PreTrainedConfig):  # a plain module: input_ids -> logits

@@ -1,4 +1,9 @@
-"""Errors speccomp raises on purpose. Each message names the problem and the fix."""
+"""Errors speccomp raises on purpose. Each message names the problem and the fix.
+
+Bad arguments raise `OptionError` (a bad value) or `OptionTypeError` (a value of the wrong type). Both
+are also `ValueError` / `TypeError`, so code that catches the builtin types keeps working, and both
+carry `.parameter`, `.value` and `.fix` for programs that want to react to them.
+"""
 
 
 class SpeccompError(Exception):
@@ -11,3 +16,23 @@ class UnsupportedModelError(SpeccompError, ValueError):
 
 class GraphStructureError(SpeccompError):
     """A pass found the graph in a shape it does not expect."""
+
+
+def _describe(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _BadOption:
+    def __init__(self, parameter: str, value, problem: str, fix: str = ""):
+        self.parameter, self.value, self.problem, self.fix = parameter, value, problem, fix
+        message = f"{parameter}={_describe(value)}: {problem}"
+        super().__init__(f"{message}; {fix}" if fix else message)
+
+
+class OptionError(_BadOption, SpeccompError, ValueError):
+    """A parameter's value cannot be used. The message reads `parameter=value: problem; fix`."""
+
+
+class OptionTypeError(_BadOption, SpeccompError, TypeError):
+    """A parameter's value has the wrong type. The message reads `parameter=value: problem; fix`."""
