@@ -316,7 +316,13 @@ def annotate(captured: CapturedModel) -> Structure:
             raise UnsupportedModelError(f"decoder block {path} has no residual-stream output")
         exit_node = max(exits, key=order.get)
         if prev_exit is None:
-            external = {a for n in inside[path] for a in n.all_input_nodes if a not in members and is_hidden(a)}
+            # the residual stream is an activation computed from the token embedding; a parameter that merely
+            # has a hidden-sized last dim (a MoE's stacked expert weights [E, 2I, H]) is not one
+            external = {
+                a for n in inside[path] for a in n.all_input_nodes
+                if a not in members and is_hidden(a) and a.op == "call_function"
+                and (a is embeddings[0] or embeddings[0] in ancestors(a))
+            }
             if not external:
                 raise UnsupportedModelError(f"decoder block {path} has no residual-stream input")
             entry = min(external, key=order.get)
@@ -438,12 +444,45 @@ class Pass:
 
 
 def _is_impure(node: fx.Node) -> bool:
-    """Metadata asserts die with the values they check; everything else as FX decides."""
+    """Metadata asserts die with the values they check; attention and dropout that draw no random numbers
+    die when unused; everything else as FX decides."""
     if node.target is aten._assert_tensor_metadata.default:
         return False
     if node.op == "call_module" and node.target == "_guards_fn":
         return True  # export's input guards stay
+    if node.op == "call_function" and _draws_nothing(node):
+        return False
     return node.is_impure()
+
+
+def _argument(node: fx.Node, name: str, default=None):
+    """The value of argument `name` of an aten call (positional or keyword), or `default`."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if name in names and names.index(name) < len(node.args):
+        return node.args[names.index(name)]
+    return default
+
+
+DROPOUT_OPS = {aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default}
+
+
+def _draws_nothing(node: fx.Node) -> bool:
+    """True for an op FX counts as random (tag nondeterministic_seeded: never dead code to FX) that draws
+    nothing here: SDPA with dropout_p = 0 (every capture, eval mode) and dropout with p = 0 or train=False.
+
+    Without this, a self-drafter's skipped layers kept their whole attention (norm, q/k/v projections,
+    rotary, cache read, SDPA) as dead code that still ran: FX's DCE keeps every 'random' op, used or not."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    if target in SDPA_OPS:
+        return _argument(node, "dropout_p", 0.0) == 0.0
+    if target in DROPOUT_OPS:
+        return _argument(node, "train", True) is False or _argument(node, "p", 0.5) == 0.0
+    return False
 
 
 def run_passes(sg: SpecGraph, passes, dump_input: bool = True) -> SpecGraph:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, UNSUPPORTED, WINDOW, seeded_prompt
+from tiny_models import ARCHITECTURES, UNSUPPORTED, WINDOW, captured, seeded_prompt
 
 import speccomp
 from speccomp.graph import annotate
@@ -27,10 +27,10 @@ _compiled: dict[str, tuple[torch.nn.Module, speccomp.SpecModel]] = {}
 
 
 def compiled(name: str):
-    """(HF model, speccomp model) for an architecture, compiled once per session."""
+    """(HF model, speccomp model) for an architecture, compiled once per session (from the session's capture)."""
     if name not in _compiled:
-        model = ARCHITECTURES[name].build()
-        _compiled[name] = (model, speccomp.compile(model))
+        model, cap = captured(name)
+        _compiled[name] = (model, speccomp.compile(cap))
     return _compiled[name]
 
 

@@ -2,7 +2,8 @@
 
 `tiny_llama` is the default tiny model other tests use. `ARCHITECTURES` is a registry of one tiny,
 seeded config per supported `*ForCausalLM` family (hidden 32, 2-3 layers, vocab 96-128,
->= 256 positions); `UNSUPPORTED` holds models speccomp must refuse with a clear error.
+>= 256 positions), and `captured(name)` exports one of them once per test session; `UNSUPPORTED` holds
+models speccomp must refuse with a clear error.
 
 Weights are initialised with a larger `initializer_range` than HF's default 0.02 so the
 logits of a random model have clear argmax margins (greedy outputs are then stable
@@ -15,7 +16,7 @@ from typing import Callable
 
 import torch
 
-WINDOW = 8  # sliding window of the sliding-window tiny models (prompt + new tokens go well past it)
+WINDOW = 8  # sliding window of the sliding-window tiny models but gemma2_w16's 16 (prompt + new tokens go well past it)
 
 
 def tiny_llama(**overrides):
@@ -181,6 +182,86 @@ def _starcoder2(seed, **kw):
     )
 
 
+def _mixtral(seed, **kw):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    # sparse MoE MLP (4 experts, top-2; HF stores the experts as stacked [E, 2I, H] / [E, H, I] parameters)
+    return _build(
+        MixtralConfig, MixtralForCausalLM, seed, kw, num_hidden_layers=2, sliding_window=WINDOW, num_local_experts=4,
+        num_experts_per_tok=2, **_COMMON, **_GQA,
+    )
+
+
+def _phi(seed, **kw):
+    from transformers import PhiConfig, PhiForCausalLM
+
+    # parallel attention/MLP reading one LayerNorm, partial rotary (half of each head), biased LM head
+    return _build(
+        PhiConfig, PhiForCausalLM, seed, kw, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=64, **_COMMON,
+    )
+
+
+def _gptj(seed, **kw):
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    # parallel attention/MLP, rotary on the first 4 of 8 head dims (interleaved), biased LM head
+    return _build(
+        GPTJConfig, GPTJForCausalLM, seed, kw, vocab_size=128, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+        n_inner=64, n_positions=256, initializer_range=0.5,
+    )
+
+
+def _olmo2(seed, **kw):
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    # norms after attention and MLP (not before), RMS-normed queries and keys
+    return _build(Olmo2Config, Olmo2ForCausalLM, seed, kw, num_hidden_layers=2, **_COMMON, **_GQA)
+
+
+def _granite(seed, **kw):
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    # the multipliers Granite scales embeddings, residual branches, attention and logits with
+    return _build(
+        GraniteConfig, GraniteForCausalLM, seed, kw, num_hidden_layers=2, embedding_multiplier=2.0,
+        residual_multiplier=0.5, attention_multiplier=0.25, logits_scaling=2.0, **_COMMON, **_GQA,
+    )
+
+
+def _cohere(seed, **kw):
+    from transformers import CohereConfig, CohereForCausalLM
+
+    # parallel attention/MLP, bias-free LayerNorm, logit scale, interleaved rotary, tied embeddings
+    return _build(
+        CohereConfig, CohereForCausalLM, seed, kw, num_hidden_layers=2, logit_scale=0.5, tie_word_embeddings=True,
+        **_COMMON, **_GQA,
+    )
+
+
+def _smollm3(seed, **kw):
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    # layer 2 has no rotary positions (NoPE) and, being NoPE with use_sliding_window, slides
+    return _build(
+        SmolLM3Config, SmolLM3ForCausalLM, seed, kw, num_hidden_layers=3, no_rope_layers=[1, 1, 0],
+        use_sliding_window=True, sliding_window=WINDOW, tie_word_embeddings=True, **_COMMON, **_GQA,
+    )
+
+
+def _gemma2_w16(seed, **kw):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    # issue 20: 3 layers, window 16, layers 0 and 2 sliding through one shared mask node (a self-drafter that
+    # skips one of them must leave the other's mask to the tree pass); init 0.1: at Gemma2's 0.05 three
+    # softcapped layers leave near-ties on the greedy path
+    return _build(
+        Gemma2Config, Gemma2ForCausalLM, seed, kw, attn="eager", num_hidden_layers=3, head_dim=8, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, query_pre_attn_scalar=8, **_GEMMA3_COMMON, **_GQA,
+    )
+
+
 ARCHITECTURES = {
     a.name: a
     for a in [
@@ -198,8 +279,31 @@ ARCHITECTURES = {
         Arch("falcon", _falcon, 11, "sdpa", None, (), True),
         Arch("stablelm", _stablelm, 0, "sdpa", None, (), False),
         Arch("starcoder2", _starcoder2, 6, "sdpa", WINDOW, (0, 1), True),
+        Arch("mixtral", _mixtral, 0, "sdpa", WINDOW, (0, 1), False),
+        Arch("phi", _phi, 9, "sdpa", None, (), False),
+        Arch("gptj", _gptj, 9, "eager", None, (), False),
+        Arch("olmo2", _olmo2, 10, "sdpa", None, (), False),
+        Arch("granite", _granite, 7, "sdpa", None, (), False),
+        Arch("cohere", _cohere, 2, "sdpa", None, (), True),
+        Arch("smollm3", _smollm3, 5, "sdpa", WINDOW, (2,), True),
+        Arch("gemma2_w16", _gemma2_w16, 13, "eager", 16, (0, 2), True),
     ]
 }
+
+
+_CAPTURED: dict[str, tuple] = {}
+
+
+def captured(name: str):
+    """(model, speccomp.capture(model)) of ARCHITECTURES[name], built and exported once per test session:
+    export is most of the cost of an architecture, and test_architectures.py and test_matrix.py compile
+    each one several ways (`speccomp.compile(captured, ...)` rewrites a copy of the graph)."""
+    if name not in _CAPTURED:
+        import speccomp
+
+        model = ARCHITECTURES[name].build()
+        _CAPTURED[name] = (model, speccomp.capture(model))
+    return _CAPTURED[name]
 
 
 def seeded_prompt(length: int = 12, vocab_size: int = 128) -> torch.Tensor:
