@@ -51,8 +51,9 @@ BACKENDS = {
 
 def check(backend: str) -> None:
     """Fail fast (before capture) on an unknown backend or a GPU provider this machine lacks."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; accepted values: {sorted(BACKENDS)}")
+    from speccomp.calls import choice
+
+    choice("backend", backend, BACKENDS)
     if backend in ("onnxruntime:cuda", "tensorrt"):
         from speccomp.engine import check_provider
 

@@ -9,15 +9,22 @@ plain decoding the pass is applied to a copy here; with Medusa heads, MedusaHead
 also returns every token's head states). A Medusa engine adds medusa.onnx, the heads' projection to
 the vocabulary with a top-k (tied heads: a copy of the LM head, so the engine grows by its size).
 With backend="onnxruntime" the ONNX file the backend already exported is copied instead of exported
-again. The directory is written next to its destination and renamed into place, so an interrupted
-export never leaves a half engine, and an existing directory is replaced only with overwrite=True
-(and only if it is an engine).
+again.
+
+What export may touch (`check_destination`): the destination must be a new or empty directory, or,
+with overwrite=True, an engine whose manifest says format "speccomp-engine" and that holds nothing
+but the files that manifest names. It is never ".", the home directory, the filesystem root or any
+ancestor of the working directory. The new engine is written in a temporary directory beside the
+destination and swapped in by renames (the old engine moves aside, the new one moves in, the old
+one is deleted), so an interrupted export leaves either the old engine or the new one, never half of
+either, and deletes nothing it did not write.
 """
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -53,12 +60,26 @@ def drafter_spec(drafter) -> dict:
     return {"name": name, "options": options}
 
 
+def check_tokenizer(tokenizer, vocab_size: int) -> None:
+    """export(tokenizer=) must be a Hugging Face fast tokenizer whose ids the model can take (checked before the
+    export's minutes of work)."""
+    from speccomp.errors import OptionError, OptionTypeError
+
+    if tokenizer is None:
+        return
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise OptionTypeError("tokenizer", tokenizer, f"must be a Hugging Face *fast* tokenizer (with .backend_tokenizer), "
+                              f"got {type(tokenizer).__name__}", "pass AutoTokenizer.from_pretrained(...) of this model")
+    size = len(tokenizer)
+    if size > vocab_size:
+        raise OptionError("tokenizer", type(tokenizer).__name__, f"has {size} tokens but the model scores {vocab_size}: "
+                          "it makes ids the model cannot take", "pass this model's own tokenizer")
+
+
 def _tokenizer_entry(tokenizer, out: Path) -> dict | None:
     if tokenizer is None:
         return None
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        raise EngineError("export(tokenizer=...) needs a Hugging Face *fast* tokenizer (it has .backend_tokenizer)")
+    backend = tokenizer.backend_tokenizer
     backend.save(str(out / "tokenizer.json"))
     special = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
     return {
@@ -84,7 +105,7 @@ def _medusa_onnx(drafter, out: Path) -> Path:
     example = torch.zeros(heads.num_heads, heads.hidden)
     with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
         try:
-            program = torch.onnx.export(HeadsTopK(), (example,), dynamo=True, input_names=["medusa_states"],
+            program = torch.onnx.export(HeadsTopK().eval(), (example,), dynamo=True, input_names=["medusa_states"],
                                         output_names=["top_ids"], optimize=True)
         except Exception as exc:
             raise OnnxBackendError(f"exporting the Medusa heads' projection failed: {str(exc).splitlines()[0]}") from exc
@@ -124,20 +145,82 @@ def _graph_entry(path: Path, proto) -> dict:
             "inputs": [i.name for i in proto.graph.input], "outputs": [o.name for o in proto.graph.output]}
 
 
+def _engine_files(path: Path) -> set[str] | None:
+    """The names of the files the engine at `path` consists of (its manifest's own list), or None when `path`
+    holds no readable speccomp manifest (format field checked: a file named manifest.json proves nothing)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return None
+    names = {MANIFEST}
+    for graph in (manifest.get("graphs") or {}).values():
+        file = graph.get("file") if isinstance(graph, dict) else None
+        if isinstance(file, str):
+            names |= {file, file + ".data"}
+    tokenizer = manifest.get("tokenizer")
+    if isinstance(tokenizer, dict) and isinstance(tokenizer.get("file"), str):
+        names.add(tokenizer["file"])
+    return names
+
+
+def check_destination(path, overwrite: bool) -> Path:
+    """The absolute destination of an export, after refusing every place an export could destroy a user's files."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise EngineError(f"export path must be a str or os.PathLike directory path, got {type(path).__name__} {path!r}")
+    if not isinstance(overwrite, bool):
+        raise EngineError(f"overwrite must be True or False, got {overwrite!r}")
+    path = Path(os.path.abspath(Path(path).expanduser()))
+    real, cwd = path.resolve(), Path.cwd().resolve()
+    if real == cwd or real in cwd.parents or real == Path.home().resolve() or real == Path(real.anchor):
+        raise EngineError(f"refusing to export into {path}: it is the working directory, one of its parents, the home "
+                          "directory or the filesystem root; give a new directory such as ./my-engine")
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise EngineError(f"{path} exists and is not a directory; choose another path")
+    if path.is_dir() and any(path.iterdir()):
+        owned = _engine_files(path)
+        if owned is None:
+            raise EngineError(f"{path} is a non-empty directory that is not a speccomp engine; refusing to replace it "
+                              "(choose a new directory)")
+        if not overwrite:
+            raise EngineError(f"{path} already holds an engine; pass overwrite=True (CLI: --overwrite) to replace it")
+        foreign = sorted(p.name for p in path.iterdir() if p.name not in owned)
+        if foreign:
+            raise EngineError(f"{path} holds an engine plus files it did not write {foreign[:5]}; refusing to replace "
+                              "it (move those files out, or export elsewhere)")
+    return path
+
+
+def _swap_in(tmp: Path, path: Path) -> None:
+    """Move the finished engine `tmp` to `path`; an engine already there moves aside first and goes only after."""
+    old = None
+    if path.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{path.name}-old-", dir=path.parent))
+        os.rename(path, old / "engine")
+    try:
+        os.rename(tmp, path)
+    except OSError as exc:
+        if old is not None:
+            try:
+                os.rename(old / "engine", path)  # put the old engine back: nothing is lost
+            except OSError:
+                raise EngineError(f"could not move the new engine into {path} ({exc}); the previous engine is kept at "
+                                  f"{old / 'engine'}") from exc
+            old.rmdir()
+        raise EngineError(f"could not move the new engine into {path} ({exc}); was it written by another export "
+                          "at the same time?") from exc
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def export_engine(fast, path, tokenizer=None, overwrite: bool = False, model_id: str | None = None) -> Path:
     """Write `fast` (a SpecModel) as an engine directory at `path`; returns the path."""
     import speccomp
-    from speccomp.search import fingerprint
+    from speccomp.models import fingerprint
 
-    path = Path(path)
-    if path.exists():
-        if not path.is_dir():
-            raise EngineError(f"{path} exists and is not a directory; choose another path")
-        if any(path.iterdir()):
-            if not (path / MANIFEST).is_file():
-                raise EngineError(f"{path} is a non-empty directory that is not an engine; refusing to replace it")
-            if not overwrite:
-                raise EngineError(f"{path} already holds an engine; pass overwrite=True (CLI: --overwrite) to replace it")
+    path = check_destination(path, overwrite)
+    check_tokenizer(tokenizer, fast.graph.captured.vocab_size)
     drafter = drafter_spec(fast.drafter)  # fails early, before any export work
     model = getattr(fast, "model", None)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -179,9 +262,8 @@ def export_engine(fast, path, tokenizer=None, overwrite: bool = False, model_id:
             "tokenizer": _tokenizer_entry(tokenizer, tmp),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
+        check_destination(path, overwrite)  # again: the export took a while, someone may have written there
+        _swap_in(tmp, path)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -202,14 +202,9 @@ def export_onnx(
 # ONNX Runtime
 # --------------------------------------------------------------------------------------
 def _onnxruntime():
-    try:
-        import onnxruntime
-    except ImportError as exc:
-        raise OnnxBackendError(
-            "running an exported model needs ONNX Runtime: pip install onnxruntime "
-            "(or onnxruntime-gpu for the CUDA execution provider)"
-        ) from exc
-    return onnxruntime
+    from ..engine import onnxruntime_module
+
+    return onnxruntime_module(error=OnnxBackendError)
 
 
 def _check_providers(ort, providers) -> list:
@@ -265,6 +260,10 @@ class OrtStep:
         start = time.perf_counter()
         self.session = ort.InferenceSession(os.fspath(self.path), sess_options=options, providers=self.providers)
         self.load_seconds = time.perf_counter() - start
+        from ..engine import check_session_providers
+
+        # what the session really runs on: ONNX Runtime falls back to CPU without a word when a GPU provider fails
+        self.providers = check_session_providers(self.session, self.providers, self.path.name, OnnxBackendError)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.input_types = [_ORT_TYPES.get(i.type) for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]

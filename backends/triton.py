@@ -18,6 +18,8 @@ from eager only in attention. On CUDA weights the pass does not apply and linear
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from speccomp.graph import run_passes
@@ -25,7 +27,7 @@ from speccomp.passes.grouped_query_attention import GroupedQueryAttention
 from speccomp.passes.prepack_linear import PrepackLinear
 from speccomp.passes.triton_attention import TritonAttention
 
-from .triton_attention import check_available
+from .triton_attention import TritonBackendError, check_available
 
 
 def _device(gm: torch.nn.Module) -> torch.device:
@@ -36,8 +38,26 @@ def _device(gm: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def check_attention(sg) -> None:
+    """backend="triton" must put attention into the kernel: a model whose attention is all captured as eager
+    (softmax chains, e.g. Gemma2's logit softcapping) would lower nothing and still be called triton, so it is
+    refused; one with some eager layers is lowered with a warning naming them."""
+    eager = [s.module for s in sg.structure.attention if s.kind != "sdpa"]
+    if eager and len(eager) == len(sg.structure.attention):
+        raise TritonBackendError(
+            f"backend='triton' runs SDPA attention in the Triton kernel, but every attention site of this "
+            f"{sg.captured.model_type} model is captured as eager ({sg.captured.attn_implementation} attention: "
+            f"softmax chains, e.g. for logit softcapping), so nothing would run in Triton. Use backend='eager', or load "
+            "the model with attn_implementation='sdpa' if it supports it"
+        )
+    if eager:
+        warnings.warn(f"backend='triton': attention of {eager} stays eager (not SDPA), only the other layers run in "
+                      "the Triton kernel", stacklevel=3)
+
+
 def lower_triton(sg):
     """The runnable GraphModule with Triton attention; `sg` itself stays backend-neutral."""
+    check_attention(sg)  # nothing to lower: say so instead of calling an unchanged graph "triton"
     check_available(_device(sg.gm))  # no GPU and no interpreter: fail now, naming the fix
     sg = sg.clone()
     passes = [GroupedQueryAttention(), TritonAttention()]

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-PROMPTS_DIR = HERE.parent.parent / "shared" / "data" / "prompts"
+PROMPTS_DIR = HERE.parent / "speccomp" / "data" / "prompts"  # shipped prompt sets
 DEFAULT_PROMPTS = [PROMPTS_DIR / f"{name}.jsonl" for name in ("alpaca", "gsm8k", "humaneval", "vicuna_bench")]
 DRAFTERS = ["token_recycling", "layer_skip", "early_exit", "medusa"]
 

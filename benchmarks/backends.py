@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-PROMPTS_DIR = HERE.parent.parent / "shared" / "data" / "prompts"
+PROMPTS_DIR = HERE.parent / "speccomp" / "data" / "prompts"  # shipped prompt sets
 FILES = ("alpaca", "gsm8k", "humaneval", "vicuna_bench")
 BACKENDS = ("eager", "inductor", "onnxruntime", "engine")
 sys.path.insert(0, str(HERE))

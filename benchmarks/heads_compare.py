@@ -6,7 +6,7 @@
 Rows: HF greedy (the baseline every output is compared with), plain speccomp, the heads `compile` finds for
 each kind in --kinds (user cache first, then the ones shipped in the package), and every candidate
 directory (its kind read from its config.json). Prompts: the first --limit prompts of each file in --prompts,
-by default gsm8k and vicuna_bench, the two shared files the shipped heads were not trained on; train
+by default gsm8k and vicuna_bench, the two shipped sets the shipped heads were not trained on; train
 candidates on other files (`speccomp train-heads` defaults to alpaca + humaneval) so the comparison stays on
 unseen prompts. Timing and columns are `speccomp bench`'s (speccomp/bench.py), with rows rotating per prompt.
 """
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PROMPTS_DIR = HERE.parent.parent / "shared" / "data" / "prompts"
+PROMPTS_DIR = HERE.parent / "speccomp" / "data" / "prompts"
 UNSEEN = [PROMPTS_DIR / "gsm8k.jsonl", PROMPTS_DIR / "vicuna_bench.jsonl"]
 
 
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"--tree: {exc}") from None
     for f in args.prompts:
         if not Path(f).is_file():
-            raise SystemExit(f"prompt file {f} does not exist (the default files live in ../shared/data/prompts/)")
+            raise SystemExit(f"prompt file {f} does not exist (the default sets ship in speccomp/data/prompts/)")
     rows_spec = []
     for c in args.candidates:
         config = Path(c) / "config.json"

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-PROMPTS_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "prompts"
+PROMPTS_DIR = Path(__file__).resolve().parent.parent / "speccomp" / "data" / "prompts"
 HYDRA_TREE = [[0], [1], [2], [0, 0]]  # what `speccomp autotune --drafter hydra` chose on the project machine
 LOOKUP = {"num_branches": 2, "max_depth": 6}  # prompt lookup kept small beside the heads (its default: 4 x 8)
 
@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     files = [PROMPTS_DIR / "gsm8k.jsonl", PROMPTS_DIR / "vicuna_bench.jsonl"]
     for f in files:
         if not f.is_file():
-            raise SystemExit(f"{f} does not exist (the shared prompt files live in ../shared/data/prompts/)")
+            raise SystemExit(f"{f} does not exist (the prompt sets ship in speccomp/data/prompts/)")
 
     import torch
 

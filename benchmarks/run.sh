@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The standard speccomp benchmark: the first 2 prompts of each shared prompt file, 256 new tokens,
+# The standard speccomp benchmark: the first 2 prompts of each prompt set shipped in speccomp/data/prompts, 256 new tokens,
 # greedy, every registered drafter + plain speccomp + HF prompt lookup against HF greedy generate.
 # Before it, `speccomp search` picks the self-drafters' layers on this machine (once; then reused).
 # Writes benchmarks/results.json and benchmarks/results.png; the table goes to stdout.
 #
-#   benchmarks/run.sh                      # prompts from ../shared/data/prompts (next to the checkout)
+#   benchmarks/run.sh                      # prompts from speccomp/data/prompts (in this repository)
 #   PROMPTS_DIR=/path/to/prompts benchmarks/run.sh
 #   benchmarks/run.sh --drafters ngram     # extra arguments go to `speccomp bench`
 #
@@ -13,7 +13,7 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-PROMPTS_DIR="${PROMPTS_DIR:-$HERE/../../shared/data/prompts}"
+PROMPTS_DIR="${PROMPTS_DIR:-$HERE/../speccomp/data/prompts}"
 FILES=(alpaca gsm8k humaneval vicuna_bench)
 
 args=()

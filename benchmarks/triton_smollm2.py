@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PROMPTS = HERE.parent.parent / "shared" / "data" / "prompts" / "alpaca.jsonl"
+PROMPTS = HERE.parent / "speccomp" / "data" / "prompts" / "alpaca.jsonl"
 
 
 def main(argv=None) -> int:

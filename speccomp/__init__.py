@@ -9,9 +9,14 @@
 Names are imported on first use (PEP 562), so `import speccomp` alone does not import torch: an
 exported engine runs where only onnxruntime and numpy are installed.
 """
+import os
 import sys
 import types
 from importlib import import_module
+
+# speccomp runs offline: ONNX Runtime's OneDS telemetry (looked up at torch.onnx exports and at exit) stays off
+# unless the user decided otherwise. Read by ONNX Runtime when it starts, so it is set before any import of it.
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 from .errors import GraphStructureError, OptionError, OptionTypeError, SpeccompError, UnsupportedModelError
 

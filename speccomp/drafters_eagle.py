@@ -173,5 +173,9 @@ def make_eagle(base, options: dict, tree) -> EagleDrafter:
     from .drafters_medusa import heads_for
     from .eagle import load_eagle
 
+    from .tree import check_tree_width
+
     head = load_eagle(heads_for(base, options, "eagle"), base.model)
+    if tree is not None:
+        check_tree_width(tree, len(head.draft_vocab), "EAGLE head's draft vocabulary", tree)
     return EagleDrafter(head, tree if tree is not None else DEFAULT_EAGLE_TREE)

@@ -148,10 +148,9 @@ class CompressedKVDrafter(GraphDrafter):
 class CompressedKVModel(SpecModel):
     """A SpecModel whose drafter runs over a compressed cache; `last_stats` adds the KV bytes held."""
 
-    def generate(self, input_ids, max_new_tokens, *args, **kwargs):
-        out = super().generate(input_ids, max_new_tokens, *args, **kwargs)
-        self.last_stats.update(self.drafter.kv_stats())
-        return out
+    def _decode(self, prompt, args, sampler, acceptance):
+        new, stats = super()._decode(prompt, args, sampler, acceptance)
+        return new, {**stats, **self.drafter.kv_stats()}
 
 
 def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options: dict | None) -> CompressedKVModel:
@@ -194,28 +193,24 @@ def _layer_passes(base, options: dict) -> list:
 
 def check_kv_options(kv_cache, kv_mode, drafter) -> tuple[KVPolicy, str]:
     """Validate compile's kv_cache= / kv_mode= before anything is captured."""
-    from .kv_policies import parse_kv_cache
+    from .calls import choice
+    from .errors import OptionError, OptionTypeError
+    from .kv_policies import KVPolicyError, parse_kv_cache
 
-    policy = parse_kv_cache(kv_cache)
+    if kv_cache is not None and not isinstance(kv_cache, (str, KVPolicy)):
+        raise OptionTypeError("kv_cache", kv_cache, f"must be a policy string, got {type(kv_cache).__name__}",
+                              "e.g. 'sink:256', 'snapkv:512' or 'kivi4'")
+    try:
+        policy = parse_kv_cache(kv_cache)
+    except KVPolicyError as exc:
+        raise OptionError("kv_cache", kv_cache, str(exc)) from None
     if policy is None:
-        raise ValueError(f"kv_mode={kv_mode!r} needs a kv_cache= policy such as 'sink:256' or 'kivi4'")
+        raise OptionError("kv_mode", kv_mode, "needs a kv_cache= policy", "e.g. kv_cache='sink:256' or 'kivi4'")
+    if kv_mode is not None:
+        choice("kv_mode", kv_mode, KV_MODES)
     mode = "draft" if kv_mode is None else kv_mode
-    if mode not in KV_MODES:
-        raise ValueError(
-            f"unknown kv_mode {kv_mode!r}; accepted values: 'draft' (lossless: a self-drafter reads the compressed "
-            "cache, the target verifies against the full one) or 'target' (LOSSY: the target reads it)"
-        )
-    if mode == "target":
-        if drafter is not None:
-            raise ValueError(
-                "kv_mode='target' (LOSSY: the target reads the compressed cache) runs plain decoding only for now; "
-                "drop drafter=, or use kv_mode='draft' (lossless)"
-            )
-        return policy, mode
     if drafter is not None:
-        raise ValueError(
-            f"kv_cache={kv_cache!r} with kv_mode='draft' makes the drafter (the model over its compressed cache); "
-            "drop drafter="
-        )
+        what = ("'target' (LOSSY: the target reads the compressed cache) runs plain decoding only for now"
+                if mode == "target" else "'draft' makes the drafter itself (the model over its compressed cache)")
+        raise OptionError("drafter", drafter, f"given with kv_mode={what}", "drop drafter=")
     return policy, mode
-

@@ -18,6 +18,7 @@ name predates Hydra) and `hydra` for Hydra.
 """
 from __future__ import annotations
 
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from .medusa import HeadsError, MedusaHeads, display_kind, load_medusa
 from .models import cache_dir
 from .drafters import LOG_MIN_PROB, MAX_DYNAMIC_DEPTH, add_children, select_tree
 from .speculative import Draft, DraftContext, Drafter, truncate
-from .tree import Tree
+from .tree import Tree, check_tree_width
 
 # 16 drafts, depth <= 4: Medusa's sparse-tree idea (wide where the first head is sure), CPU-sized
 DEFAULT_MEDUSA_TREE = [
@@ -43,13 +44,13 @@ HEAD_KINDS = {"medusa": "heads", "hydra": "hydra", "eagle": "eagle"}  # kind -> 
 
 def heads_dir(model, kind: str = "medusa") -> Path:
     """Where `speccomp train-heads` stores heads of `kind` for `model` (the user cache)."""
-    from .search import fingerprint
+    from .models import fingerprint
 
     return cache_dir() / HEAD_KINDS[kind] / fingerprint(model)
 
 
 def shipped_heads_dir(model, kind: str = "medusa") -> Path | None:
-    from .search import fingerprint
+    from .models import fingerprint
 
     path = resources.files("speccomp").joinpath(f"data/{HEAD_KINDS[kind]}/{fingerprint(model)}")
     return Path(str(path)) if path.is_dir() else None
@@ -74,11 +75,8 @@ class MedusaDrafter(Drafter):
     wants_states = True
 
     def __init__(self, heads: MedusaHeads, tree: Tree):
-        if tree.max_depth > heads.num_heads:
-            raise ValueError(
-                f"the tree is {tree.max_depth} deep but there are {heads.num_heads} Medusa heads (one per depth); "
-                f"use a tree at most {heads.num_heads} deep"
-            )
+        check_heads_depth(tree, heads.num_heads, "Medusa")
+        check_tree_width(tree, heads.vocab, "Medusa heads' vocabulary", tree)
         from speccomp.passes.medusa_heads import MedusaHeadsPass
 
         self.heads, self.tree = heads, tree
@@ -122,13 +120,11 @@ class HydraDrafter(Drafter):
     def __init__(self, heads, tree):
         from .tree import DynamicTreeSpec
 
-        if isinstance(tree, Tree) and tree.max_depth > heads.num_heads:
-            raise ValueError(
-                f"the tree is {tree.max_depth} deep but there are {heads.num_heads} Hydra heads (one per depth); "
-                f"use a tree at most {heads.num_heads} deep"
-            )
         if not isinstance(tree, (Tree, DynamicTreeSpec)):
             raise TypeError(f"tree must be a Tree or a DynamicTreeSpec, got {type(tree).__name__}")
+        if isinstance(tree, Tree):
+            check_heads_depth(tree, heads.num_heads, "Hydra")
+        check_tree_width(tree, len(heads.draft_vocab), "Hydra heads' draft vocabulary", tree)
         self.heads, self.tree = heads, tree
         self.h = None
 
@@ -182,11 +178,27 @@ class HydraDrafter(Drafter):
         return Draft(tree, torch.tensor(tokens, dtype=torch.long))
 
 
+def check_heads_depth(tree: Tree, num_heads: int, kind: str) -> None:
+    """Head k drafts depth k + 1: a tree deeper than the heads cannot be filled."""
+    if tree.max_depth > num_heads:
+        from .errors import OptionError
+
+        raise OptionError("tree", tree.choices, f"is {tree.max_depth} deep but there are {num_heads} {kind} heads "
+                          "(one per depth)", f"use a tree at most {num_heads} deep")
+
+
 def heads_for(base, options: dict, kind: str) -> Path:
     """The head directory a `kind` drafter uses: drafter_options={"heads": DIR} (the only option), else found."""
     path = options.pop("heads", None)
     if options:
-        raise ValueError(f"unknown {kind} options {sorted(options)}; accepted: ['heads']")
+        from .errors import OptionError
+
+        raise OptionError("drafter_options", sorted(options), f"unknown {kind} options", "accepted: ['heads']")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        from .errors import OptionTypeError
+
+        raise OptionTypeError("heads", path, f"must be a path to {display_kind(kind)} head directory, got "
+                              f"{type(path).__name__}", f"e.g. drafter_options={{'heads': 'my-{kind}-heads/'}}")
     if base.model is None:
         raise ValueError(f"the {kind} drafter needs the model (speccomp.compile passes it)")
     return find_heads(base.model, path, kind)
@@ -202,4 +214,6 @@ def make_hydra(base, options: dict, tree) -> HydraDrafter:
 
 def make_medusa(base, options: dict, tree) -> MedusaDrafter:
     heads = load_medusa(heads_for(base, options, "medusa"), base.model)
-    return MedusaDrafter(heads, tree if tree is not None else Tree.from_choices(DEFAULT_MEDUSA_TREE))
+    if tree is None:  # the default tree, no deeper than these heads reach
+        tree, _ = truncate(Tree.from_choices(DEFAULT_MEDUSA_TREE), heads.num_heads, len(DEFAULT_MEDUSA_TREE) + 1)
+    return MedusaDrafter(heads, tree)

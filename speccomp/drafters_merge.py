@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from .errors import OptionError, OptionTypeError
 from .speculative import Draft, DraftContext, Drafter, restrict
 from .tree import Tree
 
@@ -122,30 +123,27 @@ def split_names(drafter: str) -> list[str] | None:
 def check_merge(names: list[str], options: dict | None, tree, factories) -> None:
     """Refuse a bad merge before anything is captured or loaded: names (`factories`: the known drafter names),
     the one-model-drafter rule, options per drafter, one tree for the first drafter (tree= or its options)."""
+    drafter = "+".join(names)
     unknown = [n for n in names if n not in factories]
     if unknown or len(set(names)) != len(names) or "" in names:
-        raise ValueError(
-            f"drafter={'+'.join(names)!r}: merge distinct drafter names from {sorted(factories)} with '+', "
-            "e.g. 'hydra+token_recycling'" + (f" (unknown: {unknown})" if unknown else "")
-        )
+        raise OptionError("drafter", drafter, "merge distinct drafter names" + (f" (unknown: {unknown})" if unknown else ""),
+                          f"join names from {sorted(factories)} with '+', e.g. 'hydra+token_recycling'")
     model_drafters = [n for n in names if n not in TEXT_DRAFTERS]
     if len(model_drafters) > 1:
-        raise ValueError(
-            f"drafter={'+'.join(names)!r} merges {model_drafters}: at most one drafter that reads the model "
-            f"(the others must be text drafters: {list(TEXT_DRAFTERS)}), since they would share its states and cache"
-        )
+        raise OptionError("drafter", drafter, f"merges {model_drafters}: at most one drafter that reads the model "
+                          "(they would share its states and cache)", f"the others must be text drafters: {list(TEXT_DRAFTERS)}")
     options = dict(options or {})
     extra = sorted(set(options) - set(names))
     if extra:
-        raise ValueError(
-            f"drafter_options for a merged drafter go per drafter, e.g. {{{names[0]!r}: {{...}}}}; "
-            f"{extra} are not among {names}"
-        )
+        raise OptionError("drafter_options", extra, f"are not among the merged drafters {names}",
+                          f"options of a merged drafter go per drafter, e.g. {{{names[0]!r}: {{...}}}}")
     for n, o in options.items():
         if not isinstance(o, dict):
-            raise ValueError(f"drafter_options[{n!r}] must be a dict of that drafter's options, got {type(o).__name__}")
+            raise OptionTypeError("drafter_options", {n: o}, f"drafter_options[{n!r}] must be a dict of {n}'s options, "
+                                  f"got {type(o).__name__}")
     if tree is not None and "tree" in options.get(names[0], {}):
-        raise ValueError(f"two trees for {names[0]!r}: tree= and drafter_options[{names[0]!r}]['tree']; give one")
+        raise OptionError("tree", tree, f"given twice for {names[0]!r}: tree= and drafter_options[{names[0]!r}]['tree']",
+                          "give one")
 
 
 def make_merged(names: list[str], base, options: dict | None, tree, backend: str, factories: dict) -> MergedDrafter:

@@ -19,9 +19,11 @@ from __future__ import annotations
 import inspect
 import torch
 
+from .calls import as_int
+from .errors import OptionError, OptionTypeError
 from .lookup import NGramIndex, Trie, fill_template, recycle
 from .speculative import Draft, DraftContext, Drafter
-from .tree import AutoTreeSpec, DynamicTreeSpec, Tree, parse_tree_spec
+from .tree import AutoTreeSpec, DynamicTreeSpec, Tree, tree_option
 
 # Token Recycling's default template: 24 drafts, depth 6, wide near the root where the
 # adjacency guesses are best (the paper's tree has ~80 nodes; on CPU every node costs compute).
@@ -33,13 +35,13 @@ DEFAULT_RECYCLING_TREE = [
     [0, 0, 0, 0, 0], [1, 0, 0, 0, 0],
     [0, 0, 0, 0, 0, 0],
 ]  # fmt: skip
+DEFAULT_TREE = Tree.from_choices(DEFAULT_RECYCLING_TREE)
 
 
 def _int_option(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
+    value = as_int(name, value, f"pass an int >= {minimum}")
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise OptionError(name, value, f"must be >= {minimum}")
     return value
 
 
@@ -64,8 +66,8 @@ class NGramDrafter(Drafter):
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, num_branches: int = 4, max_depth: int = 8):
         self.max_ngram = _int_option("max_ngram", max_ngram, 1)
         self.min_ngram = _int_option("min_ngram", min_ngram, 1)
-        if max_ngram < min_ngram:
-            raise ValueError(f"max_ngram ({max_ngram}) must be >= min_ngram ({min_ngram})")
+        if self.max_ngram < self.min_ngram:
+            raise OptionError("max_ngram", max_ngram, f"must be >= min_ngram ({min_ngram})")
         self.num_branches = _int_option("num_branches", num_branches, 1)
         self.max_depth = _int_option("max_depth", max_depth, 1)
         self.lookup = NGramIndex(self.max_ngram, self.min_ngram)
@@ -99,22 +101,20 @@ class TokenRecyclingDrafter(Drafter):
         self, top_k: int = 8, tree=None, ngram_branches: int = 1, max_ngram: int = 4, min_ngram: int = 1,
         ngram_depth: int = 8, persist: bool = False,
     ):
-        self.top_k = _int_option("top_k", top_k, 1)
-        spec = parse_tree_spec(DEFAULT_RECYCLING_TREE if tree is None else tree)  # TreeError on bad trees
+        self.top_k = top_k = _int_option("top_k", top_k, 1)
+        spec = DEFAULT_TREE if tree is None else tree_option(tree)
         if isinstance(spec, (DynamicTreeSpec, AutoTreeSpec)):
-            raise ValueError(f"token_recycling needs a static tree (a choice list or an int k), got tree={tree!r}")
+            raise OptionError("tree", tree, "token_recycling needs a static tree", "a choice list or an int k")
         self.tree = spec
         widest = max(spec.ranks)
         if widest >= top_k:
-            raise ValueError(
-                f"the tree uses sibling rank {widest} but top_k={top_k} keeps ranks 0..{top_k - 1}; "
-                f"use top_k >= {widest + 1} or a narrower tree"
-            )
+            raise OptionError("tree", tree if tree is not None else "default", f"uses sibling rank {widest} but "
+                              f"top_k={top_k} keeps ranks 0..{top_k - 1}", f"use top_k >= {widest + 1} or a narrower tree")
         self.ngram_branches = _int_option("ngram_branches", ngram_branches, 0)
         ngram_depth = _int_option("ngram_depth", ngram_depth, 1)
         self.ngram = NGramDrafter(max_ngram, min_ngram, max(self.ngram_branches, 1), ngram_depth)
         if not isinstance(persist, bool):
-            raise ValueError(f"persist must be True or False, got {persist!r}")
+            raise OptionTypeError("persist", persist, "must be True or False")
         self.persist = persist
         self.adj: dict[int, list[int]] = {}  # token -> the target's top-k next tokens, best first
 
@@ -140,7 +140,7 @@ def _make(cls, options: dict):
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise ValueError(f"unknown {cls.name} options {unknown}; accepted options: {accepted}")
+        raise OptionError("drafter_options", unknown, f"unknown {cls.name} options", f"accepted options: {accepted}")
     return cls(**options)
 
 

@@ -202,31 +202,26 @@ def save_eagle(head: EagleHead, directory, *, base_model: str = "") -> Path:
 
 def load_eagle(directory, model) -> EagleHead:
     """A head from a directory written by `save_eagle`, checked against `model`."""
-    from .medusa import read_head_files
+    from .medusa import CONFIG, check_dimensions, config_int, read_head_files
 
     directory = Path(directory)
-    w_path = directory / WEIGHTS
-    config, num_heads, _, tensors = read_head_files(directory, "eagle", WEIGHTS)
     lm = _lm_head_weight(model)
     vocab, hidden = lm.shape
-    missing = [n for n in (*_PARAMS, "draft_vocab") if n not in tensors]
-    if missing:
-        raise HeadsError(f"{w_path} is missing {missing}; is it an EAGLE head file?")
-    if tuple(tensors["o.weight"].shape) != (hidden, hidden):
-        raise HeadsError(f"the EAGLE head in {directory} was made for hidden size {tensors['o.weight'].shape[0]}, "
-                         f"but the model has hidden size {hidden}")
-    if int(config.get("vocab_size", vocab)) != vocab:
-        raise HeadsError(f"the EAGLE head in {directory} was made for a vocabulary of {config.get('vocab_size')}, "
-                         f"the model's is {vocab}")
-    dv = tensors["draft_vocab"]
-    if dv.dim() != 1 or dv.numel() == 0 or int(dv.min()) < 0 or int(dv.max()) >= vocab:
-        raise HeadsError(f"{w_path}: draft_vocab must be a non-empty list of token ids below the model's vocabulary "
-                         f"({vocab}); the file is corrupt or made for another model")
-    try:
-        head = EagleHead(hidden, vocab, num_heads, int(config["intermediate_size"]), lm, _input_embedding(model),
-                         tensors["draft_vocab"], float(config.get("rope_theta", 10000.0)))
-        head.load_state_dict({n: tensors[n].float() for n in _PARAMS})
-        head.train_steps = int(config["train_steps"]) if config.get("train_steps") else None
-    except (KeyError, RuntimeError, ValueError, TypeError) as exc:
-        raise HeadsError(f"{directory}: config.json and {WEIGHTS} disagree ({exc})") from None
+
+    def layout(config, header):
+        check_dimensions(config, directory, "eagle", hidden, vocab)
+        f, h = config_int(config, "intermediate_size", directory / CONFIG), hidden
+        shapes = ((h, 2 * h), (h,), (h,), (3 * h, h), (h, h), (h,), (2 * f, h), (h, f))  # in _PARAMS order
+        return {"draft_vocab": (config.get("draft_vocab_size"),), **dict(zip(_PARAMS, shapes))}
+
+    config, tensors = read_head_files(directory, "eagle", WEIGHTS, layout)
+    num_heads = config_int(config, "eagle_num_heads", directory / CONFIG)
+    theta = config.get("rope_theta", 10000.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise HeadsError(f"{directory / CONFIG}: rope_theta must be a positive number, got {theta!r}")
+    head = EagleHead(hidden, vocab, num_heads, config["intermediate_size"], lm, _input_embedding(model),
+                     tensors["draft_vocab"], float(theta))
+    head.load_state_dict({n: tensors[n].float() for n in _PARAMS})
+    train_steps = config.get("train_steps")
+    head.train_steps = config_int(config, "train_steps", directory / CONFIG) if train_steps else None
     return head.eval()

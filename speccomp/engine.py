@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .calls import MAX_TREE, CallGuard, as_int, generate_args
 from .errors import SpeccompError
 from .lookup import NGramIndex, Trie, fill_template, recycle
 
@@ -69,7 +70,7 @@ def read_manifest(path, verify: bool = True) -> dict:
         raise EngineError(f"{path} is not a speccomp engine: it has no {MANIFEST}; {remake}")
     try:
         manifest = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
         raise EngineError(f"{file} is not valid JSON ({exc}); the engine is corrupt, {remake}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise EngineError(f"{file} is not a speccomp engine manifest (format must be {FORMAT!r}); {remake}")
@@ -81,13 +82,7 @@ def read_manifest(path, verify: bool = True) -> dict:
     missing = [k for k in MANIFEST_KEYS if k not in manifest]
     if missing:
         raise EngineError(f"{file} lacks the keys {missing}; the engine is corrupt, {remake}")
-    if "target" not in manifest["graphs"]:
-        raise EngineError(f"{file} names no target graph; the engine is corrupt, {remake}")
-    drafter = manifest["drafter"].get("name")
-    if drafter not in ENGINE_DRAFTERS:
-        raise EngineError(f"{file} asks for drafter {drafter!r}; engines run {list(ENGINE_DRAFTERS)}")
-    if drafter == "medusa" and (manifest["drafter"].get("graph") != MEDUSA_FILE or "medusa" not in manifest["graphs"]):
-        raise EngineError(f"{file} asks for Medusa heads but names no {MEDUSA_FILE} graph; the engine is corrupt, {remake}")
+    check_schema(manifest, file, remake)
     for name, graph in manifest["graphs"].items():
         onnx_file = path / graph["file"]
         if not onnx_file.is_file():
@@ -100,6 +95,88 @@ def read_manifest(path, verify: bool = True) -> dict:
                     f"manifest {graph['bytes']}; or a different SHA-256): the file is corrupt or was replaced; {remake}"
                 )
     return manifest
+
+
+def _is_int(x, minimum=None) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and (minimum is None or x >= minimum)
+
+
+def _is_file_name(x) -> bool:
+    """A plain file name inside the engine directory: no folders, no way out of it."""
+    return isinstance(x, str) and x not in ("", ".", "..") and os.path.basename(x) == x and "\\" not in x
+
+
+def _ints(x, minimum=None) -> bool:
+    return isinstance(x, list) and all(_is_int(v, minimum) for v in x)
+
+
+def _tree_ok(parents, ranks) -> bool:
+    """A parent array in topological order (root first) with one sibling rank per node."""
+    return (_ints(parents) and _ints(ranks, 0) and len(parents) == len(ranks) >= 1 and parents[0] == -1
+            and all(0 <= p < i for i, p in enumerate(parents) if i))
+
+
+_DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free drafters take
+    None: {},
+    "ngram": {k: lambda v: _is_int(v, 1) for k in ("max_ngram", "min_ngram", "num_branches", "max_depth")},
+    "token_recycling": {**{k: lambda v: _is_int(v, 1) for k in ("top_k", "max_ngram", "min_ngram", "ngram_depth")},
+                        "ngram_branches": lambda v: _is_int(v, 0), "persist": lambda v: isinstance(v, bool),
+                        "parents": _ints, "ranks": lambda v: _ints(v, 0)},
+    "medusa": {"num_heads": lambda v: _is_int(v, 1), "top": lambda v: _is_int(v, 1), "parents": _ints,
+               "ranks": lambda v: _ints(v, 0), "states_output": lambda v: isinstance(v, str)},
+}
+
+
+def check_schema(m: dict, file: Path, remake: str) -> None:
+    """Every field the runtime reads has the type and range it needs (a hand-edited or truncated manifest fails
+    here, naming the field, instead of as a KeyError or inside ONNX Runtime)."""
+    def need(ok: bool, field: str, value, what: str) -> None:
+        if not ok:
+            raise EngineError(f"{file}: {field}={value!r} is not {what}; the engine is corrupt, {remake}")
+
+    model, kv, graphs, drafter = m["model"], m["kv"], m["graphs"], m["drafter"]
+    for field, value in (("model", model), ("kv", kv), ("graphs", graphs), ("drafter", drafter)):
+        need(isinstance(value, dict), field, value, "a JSON object")
+    need(_is_int(model.get("vocab_size"), 1), "model.vocab_size", model.get("vocab_size"), "a positive int")
+    mp = model.get("max_positions")
+    need(mp is None or _is_int(mp, 1), "model.max_positions", mp, "a positive int or null")
+    eos = model.get("eos_token_id")
+    need(eos is None or _is_int(eos, 0) or _ints(eos, 0), "model.eos_token_id", eos, "a token id, a list of them or null")
+    for key in ("num_layers", "num_kv_heads", "head_dim"):
+        need(_is_int(kv.get(key), 1), f"kv.{key}", kv.get(key), "a positive int")
+    need(isinstance(kv.get("dtype"), str) and kv["dtype"] in _DTYPES, "kv.dtype", kv.get("dtype"), f"one of {list(_DTYPES)}")
+    need("target" in graphs, "graphs", sorted(graphs), "a set of graphs naming 'target'")
+    for name, graph in graphs.items():
+        need(isinstance(graph, dict), f"graphs.{name}", graph, "a JSON object")
+        need(_is_file_name(graph.get("file")), f"graphs.{name}.file", graph.get("file"), "a file name inside the engine")
+        need(_is_int(graph.get("bytes"), 0), f"graphs.{name}.bytes", graph.get("bytes"), "a byte count")
+        need(isinstance(graph.get("sha256"), str), f"graphs.{name}.sha256", graph.get("sha256"), "a hex digest")
+        for key in ("inputs", "outputs"):
+            value = graph.get(key)
+            need(isinstance(value, list) and all(isinstance(v, str) for v in value), f"graphs.{name}.{key}", value,
+                 "a list of names")
+    need(_is_int(m["max_tree"], 1) and m["max_tree"] <= MAX_TREE, "max_tree", m["max_tree"], f"an int in [1, {MAX_TREE}]")
+    need("name" in drafter, "drafter.name", None, "present (null for plain decoding)")
+    name = drafter.get("name")
+    need(name in ENGINE_DRAFTERS, "drafter.name", name, f"one of {list(ENGINE_DRAFTERS)}")
+    options = drafter.get("options") or {}
+    need(isinstance(options, dict), "drafter.options", options, "a JSON object")
+    checks = _DRAFTER_OPTIONS[name]
+    for key, value in options.items():
+        need(key in checks and checks[key](value), f"drafter.options.{key}", value, f"a valid {name} option")
+    missing = sorted(set(checks) - set(options))
+    need(not missing, "drafter.options", sorted(options), f"complete (missing {missing})")
+    if "parents" in options:
+        need(len(options["ranks"]) == len(options["parents"]), "drafter.options.ranks", options["ranks"],
+             f"one rank per node of drafter.options.parents={options['parents']!r}")
+        need(_tree_ok(options["parents"], options["ranks"]), "drafter.options.parents", options["parents"],
+             "a tree (root first, every parent before its children)")
+    if name == "medusa":
+        need(drafter.get("graph") == MEDUSA_FILE and "medusa" in graphs, "drafter.graph", drafter.get("graph"),
+             f"{MEDUSA_FILE!r} with a 'medusa' entry in graphs")
+    tokenizer = m.get("tokenizer")
+    need(tokenizer is None or (isinstance(tokenizer, dict) and _is_file_name(tokenizer.get("file"))), "tokenizer",
+         tokenizer, "null or an object naming its file")
 
 
 # --------------------------------------------------------------------------------------
@@ -120,12 +197,31 @@ _PROVIDER_HINTS = {  # what to install for an execution provider the plain `onnx
 }
 
 
-def onnxruntime_module():
+def onnxruntime_module(error=None):
+    """`import onnxruntime`, with its telemetry off (speccomp runs offline: ORT's OneDS telemetry would otherwise
+    look up events.data.microsoft.com from torch.onnx exports and at exit). `error`: the exception class to
+    raise when ONNX Runtime is not installed (default EngineError)."""
+    os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")  # read when ORT creates its environment
     try:
         import onnxruntime
     except ImportError as exc:
-        raise EngineError("running an engine needs ONNX Runtime: pip install onnxruntime (or onnxruntime-gpu)") from exc
+        raise (error or EngineError)("this needs ONNX Runtime: pip install onnxruntime (or onnxruntime-gpu)") from exc
+    onnxruntime.disable_telemetry_events()
     return onnxruntime
+
+
+def check_session_providers(session, providers: list, what, error=None) -> list[str]:
+    """The providers `session` really runs on; raises EngineError when ONNX Runtime fell back from the first
+    provider asked for (it does so silently when, say, the CUDA libraries cannot be loaded)."""
+    wanted = providers[0][0] if isinstance(providers[0], (tuple, list)) else providers[0]
+    used = list(session.get_providers())
+    if wanted not in used:
+        raise (error or EngineError)(
+            f"{what}: asked ONNX Runtime for {wanted}, but the session runs on {used}: ONNX Runtime fell back "
+            "(for CUDA/TensorRT usually missing CUDA, cuDNN or TensorRT libraries; its log says which). Fix the "
+            "installation, or ask for provider='cpu'"
+        )
+    return used
 
 
 def missing_provider(ort, name: str, alias: str | None = None) -> str | None:
@@ -143,7 +239,7 @@ def missing_provider(ort, name: str, alias: str | None = None) -> str | None:
 def check_provider(provider: str) -> list[str]:
     """ORT provider list for speccomp's provider name ("cpu", "cuda", "tensorrt"), CPU as the fallback for
     ops a GPU provider leaves out. Raises EngineError naming what to install when the build lacks it."""
-    if provider not in PROVIDERS:
+    if not isinstance(provider, str) or provider not in PROVIDERS:
         raise EngineError(f"unknown execution provider {provider!r}; accepted values: {sorted(PROVIDERS)}")
     name = PROVIDERS[provider]
     message = missing_provider(onnxruntime_module(), name, provider)
@@ -154,7 +250,7 @@ def check_provider(provider: str) -> list[str]:
 
 class BoundSession:
     """An InferenceSession run through one reused IO binding: inputs bound from numpy arrays in place
-    (no copies on the CPU provider), only the outputs asked for are fetched."""
+    (no copies on the CPU provider), only the outputs asked for are fetched. `providers`: what it runs on."""
 
     def __init__(self, path: Path, providers: list[str], threads: int | None = None):
         ort = onnxruntime_module()
@@ -165,6 +261,7 @@ class BoundSession:
             self.session = ort.InferenceSession(os.fspath(path), sess_options=options, providers=providers)
         except Exception as exc:  # ORT raises its own Fail / InvalidProtobuf / ... types
             raise EngineError(f"ONNX Runtime cannot load {path}: {str(exc).splitlines()[0]}") from exc
+        self.providers = check_session_providers(self.session, providers, path)
         self.inputs = [i.name for i in self.session.get_inputs()]
         self.binding = self.session.io_binding()
 
@@ -178,6 +275,40 @@ class BoundSession:
             b.bind_output(name)  # ORT allocates (shapes depend on q)
         self.session.run_with_iobinding(b)
         return b.copy_outputs_to_cpu()
+
+
+def check_target_outputs(session, manifest: dict, file: str) -> None:
+    """The target graph's outputs and vocabulary against the manifest's (a decode would otherwise index past the
+    logits, or read an output that is not there)."""
+    outputs = session.get_outputs()
+    names = [o.name for o in outputs]
+    if names != manifest["graphs"]["target"]["outputs"]:
+        raise EngineError(f"{file} returns {names} but the manifest's graphs.target.outputs says "
+                          f"{manifest['graphs']['target']['outputs']}; the engine is corrupt, re-export it")
+    vocab = outputs[0].shape[-1] if outputs and outputs[0].shape else None
+    if isinstance(vocab, int) and vocab != manifest["model"]["vocab_size"]:
+        raise EngineError(f"the manifest's model.vocab_size={manifest['model']['vocab_size']} but {file} scores {vocab} "
+                          "tokens; the engine is corrupt, re-export it")
+
+
+def check_kv_layout(session, kv: dict, dtype, file: str) -> None:
+    """The target graph's past_kv input and new_kv output against the manifest's KV layout (fixed dims and element
+    type): a disagreement is named here, at load, not deep inside ONNX Runtime at the first generate."""
+    want = [kv["num_layers"], 2, 1, kv["num_kv_heads"], None, kv["head_dim"]]
+    element = f"tensor({'float' if dtype == np.float32 else 'float16'})"
+    found = {i.name: i for i in session.get_inputs()} | {o.name: o for o in session.get_outputs()}
+    for name in ("past_kv", "new_kv"):
+        node = found.get(name)
+        if node is None:
+            raise EngineError(f"{file} has no {name}; the engine is corrupt, re-export it")
+        shape = node.shape
+        fixed_ok = len(shape) == 6 and all(w is None or not isinstance(d, int) or d == w for w, d in zip(want, shape))
+        if not fixed_ok or node.type != element:
+            raise EngineError(
+                f"{file}: {name} is {node.type} {shape}, but the manifest's KV layout is {kv['dtype']} "
+                f"[layers={kv['num_layers']}, 2, 1, kv_heads={kv['num_kv_heads']}, tokens, head_dim={kv['head_dim']}]; "
+                "the manifest and the graph do not belong together, re-export the engine"
+            )
 
 
 class KVCache:
@@ -337,14 +468,38 @@ class _Medusa:
         self._take(extras[0], path[-1])
 
 
-def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | None):
+def check_medusa(options: dict, session, target_outputs: list[str]) -> None:
+    """A Medusa engine's tree and options against medusa.onnx ([K, H] states -> [K, top] ids) and the target graph
+    (which must return the head states as its 4th output)."""
+    def bad(field, value, what):
+        raise EngineError(f"{MEDUSA_FILE}: drafter.options.{field}={value!r} {what}; the engine is corrupt, re-export it")
+
+    k_heads = session.get_inputs()[0].shape[0]
+    top = session.get_outputs()[0].shape[-1]
+    if isinstance(k_heads, int) and options["num_heads"] != k_heads:
+        bad("num_heads", options["num_heads"], f"but {MEDUSA_FILE} takes the states of {k_heads} heads")
+    if isinstance(top, int) and options["top"] != top:
+        bad("top", options["top"], f"but {MEDUSA_FILE} returns the top {top} tokens of each head")
+    if max(options["ranks"]) >= options["top"]:
+        bad("ranks", options["ranks"], f"use sibling ranks up to {max(options['ranks'])}, past the top {options['top']}")
+    depth, _, _ = tree_arrays(options["parents"])
+    if int(depth.max()) > options["num_heads"]:
+        bad("parents", options["parents"], f"make a tree {int(depth.max())} deep for {options['num_heads']} heads")
+    if len(target_outputs) != 4 or options["states_output"] != target_outputs[3]:
+        bad("states_output", options["states_output"], f"is not the target graph's head-state output "
+            f"(its outputs: {target_outputs})")
+
+
+def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | None, target_outputs: list[str]):
     name, options = spec.get("name"), dict(spec.get("options") or {})
     if name is None:
         return None
     if name == "ngram":
         return _NGram(**options)
     if name == "medusa":
-        return _Medusa(**options, session=BoundSession(path / spec["graph"], providers, threads))
+        session = BoundSession(path / spec["graph"], providers, threads)
+        check_medusa(options, session.session, target_outputs)
+        return _Medusa(**options, session=session)
     return _TokenRecycling(**options)
 
 
@@ -352,12 +507,27 @@ def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | No
 # The engine
 # --------------------------------------------------------------------------------------
 class Engine:
-    """An exported engine: `generate` with SpecModel's contract, on ONNX Runtime and numpy."""
+    """An exported engine: `generate` with SpecModel's contract, on ONNX Runtime and numpy.
+
+    Thread safety as SpecModel's: concurrent `generate` calls run one at a time (they share the sessions'
+    IO bindings and the drafter's state) and `last_stats` is the calling thread's own last call's."""
 
     def __init__(self, path, provider: str = "cpu", threads: int | None = None, verify: bool = True,
                  draft: bool = True):
-        if not isinstance(draft, bool):
-            raise TypeError(f"draft must be True (use the engine's drafter) or False (plain decoding), got {draft!r}")
+        from .errors import OptionError, OptionTypeError
+
+        for name, value in (("draft", draft), ("verify", verify)):
+            if not isinstance(value, bool):
+                raise OptionTypeError(name, value, "must be True or False")
+        if threads is not None:
+            threads = as_int("threads", threads, "a positive int, or None for ONNX Runtime's default")
+            if threads < 1:
+                raise OptionError("threads", threads, "must be >= 1", "or None for ONNX Runtime's default")
+        if not isinstance(provider, str):
+            raise OptionTypeError("provider", provider, f"must be a str, got {type(provider).__name__}",
+                                  f"one of {sorted(PROVIDERS)}")
+        if not isinstance(path, (str, os.PathLike)):
+            raise OptionTypeError("path", path, f"must be an engine directory's path, got {type(path).__name__}")
         self.path = Path(path)
         self.manifest = read_manifest(self.path, verify=verify)
         m = self.manifest
@@ -375,35 +545,75 @@ class Engine:
                 f"{target['file']} takes inputs {self.session.inputs} but the manifest says {target['inputs']}; "
                 "the engine is corrupt, re-export it"
             )
+        check_kv_layout(self.session.session, self.kv, self.dtype, target["file"])
+        check_target_outputs(self.session.session, m, target["file"])
         # draft=False: plain decoding on the same target graph (extra outputs a drafter would read go unused)
-        self.drafter = make_drafter(m["drafter"], self.path, providers, threads) if draft else None
-        self.tokenizer = None
-        self.last_stats: dict = {}
+        self.drafter = make_drafter(m["drafter"], self.path, providers, threads, target["outputs"]) if draft else None
+        self.tokenizer = self._load_tokenizer()  # a missing or corrupt tokenizer.json is named now, not at first use
+        self._template = self._chat_template()
+        self._calls = CallGuard()
+
+    @property
+    def providers(self) -> list[str]:
+        """The ONNX Runtime execution providers the target session really runs on."""
+        return self.session.providers
+
+    @property
+    def last_stats(self) -> dict:
+        return self._calls.stats
 
     # ---- text -------------------------------------------------------------------------
+    def _load_tokenizer(self):
+        """The engine's tokenizer (tokenizers' Tokenizer), None when it was exported without one; a missing or
+        unreadable tokenizer.json is an EngineError. Without the tokenizers package: None, checked at first use."""
+        info = self.manifest.get("tokenizer")
+        if not info:
+            return None
+        file = self.path / info["file"]
+        if not file.is_file():
+            raise EngineError(f"the engine's tokenizer {file} is missing; re-export with tokenizer= (or copy it back)")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            return None
+        try:
+            return Tokenizer.from_file(os.fspath(file))
+        except Exception as exc:  # tokenizers raises its own Exception type for unreadable files
+            raise EngineError(f"the engine's tokenizer {file} is corrupt ({str(exc).splitlines()[0]}); re-export "
+                              "the engine with tokenizer=") from None
+
     def _tok(self):
         if self.tokenizer is None:
-            info = self.manifest.get("tokenizer")
-            if not info:
+            if not self.manifest.get("tokenizer"):
                 raise EngineError("this engine was exported without a tokenizer; pass token ids, or re-export with tokenizer=")
-            try:
-                from tokenizers import Tokenizer
-            except ImportError as exc:
-                raise EngineError("text in and out of an engine needs the tokenizers package: pip install tokenizers") from exc
-            self.tokenizer = Tokenizer.from_file(os.fspath(self.path / info["file"]))
+            raise EngineError("text in and out of an engine needs the tokenizers package: pip install tokenizers")
         return self.tokenizer
+
+    def _chat_template(self):
+        """The manifest's chat template compiled (None: no template, or jinja2 missing: then at first use)."""
+        template = (self.manifest.get("tokenizer") or {}).get("chat_template")
+        if not template:
+            return None
+        try:
+            from jinja2 import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment  # what transformers renders templates with
+        except ImportError:
+            return None
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        try:
+            return env.from_string(template)
+        except TemplateError as exc:
+            raise EngineError(f"the engine's tokenizer.chat_template is not a valid Jinja template ({exc}); re-export "
+                              "the engine with a tokenizer whose chat template works") from None
 
     def chat_ids(self, prompt: str) -> np.ndarray:
         """Token ids [1, n] of `prompt` as a user turn in the model's chat template (as models.chat_ids)."""
         info = self.manifest.get("tokenizer") or {}
-        template = info.get("chat_template")
-        if template:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment  # what transformers renders templates with
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            text = env.from_string(template).render(
-                messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, **info.get("special_tokens", {})
-            )
+        if info.get("chat_template"):
+            if self._template is None:
+                raise EngineError("rendering the engine's chat template needs jinja2: pip install jinja2")
+            text = self._template.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         **info.get("special_tokens", {}))
         else:
             text = prompt
         return np.array([self._tok().encode(text, add_special_tokens=False).ids], dtype=np.int64)
@@ -430,42 +640,26 @@ class Engine:
         logits, new_kv, *extras = self.session.run(feeds, ["logits", "new_kv", *extra])
         return logits[0], new_kv, extras
 
-    def _check(self, input_ids, max_new_tokens, temperature, top_p) -> list[int]:
-        ids = np.asarray(input_ids)
-        if ids.ndim == 2:
-            if ids.shape[0] != 1:
-                raise ValueError(f"engines decode one sequence at a time (batch size 1), got batch size {ids.shape[0]}")
-            ids = ids[0]
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(f"input_ids must be a non-empty [seq] or [1, seq] array of token ids, got shape {ids.shape}")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise TypeError(f"input_ids must hold integer token ids, got dtype {ids.dtype}")
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise ValueError(f"input_ids must be in [0, {self.vocab_size}), got values in [{ids.min()}, {ids.max()}]")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        if self.max_positions is not None and ids.size + max_new_tokens > self.max_positions:
-            raise ValueError(
-                f"prompt ({ids.size} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
-                f"{self.max_positions} positions"
-            )
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        return [int(i) for i in ids]
-
     def generate(self, input_ids, max_new_tokens: int, eos_token_id=None, do_sample: bool = False,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None) -> np.ndarray:
-        """Prompt + new tokens, np.int64 [1, n + m]; greedy output equals the model's greedy decoding."""
-        prompt = self._check(input_ids, max_new_tokens, temperature, top_p)
-        eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-        rng = np.random.default_rng(seed)
+        """Prompt + new tokens, np.int64 [1, n + m]; greedy output equals the model's greedy decoding. Arguments
+        are checked as SpecModel.generate's (speccomp/calls.py)."""
+        args = generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed,
+                             vocab_size=self.vocab_size, max_positions=self.max_positions)
+        with self._calls.lock:
+            out, stats = self._decode(args)
+        self._calls.stats = stats
+        return np.array([args.prompt + out], dtype=np.int64)
+
+    def _decode(self, args) -> tuple[list[int], dict]:
+        """The decode loop (speccomp/speculative.py's, in numpy): new tokens and stats."""
+        prompt, max_new_tokens, eos = args.prompt, args.max_new_tokens, args.eos
+        rng = np.random.default_rng(args.seed)
 
         def pick(logits_row: np.ndarray) -> int:
-            if not do_sample:
+            if not args.do_sample:
                 return int(logits_row.argmax())
-            return int(rng.choice(logits_row.shape[-1], p=warp(logits_row, temperature, top_p)))
+            return int(rng.choice(logits_row.shape[-1], p=warp(logits_row, args.temperature, args.top_p)))
 
         start = time.perf_counter()
         n = len(prompt)
@@ -474,7 +668,7 @@ class Engine:
         cache.append(new_kv)
         prefill_seconds = time.perf_counter() - start
         out = [pick(logits[-1])]
-        steps, accepted = 1, 0
+        steps = 1
         context = prompt + out
         if self.drafter is not None:
             self.drafter.begin(prompt, extras)
@@ -491,23 +685,21 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.observe(tokens, path, logits, extras)
             steps += 1
-            accepted += len(path) - 1
             for t in [tokens[i] for i in path[1:]] + [bonus]:
                 out.append(t)
                 if t in eos or len(out) >= max_new_tokens:
                     break
             context.extend(out[len(context) - n :])
         seconds = time.perf_counter() - start
-        self.last_stats = {
+        return out, {
             "new_tokens": len(out), "steps": steps, "tau": len(out) / steps, "seconds": seconds,
             "prefill_seconds": prefill_seconds, "tokens_per_second": len(out) / seconds,
-            "kv_bytes": cache.nbytes(), "lossless": True,
+            "kv_bytes": cache.nbytes(), "lossless": True, "providers": self.providers,
         }
-        return np.array([prompt + out], dtype=np.int64)
 
     def __repr__(self) -> str:
         d = (self.manifest["drafter"].get("name") if self.drafter is not None else None) or "plain"
-        return f"Engine({str(self.path)!r}, drafter={d}, provider={self.provider!r})"
+        return f"Engine({str(self.path)!r}, drafter={d}, providers={self.providers})"
 
 
 def load(path, provider: str = "cpu", threads: int | None = None, verify: bool = True, draft: bool = True) -> Engine:

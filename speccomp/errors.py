@@ -19,7 +19,7 @@ class GraphStructureError(SpeccompError):
 
 
 def _describe(value) -> str:
-    text = repr(value)
+    text = " ".join(repr(value).split())  # tensors and arrays print over several lines
     return text if len(text) <= 80 else text[:77] + "..."
 
 

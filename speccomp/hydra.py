@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .medusa import HeadsError, ResBlock, _lm_head_weight, read_head_files, write_head_files
+from .medusa import (CONFIG, HeadsError, ResBlock, _lm_head_weight, check_dimensions, config_int, count_check, read_head_files,
+                     write_head_files)
 
 WEIGHTS = "hydra_heads.safetensors"
 
@@ -119,26 +120,29 @@ def save_hydra(heads: HydraHeads, directory, *, base_model: str = "") -> Path:
 def load_hydra(directory, model) -> HydraHeads:
     """Heads from a directory written by `save_hydra`, checked against `model`."""
     directory = Path(directory)
-    w_path = directory / WEIGHTS
-    config, k_heads, layers, tensors = read_head_files(directory, "hydra", WEIGHTS)
     lm = _lm_head_weight(model)
     vocab, hidden = lm.shape
-    first = tensors.get("hydra_head.0.embed.weight")
-    if first is None or "draft_vocab" not in tensors:
-        raise HeadsError(f"{w_path} has no hydra_head.0.embed.weight / draft_vocab; is it a Hydra head file?")
-    if tuple(first.shape) != (hidden, hidden):
-        raise HeadsError(f"heads in {directory} were made for hidden size {first.shape[1]}, but the model has hidden size {hidden}")
-    if int(config.get("vocab_size", vocab)) != vocab or int(tensors["draft_vocab"].max()) >= vocab:
-        raise HeadsError(f"heads in {directory} were made for a vocabulary of {config.get('vocab_size')}, the model's is {vocab}")
-    heads = HydraHeads(k_heads, hidden, vocab, layers, lm, _input_embedding(model), tensors["draft_vocab"])
+    shape = {}
+
+    def layout(config, header):
+        check_dimensions(config, directory, "hydra", hidden, vocab)
+        k_heads = config_int(config, "hydra_num_heads", directory / CONFIG)
+        layers = config_int(config, "hydra_num_layers", directory / CONFIG, default=1)
+        count_check(directory / WEIGHTS, f"{k_heads} heads x {layers} layers", k_heads * (2 + 2 * layers) + 1, header)
+        shape.update(heads=k_heads, layers=layers)
+        want = {"draft_vocab": (config.get("draft_vocab_size"),)}
+        for k in range(k_heads):
+            want[f"hydra_head.{k}.embed.weight"], want[f"hydra_head.{k}.embed.bias"] = (hidden, hidden), (hidden,)
+            for j in range(layers):
+                want[f"hydra_head.{k}.{j}.linear.weight"], want[f"hydra_head.{k}.{j}.linear.bias"] = (hidden, hidden), (hidden,)
+        return want
+
+    _, tensors = read_head_files(directory, "hydra", WEIGHTS, layout)
+    heads = HydraHeads(shape["heads"], hidden, vocab, shape["layers"], lm, _input_embedding(model), tensors["draft_vocab"])
     state = {}
-    for k in range(k_heads):
-        names = {f"embeds.{k}.{p}": f"hydra_head.{k}.embed.{p}" for p in ("weight", "bias")}
-        names.update({f"blocks.{k}.{j}.linear.{p}": f"hydra_head.{k}.{j}.linear.{p}"
-                      for j in range(layers) for p in ("weight", "bias")})
-        for ours, theirs in names.items():
-            if theirs not in tensors:
-                raise HeadsError(f"{w_path} is missing {theirs} (config says {k_heads} heads x {layers} layers)")
-            state[ours] = tensors[theirs].float()
+    for k in range(shape["heads"]):
+        state.update({f"embeds.{k}.{p}": tensors[f"hydra_head.{k}.embed.{p}"].float() for p in ("weight", "bias")})
+        state.update({f"blocks.{k}.{j}.linear.{p}": tensors[f"hydra_head.{k}.{j}.linear.{p}"].float()
+                      for j in range(shape["layers"]) for p in ("weight", "bias")})
     heads.load_state_dict(state)
     return heads.eval()

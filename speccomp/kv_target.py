@@ -28,6 +28,7 @@ import torch
 from .api import SpecModel
 from .capture import KVSpec
 from .compressed_cache import make_cache
+from .errors import OptionError
 from .kv_policies import KVPolicy, full_bytes, policy_bytes, snapkv_window
 from .runtime import KVCache, Stats
 from .sampling import Sampler
@@ -149,23 +150,22 @@ def kv_quality(step, reader, scored, kv: KVSpec, policy: KVPolicy, ids: torch.Te
 class LossyKVModel(SpecModel):
     """kv_mode='target': plain decoding over the compressed cache. LOSSY: `last_stats["lossless"]` is False."""
 
+    export_refusal = ("a kv_mode='target' model cannot be exported: the engine runtime decodes over the full KV cache, "
+                      "so the engine would silently be a plain full-cache one; export a compile without kv_cache=")
+
     def __init__(self, spec_graph, step, backend: str, policy: KVPolicy, reader=None, scored=None):
         super().__init__(spec_graph, step, backend)
         self.policy, self.scored = policy, scored
         self.reader = step if reader is None else reader
 
-    def generate(self, input_ids, max_new_tokens, eos_token_id=None, do_sample=False, temperature=1.0, top_p=1.0,
-                 seed=None, **kwargs):
-        if kwargs:
-            raise ValueError(f"kv_mode='target' decoding takes no {sorted(kwargs)}")
-        input_ids = self._check_inputs(input_ids, max_new_tokens, temperature, top_p)
-        eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-        sampler = Sampler(do_sample, temperature, top_p, seed)
+    def _decode(self, prompt, args, sampler, acceptance):
+        if acceptance != "exact":
+            raise OptionError("acceptance", acceptance, "kv_mode='target' decodes plainly; there is nothing to accept")
         new, stats, kv_stats = decode_kv_target(
-            self.step, self.reader, self.scored, self.kv, self.policy, input_ids, max_new_tokens, eos, sampler
+            self.step, self.reader, self.scored, self.kv, self.policy, prompt, args.max_new_tokens, set(args.eos), sampler
         )
-        self.last_stats = {**stats.as_dict(), "lossless": False, "lossy": "target reads the compressed KV cache", **kv_stats}
-        return torch.cat([input_ids, new[None].to(input_ids.device)], dim=1)
+        return new, {**stats.as_dict(), "lossless": False, "lossy": "target reads the compressed KV cache",
+                     "backend": self.backend, "providers": self.providers, **kv_stats}
 
     def quality(self, ids: torch.Tensor, prompt_length: int) -> dict:
         """kv_quality of this model's policy on `ids` (see kv_quality)."""

@@ -131,62 +131,123 @@ def display_kind(kind: str) -> str:
     return {"eagle": "an EAGLE"}.get(kind, f"a {kind.capitalize()}")
 
 
-def read_head_files(directory, kind: str, weights: str):
-    """(config, number of heads, layers per head, tensors) of a head directory (`kind`: "medusa" or
-    "hydra", the prefix of its config keys), with clear errors for missing or corrupt files."""
+FLOAT_DTYPES, INT_DTYPES = ("F16", "BF16", "F32"), ("I64", "I32")  # safetensors dtype names
+
+
+def config_int(config: dict, key: str, where, default=None) -> int:
+    """A positive int field of a head config.json, or a HeadsError naming the field."""
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise HeadsError(f"{where}: {key} must be a positive int, got {value!r}; the file is corrupt or not a head config")
+    return value
+
+
+def check_dimensions(config: dict, directory, kind: str, hidden: int, vocab: int) -> None:
+    """The config's hidden_size / vocab_size (where given) against the model's, before any tensor is read."""
+    for key, have, what in (("hidden_size", hidden, "hidden size"), ("vocab_size", vocab, "a vocabulary of")):
+        made = config.get(key)
+        if made is not None and made != have:
+            raise HeadsError(f"{display_kind(kind)} head in {directory} was made for {what} {made!r} (config.json "
+                             f"{key}), but the model has {what} {have}; use heads trained for this model")
+
+
+def tensor_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype) of a safetensors file, from its header alone (no tensor data is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise HeadsError(f"{path} is corrupt or not a safetensors file: {exc}") from None
+
+
+def check_layout(path: Path, header: dict, expected: dict[str, tuple], integer=("draft_vocab",)) -> None:
+    """Every tensor `expected` (name -> shape; None in a shape: any length) is in the file with that shape and a
+    float dtype (integer names: an int dtype), and nothing else is."""
+    missing = [n for n in expected if n not in header]
+    extra = [n for n in header if n not in expected]
+    if missing or extra:
+        raise HeadsError(f"{path} does not hold the tensors its config.json describes: missing {missing[:4]}"
+                         f"{' ...' if len(missing) > 4 else ''}, unexpected {extra[:4]}{' ...' if len(extra) > 4 else ''}; "
+                         "the files are corrupt or do not belong together")
+    for name, want in expected.items():
+        shape, dtype = header[name]
+        if len(shape) != len(want) or any(w is not None and w != d for w, d in zip(want, shape)):
+            shown = [("any" if w is None else w) for w in want]
+            raise HeadsError(f"{path}: {name} has shape {list(shape)}, but heads for this model need {shown}; "
+                             "the heads were made for another model (or config.json was edited)")
+        allowed = INT_DTYPES if name in integer else FLOAT_DTYPES
+        if dtype not in allowed:
+            raise HeadsError(f"{path}: {name} is stored as {dtype}, expected one of {list(allowed)}")
+
+
+def read_head_files(directory, kind: str, weights: str, layout) -> tuple[dict, dict]:
+    """(config, tensors) of a head directory, checked before any tensor is allocated: `layout(config, header)`
+    returns the {name: shape} the config describes for this model (it checks the config's numbers against the
+    file's header first, so an edited config.json cannot make anyone allocate what the file does not hold)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     directory = Path(directory)
     cfg_path, w_path = directory / CONFIG, directory / weights
-    if not w_path.exists() or not cfg_path.exists():
+    if not w_path.is_file() or not cfg_path.is_file():
         raise HeadsError(f"{directory} is not {display_kind(kind)} head directory: it needs {CONFIG} and {weights}")
     try:
         config = json.loads(cfg_path.read_text())
-        k_heads, layers = int(config[f"{kind}_num_heads"]), int(config.get(f"{kind}_num_layers", 1))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise HeadsError(
-            f"{cfg_path}: not a {kind.capitalize()} config (needs {kind}_num_heads, {kind}_num_layers): {exc}"
-        ) from None
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        raise HeadsError(f"{cfg_path} is not valid JSON ({exc}); the head directory is corrupt") from None
+    if not isinstance(config, dict):
+        raise HeadsError(f"{cfg_path}: expected a JSON object with {kind}_num_heads, got {type(config).__name__}")
+    header = tensor_header(w_path)
+    check_layout(w_path, header, layout(config, header))
     try:
         tensors = load_file(str(w_path))
     except (SafetensorError, OSError, ValueError) as exc:
         raise HeadsError(f"{w_path} is corrupt or not a safetensors file: {exc}") from None
-    return config, k_heads, layers, tensors
+    return config, tensors
+
+
+def count_check(where, config_says: str, want: int, header: dict) -> None:
+    if want != len(header):
+        raise HeadsError(f"{where}: config.json says {config_says} ({want} tensors), but the file holds {len(header)}; "
+                         "the files are corrupt or do not belong together")
 
 
 def load_medusa(directory, model) -> MedusaHeads:
     """Heads from a Medusa-layout directory, checked against `model` (hidden size, vocabulary)."""
     directory = Path(directory)
-    w_path = directory / WEIGHTS
-    config, k_heads, layers, tensors = read_head_files(directory, "medusa", WEIGHTS)
     lm = _lm_head_weight(model)
     vocab, hidden = lm.shape
-    first = tensors.get("medusa_head.0.0.linear.weight")
-    if first is None:
-        raise HeadsError(f"{w_path} has no medusa_head.0.0.linear.weight; is it a Medusa head file?")
-    if tuple(first.shape) != (hidden, hidden):
-        raise HeadsError(
-            f"heads in {directory} were made for hidden size {first.shape[1]}, but the model has hidden size {hidden}"
-        )
-    proj_key = f"medusa_head.0.{layers}.weight"
-    tied = proj_key not in tensors
-    if not tied and tensors[proj_key].shape[0] != vocab:
-        raise HeadsError(f"heads in {directory} project to {tensors[proj_key].shape[0]} tokens, the model's vocabulary is {vocab}")
-    if tied and int(config.get("vocab_size", vocab)) != vocab:
-        raise HeadsError(f"heads in {directory} were made for a vocabulary of {config['vocab_size']}, the model's is {vocab}")
-    if not tied and all(torch.equal(tensors[f"medusa_head.{k}.{layers}.weight"], lm) for k in range(k_heads)):
-        tied = True  # Medusa-layout file whose projections are the frozen LM head: share it, do not copy
+    shape = {}
+
+    def layout(config, header):
+        check_dimensions(config, directory, "medusa", hidden, vocab)
+        k_heads = config_int(config, "medusa_num_heads", directory / CONFIG)
+        layers = config_int(config, "medusa_num_layers", directory / CONFIG, default=1)
+        untied = f"medusa_head.0.{layers}.weight" in header  # projections in the file (Medusa's own layout)
+        count_check(directory / WEIGHTS, f"{k_heads} heads x {layers} layers", k_heads * (2 * layers + untied), header)
+        shape.update(heads=k_heads, layers=layers, untied=untied)
+        want = {}
+        for k in range(k_heads):
+            for j in range(layers):
+                want[f"medusa_head.{k}.{j}.linear.weight"] = (hidden, hidden)
+                want[f"medusa_head.{k}.{j}.linear.bias"] = (hidden,)
+            if untied:
+                want[f"medusa_head.{k}.{layers}.weight"] = (vocab, hidden)
+        return want
+
+    _, tensors = read_head_files(directory, "medusa", WEIGHTS, layout)
+    k_heads, layers = shape["heads"], shape["layers"]
+    tied = not shape["untied"] or all(torch.equal(tensors[f"medusa_head.{k}.{layers}.weight"], lm) for k in range(k_heads))
+    # (a Medusa-layout file whose projections are the frozen LM head shares it instead of copying it)
     heads = MedusaHeads(k_heads, hidden, vocab, layers, lm_head=lm if tied else None)
     state = {}
     for k in range(k_heads):
         for j in range(layers):
             for p in ("weight", "bias"):
-                key = f"medusa_head.{k}.{j}.linear.{p}"
-                if key not in tensors:
-                    raise HeadsError(f"{w_path} is missing {key} (config says {k_heads} heads x {layers} layers)")
-                state[f"blocks.{k}.{j}.linear.{p}"] = tensors[key]
+                state[f"blocks.{k}.{j}.linear.{p}"] = tensors[f"medusa_head.{k}.{j}.linear.{p}"].float()
         if not tied:
-            state[f"proj.{k}"] = tensors[f"medusa_head.{k}.{layers}.weight"]
+            state[f"proj.{k}"] = tensors[f"medusa_head.{k}.{layers}.weight"].float()
     heads.load_state_dict(state)
     return heads.eval()

@@ -6,6 +6,7 @@ Nothing is downloaded: without the package installed you get an error saying how
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -23,6 +24,61 @@ def cache_dir() -> Path:
         return Path(os.environ["SPECCOMP_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "speccomp"
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` through a fresh temporary file beside it and a rename: a reader never sees half a
+    file, and two writers at once (threads, processes) never share a temporary file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# Config fields that say how a model was stored, loaded or run, not what it computes. Two loads of the same
+# weights (the GGUF file through `from_pretrained(gguf_file=...)`, its safetensors conversion, another attention
+# kernel, another folder) are one model to speccomp: shipped heads and stored tunings find it either way.
+NOT_IDENTITY = frozenset({
+    "_name_or_path", "name_or_path", "transformers_version", "_commit_hash", "architectures", "quantization_config",
+    "torch_dtype", "dtype", "_attn_implementation", "attn_implementation", "_attn_implementation_autoset",
+    "_experts_implementation", "use_cache", "output_attentions", "output_hidden_states", "return_dict", "torchscript",
+    "tokenizer_class", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "pruned_heads", "finetuning_task",
+})
+_WEIGHT_SAMPLES = 64  # values hashed per tensor besides its first 16: spread evenly over it
+
+
+def _math_config(value):
+    if isinstance(value, dict):
+        return {k: _math_config(v) for k, v in value.items() if k not in NOT_IDENTITY}
+    if isinstance(value, (list, tuple)):
+        return [_math_config(v) for v in value]
+    return value
+
+
+def fingerprint(model) -> str:
+    """A short hash of what the model computes: its config's architecture fields (not NOT_IDENTITY) and its
+    weights (every tensor's name, shape and dtype; its first 16 values and 64 spread over it)."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        h.update(json.dumps(_math_config(config.to_dict()), sort_keys=True, default=str).encode())
+    for name, p in model.state_dict().items():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+        flat = p.detach().reshape(-1)
+        stride = max(1, flat.numel() // _WEIGHT_SAMPLES)
+        for sample in (flat[:16], flat[::stride][:_WEIGHT_SAMPLES]):
+            h.update(sample.float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def gguf_path() -> Path:
@@ -54,7 +110,11 @@ def _convert(target: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        tmp.rename(target)  # atomic: a half-written cache is never seen
+        try:
+            tmp.rename(target)  # atomic: a half-written cache is never seen
+        except OSError:
+            if not (target / "config.json").exists():  # not another process that converted it first
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

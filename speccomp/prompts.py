@@ -1,6 +1,14 @@
-"""Prompt sets: a few shipped with the package, or any JSONL file in the common format.
+"""Prompt sets: the ones shipped with the package, or any JSONL file in the common format.
 
 Each line: {"question_id": int, "category": str, "turns": [str, ...]}; turns[0] is the user message.
+
+Shipped (speccomp/data/, origins and licences in speccomp/data/prompts/README.md):
+    prompts.jsonl                 six everyday requests: the demo's default
+    prompts/alpaca.jsonl          80 instructions          \  what the shipped heads were trained on
+    prompts/humaneval.jsonl       80 code completions      /
+    prompts/gsm8k.jsonl           77 grade-school problems \  held out: measurements, tests
+    prompts/vicuna_bench.jsonl    78 chat questions        /
+`load_prompts("gsm8k")` reads a shipped set by name; any other string is a path.
 """
 from __future__ import annotations
 
@@ -17,15 +25,28 @@ class Prompt:
     text: str
 
 
+SETS = ("alpaca", "gsm8k", "humaneval", "vicuna_bench")  # shipped under speccomp/data/prompts/
+TRAIN_SETS, HELD_OUT_SETS = ("alpaca", "humaneval"), ("gsm8k", "vicuna_bench")
+
+
+def prompt_file(name: str) -> Path:
+    """The path of a shipped prompt set (one of SETS)."""
+    if name not in SETS:
+        raise ValueError(f"unknown prompt set {name!r}; shipped sets: {list(SETS)} (or give a JSONL file's path)")
+    return Path(str(resources.files("speccomp").joinpath(f"data/prompts/{name}.jsonl")))
+
+
 def load_prompts(path: str | Path | None = None, limit: int | None = None) -> list[Prompt]:
-    """Prompts from `path` (JSONL), or the ones shipped with speccomp when None."""
+    """Prompts from `path` (a JSONL file, or the name of a shipped set), or the demo's six when None."""
     if path is None:
         text = resources.files("speccomp").joinpath("data/prompts.jsonl").read_text()
         source = "speccomp/data/prompts.jsonl"
     else:
+        if isinstance(path, str) and path in SETS and not Path(path).exists():
+            path = prompt_file(path)
         path = Path(path)
         if not path.exists():
-            raise FileNotFoundError(f"prompt file {path} does not exist")
+            raise FileNotFoundError(f"prompt file {path} does not exist (shipped sets by name: {list(SETS)})")
         text, source = path.read_text(), str(path)
     prompts = []
     for lineno, line in enumerate(text.splitlines(), 1):

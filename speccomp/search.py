@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .models import cache_dir
+from .models import cache_dir, fingerprint, write_atomically
 
 KINDS = ("early_exit", "layer_skip")
 
@@ -54,20 +54,6 @@ def candidates(kind: str, num_layers: int) -> list[dict]:
             seen.add(key)
             unique.append(c)
     return unique
-
-
-def fingerprint(model: torch.nn.Module) -> str:
-    """A short hash of the model's config and a sample of its weights (not a hash of every byte)."""
-    h = hashlib.sha256()
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "to_dict"):
-        cfg = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
-        h.update(json.dumps(cfg, sort_keys=True, default=str).encode())  # not where it was loaded from
-    for name, p in model.state_dict().items():
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-        flat = p.detach().reshape(-1)
-        h.update(flat[:16].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def _key(model, kind: str, tree) -> str:
@@ -158,9 +144,6 @@ def search_drafter(
     result = SearchResult(kind, best, rows)
     if save:
         path = _path(model, kind, tree)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"kind": kind, "tree": repr(tree), "best": best, "rows": rows}, indent=1))
-        tmp.replace(path)
+        write_atomically(path, json.dumps({"kind": kind, "tree": repr(tree), "best": best, "rows": rows}, indent=1))
         result.path = str(path)
     return result

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import SpeccompError
+from .errors import OptionError, OptionTypeError, SpeccompError
 
 DEFAULT_DYNAMIC_BUDGET = 16
 DEFAULT_DYNAMIC_TOP_K = 4
@@ -41,14 +41,18 @@ class TreeError(SpeccompError, ValueError):
     """A token tree or tree spec is malformed (the message names the problem and the fix)."""
 
 
+class TreeTypeError(TreeError, TypeError):
+    """A token tree or tree spec holds a value of the wrong type (a float rank, a dict for a tree)."""
+
+
 def _as_int(x, what: str) -> int:
     """`x` as a Python int; bools, floats and strings are refused (they are always a mistake here)."""
     if isinstance(x, bool):
-        raise TreeError(f"{what} must be an int, got bool {x!r}; use plain integers")
+        raise TreeTypeError(f"{what} must be an int, got bool {x!r}; use plain integers")
     try:
         return operator.index(x)  # int, numpy ints, 0-d integer tensors
     except TypeError:
-        raise TreeError(f"{what} must be an int, got {type(x).__name__} {x!r}; use plain integers") from None
+        raise TreeTypeError(f"{what} must be an int, got {type(x).__name__} {x!r}; use plain integers") from None
 
 
 def _seq(x, what: str) -> tuple:
@@ -56,8 +60,17 @@ def _seq(x, what: str) -> tuple:
     if isinstance(x, torch.Tensor):
         x = x.tolist()
     if isinstance(x, (str, bytes)) or not isinstance(x, (list, tuple)):
-        raise TreeError(f"{what} must be a list of ints, got {type(x).__name__} {x!r}")
+        raise TreeTypeError(f"{what} must be a list of ints, got {type(x).__name__} {x!r}")
     return tuple(x)
+
+
+def _check_size(size: int, max_nodes: int) -> None:
+    max_nodes = _as_int(max_nodes, "max_nodes")
+    if size > max_nodes:
+        raise TreeError(
+            f"token tree has {size} nodes (root + {size - 1} drafts) but at most {max_nodes} fit; "
+            "use a smaller tree (fewer choices / a shorter chain / a smaller dynamic budget)"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,10 +170,10 @@ class Tree:
     @classmethod
     def from_parents(cls, parents, ranks=None, max_nodes: int | None = None) -> "Tree":
         """From a parent array (parents[0] == -1, parents[i] < i) and optional sibling ranks."""
-        tree = cls(_seq(parents, "parents"), None if ranks is None else _seq(ranks, "ranks"))
+        parents = _seq(parents, "parents")
         if max_nodes is not None:
-            tree._check_max(max_nodes)
-        return tree
+            _check_size(len(parents), max_nodes)  # before the [n, n] mask is built
+        return cls(parents, None if ranks is None else _seq(ranks, "ranks"))
 
     @classmethod
     def from_choices(cls, choices, max_nodes: int | None = None) -> "Tree":
@@ -170,15 +183,17 @@ class Tree:
         then lexicographically, so node i + 1 is the i-th choice in that order.
         """
         if isinstance(choices, (str, bytes)) or not isinstance(choices, (list, tuple)):
-            raise TreeError(
+            raise TreeTypeError(
                 f"tree choices must be a list of lists of ints like [[0], [1], [0, 0]], got {type(choices).__name__}"
             )
         if len(choices) == 0:
             raise TreeError("empty tree: the choice list has no draft nodes; give at least one choice, e.g. [[0]]")
+        if max_nodes is not None:
+            _check_size(len(choices) + 1, max_nodes)
         paths = []
         for k, choice in enumerate(choices):
             if isinstance(choice, (str, bytes)) or not isinstance(choice, (list, tuple)):
-                raise TreeError(f"choice {k} must be a list of ints like [0, 1], got {type(choice).__name__} {choice!r}")
+                raise TreeTypeError(f"choice {k} must be a list of ints like [0, 1], got {type(choice).__name__} {choice!r}")
             if len(choice) == 0:
                 raise TreeError(f"choice {k} is empty; the root is implicit, list only draft nodes like [0]")
             path = tuple(_as_int(r, f"choice {k} ({list(choice)!r}) entry") for r in choice)
@@ -208,6 +223,8 @@ class Tree:
         k = _as_int(k, "chain length")
         if k < 1:
             raise TreeError(f"empty tree: a chain needs k >= 1 draft tokens, got {k}")
+        if max_nodes is not None:
+            _check_size(k + 1, max_nodes)
         return cls.from_parents((-1,) + tuple(range(k)), max_nodes=max_nodes)
 
     # ---- queries --------------------------------------------------------------------------
@@ -233,12 +250,7 @@ class Tree:
         return torch.cat([past, self.mask], dim=1).to(device)
 
     def _check_max(self, max_nodes: int) -> None:
-        max_nodes = _as_int(max_nodes, "max_nodes")
-        if self.size > max_nodes:
-            raise TreeError(
-                f"token tree has {self.size} nodes (root + {self.size - 1} drafts) but at most {max_nodes} fit; "
-                "use a smaller tree (fewer choices / a shorter chain / a smaller dynamic budget)"
-            )
+        _check_size(self.size, max_nodes)
 
     def check_fits(self, context_left: int) -> "Tree":
         """Raise unless the whole tree fits in the `context_left` positions the model has left."""
@@ -263,6 +275,9 @@ class DynamicTreeSpec:
 
     budget: int = DEFAULT_DYNAMIC_BUDGET
     top_k: int = DEFAULT_DYNAMIC_TOP_K
+
+    def __str__(self) -> str:
+        return f"dynamic:{self.budget}:{self.top_k}"  # the tree= string that asks for it
 
 
 @dataclass(frozen=True)
@@ -303,9 +318,9 @@ def parse_tree_spec(spec, max_nodes: int | None = None):
         if budget < 1 or top_k < 1:
             raise TreeError(f"dynamic tree needs budget >= 1 and top_k >= 1, got budget={budget}, top_k={top_k}")
     elif isinstance(spec, bool):
-        raise TreeError(f"bad tree spec {spec!r}; accepted forms: {_SPEC_FORMS}")
-    elif isinstance(spec, int):
-        return Tree.chain(spec, max_nodes=max_nodes)
+        raise TreeTypeError(f"bad tree spec {spec!r}; accepted forms: {_SPEC_FORMS}")
+    elif isinstance(spec, int) or (getattr(spec, "ndim", None) == 0 and "int" in str(getattr(spec, "dtype", ""))):
+        return Tree.chain(spec, max_nodes=max_nodes)  # an int, a numpy int, a 0-d integer tensor
     elif isinstance(spec, (list, tuple)):
         return Tree.from_choices(spec, max_nodes=max_nodes)
     elif isinstance(spec, str):
@@ -330,7 +345,7 @@ def parse_tree_spec(spec, max_nodes: int | None = None):
         top_k = _positive(parts[1], "top_k", spec) if len(parts) == 2 else DEFAULT_DYNAMIC_TOP_K
         spec = DynamicTreeSpec(budget, top_k)
     else:
-        raise TreeError(f"bad tree spec {spec!r} of type {type(spec).__name__}; accepted forms: {_SPEC_FORMS}")
+        raise TreeTypeError(f"bad tree spec {spec!r} of type {type(spec).__name__}; accepted forms: {_SPEC_FORMS}")
     if max_nodes is not None and spec.budget + 1 > max_nodes:
         raise TreeError(
             f"dynamic tree budget {spec.budget} (+ root) exceeds the {max_nodes} nodes that fit; use 'dynamic:{max(max_nodes - 1, 1)}' or less"
@@ -496,3 +511,25 @@ def typical_accept_lossy(
     path.reverse()
     bonus = int(torch.multinomial(p[best].float(), 1, generator=generator))
     return path, bonus
+
+
+def tree_option(tree, max_nodes: int | None = None, name: str = "tree"):
+    """The user's `tree=` (or a drafter's "tree" option) parsed, with errors that name it (OptionError /
+    OptionTypeError instead of the TreeError of speccomp/tree.py)."""
+    try:
+        return parse_tree_spec(tree, max_nodes=max_nodes)
+    except TreeError as exc:
+        raise (OptionTypeError if isinstance(exc, TypeError) else OptionError)(name, tree, str(exc)) from None
+
+
+def check_tree_width(spec, vocab: int, what: str, tree) -> None:
+    """A static tree's sibling ranks and a dynamic tree's top_k must be below the number of tokens the drafter
+    scores (`vocab`: the model's vocabulary, or a head's draft vocabulary), or drafting fails mid-generate.
+    `tree`: the user's value, named in the error (a Tree shows as its choice list, a dynamic spec as its string)."""
+    tree = tree.choices if isinstance(tree, Tree) else str(tree) if isinstance(tree, DynamicTreeSpec) else tree
+    if isinstance(spec, Tree) and max(spec.ranks) >= vocab:
+        raise OptionError("tree", tree, f"uses sibling rank {max(spec.ranks)}, but the {what} scores only {vocab} "
+                          f"tokens (ranks 0..{vocab - 1})", "use smaller ranks")
+    if isinstance(spec, DynamicTreeSpec) and spec.top_k > vocab:
+        raise OptionError("tree", tree, f"expands the top {spec.top_k} tokens, but the {what} scores only {vocab}",
+                          f"use top_k <= {vocab}")

@@ -61,13 +61,13 @@ def test_sampling_is_seeded(tiny):
     "kwargs, error, match",
     [
         (dict(input_ids=torch.rand(1, 4)), TypeError, "integer token ids"),
-        (dict(input_ids=[1, 2, 3]), TypeError, "LongTensor"),
+        (dict(input_ids="1 2 3"), TypeError, "LongTensor"),
         (dict(input_ids=torch.ones(2, 4, dtype=torch.long)), ValueError, "batch size 1"),
         (dict(input_ids=torch.ones(1, 0, dtype=torch.long)), ValueError, "empty"),
         (dict(input_ids=torch.tensor([[1, 500]])), ValueError, r"must be in \[0, 96\)"),
-        (dict(max_new_tokens=0), ValueError, "max_new_tokens must be a positive int"),
-        (dict(max_new_tokens=-3), ValueError, "max_new_tokens must be a positive int"),
-        (dict(max_new_tokens=2.5), ValueError, "max_new_tokens must be a positive int"),
+        (dict(max_new_tokens=0), ValueError, "max_new_tokens=0: must be a positive int"),
+        (dict(max_new_tokens=-3), ValueError, "max_new_tokens=-3: must be a positive int"),
+        (dict(max_new_tokens=2.5), TypeError, "max_new_tokens=2.5: must be an int"),
         (dict(input_ids=torch.ones(1, 250, dtype=torch.long), max_new_tokens=10), ValueError, "exceeds the model's context of 256"),
         (dict(temperature=0.0, do_sample=True), ValueError, "temperature"),
         (dict(top_p=1.5, do_sample=True), ValueError, "top_p"),
@@ -84,8 +84,8 @@ def test_bad_generate_input(tiny, kwargs, error, match):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(backend="tpu"), r"unknown backend 'tpu'; accepted values: \['eager'"),
-        (dict(drafter="telepathy"), r"unknown drafter 'telepathy'; accepted values"),
+        (dict(backend="tpu"), r"backend='tpu': unknown backend; accepted values: \['eager'"),
+        (dict(drafter="telepathy"), r"drafter='telepathy': unknown drafter; accepted values"),
         (dict(kv_cache="zip"), r"unknown kv_cache 'zip'"),
     ],
 )

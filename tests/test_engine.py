@@ -105,7 +105,7 @@ def test_medusa_engine_greedy_identical_and_drafts_like_torch(tied, tmp_path):
     out = plain.generate(ids.numpy(), max_new_tokens=30, eos_token_id=2)
     assert np.array_equal(out, hf_greedy(model, ids, 30).numpy()) and "drafter=plain" in repr(plain)
     assert plain.last_stats["steps"] == plain.last_stats["new_tokens"] == out.shape[1] - ids.shape[1]
-    with pytest.raises(TypeError, match="draft must be True"):
+    with pytest.raises(TypeError, match="draft='no': must be True or False"):
         speccomp.load(tmp_path / "e", draft="no")
     (tmp_path / "e" / "medusa.onnx").unlink()
     with pytest.raises(EngineError, match="medusa graph .* is missing"):
@@ -143,44 +143,6 @@ def test_engine_runs_without_torch(llama, engine_dir):
     outs = json.loads(child.stdout.strip().splitlines()[-1])
     for ids, out in zip(prompts, outs):
         assert out == hf_greedy(llama, ids, 30).tolist()
-
-
-def test_engine_sampling_follows_the_model(tmp_path):
-    """Sampling through an engine (deterministic drafts, walk-the-tree acceptance) draws from the model's
-    own distribution: chi-square over the joint law of 3 new tokens, and the test can tell tempered
-    from untempered sampling."""
-    from scipy.stats import chisquare
-
-    from test_speculative import V, exact_distribution
-
-    model = tiny_llama(vocab_size=V, num_hidden_layers=4, initializer_range=0.3, tie_word_embeddings=True)
-    ids = torch.tensor([[1, 2, 3, 4, 1, 2]])
-    # persist: the recycling table survives between the 3-token generations, so drafts are made
-    options = {"top_k": 4, "persist": True, "ngram_branches": 0}
-    fast = speccomp.compile(model, drafter="token_recycling", tree=[[0], [1], [2], [3], [0, 0], [1, 0]],
-                            drafter_options=options)
-    engine = speccomp.load(fast.export(tmp_path / "e"))
-    exact = exact_distribution(model, ids, 3, 1.5, 0.8).flatten().numpy()
-    draws, drafted = 1200, 0
-    counts = np.zeros_like(exact)
-    for seed in range(draws):
-        out = engine.generate(ids.numpy(), max_new_tokens=3, do_sample=True, temperature=1.5, top_p=0.8, seed=seed)
-        a, b, c = out[0, -3:].tolist()
-        counts[(a * V + b) * V + c] += 1
-        drafted += engine.last_stats["steps"] < 3
-    assert drafted > draws // 10, f"drafts were accepted in only {drafted} of {draws} runs: nothing is tested"
-
-    def pvalue(expected_p):
-        keep = expected_p * draws >= 5  # chi-square needs expected counts >= 5; pool the rest
-        observed = np.append(counts[keep], counts[~keep].sum())
-        expected = np.append(expected_p[keep], expected_p[~keep].sum()) * draws
-        if expected[-1] == 0:
-            assert observed[-1] == 0
-            observed, expected = observed[:-1], expected[:-1]
-        return chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
-
-    assert pvalue(exact) > 1e-3
-    assert pvalue(exact_distribution(model, ids, 3, 1.0, 1.0).flatten().numpy()) < 1e-3
 
 
 # ---- bad input ------------------------------------------------------------------------------
@@ -232,7 +194,7 @@ def test_engine_generate_input_errors(engine_dir):
         engine.generate(np.ones((2, 3), dtype=np.int64), 4)
     with pytest.raises(ValueError, match=r"must be in \[0, 96\)"):
         engine.generate([1, 500], 4)
-    with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
+    with pytest.raises(ValueError, match="max_new_tokens=0: must be a positive int"):
         engine.generate([1, 2], 0)
     with pytest.raises(TypeError, match="integer token ids"):
         engine.generate(np.array([1.5, 2.0]), 4)
@@ -264,7 +226,7 @@ def test_export_refuses_what_it_cannot_run_or_would_destroy(llama, engine_dir, t
     keep.mkdir()
     (keep / "notes.txt").write_text("precious")
     fast = speccomp.compile(llama)
-    with pytest.raises(EngineError, match="not an engine; refusing"):
+    with pytest.raises(EngineError, match="not a speccomp engine; refusing"):
         fast.export(keep, overwrite=True)
     assert (keep / "notes.txt").read_text() == "precious"
     again = _copy(engine_dir, tmp_path / "again")

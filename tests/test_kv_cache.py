@@ -450,7 +450,7 @@ def test_drafts_rejected_every_step_still_exact(llama):
     [
         (dict(kv_cache="kivi3"), r"KIVI bits must be one of \[2, 4, 8\]"),
         (dict(kv_cache="sink:0"), r"budget must be >= 1"),
-        (dict(kv_cache="sink:4", kv_mode="fast"), r"unknown kv_mode 'fast'"),
+        (dict(kv_cache="sink:4", kv_mode="fast"), r"kv_mode='fast': unknown kv_mode"),
         (dict(kv_cache="sink:64", kv_mode="target", drafter="ngram"), r"LOSSY.*plain decoding only"),
         (dict(kv_mode="draft"), r"needs a kv_cache= policy"),
         (dict(kv_cache="sink:64", drafter="ngram"), r"drop drafter="),

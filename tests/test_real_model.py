@@ -10,16 +10,16 @@ from speccomp.models import chat_ids
 from speccomp.prompts import load_prompts
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("two_threads")]
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts"
 
 
-def shared_prompts(per_file=1):
-    if not SHARED.is_dir():
-        return []
+def shipped_prompts(per_file=1):
+    """The first prompts of each prompt set shipped in speccomp/data/prompts (never skipped: they ship)."""
+    from speccomp.prompts import SETS
+
     out = []
-    for f in sorted(SHARED.glob("*.jsonl")):
-        rows = [json.loads(l) for l in f.read_text().splitlines() if l.strip()][:per_file]
-        out += [pytest.param(r["turns"][0], id=f"{f.stem}-{r['question_id']}") for r in rows]
+    for name in SETS:
+        for p in load_prompts(name, limit=per_file):
+            out.append(pytest.param(p.text, id=f"{name}-{p.id}"))
     return out
 
 
@@ -36,9 +36,8 @@ def test_structure(smollm_compiled):
     assert smollm_compiled.kv.num_kv_heads == 3 and smollm_compiled.kv.head_dim == 64
 
 
-NEW_TOKENS = 256  # what the tree/runtime issue asks: every drafter, 256 new tokens, the shared prompt sets
-PROMPTS = shared_prompts()
-needs_shared = pytest.mark.skipif(not PROMPTS, reason="../shared/data/prompts not present")
+NEW_TOKENS = 256  # what the tree/runtime issue asks: every drafter, 256 new tokens, the shipped prompt sets
+PROMPTS = shipped_prompts()
 
 
 # Two files carry the 256-token checks, the two the shipped heads were not trained on; every drafter and
@@ -60,7 +59,6 @@ def hf_refs(smollm):
     return refs
 
 
-@needs_shared
 @pytest.mark.parametrize("drafter, options, files", [
     (None, None, ("vicuna_bench",)), ("token_recycling", None, ("vicuna_bench",)), ("ngram", None, ("gsm8k",)),
     # explicit layers (what `speccomp search` picked on the project machine, README): the test then does
@@ -72,7 +70,7 @@ def hf_refs(smollm):
     # one tree merged from the Hydra heads' and Token Recycling's (speccomp/drafters_merge.py)
     ("hydra+token_recycling", {"token_recycling": {"tree": [[0], [1], [0, 0]]}}, ("vicuna_bench",)),
 ])
-def test_greedy_256_tokens_identical_shared(smollm, hf_refs, drafter, options, files):
+def test_greedy_256_tokens_identical(smollm, hf_refs, drafter, options, files):
     """Plain decoding and every drafter (default tree) equal HF greedy token for token."""
     import speccomp
 
@@ -85,8 +83,8 @@ def test_greedy_256_tokens_identical_shared(smollm, hf_refs, drafter, options, f
         assert torch.equal(out, ref), (drafter, name)
         if drafter is not None and drafter.split("+")[0] in ("medusa", "hydra", "eagle"):
             assert fast.last_stats["tau"] > 1.2, name  # trained heads get drafts accepted on unseen prompts
-        elif drafter is not None:
-            assert fast.last_stats["tau"] >= 1.0
+        elif drafter is not None:  # README, 256 tokens: token_recycling tau 1.66 on vicuna; ngram 2.30, early_exit 2.61, layer_skip 3.93 overall
+            assert fast.last_stats["tau"] > 1.2, name  # text drafters and self-drafters get drafts accepted
 
 
 def test_greedy_identical_shipped_prompt(smollm, smollm_compiled):
@@ -142,7 +140,6 @@ def _assert_ort_logits_as_close_as_torch(model, fast, ids):
     assert ort_err <= 3 * torch_err + 1e-5, f"ORT is {ort_err:.3g} from float64, torch {torch_err:.3g}"
 
 
-@needs_shared
 def test_onnxruntime_and_torch_free_engine_256_tokens_identical(smollm, hf_refs, tmp_path):
     """backend="onnxruntime" with the shipped Medusa heads on one prompt; its engine directory (target.onnx
     copied from the backend, returning head states; medusa.onnx projecting them) run by `speccomp run
