@@ -115,11 +115,29 @@ def save_medusa(heads: MedusaHeads, directory, *, base_model: str = "", medusa_l
     return write_head_files(directory, WEIGHTS, tensors, config)
 
 
+def check_head_directory(directory) -> Path:
+    """A directory heads may be written to: new, or one whose config.json (if any) is a head config. Nothing else
+    in it is touched, so a project folder's own config.json is never overwritten by a head config."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise HeadsError(f"{directory} exists and is not a directory; choose a directory for the heads")
+    cfg = directory / CONFIG
+    if cfg.exists():
+        try:
+            config = json.loads(cfg.read_text())
+        except (ValueError, UnicodeDecodeError, OSError):
+            config = None
+        if not isinstance(config, dict) or not ("head_type" in config or "medusa_num_heads" in config):
+            raise HeadsError(f"{cfg} exists and is not a head config; refusing to overwrite it (choose a new "
+                             "directory for the heads)")
+    return directory
+
+
 def write_head_files(directory, weights: str, tensors: dict, config: dict) -> Path:
     """Write a head directory: `weights` (safetensors) + config.json; read back by `read_head_files`."""
     from safetensors.torch import save_file
 
-    directory = Path(directory)
+    directory = check_head_directory(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / weights))
     (directory / CONFIG).write_text(json.dumps(config, indent=1) + "\n")

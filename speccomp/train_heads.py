@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .medusa import MedusaHeads, new_heads, save_medusa
+from .medusa import MedusaHeads, check_head_directory, new_heads, save_medusa
 
 KINDS = ("medusa", "hydra", "eagle")
 DISTILL_BATCH = 32  # prompts decoded together by HF generate
@@ -283,7 +283,7 @@ def train_heads(
         raise ValueError("train_heads needs at least one prompt (token ids) to self-distill from")
     if soft_labels > _vocab_size(model):
         raise ValueError(f"soft_labels={soft_labels} is more than the model's vocabulary ({_vocab_size(model)} tokens)")
-    out = Path(out)
+    out = check_head_directory(out)  # before minutes of work: never over a folder's own config.json
     state = _state_dir(out)
     args = {"kind": kind, "num_heads": num_heads, "num_layers": num_layers, "max_new_tokens": max_new_tokens,
             "epochs": epochs, "lr": lr, "batch_size": batch_size, "seed": seed, "prompts": len(prompts),

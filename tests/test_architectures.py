@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_models import ARCHITECTURES, UNSUPPORTED, WINDOW, captured, seeded_prompt
+from tiny_models import hf_greedy_with_margin as hf_greedy
 
 import speccomp
 from speccomp.graph import annotate
@@ -32,20 +33,6 @@ def compiled(name: str):
         model, cap = captured(name)
         _compiled[name] = (model, speccomp.compile(cap))
     return _compiled[name]
-
-
-def hf_greedy(model, prompt: torch.Tensor, max_new_tokens: int):
-    """HF greedy generate of exactly max_new_tokens tokens; returns (sequences, min top-1/top-2 margin)."""
-    cfg = model.generation_config
-    cfg.do_sample, cfg.eos_token_id, cfg.pad_token_id = False, None, model.config.pad_token_id
-    cfg.temperature = cfg.top_p = cfg.top_k = None
-    with torch.no_grad():
-        out = model.generate(
-            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens, do_sample=False,
-            pad_token_id=model.config.pad_token_id, return_dict_in_generate=True, output_scores=True,
-        )
-    top2 = torch.stack(out.scores)[:, 0].topk(2, dim=-1).values  # [new, 2]
-    return out.sequences, float((top2[:, 0] - top2[:, 1]).min())
 
 
 @pytest.mark.parametrize("name", NAMES, ids=NAMES)

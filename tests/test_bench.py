@@ -52,8 +52,9 @@ def test_rows_and_identity(result):
     base, pld, plain, drafted = rows
     assert base["speedup"] == pytest.approx(1.0) and base["tau"] == pytest.approx(1.0)
     assert plain["tau"] == pytest.approx(1.0) and plain["acceptance_by_depth"] == []
-    assert pld["tau"] >= 1.0 and pld["kind"] == "hf" and plain["kind"] == "speccomp"
-    assert drafted["tau"] >= 1.0 and drafted["acceptance_by_depth"]
+    # drafts were accepted (measured: HF prompt lookup tau 1.17; layer_skip tau 1.71, depth-1 acceptance 1.0)
+    assert pld["tau"] > 1.0 and pld["kind"] == "hf" and plain["kind"] == "speccomp"
+    assert drafted["tau"] > 1.2 and drafted["acceptance_by_depth"][0] > 0.5
     assert all(0.0 <= a <= 1.0 for a in drafted["acceptance_by_depth"])
     assert result.all_identical(("speccomp", "hf"))
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, captured
+from tiny_models import ARCHITECTURES, captured, hf_greedy_with_margin as hf_greedy
 
 import speccomp
 from speccomp.eagle import new_eagle, save_eagle
@@ -56,20 +56,6 @@ def repetitive_prompt(vocab: int, length: int, seed: int) -> torch.Tensor:
 def prompt_for(name: str, vocab: int) -> torch.Tensor:
     window = ARCHITECTURES[name].sliding_window or 0
     return repetitive_prompt(vocab, max(24, window + 8), PROMPT_SEEDS.get(name, 0))
-
-
-def hf_greedy(model, prompt: torch.Tensor, n: int):
-    """HF greedy generate of exactly n tokens (no EOS stop); returns (sequences, min top-1/top-2 margin)."""
-    cfg = model.generation_config
-    cfg.do_sample, cfg.eos_token_id, cfg.pad_token_id = False, None, model.config.pad_token_id
-    cfg.temperature = cfg.top_p = cfg.top_k = None
-    with torch.no_grad():
-        out = model.generate(
-            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False,
-            pad_token_id=model.config.pad_token_id, return_dict_in_generate=True, output_scores=True,
-        )
-    top2 = torch.stack(out.scores)[:, 0].topk(2, dim=-1).values
-    return out.sequences, float((top2[:, 0] - top2[:, 1]).min())
 
 
 def random_heads(model, directory) -> dict[str, str]:

@@ -163,11 +163,13 @@ def test_hydra_greedy_identical(model, tmp_path, tree):
 
     save_hydra(random_hydra(model, vocab=torch.arange(3, 80)), tmp_path / "h")  # a draft vocabulary subset
     fast = speccomp.compile(model, drafter="hydra", drafter_options={"heads": str(tmp_path / "h")}, tree=tree)
+    steps = tokens = 0
     for ids in prompts(3, seed=5):
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,
                              eos_token_id=2, pad_token_id=2)
         assert torch.equal(fast.generate(ids, max_new_tokens=30, eos_token_id=2), ref)
-    assert fast.last_stats["steps"] <= 30
+        steps, tokens = steps + fast.last_stats["steps"], tokens + fast.last_stats["new_tokens"]
+    assert steps < tokens  # even random heads get some drafts accepted (measured: 86 and 85 steps for 90 tokens)
 
 
 def test_hydra_drafts_follow_the_previous_token(model):
@@ -277,7 +279,12 @@ def test_typical_acceptance_is_opt_in_and_labelled_lossy(model, tmp_path):
     probs = torch.tensor([[0.1, 0.6, 0.3, 0.0], [0.05, 0.05, 0.1, 0.8], [0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25]])
     # root 0; node 1 = token 1 (p 0.6: typical), node 2 = token 3 (p 0: not), node 3 = token 3 under node 1 (p 0.8)
     path, bonus = typical_accept_lossy(tree, torch.tensor([0, 1, 3, 3]), probs, generator=torch.Generator().manual_seed(0))
-    assert path == [0, 1, 3] and 0 <= bonus < 4
+    assert path == [0, 1, 3]
+    # the bonus is drawn from the last accepted node's row (node 3: uniform), not the root's (no token 3) or node 1's
+    # (token 3 at 0.8): over 40 seeds each of the 4 tokens comes at least 4 times
+    bonuses = [typical_accept_lossy(tree, torch.tensor([0, 1, 3, 3]), probs, generator=torch.Generator().manual_seed(s))[1]
+               for s in range(40)]
+    assert min(bonuses.count(t) for t in range(4)) >= 4, bonuses
     path, bonus = typical_accept_lossy(tree, torch.tensor([0, 3, 3, 0]), probs)  # token 3 has p = 0 at the root
     assert path == [0] and bonus in (0, 1, 2)
     save_medusa(random_heads(model), tmp_path / "h")

@@ -113,6 +113,21 @@ def test_swap_keeps_the_old_engine_when_the_new_one_cannot_move_in(tmp_path, mon
     assert (old / MANIFEST).read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["engine"]
 
 
+def test_heads_are_never_written_over_a_folders_own_config(llama, tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.json").write_text('{"name": "my project"}')
+    with pytest.raises(HeadsError, match="is not a head config; refusing to overwrite it"):
+        save_medusa(new_heads(llama, 2), project)
+    with pytest.raises(HeadsError, match="is not a head config"):  # refused before any training work
+        speccomp.train_heads(llama, [torch.tensor([[5, 6, 7]])], out=project, num_heads=2, epochs=1)
+    assert (project / "config.json").read_text() == '{"name": "my project"}'
+    assert sorted(p.name for p in project.iterdir()) == ["config.json"]
+    save_medusa(new_heads(llama, 2), tmp_path / "heads")
+    save_medusa(new_heads(llama, 3), tmp_path / "heads")  # a head directory may be written again
+    assert load_medusa(tmp_path / "heads", llama).num_heads == 3
+
+
 # --------------------------------------------------------------------------------------
 # 2. head checkpoints: the header is checked before anything is allocated
 # --------------------------------------------------------------------------------------

@@ -342,7 +342,8 @@ def _draft_children(g, q, k, mode):
 
 
 def _run(mode, sampler=sample_accept, pass_q=None, draws=DRAWS, seed=0, zeros=1, q_is_p=False):
-    """Counts [V, V] of the first two emitted tokens over `draws` steps, and their exact joint."""
+    """Counts [V, V] of the first two emitted tokens over `draws` steps, their exact joint, and the share of steps
+    that accepted 0, 1 and 2 drafts."""
     g = torch.Generator().manual_seed(seed)
     p0, p1, p2 = _dist(g, (), zeros), _dist(g, (V,), zeros), _dist(g, (V, V), zeros)
     if q_is_p:  # drafter == target: residuals are (numerically) zero after a rejection
@@ -363,8 +364,10 @@ def _run(mode, sampler=sample_accept, pass_q=None, draws=DRAWS, seed=0, zeros=1,
     assert [TREE.children[c] for c in range(4)] == [[1, 2, 3], [4, 5], [6, 7], [8, 9]]
 
     first, second = torch.empty(N, dtype=torch.long), torch.full((N,), -1, dtype=torch.long)
+    accepted = [0, 0, 0]
     for i in range(N):
         path, nxt = sampler(TREE, tokens[i], tprobs[i], dprobs[i] if pass_q else None, g)
+        accepted[len(path) - 1] += 1
         emitted = tokens[i, path[1:]].tolist() + [nxt]
         first[i] = emitted[0]
         if len(emitted) > 1:
@@ -373,7 +376,7 @@ def _run(mode, sampler=sample_accept, pass_q=None, draws=DRAWS, seed=0, zeros=1,
     todo = second < 0
     second[todo] = torch.multinomial(p1[first[todo]], 1, generator=g)[:, 0]
     counts = torch.zeros(V * V, dtype=torch.long).index_add_(0, first * V + second, torch.ones(N, dtype=torch.long))
-    return counts.view(V, V), p0[:, None] * p1
+    return counts.view(V, V), p0[:, None] * p1, [a / N for a in accepted]
 
 
 def _chi2_pvalue(counts, exact):
@@ -403,8 +406,11 @@ def _tv(counts, exact):
 )
 def test_sample_accept_is_lossless(mode, kwargs):
     pytest.importorskip("scipy")
-    counts, exact = _run(mode, **kwargs)
-    assert counts.sum() == kwargs.get("draws", DRAWS)
+    counts, exact, accepted = _run(mode, **kwargs)
+    if kwargs.get("q_is_p"):
+        assert accepted[2] > 0.999, accepted  # the drafter is the target: every draft is accepted
+    else:  # every way out of the walk is taken often: rejection at the root, after one draft, after two (>= 13% each)
+        assert min(accepted) > 0.1, accepted
     p = _chi2_pvalue(counts, exact)
     # Fixed seeds make this deterministic; 1e-3 leaves room for an unlucky seed without hiding bias
     # (the lossy controls below land many orders of magnitude lower).
@@ -437,5 +443,5 @@ def _lossy_point_mass(tree, tokens, target_probs, draft_probs=None, generator=No
 )
 def test_losslessness_check_detects_lossy_sampler(mode, kwargs):
     pytest.importorskip("scipy")
-    counts, exact = _run(mode, draws=5_000, **kwargs)
+    counts, exact, _ = _run(mode, draws=5_000, **kwargs)
     assert _chi2_pvalue(counts, exact) < 1e-6

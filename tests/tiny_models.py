@@ -375,3 +375,18 @@ UNSUPPORTED = {
     "mamba_recurrent": (_mamba, ("recurrent",)),
     "llama_base_model_no_head": (_llama_base, ("lm head",)),
 }
+
+
+def hf_greedy_with_margin(model, prompt: torch.Tensor, max_new_tokens: int):
+    """HF greedy generate of exactly max_new_tokens tokens (no EOS stop); returns (sequences, the smallest
+    top-1 minus top-2 logit margin along the way: near-ties make a reference fragile)."""
+    cfg = model.generation_config
+    cfg.do_sample, cfg.eos_token_id, cfg.pad_token_id = False, None, model.config.pad_token_id
+    cfg.temperature = cfg.top_p = cfg.top_k = None
+    with torch.no_grad():
+        out = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=model.config.pad_token_id, return_dict_in_generate=True, output_scores=True,
+        )
+    top2 = torch.stack(out.scores)[:, 0].topk(2, dim=-1).values  # [new, 2]
+    return out.sequences, float((top2[:, 0] - top2[:, 1]).min())

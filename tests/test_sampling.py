@@ -1,0 +1,296 @@
+"""Speculative sampling is lossless: the emitted tokens follow the model's own distribution, for every drafter,
+in the torch runtime (recursive rejection sampling, `speccomp.tree.sample_accept`) and in exported engines (the
+numpy walk, `speccomp.engine.accept`). And the tests have power: for each of the two acceptance code paths, a
+slightly wrong rule fails the same test with the same draws (torch: on its cheapest case, which takes POWER_DRAWS
+draws where the other cases take DRAWS; engines: every case takes POWER_DRAWS, a draw costs 1 ms there).
+
+Setup: a 2-layer Llama with a 5-token vocabulary, a 20-token prompt in which every token is followed by four
+different ones (prompt lookup then drafts wide), temperature 1.5. Each draw generates 4 tokens from its own
+seed, so the step after the prefill verifies trees two deep (an accepted path of two drafts, then a bonus); the
+statistic is the joint law of the first 3 tokens, 125 outcomes, whose exact law comes from the model itself by
+enumeration (31 HF forwards). Pearson's chi-square compares the draws with it (p > 1e-3 is required; seeds are
+fixed, so every run of a test sees the same draws), and every test asserts that drafts were accepted in most
+runs: a sampling test in which drafts are rarely accepted tests little beyond plain sampling.
+"""
+import numpy as np
+import pytest
+import torch
+
+import speccomp
+import speccomp.engine
+import speccomp.speculative
+from speccomp.sampling import warp
+from tiny_models import tiny_llama
+
+pytest.importorskip("scipy")
+
+V = 5  # vocabulary of the model: 125 outcomes for 3 tokens
+PROMPT = [0, 1, 2, 3, 4, 0, 2, 4, 1, 3, 0, 3, 1, 4, 2, 0, 4, 3, 2, 1]
+TEMPERATURE = 1.5
+NEW_TOKENS = 4  # the chi-square scores the first 3: 4 lets the step after the prefill accept 2 drafts
+DRAWS = 600  # per torch case (4 to 9 ms a draw)
+POWER_DRAWS = 1600  # the torch power test's case (its slightly wrong rule needs them), and every engine case (1 ms a draw)
+MIN_ACCEPTED = 0.8  # drafts accepted in at least this share of the runs (measured: 0.87 to 1.00 over seed ranges)
+MIN_DEEP = 0.03  # one step accepted two drafts in at least this share of the runs (measured: 0.045 to 0.23)
+WIDE = [[0], [1], [2], [3], [0, 0], [1, 0]]  # 4 of the 5 tokens at depth 1: most runs accept a draft
+
+
+def exact_distribution(model, ids, n, temperature, top_p):
+    """P(t1, .., tn) of the model's own sampling, computed exactly by enumeration ([V] * n table)."""
+    with torch.no_grad():
+        p = warp(model(ids).logits[0, -1], temperature, top_p).double()
+        if n == 1:
+            return p
+        V = p.shape[0]
+        return torch.stack([
+            p[t] * exact_distribution(model, torch.cat([ids, torch.tensor([[t]])], 1), n - 1, temperature, top_p)
+            for t in range(V)
+        ])
+
+
+def chi2_pvalue(counts: np.ndarray, exact: np.ndarray) -> float:
+    """Pearson's chi-square of observed `counts` against the probabilities `exact` (same shape, flat)."""
+    from scipy.stats import chisquare
+
+    assert counts[exact == 0].sum() == 0, "an outcome the model cannot produce was emitted"
+    n = counts.sum()
+    keep = exact * n >= 5  # chi-square wants expected counts >= 5: pool the rest into one cell
+    observed = np.append(counts[keep], counts[~keep].sum())
+    expected = np.append(exact[keep], exact[~keep].sum()) * n
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    return float(chisquare(observed, expected * observed.sum() / expected.sum()).pvalue)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab_size=V, num_hidden_layers=2, initializer_range=0.3, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def captured(model):
+    return speccomp.capture(model)  # exported once; each compile(captured, ...) rewrites a copy
+
+
+@pytest.fixture(scope="module")
+def exact(model):
+    """top_p -> the exact law of the first 3 new tokens, flat [125] (outcome (a, b, c) at (a * V + b) * V + c)."""
+    ids = torch.tensor([PROMPT])
+    return {top_p: exact_distribution(model, ids, 3, TEMPERATURE, top_p).flatten().numpy() for top_p in (1.0, 0.8)}
+
+
+@pytest.fixture(scope="module")
+def heads(model, tmp_path_factory):
+    """Random Medusa (2 heads), Hydra (2 heads) and EAGLE heads for the model, saved: kind -> directory."""
+    from speccomp.eagle import new_eagle, save_eagle
+    from speccomp.hydra import new_hydra, save_hydra
+    from speccomp.medusa import new_heads, save_medusa
+
+    root = tmp_path_factory.mktemp("heads")
+    made = {"medusa": (new_heads(model, 2), save_medusa), "hydra": (new_hydra(model, torch.arange(V), 2), save_hydra),
+            "eagle": (new_eagle(model, torch.arange(V)), save_eagle)}
+    g = torch.Generator().manual_seed(0)
+    for kind, (module, save) in made.items():
+        with torch.no_grad():
+            for w in module.parameters():
+                w.copy_(torch.randn(w.shape, generator=g) * 0.5)
+        save(module, root / kind)
+    return {kind: str(root / kind) for kind in made}
+
+
+# torch runtime: case -> (compile arguments given the heads' directories, top_p). top_p 0.8 makes the target give
+# tokens probability 0 (a draft of one must always be rejected). Share of the test's runs that accepted a draft:
+TORCH_CASES = {
+    "early_exit": (lambda h: dict(drafter="early_exit", drafter_options={"exit_layer": 0}, tree=WIDE), 0.8),  # 1.00
+    # EAGLE-2 style growth from the drafter's confidences: trees change shape from step to step
+    "layer_skip-dynamic": (lambda h: dict(drafter="layer_skip", drafter_options={"skip": [0]}, tree="dynamic:6:3"),
+                           1.0),  # 0.90
+    "ngram": (lambda h: dict(drafter="ngram"), 0.8),  # 0.94
+    # the recycling table persists across generations (as in the paper): it drafts from the first step on
+    "token_recycling": (lambda h: dict(drafter="token_recycling", tree=WIDE,
+                                       drafter_options={"top_k": 4, "persist": True, "ngram_branches": 0}), 1.0),  # 0.99
+    "medusa": (lambda h: dict(drafter="medusa", drafter_options={"heads": h["medusa"]}, tree=WIDE), 1.0),  # 0.98
+    "hydra": (lambda h: dict(drafter="hydra", drafter_options={"heads": h["hydra"]}, tree=WIDE), 0.8),  # 0.98
+    "eagle": (lambda h: dict(drafter="eagle", drafter_options={"heads": h["eagle"]}, tree=WIDE), 1.0),  # 0.96
+    # one tree merged from the Hydra heads' and Token Recycling's (whose prompt-lookup branch finds the prompt's bigrams)
+    "hydra+token_recycling": (lambda h: dict(drafter="hydra+token_recycling", tree=WIDE, drafter_options={
+        "hydra": {"heads": h["hydra"]}, "token_recycling": {"tree": [[0], [1], [0, 0]], "top_k": 3}}), 1.0),  # 0.98
+}
+
+POWER_CASE = "token_recycling"  # the power test's case: cheap (no drafter forward), and it drafts the likely tokens
+CASE_DRAWS = {POWER_CASE: POWER_DRAWS}  # the other cases take DRAWS
+
+
+def sample(generate, seeds) -> tuple[np.ndarray, float, float]:
+    """Counts [125] of the first 3 new tokens over `seeds`, the share of runs in which a draft was accepted (fewer
+    target forwards than tokens), and the share in which one step accepted two drafts (prefill + 1 step)."""
+    counts = np.zeros(V**3)
+    accepted = deep = 0
+    for seed in seeds:
+        a, b, c = generate(seed)[:3]
+        counts[(a * V + b) * V + c] += 1
+        accepted += generate.steps < NEW_TOKENS
+        deep += generate.steps == 2
+    return counts, accepted / len(seeds), deep / len(seeds)
+
+
+class TorchRun:
+    def __init__(self, fast, top_p):
+        self.fast, self.top_p, self.steps = fast, top_p, None
+        self.ids = torch.tensor([PROMPT])
+
+    def __call__(self, seed):
+        out = self.fast.generate(self.ids, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=TEMPERATURE,
+                                 top_p=self.top_p, seed=seed)
+        self.steps = self.fast.last_stats["steps"]
+        return out[0, len(PROMPT):].tolist()
+
+
+def run_torch(case, captured, heads, exact):
+    """Compile `case` (fresh: Token Recycling's table starts empty whatever ran before) and sample it: the chi-square
+    p-value, the share of runs that accepted a draft / two drafts in one step, and the trees it verified."""
+    fast, top_p = speccomp.compile(captured, **TORCH_CASES[case][0](heads)), TORCH_CASES[case][1]
+    trees = []
+    propose = fast.drafter.propose
+
+    def spy(ctx):
+        draft = propose(ctx)
+        trees.append(draft.tree)
+        return draft
+
+    fast.drafter.propose = spy
+    counts, accepted, deep = sample(TorchRun(fast, top_p), range(CASE_DRAWS.get(case, DRAWS)))
+    return chi2_pvalue(counts, exact[top_p]), accepted, deep, trees
+
+
+@pytest.mark.parametrize("case", list(TORCH_CASES))
+def test_sampling_distribution_equals_model(case, captured, heads, exact):
+    """Speculative sampling draws from the model's own distribution, with drafts accepted in most runs."""
+    p, accepted, deep, trees = run_torch(case, captured, heads, exact)
+    assert accepted >= MIN_ACCEPTED, f"drafts were accepted in only {accepted:.0%} of the runs: little is tested"
+    assert deep >= MIN_DEEP, f"two drafts were accepted in one step in only {deep:.1%} of the runs"
+    assert max(t.max_depth for t in trees) == 2  # trees two deep were verified
+    if "dynamic" in case:
+        assert len({t.parents for t in trees if t.max_depth == 2}) > 1, "a dynamic tree changes shape"
+    assert p > 1e-3, f"speculative samples do not follow the model's distribution (chi-square p={p:.2g})"
+
+
+# --------------------------------------------------------------------------------------------
+# Power: a slightly wrong acceptance rule fails the same test with the same draws
+# --------------------------------------------------------------------------------------------
+
+
+def accept_at_temperature_one(tree, tokens, target_probs, draft_probs=None, generator=None):
+    """sample_accept for deterministic drafts, except that it tests each draft against the model's un-warped
+    (temperature 1) probabilities instead of the warped ones it then samples from: residuals and the bonus stay
+    warped. (p ** TEMPERATURE, renormalised, is the temperature-1 distribution behind p when top_p = 1.)"""
+    toks = tokens.tolist()
+    coins = torch.rand(tree.size, generator=generator, dtype=torch.float64).tolist()
+    path, u = [0], 0
+    while True:
+        p = target_probs[u].double() / target_probs[u].double().sum()
+        accepted = None
+        for c in tree.children[u]:
+            unwarped = p**TEMPERATURE / (p**TEMPERATURE).sum()
+            if coins[c] < float(unwarped[toks[c]]):  # the right rule: coins[c] < p[x]
+                accepted = c
+                break
+            residual = p.clone()
+            residual[toks[c]] = 0.0  # the residual, as the right rule
+            if residual.sum() > 1e-12:
+                p = residual / residual.sum()
+        if accepted is None:
+            return path, int(torch.multinomial(p, 1, generator=generator))
+        path.append(accepted)
+        u = accepted
+
+
+def test_wrong_acceptance_rule_fails_the_sampling_test(captured, heads, exact, monkeypatch):
+    """decode_speculative's acceptance (speccomp.speculative.sample_accept) replaced by accept_at_temperature_one:
+    the POWER_CASE case of test_sampling_distribution_equals_model (same POWER_DRAWS draws, same seeds), which passes
+    with the right rule, fails. Measured offline on 4 seed ranges of POWER_DRAWS draws (seeds from 0, 10**5, 2 * 10**5,
+    3 * 10**5): the right rule p = 0.19, 0.88, 0.78, 0.59; this rule p = 6e-7, 2e-8, 3e-10, 5e-14 (accepting with
+    min(1, 1.25 p(x)) instead: p <= 3e-12). With DRAWS (600) draws this rule gave p from 2e-2 to 6e-5: too few."""
+    monkeypatch.setattr(speccomp.speculative, "sample_accept", accept_at_temperature_one)
+    p, accepted, _, _ = run_torch(POWER_CASE, captured, heads, exact)
+    assert accepted >= MIN_ACCEPTED
+    assert p < 1e-3, f"a wrong acceptance rule passed the sampling test (chi-square p={p:.2g}): the test has no power"
+
+
+# --------------------------------------------------------------------------------------------
+# Exported engines (numpy + ONNX Runtime): the walk-the-tree acceptance
+# --------------------------------------------------------------------------------------------
+ENGINE_CASES = {
+    # Medusa heads: their residual blocks in target.onnx, their projection and top-k in medusa.onnx
+    "medusa": (lambda h: dict(drafter="medusa", drafter_options={"heads": h["medusa"]}, tree=WIDE), 1.0),  # 0.98
+    "ngram": (lambda h: dict(drafter="ngram"), 0.8),  # 0.93
+    "token_recycling": (lambda h: dict(drafter="token_recycling", tree=WIDE,
+                                       drafter_options={"top_k": 4, "persist": True, "ngram_branches": 0}), 0.8),  # 1.00
+}
+
+
+class EngineRun:
+    def __init__(self, engine, top_p):
+        self.engine, self.top_p, self.steps = engine, top_p, None
+        self.ids = np.array([PROMPT], dtype=np.int64)
+
+    def __call__(self, seed):
+        out = self.engine.generate(self.ids, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=TEMPERATURE,
+                                   top_p=self.top_p, seed=seed)
+        self.steps = self.engine.last_stats["steps"]
+        return out[0, len(PROMPT):].tolist()
+
+
+@pytest.fixture(scope="module")
+def engines(captured, heads, tmp_path_factory):
+    """case -> a freshly loaded engine of it (Token Recycling's table starts empty), exported once per module from
+    a compile on the onnxruntime backend."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    exported = {}
+
+    def get(case):
+        if case not in exported:
+            fast = speccomp.compile(captured, backend="onnxruntime", **ENGINE_CASES[case][0](heads))
+            exported[case] = fast.export(tmp_path_factory.mktemp("engines") / case)
+        return speccomp.load(exported[case], threads=1)  # one thread: a tiny graph gains nothing from more
+
+    return get
+
+
+@pytest.mark.parametrize("case", list(ENGINE_CASES))
+def test_engine_sampling_distribution_equals_model(case, engines, exact):
+    """Sampling through an exported engine draws from the model's own distribution, drafts accepted in most runs."""
+    top_p = ENGINE_CASES[case][1]
+    counts, accepted, deep = sample(EngineRun(engines(case), top_p), range(POWER_DRAWS))
+    assert accepted >= MIN_ACCEPTED, f"drafts were accepted in only {accepted:.0%} of the runs: little is tested"
+    assert deep >= MIN_DEEP, f"two drafts were accepted in one step in only {deep:.1%} of the runs"
+    p = chi2_pvalue(counts, exact[top_p])
+    assert p > 1e-3, f"engine samples do not follow the model's distribution (chi-square p={p:.2g})"
+
+
+def accept_redraw(tokens, children, pick):
+    """speccomp.engine.accept, except that a rejection emits a fresh draw from the target's distribution: the
+    rejected drafts keep their mass (the classic bug of resampling without removing them)."""
+    path, node = [0], 0
+    while True:
+        t = pick(node)
+        nxt = next((c for c in children[node] if tokens[c] == t), None)
+        if nxt is None:
+            return path, pick(node)
+        path.append(nxt)
+        node = nxt
+
+
+def test_wrong_engine_acceptance_fails_the_sampling_test(engines, exact, monkeypatch):
+    """The engine's acceptance (speccomp.engine.accept) replaced by accept_redraw: the medusa case of
+    test_engine_sampling_distribution_equals_model (same POWER_DRAWS draws, same seeds), which passes with the right
+    rule, fails. Measured offline on 4 seed ranges (seeds from 0, 10**5, 2 * 10**5, 3 * 10**5): the right rule
+    p = 0.74, 0.39, 0.25, 0.019; accept_redraw p = 7e-41, 2e-45, 2e-46, 4e-36. (Random heads leave likely tokens
+    undrafted, so rejections are frequent. The token_recycling engine drafts the 4 likeliest tokens, rejections are
+    rare and this bug moves little mass there: p = 3e-5, 2e-9, 8e-6, 8e-3.)"""
+    monkeypatch.setattr(speccomp.engine, "accept", accept_redraw)
+    counts, accepted, _ = sample(EngineRun(engines("medusa"), 1.0), range(POWER_DRAWS))
+    assert accepted >= MIN_ACCEPTED
+    p = chi2_pvalue(counts, exact[1.0])
+    assert p < 1e-3, f"the wrong engine rule passed the sampling test (chi-square p={p:.2g}): the test has no power"
