@@ -58,6 +58,12 @@ def check(backend: str) -> None:
         from speccomp.engine import check_provider
 
         check_provider("cuda" if backend == "onnxruntime:cuda" else "tensorrt")
+    if backend == "triton":  # no GPU and no interpreter: say so before the capture (and before a CLI loads a model)
+        import torch
+
+        from .triton_attention import check_available
+
+        check_available("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def lower(sg, backend: str):

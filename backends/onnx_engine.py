@@ -15,9 +15,10 @@ What export may touch (`check_destination`): the destination must be a new or em
 with overwrite=True, an engine whose manifest says format "speccomp-engine" and that holds nothing
 but the files that manifest names. It is never ".", the home directory, the filesystem root or any
 ancestor of the working directory. The new engine is written in a temporary directory beside the
-destination and swapped in by renames (the old engine moves aside, the new one moves in, the old
-one is deleted), so an interrupted export leaves either the old engine or the new one, never half of
-either, and deletes nothing it did not write.
+destination and swapped in by renames (`_swap_in`: the old engine moves aside and is checked again
+there, the new one moves in, the old one is deleted last), so export deletes nothing it did not
+write and an interrupted export never leaves half an engine at the destination. A crash between
+the two renames leaves the old engine in `.NAME-old-XXXX/engine` beside the destination.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from pathlib import Path
 import onnx
 
 from speccomp.engine import ENGINE_DRAFTERS, FORMAT, FORMAT_VERSION, MANIFEST, MEDUSA_FILE, EngineError, sha256
+from speccomp.models import set_default_mode
 
 
 def drafter_spec(drafter) -> dict:
@@ -167,51 +169,76 @@ def _engine_files(path: Path) -> set[str] | None:
 
 def check_destination(path, overwrite: bool) -> Path:
     """The absolute destination of an export, after refusing every place an export could destroy a user's files."""
+    from speccomp.errors import OptionTypeError
+
     if not isinstance(path, (str, os.PathLike)):
-        raise EngineError(f"export path must be a str or os.PathLike directory path, got {type(path).__name__} {path!r}")
+        raise OptionTypeError("path", path, f"must be a directory path (str or os.PathLike), got {type(path).__name__}")
     if not isinstance(overwrite, bool):
-        raise EngineError(f"overwrite must be True or False, got {overwrite!r}")
+        raise OptionTypeError("overwrite", overwrite, "must be True or False")
     path = Path(os.path.abspath(Path(path).expanduser()))
     real, cwd = path.resolve(), Path.cwd().resolve()
     if real == cwd or real in cwd.parents or real == Path.home().resolve() or real == Path(real.anchor):
         raise EngineError(f"refusing to export into {path}: it is the working directory, one of its parents, the home "
                           "directory or the filesystem root; give a new directory such as ./my-engine")
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
+    if path.is_symlink():
+        raise EngineError(f"{path} is a symbolic link; export to a real directory path")
+    if path.exists() and not path.is_dir():
         raise EngineError(f"{path} exists and is not a directory; choose another path")
     if path.is_dir() and any(path.iterdir()):
-        owned = _engine_files(path)
-        if owned is None:
-            raise EngineError(f"{path} is a non-empty directory that is not a speccomp engine; refusing to replace it "
-                              "(choose a new directory)")
-        if not overwrite:
-            raise EngineError(f"{path} already holds an engine; pass overwrite=True (CLI: --overwrite) to replace it")
-        foreign = sorted(p.name for p in path.iterdir() if p.name not in owned)
-        if foreign:
-            raise EngineError(f"{path} holds an engine plus files it did not write {foreign[:5]}; refusing to replace "
-                              "it (move those files out, or export elsewhere)")
+        _check_replaceable(path, overwrite, path)
     return path
 
 
-def _swap_in(tmp: Path, path: Path) -> None:
-    """Move the finished engine `tmp` to `path`; an engine already there moves aside first and goes only after."""
-    old = None
-    if path.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{path.name}-old-", dir=path.parent))
-        os.rename(path, old / "engine")
+def _check_replaceable(where: Path, overwrite: bool, path: Path) -> None:
+    """The non-empty directory `where` (the destination `path`, or where it was moved aside) may be replaced: it
+    is an engine (its manifest's format says so), holds nothing its manifest does not name, and overwrite=True."""
+    owned = _engine_files(where)
+    if owned is None:
+        raise EngineError(f"{path} is a non-empty directory that is not a speccomp engine; refusing to replace it "
+                          "(choose a new directory)")
+    if not overwrite:
+        raise EngineError(f"{path} already holds an engine; pass overwrite=True (CLI: --overwrite) to replace it")
+    foreign = sorted(p.name for p in where.iterdir() if p.name not in owned)
+    if foreign:
+        raise EngineError(f"{path} holds an engine plus files it did not write {foreign[:5]}; refusing to replace "
+                          "it (move those files out, or export elsewhere)")
+
+
+def _swap_in(tmp: Path, path: Path, overwrite: bool) -> None:
+    """Move the finished engine `tmp` to `path`. Whatever is at `path` now is checked again where no one else can
+    write to it: an empty directory is removed with rmdir (which fails, harmlessly, if a file appeared), an engine
+    is first renamed aside and checked there, then replaced, and deleted only after the new one is in place."""
+    set_default_mode(tmp)
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        try:
+            if path.exists():
+                os.rmdir(path)
+            os.rename(tmp, path)
+        except OSError as exc:
+            raise EngineError(f"could not move the new engine into {path} ({exc}); another process wrote there during "
+                              "the export? Nothing was replaced") from exc
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{path.name}-old-", dir=path.parent))
+    moved = old / "engine"
     try:
-        os.rename(tmp, path)
+        os.rename(path, moved)
     except OSError as exc:
-        if old is not None:
-            try:
-                os.rename(old / "engine", path)  # put the old engine back: nothing is lost
-            except OSError:
-                raise EngineError(f"could not move the new engine into {path} ({exc}); the previous engine is kept at "
-                                  f"{old / 'engine'}") from exc
-            old.rmdir()
-        raise EngineError(f"could not move the new engine into {path} ({exc}); was it written by another export "
-                          "at the same time?") from exc
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        old.rmdir()
+        raise EngineError(f"could not move the engine at {path} aside ({exc}); nothing was replaced") from exc
+    try:
+        _check_replaceable(moved, overwrite, path)  # what was there at the last moment, not at the first check
+        os.rename(tmp, path)
+    except (EngineError, OSError) as exc:
+        try:
+            os.rename(moved, path)  # put it back: nothing is lost
+        except OSError:
+            raise EngineError(f"could not move the new engine into {path} ({exc}); what was there is kept at "
+                              f"{moved}") from exc
+        old.rmdir()
+        if isinstance(exc, EngineError):
+            raise
+        raise EngineError(f"could not move the new engine into {path} ({exc}); the previous one is back in place") from exc
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def export_engine(fast, path, tokenizer=None, overwrite: bool = False, model_id: str | None = None) -> Path:
@@ -263,7 +290,7 @@ def export_engine(fast, path, tokenizer=None, overwrite: bool = False, model_id:
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         check_destination(path, overwrite)  # again: the export took a while, someone may have written there
-        _swap_in(tmp, path)
+        _swap_in(tmp, path, overwrite)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -22,6 +22,7 @@ layers' keys/values are *exactly* the target's, so the drafter and target share 
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 from torch import fx
@@ -137,6 +138,11 @@ def _written_roots(node: fx.Node) -> list:
 
 
 def _is_view(node: fx.Node) -> bool:
+    """An op whose output aliases its first input: a view op, or an element of a list of views (the getitem
+    after split / unbind / chunk, whose own target has no schema)."""
+    if node.target is operator.getitem:
+        source = node.args[0]
+        return isinstance(source, fx.Node) and source.op == "call_function" and _is_view(source)
     schema = getattr(node.target, "_schema", None)
     return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
 

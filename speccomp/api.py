@@ -56,9 +56,9 @@ class SpecModel:
         return getattr(self.step, "providers", None)
 
     def with_drafter(self, drafter) -> "SpecModel":
-        """A copy that shares this model's lowered graphs but drafts with `drafter` (own lock and stats)."""
+        """A copy that shares this model's lowered graphs (and so its lock) but drafts with `drafter` (own stats)."""
         new = copy.copy(self)
-        new.drafter, new._calls = drafter, CallGuard()
+        new.drafter, new._calls = drafter, CallGuard(lock=self._calls.lock)  # the graphs are shared: so is the lock
         return new
 
     def __repr__(self) -> str:
@@ -89,12 +89,14 @@ class SpecModel:
             raise OptionError("acceptance", acceptance, "only changes sampling", "with greedy decoding use 'exact'")
         if acceptance != "exact" and self.drafter is None:
             raise OptionError("acceptance", acceptance, "needs a drafter (plain decoding accepts nothing)")
-        device = input_ids.device if isinstance(input_ids, torch.Tensor) else self.device
-        prompt = torch.tensor([args.prompt], dtype=torch.long, device=device)
+        if isinstance(input_ids, torch.Tensor):
+            device, prompt = input_ids.device, input_ids.reshape(1, -1).long()
+        else:
+            device, prompt = self.device, torch.from_numpy(args.prompt)[None].to(self.device)
         sampler = Sampler(args.do_sample, args.temperature, args.top_p, args.seed)
         with self._calls.lock:
             new, stats = self._decode(prompt, args, sampler, acceptance)
-        self._calls.stats = stats
+            self._calls.stats = stats
         return torch.cat([prompt, new[None].to(device)], dim=1)
 
     def _decode(self, prompt: torch.Tensor, args, sampler: Sampler, acceptance: str) -> tuple[torch.Tensor, dict]:
@@ -297,7 +299,7 @@ def _graph_drafter(passes_for, default_name):
 
         passes, rest = passes_for(base, options)
         if rest:
-            raise OptionError("drafter_options", sorted(rest), f"unknown {default_name} options",
+            raise OptionError("drafter_options", rest, f"unknown {default_name} options {sorted(rest)}",
                               f"accepted: {'exit_layer' if default_name == 'early_exit' else 'skip'}")
         spec = _default_tree(tree, DynamicTreeSpec(16, 4), dynamic_ok=True, drafter=default_name)
         check_tree_width(spec, base.captured.vocab_size, "model", tree)

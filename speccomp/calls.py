@@ -40,8 +40,9 @@ def as_int(name: str, value, fix: str = "") -> int:
 
 
 def as_number(name: str, value, fix: str = "") -> float:
-    """`value` as a finite float (ints and numpy numbers welcome; bools, strings and NaN are not)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    """`value` as a finite float (ints, numpy numbers and 0-d arrays/tensors welcome; bools, strings, NaN not)."""
+    zero_d = getattr(value, "ndim", None) == 0 and "bool" not in str(getattr(value, "dtype", "bool"))
+    if isinstance(value, (bool, np.bool_)) or not (isinstance(value, (int, float, np.integer, np.floating)) or zero_d):
         raise OptionTypeError(name, value, f"must be a number, got {type(value).__name__}", fix)
     value = float(value)
     if not math.isfinite(value):
@@ -79,7 +80,7 @@ def token_ids(name: str, value, vocab_size: int) -> list[int]:
 class GenerateArgs:
     """generate()'s options, checked and normalised."""
 
-    prompt: list[int]
+    prompt: np.ndarray  # int64 [n]
     max_new_tokens: int
     eos: frozenset
     do_sample: bool
@@ -88,7 +89,8 @@ class GenerateArgs:
     seed: int | None
 
 
-def _prompt(input_ids, vocab_size: int) -> list[int]:
+def _prompt(input_ids, vocab_size: int):
+    """The prompt as a 1-D int64 numpy array (an integer array/tensor is checked without a Python loop)."""
     shape = getattr(input_ids, "shape", None)
     if shape is None and not isinstance(input_ids, (list, tuple)):
         raise OptionTypeError("input_ids", input_ids, f"must be token ids ([seq] or [1, seq]), got {type(input_ids).__name__}",
@@ -96,12 +98,13 @@ def _prompt(input_ids, vocab_size: int) -> list[int]:
     if shape is None:  # a list: [ids] or [[ids]]
         rows = input_ids if input_ids and isinstance(input_ids[0], (list, tuple)) else [input_ids]
         shape = (len(rows), len(rows[0]) if rows else 0)
-        flat = [v for row in rows for v in row]
+        flat = [as_int(f"input_ids[{i}]", v, "every entry must be a token id") for i, v in enumerate(v for r in rows for v in r)]
+        ids = np.array(flat, dtype=np.int64)
     else:
         dtype = str(getattr(input_ids, "dtype", ""))
         if "int" not in dtype:  # torch.int64, int32, uint8, ...: not float, bool or object
             raise OptionTypeError("input_ids", input_ids, f"must hold integer token ids, got dtype {dtype}")
-        flat = None
+        ids = None
     shape = tuple(shape)
     if len(shape) not in (1, 2):
         raise OptionError("input_ids", input_ids, f"must be [seq] or [1, seq], got shape {shape}")
@@ -110,13 +113,12 @@ def _prompt(input_ids, vocab_size: int) -> list[int]:
                           "sequence at a time (batch size 1)", "call generate once per prompt")
     if shape[-1] == 0:
         raise OptionError("input_ids", input_ids, "is empty", "give at least one prompt token")
-    if flat is None:
-        flat = input_ids.tolist()
-        flat = flat[0] if len(shape) == 2 else flat
-    ids = [as_int("input_ids", v, "every entry must be a token id") for v in flat]
-    lo, hi = min(ids), max(ids)
+    if ids is None:
+        host = input_ids.detach().cpu() if hasattr(input_ids, "detach") else input_ids  # a torch tensor
+        ids = np.asarray(host).reshape(-1).astype(np.int64, copy=False)
+    lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab_size:
-        raise OptionError("input_ids", ids, f"token ids must be in [0, {vocab_size}), got values in [{lo}, {hi}]",
+        raise OptionError("input_ids", input_ids, f"token ids must be in [0, {vocab_size}), got values in [{lo}, {hi}]",
                           "encode the prompt with this model's tokenizer")
     return ids
 
@@ -162,10 +164,11 @@ def choice(name: str, value, accepted) -> None:
 
 
 class CallGuard:
-    """The lock generate() holds and the per-thread `last_stats` (see the module docstring)."""
+    """The lock generate() holds and the per-thread `last_stats` (see the module docstring). Copies of a model
+    that share its lowered graphs share its lock (`lock=`) but keep their own stats."""
 
-    def __init__(self):
-        self.lock = threading.Lock()
+    def __init__(self, lock=None):
+        self.lock = lock or threading.Lock()
         self._local = threading.local()
         self._latest: dict = {}
 
@@ -174,5 +177,5 @@ class CallGuard:
         return getattr(self._local, "stats", self._latest)
 
     @stats.setter
-    def stats(self, value: dict) -> None:
+    def stats(self, value: dict) -> None:  # set while holding `lock`, so `_latest` is the last call to finish
         self._local.stats = self._latest = value

@@ -15,9 +15,7 @@ import time
 from pathlib import Path
 
 from .errors import OptionError, OptionTypeError, SpeccompError
-
-# training prompts of `speccomp train-heads` when none are given (gsm8k and vicuna_bench stay unseen)
-DEFAULT_TRAIN_SETS = ("alpaca", "humaneval")
+from .prompts import TRAIN_SETS  # train-heads' default prompts (gsm8k and vicuna_bench stay unseen)
 
 
 # --------------------------------------------------------------------------------------
@@ -57,10 +55,11 @@ def _compile_options(args) -> None:
     `speccomp.compile` checks before it has a model). 'plain' / 'none' and a KV policy leave no drafter."""
     from .api import check_options
 
+    if args.drafter is None and getattr(args, "kv_cache", None) is None:
+        args.drafter = getattr(args, "default_drafter", None)  # an explicit --drafter with --kv-cache is refused below
     if args.drafter in ("none", "plain"):
         args.drafter = None
-    if getattr(args, "kv_cache", None) is not None:
-        args.drafter = None  # with a KV policy the model drafts for itself over the compressed cache
+    # with a KV policy the model drafts for itself over the compressed cache: check_options refuses a drafter
     check_options(drafter=args.drafter, tree=getattr(args, "tree", None), kv_cache=getattr(args, "kv_cache", None),
                   kv_mode=getattr(args, "kv_mode", None), backend=args.backend)
 
@@ -83,6 +82,14 @@ def _directory(parameter: str, path) -> None:
     """An output directory flag: it may not exist yet, but it may not be a file."""
     if path is not None and Path(path).exists() and not Path(path).is_dir():
         raise OptionError(parameter, path, "is a file, not a directory", "give a directory path")
+
+
+def _unit_interval(text: str) -> float:
+    """argparse type: a number in (0, 1] (top-p)."""
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 def check_plot_flag(parameter: str, path) -> None:
@@ -254,7 +261,11 @@ def cmd_train_heads(args) -> int:
     # more kinds of request than the files hold (speccomp/synthetic_prompts.py); checked before the model loads
     extra = synthetic_prompts(args.synthetic, seed=args.seed) if args.synthetic else []
     _directory("out", args.out)
-    files = args.prompts or list(DEFAULT_TRAIN_SETS)
+    if args.out:
+        from .medusa import check_head_directory
+
+        check_head_directory(args.out)  # never over a folder's own config.json
+    files = args.prompts or list(TRAIN_SETS)
     texts = _prompts(files, args.limit)
     model, tok = _load(args)
     prompts = [chat_ids(tok, p.text) for p in texts]
@@ -363,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="compiled model vs HF greedy generate on shipped prompts: tok/s, speedup, identical outputs")
     common(p)
-    p.set_defaults(drafter="token_recycling")  # the best training-free drafter measured on CPU (see README)
+    # the best training-free drafter measured on CPU (see README); not with --kv-cache, which makes its own drafter
+    p.set_defaults(default_drafter="token_recycling")
     p.add_argument("--prompts", default=None, help="JSONL prompt file (default: prompts shipped with speccomp)")
     p.add_argument("--limit", type=positive, default=None, help="use only the first N prompts")
     kv_options(p)
@@ -435,8 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--provider", default="cpu", help="ONNX Runtime execution provider: cpu, cuda, tensorrt (default cpu)")
     p.add_argument("--threads", type=positive, default=2, help="ONNX Runtime intra-op threads (default 2)")
     p.add_argument("--do-sample", action="store_true", help="sample (lossless: same distribution as the model) instead of greedy")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=positive_float, default=1.0)
+    p.add_argument("--top-p", type=_unit_interval, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ids", action="store_true", help="also print the new token ids (one line)")
     p.add_argument("--no-draft", action="store_true", help="plain decoding on the engine's target graph (a speed baseline)")

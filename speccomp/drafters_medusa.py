@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
+from .drafters import LOG_MIN_PROB, MAX_DYNAMIC_DEPTH, add_children, select_tree
+from .errors import OptionTypeError
 from .medusa import HeadsError, MedusaHeads, display_kind, load_medusa
 from .models import cache_dir
-from .drafters import LOG_MIN_PROB, MAX_DYNAMIC_DEPTH, add_children, select_tree
 from .speculative import Draft, DraftContext, Drafter, truncate
 from .tree import Tree, check_tree_width
 
@@ -121,7 +122,7 @@ class HydraDrafter(Drafter):
         from .tree import DynamicTreeSpec
 
         if not isinstance(tree, (Tree, DynamicTreeSpec)):
-            raise TypeError(f"tree must be a Tree or a DynamicTreeSpec, got {type(tree).__name__}")
+            raise OptionTypeError("tree", tree, f"must be a Tree or a DynamicTreeSpec, got {type(tree).__name__}")
         if isinstance(tree, Tree):
             check_heads_depth(tree, heads.num_heads, "Hydra")
         check_tree_width(tree, len(heads.draft_vocab), "Hydra heads' draft vocabulary", tree)
@@ -193,10 +194,8 @@ def heads_for(base, options: dict, kind: str) -> Path:
     if options:
         from .errors import OptionError
 
-        raise OptionError("drafter_options", sorted(options), f"unknown {kind} options", "accepted: ['heads']")
+        raise OptionError("drafter_options", options, f"unknown {kind} options {sorted(options)}", "accepted: ['heads']")
     if path is not None and not isinstance(path, (str, os.PathLike)):
-        from .errors import OptionTypeError
-
         raise OptionTypeError("heads", path, f"must be a path to {display_kind(kind)} head directory, got "
                               f"{type(path).__name__}", f"e.g. drafter_options={{'heads': 'my-{kind}-heads/'}}")
     if base.model is None:

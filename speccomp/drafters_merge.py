@@ -135,7 +135,7 @@ def check_merge(names: list[str], options: dict | None, tree, factories) -> None
     options = dict(options or {})
     extra = sorted(set(options) - set(names))
     if extra:
-        raise OptionError("drafter_options", extra, f"are not among the merged drafters {names}",
+        raise OptionError("drafter_options", options, f"names {extra}, which are not among the merged drafters {names}",
                           f"options of a merged drafter go per drafter, e.g. {{{names[0]!r}: {{...}}}}")
     for n, o in options.items():
         if not isinstance(o, dict):

@@ -41,7 +41,7 @@ DEFAULT_TREE = Tree.from_choices(DEFAULT_RECYCLING_TREE)
 def _int_option(name: str, value, minimum: int) -> int:
     value = as_int(name, value, f"pass an int >= {minimum}")
     if value < minimum:
-        raise OptionError(name, value, f"must be >= {minimum}")
+        raise OptionError(name, value, f"must be >= {minimum}", f"pass an int >= {minimum}")
     return value
 
 
@@ -140,7 +140,7 @@ def _make(cls, options: dict):
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise OptionError("drafter_options", unknown, f"unknown {cls.name} options", f"accepted options: {accepted}")
+        raise OptionError("drafter_options", options, f"unknown {cls.name} options {unknown}", f"accepted options: {accepted}")
     return cls(**options)
 
 

@@ -198,15 +198,16 @@ _PROVIDER_HINTS = {  # what to install for an execution provider the plain `onnx
 
 
 def onnxruntime_module(error=None):
-    """`import onnxruntime`, with its telemetry off (speccomp runs offline: ORT's OneDS telemetry would otherwise
-    look up events.data.microsoft.com from torch.onnx exports and at exit). `error`: the exception class to
-    raise when ONNX Runtime is not installed (default EngineError)."""
-    os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")  # read when ORT creates its environment
+    """`import onnxruntime`, with its telemetry off (speccomp runs offline; `import speccomp` also sets
+    ORT_DISABLE_TELEMETRY, which ORT reads when it starts). `error`: the exception class to raise when ONNX
+    Runtime is not installed (default EngineError)."""
     try:
         import onnxruntime
     except ImportError as exc:
         raise (error or EngineError)("this needs ONNX Runtime: pip install onnxruntime (or onnxruntime-gpu)") from exc
-    onnxruntime.disable_telemetry_events()
+    if not getattr(onnxruntime, "_speccomp_quiet", False):
+        onnxruntime.disable_telemetry_events()
+        onnxruntime._speccomp_quiet = True
     return onnxruntime
 
 
@@ -648,12 +649,12 @@ class Engine:
                              vocab_size=self.vocab_size, max_positions=self.max_positions)
         with self._calls.lock:
             out, stats = self._decode(args)
-        self._calls.stats = stats
-        return np.array([args.prompt + out], dtype=np.int64)
+            self._calls.stats = stats
+        return np.concatenate([args.prompt, np.asarray(out, dtype=np.int64)])[None]
 
     def _decode(self, args) -> tuple[list[int], dict]:
         """The decode loop (speccomp/speculative.py's, in numpy): new tokens and stats."""
-        prompt, max_new_tokens, eos = args.prompt, args.max_new_tokens, args.eos
+        prompt, max_new_tokens, eos = args.prompt.tolist(), args.max_new_tokens, args.eos
         rng = np.random.default_rng(args.seed)
 
         def pick(logits_row: np.ndarray) -> int:

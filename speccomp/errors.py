@@ -29,6 +29,9 @@ class _BadOption:
         message = f"{parameter}={_describe(value)}: {problem}"
         super().__init__(f"{message}; {fix}" if fix else message)
 
+    def __reduce__(self):  # pickle / copy rebuild it from its parts (errors cross process pools)
+        return type(self), (self.parameter, self.value, self.problem, self.fix)
+
 
 class OptionError(_BadOption, SpeccompError, ValueError):
     """A parameter's value cannot be used. The message reads `parameter=value: problem; fix`."""

@@ -28,7 +28,6 @@ import torch
 from .api import SpecModel
 from .capture import KVSpec
 from .compressed_cache import make_cache
-from .errors import OptionError
 from .kv_policies import KVPolicy, full_bytes, policy_bytes, snapkv_window
 from .runtime import KVCache, Stats
 from .sampling import Sampler
@@ -158,9 +157,7 @@ class LossyKVModel(SpecModel):
         self.policy, self.scored = policy, scored
         self.reader = step if reader is None else reader
 
-    def _decode(self, prompt, args, sampler, acceptance):
-        if acceptance != "exact":
-            raise OptionError("acceptance", acceptance, "kv_mode='target' decodes plainly; there is nothing to accept")
+    def _decode(self, prompt, args, sampler, acceptance):  # acceptance is "exact": generate refuses others without a drafter
         new, stats, kv_stats = decode_kv_target(
             self.step, self.reader, self.scored, self.kv, self.policy, prompt, args.max_new_tokens, set(args.eos), sampler
         )

@@ -137,10 +137,14 @@ def write_head_files(directory, weights: str, tensors: dict, config: dict) -> Pa
     """Write a head directory: `weights` (safetensors) + config.json; read back by `read_head_files`."""
     from safetensors.torch import save_file
 
+    from .models import replace_atomically, write_atomically
+
     directory = check_head_directory(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / weights))
-    (directory / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    # each file replaced in one rename: a reader sees old or new files, never half a file (a mismatched pair is
+    # caught at load, where config.json is checked against the weights' header)
+    replace_atomically(directory / weights, lambda tmp: save_file(tensors, str(tmp)))
+    write_atomically(directory / CONFIG, json.dumps(config, indent=1) + "\n")
     return directory
 
 

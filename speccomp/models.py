@@ -26,14 +26,35 @@ def cache_dir() -> Path:
     return Path(base) / "speccomp"
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    return mask
+
+
+def set_default_mode(path: Path) -> None:
+    """Give a file or directory made by mkstemp / mkdtemp (0600 / 0700) the mode a plain open / mkdir would."""
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~_umask())
+
+
 def write_atomically(path: Path, text: str) -> None:
     """Write `text` to `path` through a fresh temporary file beside it and a rename: a reader never sees half a
     file, and two writers at once (threads, processes) never share a temporary file."""
+    replace_atomically(path, lambda tmp: tmp.write_text(text))
+
+
+def replace_atomically(path: Path, write) -> None:
+    """`write(tmp)` fills a fresh temporary file beside `path`, which then replaces `path` in one rename (flushed to
+    disk first, with the mode a plain write would give)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        write(Path(tmp))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        set_default_mode(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
