@@ -15,18 +15,18 @@ with a message naming it. GPU-only choices fail at compile time on a machine wit
 """
 from __future__ import annotations
 
-from .eager import lower_eager
+from speccomp.backends.eager import lower_eager
 
 
 def lower_inductor(sg):
-    from .inductor import lower_inductor as lower  # torch._inductor is heavy to import
+    from speccomp.backends.inductor import lower_inductor as lower  # torch._inductor is heavy to import
 
     return lower(sg)
 
 
 def _onnxruntime(provider: str):
     def lower_on(sg):
-        from .onnxruntime import lower_onnxruntime as lower  # imports onnx / onnxruntime only when chosen
+        from speccomp.backends.onnxruntime import lower_onnxruntime as lower  # imports onnx / onnxruntime only when chosen
 
         return lower(sg, provider)
 
@@ -34,7 +34,7 @@ def _onnxruntime(provider: str):
 
 
 def lower_triton(sg):
-    from .triton import lower_triton as lower  # imports triton only when chosen
+    from speccomp.backends.triton import lower_triton as lower  # imports triton only when chosen
 
     return lower(sg)
 
@@ -51,17 +51,17 @@ BACKENDS = {
 
 def check(backend: str) -> None:
     """Fail fast (before capture) on an unknown backend or a GPU provider this machine lacks."""
-    from speccomp.calls import choice
+    from speccomp.runtime.calls import choice
 
     choice("backend", backend, BACKENDS)
     if backend in ("onnxruntime:cuda", "tensorrt"):
-        from speccomp.engine import check_provider
+        from speccomp.engine.runtime import check_provider
 
         check_provider("cuda" if backend == "onnxruntime:cuda" else "tensorrt")
     if backend == "triton":  # no GPU and no interpreter: say so before the capture (and before a CLI loads a model)
         import torch
 
-        from .triton_attention import check_available
+        from speccomp.backends.triton_attention import check_available
 
         check_available("cuda" if torch.cuda.is_available() else "cpu")
 

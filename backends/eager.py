@@ -7,7 +7,7 @@ packed once for oneDNN, whose few-row matmuls are what decoding and tree verific
 """
 from __future__ import annotations
 
-from speccomp.graph import run_passes
+from speccomp.frontend.graph import run_passes
 from speccomp.passes.grouped_query_attention import GroupedQueryAttention
 from speccomp.passes.prepack_linear import PrepackLinear
 

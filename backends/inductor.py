@@ -26,13 +26,13 @@ import time
 
 import torch
 
-from speccomp.capture import INPUT_NAMES
+from speccomp.frontend.convention import INPUT_NAMES
 from speccomp.errors import SpeccompError
-from speccomp.graph import run_passes
+from speccomp.frontend.graph import run_passes
 from speccomp.passes.grouped_query_attention import GroupedQueryAttention
 from speccomp.passes.tree_attention import TREE_MASK
 
-from .onnx_export import export_copy
+from speccomp.backends.onnx_export import export_copy
 
 # which dims of each input vary from call to call (see the calling convention in capture.py)
 DYNAMIC_DIMS = {

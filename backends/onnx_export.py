@@ -4,7 +4,7 @@
     step = OrtStep(path)                                     # CPU execution provider by default
     logits, new_kv, hidden = step(input_ids, position_ids, attention_mask, past_kv)
 
-The ONNX model keeps the captured graph's calling convention (see speccomp/capture.py): inputs
+The ONNX model keeps the captured graph's calling convention (see speccomp/frontend/hf.py): inputs
 `input_ids, position_ids, attention_mask, past_kv`, outputs `logits, new_kv, hidden`, with the
 dynamic axes
 
@@ -33,8 +33,8 @@ import torch.fx.experimental._config as fx_config
 from torch import fx
 from torch.export import Dim
 
-from ..capture import INPUT_NAMES, OUTPUT_NAMES, CapturedModel, KVSpec, example_inputs
-from ..errors import SpeccompError
+from speccomp.frontend.convention import INPUT_NAMES, OUTPUT_NAMES, CapturedModel, KVSpec, example_inputs
+from speccomp.errors import SpeccompError
 
 _EXAMPLE_Q, _EXAMPLE_PAST = 3, 7  # distinct sizes, none 0 or 1, so export cannot confuse or specialise them
 
@@ -202,13 +202,13 @@ def export_onnx(
 # ONNX Runtime
 # --------------------------------------------------------------------------------------
 def _onnxruntime():
-    from ..engine import onnxruntime_module
+    from speccomp.engine.runtime import onnxruntime_module
 
     return onnxruntime_module(error=OnnxBackendError)
 
 
 def _check_providers(ort, providers) -> list:
-    from ..engine import missing_provider
+    from speccomp.engine.runtime import missing_provider
 
     for provider in providers:
         message = missing_provider(ort, provider[0] if isinstance(provider, (tuple, list)) else provider)
@@ -243,7 +243,7 @@ class OrtStep:
         logits, new_kv, hidden = step(input_ids, position_ids, attention_mask, past_kv)
 
     Inputs may be torch tensors or numpy arrays; outputs are CPU torch tensors (sharing memory
-    with ONNX Runtime's numpy outputs). Usable as the `step` of `speccomp.runtime`.
+    with ONNX Runtime's numpy outputs). Usable as the `step` of speccomp.runtime.decode's loops.
     """
 
     def __init__(self, path, providers=None, session_options=None, intra_op_threads: int | None = None):
@@ -260,7 +260,7 @@ class OrtStep:
         start = time.perf_counter()
         self.session = ort.InferenceSession(os.fspath(self.path), sess_options=options, providers=self.providers)
         self.load_seconds = time.perf_counter() - start
-        from ..engine import check_session_providers
+        from speccomp.engine.runtime import check_session_providers
 
         # what the session really runs on: ONNX Runtime falls back to CPU without a word when a GPU provider fails
         self.providers = check_session_providers(self.session, self.providers, self.path.name, OnnxBackendError)

@@ -4,7 +4,7 @@
 
 Every graph the compiled model runs (the target, after TreeAttention, and a self-drafter's graph)
 is exported with its own calling convention (`tree_mask` included) and wrapped in an `OrtStep`,
-which takes and returns torch tensors, so the decode loop in speccomp/speculative.py is shared
+which takes and returns torch tensors, so the decode loop in speccomp/runtime/decode.py is shared
 with the eager backend. ONNX Runtime's CPU matmuls (MLAS) are what this buys on CPU.
 
 Exported files go to a fresh temporary directory per graph (removed at exit) unless
@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from torch.export import Dim
 
-from speccomp.capture import INPUT_NAMES, example_inputs
+from speccomp.frontend.convention import INPUT_NAMES, example_inputs
 from speccomp.passes.tree_attention import TREE_MASK
 
-from .onnx_export import OrtStep, _dynamic_shapes, export_onnx
+from speccomp.backends.onnx_export import OrtStep, _dynamic_shapes, export_onnx
 
 _EXAMPLE_Q, _EXAMPLE_PAST = 3, 7
 
@@ -57,7 +57,7 @@ def export_args(sg):
 
 def lower_onnxruntime(sg, provider: str = "cpu"):
     """An OrtStep running `sg` exported to ONNX on `provider` ("cpu", "cuda", "tensorrt")."""
-    from speccomp.engine import check_provider
+    from speccomp.engine.runtime import check_provider
 
     providers = check_provider(provider)  # before the export: a missing provider fails in a second, not a minute
     name = "-".join(sg.applied) or "plain"  # e.g. "tree_attention", "skip_layers-tree_attention"

@@ -22,12 +22,12 @@ import warnings
 
 import torch
 
-from speccomp.graph import run_passes
+from speccomp.frontend.graph import run_passes
 from speccomp.passes.grouped_query_attention import GroupedQueryAttention
 from speccomp.passes.prepack_linear import PrepackLinear
 from speccomp.passes.triton_attention import TritonAttention
 
-from .triton_attention import TritonBackendError, check_available
+from speccomp.backends.triton_attention import TritonBackendError, check_available
 
 
 def _device(gm: torch.nn.Module) -> torch.device:

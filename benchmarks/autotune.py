@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import speccomp
-    from speccomp.autotune import load_result, plot_report
+    from speccomp.tuning.autotune import load_result, plot_report
     from speccomp.models import chat_ids
     from speccomp.prompts import load_prompts
 

@@ -10,7 +10,7 @@ Rows (each with plain decoding and with a drafter, default token_recycling):
     eager                the FX graph after the CPU lowering passes (backends/eager.py)
     inductor             torch.compile / TorchInductor of that graph (compiled during the warm-up)
     onnxruntime          exported ONNX in ONNX Runtime sessions, decode loop in Python/torch
-    engine               the same graph as an exported engine directory run by speccomp/engine.py's
+    engine               the same graph as an exported engine directory run by speccomp/engine/runtime.py's
                          numpy loop (IO binding; no torch on the hot path); in this process, so timed alike
 Each backend runs in its own child process (--in-process: all in this one), next to HF greedy timed in
 that same process: with every backend's models resident in one process, ONNX Runtime ran 20-35% slower
@@ -49,15 +49,15 @@ from step_cost import median_ms  # noqa: E402  (one warm-up call, then the media
 
 def bench_tree(q: int):
     """The first q nodes of token_recycling's default template (q = 1: the root alone)."""
-    from speccomp.drafters_ngram import DEFAULT_RECYCLING_TREE
-    from speccomp.tree import Tree
+    from speccomp.drafters.ngram import DEFAULT_RECYCLING_TREE
+    from speccomp.runtime.tree import Tree
 
     return Tree.from_choices(DEFAULT_RECYCLING_TREE[: q - 1]) if q > 1 else Tree.from_parents([-1])
 
 
 def step_inputs(sg, q: int, past: int):
     """Inputs of the verify graph: q tokens (bench_tree) against `past` cached ones."""
-    from speccomp.capture import example_inputs
+    from speccomp.frontend.convention import example_inputs
 
     tree = bench_tree(q)
     ids, _, mask, past_kv = example_inputs(sg.captured.kv, q, past, vocab_size=sg.captured.vocab_size)
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     for backend, obj in steps.items():
         for q in (1, 16):
             if backend == "engine":  # the engine's own session call: numpy inputs, IO binding
-                from speccomp.engine import KVCache, tree_arrays
+                from speccomp.engine.runtime import KVCache, tree_arrays
 
                 depth, tree_mask, _ = tree_arrays(list(bench_tree(q).parents))
                 cache = KVCache(obj.kv, args.past + q, obj.dtype)

@@ -8,7 +8,7 @@ each kind in --kinds (user cache first, then the ones shipped in the package), a
 directory (its kind read from its config.json). Prompts: the first --limit prompts of each file in --prompts,
 by default gsm8k and vicuna_bench, the two shipped sets the shipped heads were not trained on; train
 candidates on other files (`speccomp train-heads` defaults to alpaca + humaneval) so the comparison stays on
-unseen prompts. Timing and columns are `speccomp bench`'s (speccomp/bench.py), with rows rotating per prompt.
+unseen prompts. Timing and columns are `speccomp bench`'s (speccomp/tuning/bench.py), with rows rotating per prompt.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--kinds takes medusa, hydra and/or eagle, got {args.kinds!r}")
     tree = None
     if args.tree is not None:
-        from speccomp.tree import parse_tree_spec
+        from speccomp.runtime.tree import parse_tree_spec
 
         try:
             tree = parse_tree_spec(args.tree)
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     import torch
 
     import speccomp
-    from speccomp.bench import RowSpec, load_bench_prompts, run_bench
+    from speccomp.tuning.bench import RowSpec, load_bench_prompts, run_bench
 
     torch.set_num_threads(args.threads)
     model, tok = speccomp.load_default_model()

@@ -3,7 +3,7 @@
     python benchmarks/merged_trees.py --json benchmarks/results_heads_merged_trees.json
 
 Rows (HF greedy is the baseline; every output is checked against it): plain, Hydra alone, and Hydra merged
-with Token Recycling on a chain of 3, on a 7-node tree (speccomp.drafters_merge.MERGED_RECYCLING_TREE), on
+with Token Recycling on a chain of 3, on a 7-node tree (speccomp.drafters.merge.MERGED_RECYCLING_TREE), on
 its own 24-node default, Hydra merged with prompt lookup instead, and all three merged. Prompts: the first --limit prompts of
 gsm8k and vicuna_bench (files the shipped heads never saw). Timing and columns are `speccomp bench`'s.
 """
@@ -33,8 +33,8 @@ def main(argv=None) -> int:
     import torch
 
     import speccomp
-    from speccomp.bench import RowSpec, load_bench_prompts, run_bench
-    from speccomp.drafters_merge import MERGED_RECYCLING_TREE
+    from speccomp.tuning.bench import RowSpec, load_bench_prompts, run_bench
+    from speccomp.drafters.merge import MERGED_RECYCLING_TREE
 
     torch.set_num_threads(2)
     model, tok = speccomp.load_default_model()

@@ -12,8 +12,9 @@ import time
 import torch
 
 from speccomp.backends.eager import lower_eager
-from speccomp.capture import capture, example_inputs
-from speccomp.graph import SpecGraph
+from speccomp.frontend import capture
+from speccomp.frontend.convention import example_inputs
+from speccomp.frontend.graph import SpecGraph
 from speccomp.models import load_default_model
 from speccomp.passes.prepack_linear import linear as packed_linear
 

@@ -1,1 +1,1 @@
-"""Graph rewrites on captured speccomp graphs. Each pass is a `speccomp.graph.Pass`."""
+"""Graph rewrites on captured speccomp graphs. Each pass is a `speccomp.frontend.graph.Pass`."""

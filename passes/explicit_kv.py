@@ -2,7 +2,7 @@
 
 A plain `nn.Module` causal LM has no KV cache, no positions input and no mask input: exported
 with `torch.export`, its graph recomputes attention over the whole sequence every call. These
-passes make the three explicit, so the graph has the convention of `speccomp.capture`:
+passes make the three explicit, so the graph has speccomp's calling convention (speccomp/frontend/convention.py):
 
     logits, new_kv, hidden = graph(input_ids, position_ids, attention_mask, past_kv)
 
@@ -13,12 +13,12 @@ They run in this order on a `PlainGraph` (the graph plus what the passes learned
     ExplicitPositions      arange(seq) (or buffer[:seq]) -> position_ids
     ConventionOutputs      output (logits,) -> (logits, new_kv, hidden)
 
-Each is a `speccomp.graph.Pass`: `check` says what it expects and raises
+Each is a `speccomp.frontend.graph.Pass`: `check` says what it expects and raises
 `UnsupportedModelError` naming what it could not find, `rewrite` edits the graph, and the base
 class removes dead nodes and lints the graph after every pass. New nodes copy the provenance of
-the nodes they replace (`speccomp.graph.copy_meta`), so `speccomp.graph.annotate` finds the
+the nodes they replace (`speccomp.frontend.graph.copy_meta`), so `speccomp.frontend.graph.annotate` finds the
 user's module paths on them. Nodes are found by op patterns and shapes, never module names.
-`speccomp.capture_module` fills the fake values (`meta["val"]`) of the new nodes afterwards.
+`speccomp.frontend.module` fills the fake values (`meta["val"]`) of the new nodes afterwards.
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ import torch
 from torch import fx
 from torch.fx.operator_schemas import normalize_function
 
-from speccomp.capture import INPUT_NAMES
+from speccomp.frontend.convention import INPUT_NAMES
 from speccomp.errors import GraphStructureError, UnsupportedModelError
-from speccomp.graph import MATMUL_OPS, SDPA_OPS, SOFTMAX_OPS, Pass, copy_meta, module_path
+from speccomp.frontend.graph import MATMUL_OPS, SDPA_OPS, SOFTMAX_OPS, Pass, copy_meta, module_path
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default

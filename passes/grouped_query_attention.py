@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from speccomp.graph import Pass, SpecGraph, copy_meta
+from speccomp.frontend.graph import Pass, SpecGraph, copy_meta
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default

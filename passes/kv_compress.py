@@ -18,7 +18,7 @@ the un-repeated keys (the K cat) and the same mask:
 (reading the K cat, not SDPA's repeated keys, leaves the repeat chain for GroupedQueryAttention
 to remove when lowering). An eager site's softmax already holds the probabilities.
 
-SnapKV votes and H2O scores (speccomp/kv_policies.py) are sums of these rows over the queries
+SnapKV votes and H2O scores (speccomp/kv/policies.py) are sums of these rows over the queries
 that vote. The extra matmul per layer is over the cache the graph reads; drafters over a
 compressed cache read few keys, so it is cheap there.
 """
@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from speccomp.errors import GraphStructureError
-from speccomp.graph import Pass, SpecGraph, copy_meta
+from speccomp.frontend.graph import Pass, SpecGraph, copy_meta
 
 aten = torch.ops.aten
 ATTN_SCORES = "attn_scores"
@@ -106,7 +106,7 @@ KIVI_INPUTS = ("kv_tail", "kv_key_codes", "kv_key_scale", "kv_key_min", "kv_valu
 
 
 class KiviCacheRead(Pass):
-    """Make attention read a KIVI cache (speccomp/compressed_cache.py KiviCache) as it is held.
+    """Make attention read a KIVI cache (speccomp/kv/cache.py KiviCache) as it is held.
 
     Expects: every attention site's K and V are cat([past_kv[l, kv], new], -2) (annotate's K/V cats).
     Adds inputs (after the existing ones; Tq quantised tokens, G key group, g value group, P = D*bits/8):

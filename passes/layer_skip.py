@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from speccomp.errors import GraphStructureError
-from speccomp.graph import Pass, SpecGraph, _is_impure, copy_meta
+from speccomp.frontend.graph import Pass, SpecGraph, _is_impure, copy_meta
 
 aten = torch.ops.aten
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from speccomp.errors import GraphStructureError
-from speccomp.graph import Pass, SpecGraph, copy_meta
+from speccomp.frontend.graph import Pass, SpecGraph, copy_meta
 
 aten = torch.ops.aten
 MEDUSA_OUTPUT = "medusa_states"

@@ -28,7 +28,7 @@ import weakref
 import torch
 
 from speccomp.errors import GraphStructureError
-from speccomp.graph import Pass, SpecGraph, copy_meta
+from speccomp.frontend.graph import Pass, SpecGraph, copy_meta
 
 aten = torch.ops.aten
 _PACKED: dict[int, torch.Tensor] = {}  # id(weight) -> packed copy, dropped when the weight dies

@@ -32,7 +32,7 @@ import torch
 from torch import fx
 
 from speccomp.errors import GraphStructureError
-from speccomp.graph import Pass, SpecGraph, copy_meta
+from speccomp.frontend.graph import Pass, SpecGraph, copy_meta
 
 aten = torch.ops.aten
 TREE_MASK = "tree_mask"

@@ -31,7 +31,7 @@ from torch import fx
 
 from speccomp.backends.triton_attention import TREE_ATTENTION
 from speccomp.errors import GraphStructureError
-from speccomp.graph import SDPA_OPS, Pass, SpecGraph
+from speccomp.frontend.graph import SDPA_OPS, Pass, SpecGraph
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import OptionError, OptionTypeError, SpeccompError
-from .prompts import TRAIN_SETS  # train-heads' default prompts (gsm8k and vicuna_bench stay unseen)
+from speccomp.errors import OptionError, OptionTypeError, SpeccompError
+from speccomp.prompts import TRAIN_SETS  # train-heads' default prompts (gsm8k and vicuna_bench stay unseen)
 
 
 # --------------------------------------------------------------------------------------
@@ -53,7 +53,7 @@ def positive_float(text: str) -> float:
 def _compile_options(args) -> None:
     """--drafter, --tree, --kv-cache, --kv-mode and --backend, by the library's model-free check (what
     `speccomp.compile` checks before it has a model). 'plain' / 'none' and a KV policy leave no drafter."""
-    from .api import check_options
+    from speccomp.api import check_options
 
     if args.drafter is None and getattr(args, "kv_cache", None) is None:
         args.drafter = getattr(args, "default_drafter", None)  # an explicit --drafter with --kv-cache is refused below
@@ -73,7 +73,7 @@ def _drafter_among(drafter, usable, problem: str) -> None:
 def _prompts(files, limit: int | None) -> list:
     """The prompts of each JSONL file or shipped set name (None: the prompts shipped with speccomp), the first
     `limit` of each: a missing or malformed file fails now, not after the model has loaded."""
-    from .prompts import load_prompts
+    from speccomp.prompts import load_prompts
 
     return [p for f in files for p in load_prompts(f, limit=limit)]
 
@@ -104,8 +104,8 @@ def check_plot_flag(parameter: str, path) -> None:
 def check_text_drafter_options(drafter: str, options: dict | None) -> None:
     """Options of the text drafters (ngram, token_recycling; also inside a merge), checked by building them: they
     need no model. A model drafter's options (layers, heads) are checked by compile once it has the model."""
-    from .drafters_merge import split_names
-    from .drafters_ngram import make_ngram, make_token_recycling
+    from speccomp.drafters.merge import split_names
+    from speccomp.drafters.ngram import make_ngram, make_token_recycling
 
     makers = {"ngram": make_ngram, "token_recycling": make_token_recycling}
     members = split_names(drafter)
@@ -155,7 +155,7 @@ def _hf_greedy(model, ids, max_new, eos):
 
 
 def cmd_generate(args) -> int:
-    from .models import chat_ids
+    from speccomp.models import chat_ids
 
     _compile_options(args)
     model, tok = _load(args)
@@ -177,7 +177,7 @@ def cmd_generate(args) -> int:
 
 def cmd_demo(args) -> int:
     """The main job: compiled vs HF greedy on shipped prompts; prints tok/s, speedup, identity."""
-    from .models import chat_ids
+    from speccomp.models import chat_ids
 
     _compile_options(args)
     prompts = _prompts([args.prompts], args.limit)
@@ -218,9 +218,9 @@ def cmd_demo(args) -> int:
 
 def cmd_search(args) -> int:
     """Time candidate layer choices for a self-drafter; store the fastest for compile to reuse."""
-    from .models import chat_ids
-    from .search import KINDS, search_drafter
-    from .tree import parse_tree_spec
+    from speccomp.models import chat_ids
+    from speccomp.tuning.search import KINDS, search_drafter
+    from speccomp.runtime.tree import parse_tree_spec
 
     _compile_options(args)
     _drafter_among(args.drafter, KINDS, "search picks the layers of a self-drafter")
@@ -228,7 +228,7 @@ def cmd_search(args) -> int:
     model, tok = _load(args)
     tree = None if args.tree is None else parse_tree_spec(args.tree)
     if args.reuse:
-        from .search import cached_options
+        from speccomp.tuning.search import cached_options
 
         found = cached_options(model, args.drafter, args.tree)
         if found is not None:
@@ -245,10 +245,10 @@ def cmd_search(args) -> int:
 
 def cmd_train_heads(args) -> int:
     """Train Medusa, Hydra or EAGLE heads for the default model on its own replies to prompt files; store them."""
-    from .drafters_medusa import heads_dir
-    from .models import chat_ids
-    from .synthetic_prompts import synthetic_prompts
-    from .train_heads import check_soft_labels, train_heads
+    from speccomp.drafters.head_drafters import heads_dir
+    from speccomp.models import chat_ids
+    from speccomp.tuning.synthetic_prompts import synthetic_prompts
+    from speccomp.tuning.train_heads import check_soft_labels, train_heads
 
     check_soft_labels(args.soft_labels)
     if args.kind == "eagle" and args.soft_labels:
@@ -258,11 +258,11 @@ def cmd_train_heads(args) -> int:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.kind == "eagle" and args.layers != 1:
         raise ValueError(f"--layers is the ResBlocks per Medusa/Hydra head; an EAGLE head is one decoder layer, got --layers {args.layers}")
-    # more kinds of request than the files hold (speccomp/synthetic_prompts.py); checked before the model loads
+    # more kinds of request than the files hold (speccomp/tuning/synthetic_prompts.py); checked before the model loads
     extra = synthetic_prompts(args.synthetic, seed=args.seed) if args.synthetic else []
     _directory("out", args.out)
     if args.out:
-        from .medusa import check_head_directory
+        from speccomp.drafters.medusa import check_head_directory
 
         check_head_directory(args.out)  # never over a folder's own config.json
     files = args.prompts or list(TRAIN_SETS)
@@ -286,8 +286,8 @@ def cmd_autotune(args) -> int:
     """Measure acceptance and step costs of a drafter on this machine; store the fastest tree for tree="auto"."""
     import speccomp
 
-    from .autotune import REPORT_SIZES, UNTUNABLE, autotune, plot_report
-    from .models import chat_ids
+    from speccomp.tuning.autotune import REPORT_SIZES, UNTUNABLE, autotune, plot_report
+    from speccomp.models import chat_ids
 
     _compile_options(args)
     tunable = [d for d in speccomp.available_drafters() if d not in UNTUNABLE]
@@ -312,8 +312,8 @@ def cmd_autotune(args) -> int:
 
 def cmd_export(args) -> int:
     """Compile the default model and write it as an engine directory (ONNX + manifest + tokenizer)."""
-    from .backends.onnx_engine import check_destination
-    from .engine import ENGINE_DRAFTERS
+    from speccomp.engine.export import check_destination
+    from speccomp.engine.runtime import ENGINE_DRAFTERS
 
     _compile_options(args)
     _drafter_among(args.drafter, ENGINE_DRAFTERS, "an engine cannot carry this drafter (its runtime has no torch)")
@@ -329,7 +329,7 @@ def cmd_export(args) -> int:
 
 def cmd_run(args) -> int:
     """Generate from an exported engine directory: ONNX Runtime + numpy + tokenizers, no torch."""
-    from .engine import load
+    from speccomp.engine.runtime import load
 
     engine = load(args.engine, provider=args.provider, threads=args.threads, draft=not args.no_draft)
     ids = engine.chat_ids(args.prompt)
@@ -351,6 +351,152 @@ class _BadCommandLine(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse would print the usage and sys.exit(2); main prints one line and returns 2
         raise _BadCommandLine(f"{self.prog}: {message}")
+
+
+# --------------------------------------------------------------------------------------
+# speccomp bench (the measurement itself: speccomp/tuning/bench.py)
+# --------------------------------------------------------------------------------------
+def add_bench_parser(sub) -> None:
+    from speccomp.tuning.bench import PROMPT_LOOKUP_TOKENS
+
+    p = sub.add_parser(
+        "bench",
+        help="benchmark every drafter against HF greedy generate: tok/s, speedup, tau, identical outputs",
+        description="Run HF greedy generate (the baseline), HF prompt lookup, plain speccomp and every drafter on the "
+        "same prompts, interleaved per prompt; check every output equals the baseline's tokens; print a markdown table.",
+    )
+    p.add_argument("--model", default="SmolLM2-135M-Instruct", choices=["SmolLM2-135M-Instruct"], help="model to load (default: the default model)")
+    p.add_argument("--drafters", default="all", help="comma-separated drafter names, 'all' (default: all of speccomp.available_drafters()) or 'none'")
+    p.add_argument("--prompts", nargs="+", default=None, metavar="FILE.jsonl", help="JSONL prompt files (default: prompts shipped with speccomp)")
+    p.add_argument("--limit", type=positive, default=None, help="use only the first N prompts of each file")
+    p.add_argument("--max-new-tokens", type=positive, default=128, help="new tokens per prompt (default 128)")
+    p.add_argument("--threads", type=positive, default=2, help="torch CPU threads (default 2)")
+    p.add_argument("--json", default=None, metavar="OUT.json", help="write the header and all rows as JSON")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="plot speedup and tau per category per row")
+    p.add_argument("--tree", default=None, help="token tree for the drafter rows: an int k (chain) or a JSON choice list")
+    p.add_argument("--drafter-options", action="append", default=None, metavar="DRAFTER=JSON",
+                   help='drafter_options of one drafter row, repeatable: early_exit=\'{"exit_layer": 12}\'; a merged '
+                        'drafter takes one dict per drafter: hydra+token_recycling=\'{"token_recycling": {"tree": 3}}\'')
+    p.add_argument("--backend", default="eager", help="lowering backend for the speccomp rows (default: eager)")
+    p.add_argument("--warmup", type=non_negative, default=1, help="untimed warm-up runs of every row before timing (default 1)")
+    p.add_argument("--hf-prompt-lookup", action=argparse.BooleanOptionalAction, default=True,
+                   help=f"include HF assisted generation with prompt_lookup_num_tokens={PROMPT_LOOKUP_TOKENS} as a peer row (default: yes)")
+    p.add_argument("--kv", default=None, metavar="POLICIES",
+                   help="also bench KV-cache compression rows, comma-separated policies such as sink:256,snapkv:512,kivi4; "
+                        "their table reports the KV bytes held vs the full cache")
+    p.add_argument("--kv-mode", default="draft", choices=["draft", "target"],
+                   help="draft (default, lossless: the model drafts over the compressed cache) or target "
+                        "(LOSSY: the model itself reads it; outputs differ from HF greedy by design)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # library errors about drafter= and kv_cache= are about these flags (speccomp/cli.py main)
+    p.set_defaults(func=cmd_bench, flag_names={"drafter": "--drafters", "kv_cache": "--kv"})
+
+
+def _equivalent_command(args) -> str:
+    """The run's options spelled out in full, so it can be repeated even if defaults change."""
+    parts = ["speccomp", "bench", "--model", args.model, "--drafters", args.drafters]
+    if args.prompts:
+        parts += ["--prompts", *args.prompts]
+    if args.limit is not None:
+        parts += ["--limit", str(args.limit)]
+    parts += ["--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), "--backend", args.backend,
+              "--warmup", str(args.warmup), "--hf-prompt-lookup" if args.hf_prompt_lookup else "--no-hf-prompt-lookup"]
+    if args.tree is not None:
+        parts += ["--tree", args.tree]
+    for item in args.drafter_options or []:
+        parts += ["--drafter-options", item]
+    if args.kv:
+        parts += ["--kv", args.kv, "--kv-mode", args.kv_mode]
+    if args.json:
+        parts += ["--json", args.json]
+    if args.plot:
+        parts += ["--plot", args.plot]
+    import shlex
+
+    return shlex.join(parts)
+
+
+def cmd_bench(args) -> int:
+    import json
+    import shlex
+    from dataclasses import replace
+
+    import speccomp
+    from speccomp.api import check_options
+    from speccomp.runtime.tree import parse_tree_spec
+    from speccomp.tuning.bench import PROMPT_LOOKUP, _warn, default_rows, kv_rows, load_bench_prompts, run_bench
+
+    # everything that can be wrong with the arguments fails here, before the model loads (int ranges: the parser)
+    check_options(backend=args.backend)
+    available = speccomp.available_drafters()
+    if args.drafters.strip() == "all":
+        drafters = available
+    elif args.drafters.strip() in ("", "none"):
+        drafters = []  # plain and HF rows only (with --kv: the KV rows)
+    else:
+        drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+        unknown = [d for d in drafters if any(part not in available for part in d.split("+"))]
+        if unknown:
+            raise ValueError(f"unknown drafter(s) {unknown}; available: {available}, merged with '+' "
+                             "(e.g. hydra+token_recycling), or 'all'")
+    if args.tree is not None:
+        parse_tree_spec(args.tree)
+    options = {}  # drafter row -> its drafter_options
+    for item in args.drafter_options or []:
+        name, eq, text = item.partition("=")
+        name = name.strip()
+        if not eq or name not in drafters:
+            raise ValueError(f"--drafter-options {item!r}: write DRAFTER=JSON with DRAFTER one of the --drafters rows {drafters}")
+        try:
+            options[name] = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--drafter-options {item!r}: the part after '=' must be a JSON object ({exc})") from None
+        if not isinstance(options[name], dict):
+            raise ValueError(f"--drafter-options {item!r}: the part after '=' must be a JSON object")
+    for d in drafters:  # each row as compile checks it without a model (merge rules, tree, option types)
+        check_options(drafter=d, tree=args.tree, backend=args.backend, drafter_options=options.get(d))
+        check_text_drafter_options(d, options.get(d))
+    extra_rows = kv_rows(args.kv, args.kv_mode) if args.kv else []
+    check_plot_flag("plot", args.plot)
+
+    prompts = load_bench_prompts(args.prompts, args.limit)
+    for out in (args.json, args.plot):
+        if out:
+            Path(out).resolve().parent.mkdir(parents=True, exist_ok=True)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    print(f"loading {args.model} ...", file=sys.stderr)
+    model, tok = speccomp.load_default_model()
+    rows = default_rows(drafters, hf_prompt_lookup=args.hf_prompt_lookup, tree=args.tree)
+    rows = [replace(r, drafter_options=options[r.drafter]) if r.drafter in options else r for r in rows]
+    rows += extra_rows
+    header = {
+        "command": shlex.join(sys.argv),
+        "equivalent_command": _equivalent_command(args),
+        "model": args.model,
+        "prompt_files": args.prompts or ["speccomp/data/prompts.jsonl"],
+        "limit_per_file": args.limit,
+        "drafters": drafters,
+    }
+    result = run_bench(
+        model, prompts, rows, args.max_new_tokens, tokenizer=tok, tree=args.tree, backend=args.backend,
+        warmup=args.warmup, progress=not args.no_progress, header=header,
+    )
+    print(result.markdown())
+    if args.json:
+        result.write_json(args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        result.plot(args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    ok = result.all_identical(("speccomp",))
+    if not result.all_identical(("hf",)):
+        _warn(f"{PROMPT_LOOKUP} output differs from HF greedy (HF's own numerics; not a speccomp failure)")
+    if not ok:
+        _warn("a speccomp row failed or its output differs from HF greedy")
+    return 0 if ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -414,7 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--soft-labels", type=int, default=0,
                    help="also learn the model's top-K next-token probabilities (teacher distillation; default 0 = argmax only)")
     p.add_argument("--synthetic", type=non_negative, default=0,
-                   help="also distill from N synthetic instructions of many kinds (speccomp/synthetic_prompts.py; default 0)")
+                   help="also distill from N synthetic instructions of many kinds (speccomp/tuning/synthetic_prompts.py; default 0)")
     p.add_argument("--sampled", type=non_negative, default=1, help="sampled replies per prompt besides the greedy one (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed (data order, init)")
     p.add_argument("--out", default=None, help="output directory (default: the user cache, where compile looks)")
@@ -454,7 +600,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-draft", action="store_true", help="plain decoding on the engine's target graph (a speed baseline)")
     p.set_defaults(func=cmd_run)
 
-    from .bench import add_bench_parser  # the bench subcommand (options + handler) lives in speccomp/bench.py
 
     add_bench_parser(sub)
     return parser

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import speccomp
-from speccomp.graph import annotate
+from speccomp.frontend.graph import annotate
 from tiny_models import tiny_llama
 
 

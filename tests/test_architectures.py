@@ -15,8 +15,8 @@ from tiny_models import ARCHITECTURES, UNSUPPORTED, WINDOW, captured, seeded_pro
 from tiny_models import hf_greedy_with_margin as hf_greedy
 
 import speccomp
-from speccomp.graph import annotate
-from speccomp.runtime import KVCache, forward
+from speccomp.frontend.graph import annotate
+from speccomp.runtime.decode import KVCache, forward
 
 PROMPT_LEN, NEW_TOKENS = 12, 40
 MIN_MARGIN = 1e-2  # top-1 minus top-2 logit along HF's greedy path: the seeds in tiny_models give at least this

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import speccomp
-from speccomp.autotune import (
+from speccomp.tuning.autotune import (
     Acceptance,
     AutotuneError,
     draft_seconds,
@@ -23,9 +23,9 @@ from speccomp.autotune import (
     resolve_auto,
     result_path,
 )
-from speccomp.speculative import Draft, Drafter
-from speccomp.tree import DynamicTreeSpec, Tree, greedy_accept
-from speccomp.tree_dp import best_within, expected_accepted, optimal_trees
+from speccomp.runtime.decode import Draft, Drafter
+from speccomp.runtime.tree import DynamicTreeSpec, Tree, greedy_accept
+from speccomp.tuning.tree_dp import best_within, expected_accepted, optimal_trees
 from tiny_models import tiny_llama
 
 
@@ -415,7 +415,7 @@ def test_cli_parses_autotune():
 
 def test_level_by_level_drafters_pay_per_draft_depth():
     """A drafter with its own forward per depth (EAGLE) costs the probe's propose time scaled by depth."""
-    from speccomp.autotune import draft_seconds
+    from speccomp.tuning.autotune import draft_seconds
 
     timing = {"widths": [], "propose_s": 0.06, "propose_per_level_s": 0.01}
     assert draft_seconds(timing, [[0], [1], [0, 0]]) == pytest.approx(0.02)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import speccomp
-from speccomp import bench
+from speccomp.tuning import bench
 from speccomp.cli import build_parser, main
 from speccomp.prompts import Prompt
 from tiny_models import tiny_llama

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import speccomp
-from speccomp.drafters_eagle import EagleDrafter
-from speccomp.eagle import EagleHead, load_eagle, new_eagle, save_eagle
-from speccomp.medusa import HeadsError
-from speccomp.speculative import DraftContext
-from speccomp.train_heads import distilled_text, eagle_accuracy, train_heads
-from speccomp.tree import Tree
+from speccomp.drafters.eagle_drafter import EagleDrafter
+from speccomp.drafters.eagle import EagleHead, load_eagle, new_eagle, save_eagle
+from speccomp.drafters.medusa import HeadsError
+from speccomp.runtime.decode import DraftContext
+from speccomp.tuning.train_heads import distilled_text, eagle_accuracy, train_heads
+from speccomp.runtime.tree import Tree
 from tiny_models import tiny_llama
 
 
@@ -86,7 +86,7 @@ def test_eagle_past_the_sliding_window():
 
 
 def test_eagle_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
-    th = importlib.import_module("speccomp.train_heads")  # (speccomp.train_heads is also the function)
+    th = importlib.import_module("speccomp.tuning.train_heads")
 
     g = torch.Generator().manual_seed(1)
     train = [torch.randint(3, 96, (1, 10), generator=g) for _ in range(8)]
@@ -172,8 +172,8 @@ def test_eagle_round_trip_and_bad_files(model, tmp_path):
 
 
 def test_dynamic_trees_stop_at_the_trained_depth(model, tmp_path):
-    from speccomp.drafters import MAX_DYNAMIC_DEPTH
-    from speccomp.tree import DynamicTreeSpec
+    from speccomp.drafters.graph import MAX_DYNAMIC_DEPTH
+    from speccomp.runtime.tree import DynamicTreeSpec
 
     head = random_eagle(model)
     head.train_steps = 2
@@ -194,8 +194,8 @@ def test_dynamic_trees_stop_at_the_trained_depth(model, tmp_path):
 
 
 def test_autotune_can_retree_the_eagle_drafter(model):
-    from speccomp.autotune import retree, supports_dynamic
-    from speccomp.tree import DynamicTreeSpec
+    from speccomp.tuning.autotune import retree, supports_dynamic
+    from speccomp.runtime.tree import DynamicTreeSpec
 
     drafter = EagleDrafter(random_eagle(model), Tree.from_choices([[0]]))
     assert supports_dynamic(drafter)

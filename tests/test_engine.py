@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import speccomp
-from speccomp.engine import EngineError, load, read_manifest
+from speccomp.engine.runtime import EngineError, load, read_manifest
 from tiny_models import ARCHITECTURES, tiny_llama
 
 pytest.importorskip("onnxruntime")
@@ -75,7 +75,7 @@ def test_medusa_engine_greedy_identical_and_drafts_like_torch(tied, tmp_path):
     """Medusa heads in an engine: the target graph returns head states, medusa.onnx projects them. Zero
     ResBlocks make every head read the model's own hidden state, so drafts get accepted on these prompts;
     the engine takes exactly as many steps as the torch MedusaDrafter (the same drafts)."""
-    from speccomp.medusa import MedusaHeads, new_heads, save_medusa
+    from speccomp.drafters.medusa import MedusaHeads, new_heads, save_medusa
 
     model = tiny_llama(num_hidden_layers=3, initializer_range=0.2, tie_word_embeddings=True)
     if tied:

@@ -26,8 +26,8 @@ import torch
 
 import speccomp
 from speccomp import OptionError, OptionTypeError
-from speccomp.engine import EngineError
-from speccomp.medusa import HeadsError
+from speccomp.engine.runtime import EngineError
+from speccomp.drafters.medusa import HeadsError
 from tiny_models import tiny_llama
 
 pytest.importorskip("onnxruntime")
@@ -62,9 +62,9 @@ def expect(cls, call, *needles):
 
 def _random_heads(model, root: Path, num_heads: int = 2) -> dict[str, str]:
     """Medusa / Hydra / EAGLE checkpoints with random weights for `model` (draft vocabulary: all of it)."""
-    from speccomp.eagle import new_eagle, save_eagle
-    from speccomp.hydra import new_hydra, save_hydra
-    from speccomp.medusa import new_heads, save_medusa
+    from speccomp.drafters.eagle import new_eagle, save_eagle
+    from speccomp.drafters.hydra import new_hydra, save_hydra
+    from speccomp.drafters.medusa import new_heads, save_medusa
 
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -515,7 +515,7 @@ def test_export_rejects_bad_arguments(ort_ngram, tmp_path, kwargs, cls, needles)
 
 def test_export_checks_the_tokenizer_before_exporting_the_graph(plain, tmp_path, monkeypatch):
     """The eager model's export spends seconds in torch.onnx before it looked at tokenizer= (then refused it)."""
-    import speccomp.backends.onnx_engine as onnx_engine
+    import speccomp.engine.export as onnx_engine
 
     class GraphExported(BaseException):
         pass

@@ -5,10 +5,11 @@ import torch
 
 import speccomp
 from speccomp.backends import lower
-from speccomp.capture import KVSpec, capture
-from speccomp.compressed_cache import make_cache
-from speccomp.graph import SpecGraph, run_passes
-from speccomp.kv_policies import (
+from speccomp.frontend.convention import KVSpec
+from speccomp.frontend import capture
+from speccomp.kv.cache import make_cache
+from speccomp.frontend.graph import SpecGraph, run_passes
+from speccomp.kv.policies import (
     KVPolicyError,
     dequantize_keys,
     dequantize_values,
@@ -522,7 +523,7 @@ def test_target_mode_zero_compression_is_the_model(llama):
 
 
 def test_quality_measured_token_by_token(llama, llama_base, llama_step, llama_scored):
-    from speccomp.kv_target import kv_quality
+    from speccomp.kv.target import kv_quality
 
     kv = step_kv(llama)
     results = {}

@@ -3,13 +3,13 @@ import pytest
 import torch
 
 import speccomp
-from speccomp.capture import capture
+from speccomp.frontend import capture
 from speccomp.errors import GraphStructureError
-from speccomp.graph import SpecGraph, run_passes
+from speccomp.frontend.graph import SpecGraph, run_passes
 from speccomp.passes.grouped_query_attention import GroupedQueryAttention
 from speccomp.passes.prepack_linear import PrepackLinear, available
 from speccomp.passes.tree_attention import TreeAttention
-from speccomp.tree import Tree
+from speccomp.runtime.tree import Tree
 from tiny_models import ARCHITECTURES, tiny_llama
 
 aten = torch.ops.aten

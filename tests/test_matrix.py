@@ -28,9 +28,9 @@ import torch
 from tiny_models import ARCHITECTURES, captured, hf_greedy_with_margin as hf_greedy
 
 import speccomp
-from speccomp.eagle import new_eagle, save_eagle
-from speccomp.hydra import new_hydra, save_hydra
-from speccomp.medusa import new_heads, save_medusa
+from speccomp.drafters.eagle import new_eagle, save_eagle
+from speccomp.drafters.hydra import new_hydra, save_hydra
+from speccomp.drafters.medusa import new_heads, save_medusa
 
 NEW_TOKENS = 32
 MIN_MARGIN = 1e-2  # top-1 minus top-2 logit along HF's greedy path (as in test_architectures.py)

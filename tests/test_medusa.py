@@ -5,11 +5,11 @@ import pytest
 import torch
 
 import speccomp
-from speccomp.capture import capture
-from speccomp.graph import SpecGraph, run_passes
-from speccomp.medusa import HeadsError, load_medusa, new_heads, save_medusa
+from speccomp.frontend import capture
+from speccomp.frontend.graph import SpecGraph, run_passes
+from speccomp.drafters.medusa import HeadsError, load_medusa, new_heads, save_medusa
 from speccomp.passes.medusa_heads import MedusaHeadsPass
-from speccomp.train_heads import distilled_text, head_accuracy, train_heads
+from speccomp.tuning.train_heads import distilled_text, head_accuracy, train_heads
 from tiny_models import tiny_llama
 
 
@@ -144,10 +144,10 @@ def test_training_rejects_bad_settings(model, tmp_path, bad, match):
 
 
 # ---------------------------------------------------------------------------------------------
-# Hydra heads (speccomp/hydra.py): sequential heads that read the previous token
+# Hydra heads (speccomp/drafters/hydra.py): sequential heads that read the previous token
 # ---------------------------------------------------------------------------------------------
 def random_hydra(model, k=3, seed=0, vocab=None):
-    from speccomp.hydra import new_hydra
+    from speccomp.drafters.hydra import new_hydra
 
     heads = new_hydra(model, torch.arange(96) if vocab is None else vocab, k)
     g = torch.Generator().manual_seed(seed)
@@ -159,7 +159,7 @@ def random_hydra(model, k=3, seed=0, vocab=None):
 
 @pytest.mark.parametrize("tree", [[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], "dynamic:8:3"])
 def test_hydra_greedy_identical(model, tmp_path, tree):
-    from speccomp.hydra import save_hydra
+    from speccomp.drafters.hydra import save_hydra
 
     save_hydra(random_hydra(model, vocab=torch.arange(3, 80)), tmp_path / "h")  # a draft vocabulary subset
     fast = speccomp.compile(model, drafter="hydra", drafter_options={"heads": str(tmp_path / "h")}, tree=tree)
@@ -174,10 +174,10 @@ def test_hydra_greedy_identical(model, tmp_path, tree):
 
 def test_hydra_drafts_follow_the_previous_token(model):
     """The same hidden state with another root token gives other drafts: heads read the token."""
-    from speccomp.drafters_medusa import HydraDrafter
-    from speccomp.runtime import KVCache
-    from speccomp.speculative import DraftContext
-    from speccomp.tree import Tree
+    from speccomp.drafters.head_drafters import HydraDrafter
+    from speccomp.runtime.decode import KVCache
+    from speccomp.runtime.decode import DraftContext
+    from speccomp.runtime.tree import Tree
 
     heads = random_hydra(model, k=2)
     drafter = HydraDrafter(heads, Tree.from_choices([[0], [0, 0]]))
@@ -193,7 +193,7 @@ def test_hydra_drafts_follow_the_previous_token(model):
 def test_hydra_round_trip_and_bad_files(model, tmp_path):
     from safetensors.torch import load_file
 
-    from speccomp.hydra import load_hydra, save_hydra
+    from speccomp.drafters.hydra import load_hydra, save_hydra
 
     heads = random_hydra(model, vocab=torch.tensor([2, 5, 7, 11]))
     save_hydra(heads, tmp_path / "a")
@@ -225,14 +225,14 @@ def test_hydra_round_trip_and_bad_files(model, tmp_path):
 def test_hydra_training_learns(model, tmp_path, draft_vocab, soft_labels):
     """Also with soft labels over a draft vocabulary smaller than the model's (40 of 96 tokens): they are mapped
     into it, tokens outside getting probability 0."""
-    from speccomp.hydra import HydraHeads
+    from speccomp.drafters.hydra import HydraHeads
 
     train = prompts(8, seed=1)
     heads = train_heads(model, train, out=tmp_path / "h", kind="hydra", num_heads=2, max_new_tokens=24, epochs=6,
                         lr=3e-2, batch_size=32, draft_vocab=draft_vocab, soft_labels=soft_labels, progress=False)
     assert isinstance(heads, HydraHeads) and len(heads.draft_vocab) <= draft_vocab < 96
     seqs, _ = distilled_text(tmp_path / "h")
-    from speccomp.hydra import new_hydra
+    from speccomp.drafters.hydra import new_hydra
 
     trained = head_accuracy(heads, model, seqs)
     untrained = head_accuracy(new_hydra(model, heads.draft_vocab, 2), model, seqs)
@@ -249,7 +249,7 @@ def test_hydra_training_learns(model, tmp_path, draft_vocab, soft_labels):
 def test_soft_labels_teach_the_models_distribution(model, tmp_path, kind):
     """Teacher distillation: heads trained also on the model's top-8 probabilities match that distribution
     better than heads trained on its argmax alone (same data, seed and steps), and still decode losslessly."""
-    from speccomp.train_heads import _examples, _hidden_states, soft_cross_entropy
+    from speccomp.tuning.train_heads import _examples, _hidden_states, soft_cross_entropy
 
     train = prompts(8, seed=1)
     kw = dict(kind=kind, num_heads=2, max_new_tokens=24, epochs=4, lr=3e-2, batch_size=32, draft_vocab=96, progress=False)
@@ -273,7 +273,7 @@ def test_soft_labels_teach_the_models_distribution(model, tmp_path, kind):
 
 
 def test_typical_acceptance_is_opt_in_and_labelled_lossy(model, tmp_path):
-    from speccomp.tree import Tree, typical_accept_lossy
+    from speccomp.runtime.tree import Tree, typical_accept_lossy
 
     tree = Tree.from_choices([[0], [1], [0, 0]])
     probs = torch.tensor([[0.1, 0.6, 0.3, 0.0], [0.05, 0.05, 0.1, 0.8], [0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25]])

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import speccomp
-from speccomp.drafters_merge import MERGED_RECYCLING_TREE, MergedDrafter
-from speccomp.tree import Tree, greedy_accept
+from speccomp.drafters.merge import MERGED_RECYCLING_TREE, MergedDrafter
+from speccomp.runtime.tree import Tree, greedy_accept
 from test_speculative import hf_greedy, repetitive_prompt
 from tiny_models import tiny_llama
 
@@ -17,11 +17,11 @@ def llama6():
 def random_heads(model, kind, path):
     """Random Hydra heads or EAGLE head (scaled up so that they draft varied tokens), saved to `path`."""
     if kind == "hydra":
-        from speccomp.hydra import new_hydra as new, save_hydra as save
+        from speccomp.drafters.hydra import new_hydra as new, save_hydra as save
 
         heads = new(model, torch.arange(model.config.vocab_size), 3)
     else:
-        from speccomp.eagle import new_eagle as new, save_eagle as save
+        from speccomp.drafters.eagle import new_eagle as new, save_eagle as save
 
         heads = new(model, torch.arange(model.config.vocab_size))
     g = torch.Generator().manual_seed(0)
@@ -138,7 +138,7 @@ def test_merged_drafter_bad_input(llama6):
 
 
 def test_merged_drafter_is_not_exported_as_an_engine(llama6, tmp_path):
-    from speccomp.engine import EngineError
+    from speccomp.engine.runtime import EngineError
 
     fast = speccomp.compile(llama6, drafter="token_recycling+ngram")
     with pytest.raises(EngineError, match="cannot be exported as an engine yet"):

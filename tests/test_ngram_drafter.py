@@ -8,15 +8,15 @@ import random
 import pytest
 import torch
 
-from speccomp.drafters_ngram import (
+from speccomp.drafters.ngram import (
     DEFAULT_RECYCLING_TREE,
     NGramDrafter,
     TokenRecyclingDrafter,
     make_ngram,
     make_token_recycling,
 )
-from speccomp.speculative import Draft, DraftContext
-from speccomp.tree import Tree
+from speccomp.runtime.decode import Draft, DraftContext
+from speccomp.runtime.tree import Tree
 
 
 def ctx(tokens, max_depth=100, max_nodes=64):
@@ -267,8 +267,8 @@ def test_factories_and_tree_errors():
 def tiny_target():
     from tiny_models import tiny_llama
 
-    from speccomp.capture import capture
-    from speccomp.graph import SpecGraph, run_passes
+    from speccomp.frontend import capture
+    from speccomp.frontend.graph import SpecGraph, run_passes
     from speccomp.passes.tree_attention import TreeAttention
 
     model = tiny_llama()
@@ -287,12 +287,12 @@ PROMPTS = [
 
 
 def run(tiny_target, drafter, prompt, n, max_tree=64, sampler=None):
-    import speccomp
-    from speccomp.speculative import decode_speculative
+    import speccomp.runtime.sampling
+    from speccomp.runtime.decode import decode_speculative
 
     _, sg = tiny_target
     prompt = torch.tensor([prompt])
-    sampler = sampler or speccomp.sampling.Sampler()
+    sampler = sampler or speccomp.runtime.sampling.Sampler()
     return decode_speculative(sg.gm, drafter, sg.captured.kv, prompt, n, eos=set(), sampler=sampler, max_tree=max_tree)
 
 
@@ -342,12 +342,12 @@ def test_lossless_small_tree_and_short_budget(tiny_target):
 
 def test_sampling_runs_with_deterministic_drafts(tiny_target):
     """Rejection-sampling acceptance with probs=None drafts; near-zero temperature is greedy."""
-    import speccomp
+    import speccomp.runtime.sampling
 
     model, _ = tiny_target
     want = hf_greedy(model, PROMPTS[0], 40)[:30]
     for drafter in (NGramDrafter(), TokenRecyclingDrafter()):
-        sampler = speccomp.sampling.Sampler(do_sample=True, temperature=1e-4, seed=0)
+        sampler = speccomp.runtime.sampling.Sampler(do_sample=True, temperature=1e-4, seed=0)
         out, stats = run(tiny_target, drafter, PROMPTS[0], 30, sampler=sampler)
         assert out.tolist() == want
         assert stats.new_tokens / stats.steps > 1

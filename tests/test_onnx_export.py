@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from speccomp.backends.onnx_export import OnnxBackendError, OrtStep, export_onnx
-from speccomp.capture import INPUT_NAMES, OUTPUT_NAMES, _HFStep, capture, example_inputs
-from speccomp.graph import SpecGraph
-from speccomp.runtime import decode_plain
-from speccomp.sampling import Sampler
+from speccomp.frontend.convention import INPUT_NAMES, OUTPUT_NAMES, example_inputs
+from speccomp.frontend.hf import _HFStep
+from speccomp.frontend import capture
+from speccomp.frontend.graph import SpecGraph
+from speccomp.runtime.decode import decode_plain
+from speccomp.runtime.sampling import Sampler
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")

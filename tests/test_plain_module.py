@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import speccomp
-from speccomp.capture import INPUT_NAMES, capture
-from speccomp.capture_module import capture_module
-from speccomp.graph import SDPA_OPS, annotate
+from speccomp.frontend.convention import INPUT_NAMES
+from speccomp.frontend import capture
+from speccomp.frontend.module import capture_module
+from speccomp.frontend.graph import SDPA_OPS, annotate
 
 aten = torch.ops.aten
 

@@ -67,7 +67,7 @@ def hf_refs(smollm):
     ("early_exit", {"exit_layer": 25}, ("gsm8k",)),
     # trained heads shipped for SmolLM2 (trained on alpaca + humaneval + synthetic) on files they never saw
     ("medusa", None, ("vicuna_bench",)), ("hydra", None, ("gsm8k",)), ("eagle", None, ("vicuna_bench",)),
-    # one tree merged from the Hydra heads' and Token Recycling's (speccomp/drafters_merge.py)
+    # one tree merged from the Hydra heads' and Token Recycling's (speccomp/drafters/merge.py)
     ("hydra+token_recycling", {"token_recycling": {"tree": [[0], [1], [0, 0]]}}, ("vicuna_bench",)),
 ])
 def test_greedy_256_tokens_identical(smollm, hf_refs, drafter, options, files):

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import speccomp
-from speccomp.backends.onnx_engine import _swap_in, check_destination
-from speccomp.engine import MANIFEST, EngineError, check_session_providers
+from speccomp.engine.export import _swap_in, check_destination
+from speccomp.engine.runtime import MANIFEST, EngineError, check_session_providers
 from speccomp.errors import OptionError, OptionTypeError
-from speccomp.medusa import HeadsError, load_medusa, new_heads, save_medusa
+from speccomp.drafters.medusa import HeadsError, load_medusa, new_heads, save_medusa
 from speccomp.models import fingerprint
 from tiny_models import tiny_llama
 
@@ -145,8 +145,8 @@ def test_swap_checks_what_is_there_at_the_last_moment(tmp_path):
     ("eagle", "rope_theta", "big", "rope_theta must be a positive number"),
 ])
 def test_edited_head_configs_are_refused_before_allocation(llama, tmp_path, kind, field, value, words):
-    from speccomp.eagle import load_eagle, new_eagle, save_eagle
-    from speccomp.hydra import load_hydra, new_hydra, save_hydra
+    from speccomp.drafters.eagle import load_eagle, new_eagle, save_eagle
+    from speccomp.drafters.hydra import load_hydra, new_hydra, save_hydra
 
     make, save, load = {
         "medusa": (lambda: new_heads(llama, 2), save_medusa, load_medusa),
@@ -295,7 +295,7 @@ def test_gguf_loaded_model_finds_shipped_heads_and_default_identity(smollm):
     model as speccomp.load_default_model(): one fingerprint, so the shipped heads are found for both."""
     from transformers import AutoModelForCausalLM
 
-    from speccomp.drafters_medusa import find_heads
+    from speccomp.drafters.head_drafters import find_heads
     from speccomp.models import gguf_path
 
     src = gguf_path()
@@ -329,7 +329,7 @@ def test_provider_fallback_is_an_error_and_providers_are_shown(llama, engine_dir
 def test_triton_refuses_a_model_whose_attention_it_would_not_lower():
     from speccomp.backends.triton import check_attention
     from speccomp.backends.triton_attention import TritonBackendError
-    from speccomp.graph import SpecGraph
+    from speccomp.frontend.graph import SpecGraph
     from tiny_models import ARCHITECTURES
 
     gemma2 = ARCHITECTURES["gemma2"].build()  # eager attention (logit softcapping): no SDPA to put in the kernel

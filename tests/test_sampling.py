@@ -1,5 +1,5 @@
 """Speculative sampling is lossless: the emitted tokens follow the model's own distribution, for every drafter,
-in the torch runtime (recursive rejection sampling, `speccomp.tree.sample_accept`) and in exported engines (the
+in the torch runtime (recursive rejection sampling, `speccomp.runtime.tree.sample_accept`) and in exported engines (the
 numpy walk, `speccomp.engine.accept`). And the tests have power: for each of the two acceptance code paths, a
 slightly wrong rule fails the same test with the same draws (torch: on its cheapest case, which takes POWER_DRAWS
 draws where the other cases take DRAWS; engines: every case takes POWER_DRAWS, a draw costs 1 ms there).
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import speccomp
-import speccomp.engine
-import speccomp.speculative
-from speccomp.sampling import warp
+import speccomp.engine.runtime
+import speccomp.runtime.decode
+from speccomp.runtime.sampling import warp
 from tiny_models import tiny_llama
 
 pytest.importorskip("scipy")
@@ -82,9 +82,9 @@ def exact(model):
 @pytest.fixture(scope="module")
 def heads(model, tmp_path_factory):
     """Random Medusa (2 heads), Hydra (2 heads) and EAGLE heads for the model, saved: kind -> directory."""
-    from speccomp.eagle import new_eagle, save_eagle
-    from speccomp.hydra import new_hydra, save_hydra
-    from speccomp.medusa import new_heads, save_medusa
+    from speccomp.drafters.eagle import new_eagle, save_eagle
+    from speccomp.drafters.hydra import new_hydra, save_hydra
+    from speccomp.drafters.medusa import new_heads, save_medusa
 
     root = tmp_path_factory.mktemp("heads")
     made = {"medusa": (new_heads(model, 2), save_medusa), "hydra": (new_hydra(model, torch.arange(V), 2), save_hydra),
@@ -206,12 +206,12 @@ def accept_at_temperature_one(tree, tokens, target_probs, draft_probs=None, gene
 
 
 def test_wrong_acceptance_rule_fails_the_sampling_test(captured, heads, exact, monkeypatch):
-    """decode_speculative's acceptance (speccomp.speculative.sample_accept) replaced by accept_at_temperature_one:
+    """decode_speculative's acceptance (speccomp.runtime.decode.sample_accept) replaced by accept_at_temperature_one:
     the POWER_CASE case of test_sampling_distribution_equals_model (same POWER_DRAWS draws, same seeds), which passes
     with the right rule, fails. Measured offline on 4 seed ranges of POWER_DRAWS draws (seeds from 0, 10**5, 2 * 10**5,
     3 * 10**5): the right rule p = 0.19, 0.88, 0.78, 0.59; this rule p = 6e-7, 2e-8, 3e-10, 5e-14 (accepting with
     min(1, 1.25 p(x)) instead: p <= 3e-12). With DRAWS (600) draws this rule gave p from 2e-2 to 6e-5: too few."""
-    monkeypatch.setattr(speccomp.speculative, "sample_accept", accept_at_temperature_one)
+    monkeypatch.setattr(speccomp.runtime.decode, "sample_accept", accept_at_temperature_one)
     p, accepted, _, _ = run_torch(POWER_CASE, captured, heads, exact)
     assert accepted >= MIN_ACCEPTED
     assert p < 1e-3, f"a wrong acceptance rule passed the sampling test (chi-square p={p:.2g}): the test has no power"
@@ -289,7 +289,7 @@ def test_wrong_engine_acceptance_fails_the_sampling_test(engines, exact, monkeyp
     p = 0.74, 0.39, 0.25, 0.019; accept_redraw p = 7e-41, 2e-45, 2e-46, 4e-36. (Random heads leave likely tokens
     undrafted, so rejections are frequent. The token_recycling engine drafts the 4 likeliest tokens, rejections are
     rare and this bug moves little mass there: p = 3e-5, 2e-9, 8e-6, 8e-3.)"""
-    monkeypatch.setattr(speccomp.engine, "accept", accept_redraw)
+    monkeypatch.setattr(speccomp.engine.runtime, "accept", accept_redraw)
     counts, accepted, _ = sample(EngineRun(engines("medusa"), 1.0), range(POWER_DRAWS))
     assert accepted >= MIN_ACCEPTED
     p = chi2_pvalue(counts, exact[1.0])

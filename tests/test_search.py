@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import speccomp
-from speccomp.search import cached_options, candidates, fingerprint, search_drafter
+from speccomp.tuning.search import cached_options, candidates, fingerprint, search_drafter
 from tiny_models import tiny_llama
 
 

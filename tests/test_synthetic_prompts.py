@@ -4,7 +4,7 @@ import re
 import pytest
 
 from speccomp.cli import main
-from speccomp.synthetic_prompts import KINDS, synthetic_prompts
+from speccomp.tuning.synthetic_prompts import KINDS, synthetic_prompts
 
 FIELD = re.compile(r"\{[a-z]+[0-9]?\}")  # a template field left unfilled (code snippets may hold "{}")
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from speccomp.tree import (
+from speccomp.runtime.tree import (
     AutoTreeSpec,
     DynamicTreeSpec,
     Tree,

@@ -3,10 +3,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from speccomp.capture import capture
-from speccomp.graph import SpecGraph, run_passes
+from speccomp.frontend import capture
+from speccomp.frontend.graph import SpecGraph, run_passes
 from speccomp.passes.tree_attention import TreeAttention
-from speccomp.tree import Tree
+from speccomp.runtime.tree import Tree
 from tiny_models import ARCHITECTURES, WINDOW, tiny_llama
 
 TREE = Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])  # 7 nodes <= WINDOW

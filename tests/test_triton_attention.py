@@ -20,14 +20,14 @@ pytest.importorskip("triton")
 import speccomp  # noqa: E402
 from speccomp.backends import lower  # noqa: E402
 from speccomp.backends.triton_attention import TREE_ATTENTION, TritonBackendError, interpreting, launch  # noqa: E402
-from speccomp.capture import capture  # noqa: E402
-from speccomp.drafters_medusa import DEFAULT_MEDUSA_TREE  # noqa: E402
+from speccomp.frontend import capture  # noqa: E402
+from speccomp.drafters.head_drafters import DEFAULT_MEDUSA_TREE  # noqa: E402
 from speccomp.errors import GraphStructureError  # noqa: E402
-from speccomp.graph import SpecGraph, run_passes  # noqa: E402
+from speccomp.frontend.graph import SpecGraph, run_passes  # noqa: E402
 from speccomp.passes.grouped_query_attention import GroupedQueryAttention  # noqa: E402
 from speccomp.passes.tree_attention import TreeAttention  # noqa: E402
 from speccomp.passes.triton_attention import TritonAttention  # noqa: E402
-from speccomp.tree import Tree  # noqa: E402
+from speccomp.runtime.tree import Tree  # noqa: E402
 from tiny_models import ARCHITECTURES, seeded_prompt, tiny_llama  # noqa: E402
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default

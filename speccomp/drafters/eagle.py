@@ -1,0 +1,227 @@
+"""EAGLE draft head: one small decoder layer that runs ahead of the target in its feature space.
+
+Medusa and Hydra heads read one hidden state h_t and guess several tokens ahead blind to the
+rest of the text. EAGLE (Li et al., 2024) drafts autoregressively at the *feature* level: a
+single decoder layer reads, at every position p, the target's feature f_p (its final hidden
+state, the LM head's input) and the embedding of the next token x_{p+1}, attends over all
+earlier positions through its own KV cache, and predicts f_{p+1}; the frozen LM head turns
+that into the next draft token. Deeper drafts feed the predicted feature back in:
+
+    u_p   = W_fc [f_p ; E(x_{p+1})] + b_fc                 f_p: target feature, or the head's own guess
+    o_p   = Layer(u_p | u_{<p})                            pre-norm attention (RoPE) + SwiGLU MLP, residual
+    f̂_{p+1} = o_p,  logits = P o_p                         P: the frozen LM head on the draft vocabulary
+
+Training (speccomp/tuning/train_heads.py, kind="eagle") unrolls the head on its own predictions
+(`unrolled`), so the deeper drafts it is trained on are the ones it makes at run time (the
+"training-time test" of HASS / EAGLE-3): at unroll step s, anchor p attends to the true
+entries <= p and to its own earlier steps, exactly as a chain drafted after p does.
+
+Checkpoint layout (our own), in a directory:
+
+    config.json               {"head_type": "eagle", "eagle_num_heads": A, "eagle_num_layers": 1,
+                               "hidden_size": H, "vocab_size": V, "draft_vocab_size": Vd,
+                               "intermediate_size": F, "rope_theta": ..., "train_steps": S, ...}
+    eagle_head.safetensors    fc.weight [H, 2H], fc.bias [H], norm1.weight, qkv.weight [3H, H],
+                              o.weight [H, H], norm2.weight, gate_up.weight [2F, H], down.weight [H, F],
+                              draft_vocab [Vd] (int64 token ids)
+Weights are stored as float16 and loaded as float32.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from speccomp.drafters.hydra import HydraHeads, _input_embedding
+from speccomp.drafters.medusa import HeadsError, _lm_head_weight, write_head_files
+
+WEIGHTS = "eagle_head.safetensors"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE: x [..., n, A, D] at positions [..., n]."""
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)  # [D/2]
+    ang = positions.to(torch.float32)[..., None] * inv  # [..., n, D/2]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[..., None, :]  # [..., n, 1, D]
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[..., None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class EagleHead(nn.Module):
+    """The draft layer. `entries(f, tokens, positions)` -> (u, q, k, v); `finish(u, attn)` -> o; `logits(o)`."""
+
+    kind = "eagle"
+    num_layers = 1
+    train_steps: int | None = None  # draft depths it was trained for (unrolled steps); dynamic trees go no deeper
+
+    def __init__(self, hidden: int, vocab: int, num_heads: int, intermediate: int, lm_head: torch.Tensor,
+                 embed: torch.Tensor, draft_vocab: torch.Tensor, rope_theta: float = 10000.0):
+        super().__init__()
+        if num_heads < 1 or hidden % num_heads or (hidden // num_heads) % 2:
+            raise HeadsError(f"the hidden size {hidden} must split into num_heads={num_heads} attention heads of an even "
+                             f"size (RoPE rotates pairs of dimensions)")
+        self.hidden, self.vocab, self.num_heads, self.intermediate = hidden, vocab, num_heads, intermediate
+        self.head_dim, self.rope_theta = hidden // num_heads, float(rope_theta)
+        self.fc = nn.Linear(2 * hidden, hidden)
+        self.norm1 = RMSNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.o = nn.Linear(hidden, hidden, bias=False)
+        self.norm2 = RMSNorm(hidden)
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+        for lin in (self.qkv, self.gate_up):
+            nn.init.normal_(lin.weight, std=0.02)
+        with torch.no_grad():  # start as the identity on the feature: o_p = f_p (the blocks' outputs begin at zero)
+            self.fc.weight.zero_()
+            self.fc.weight[:, :hidden] = torch.eye(hidden)
+            self.fc.bias.zero_()
+            self.o.weight.zero_()
+            self.down.weight.zero_()
+        self.embed = embed  # [V, H] frozen, not saved
+        self.set_draft_vocab(lm_head, draft_vocab)
+
+    # the same contract as HydraHeads: the frozen LM head restricted to the draft vocabulary (draft_lm [Vd, H])
+    set_draft_vocab = HydraHeads.set_draft_vocab
+
+    def logits(self, o: torch.Tensor) -> torch.Tensor:
+        """Scores [..., Vd] over the draft vocabulary (index i is token draft_vocab[i])."""
+        return o @ self.draft_lm.t()
+
+    def entries(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+        """Layer inputs of entries (feature f_p, next token x_{p+1}) at `positions`: feats [..., n, H], tokens and
+        positions [..., n] -> u [..., n, H] (the residual stream) and q, k, v [..., n, A, D] (RoPE applied)."""
+        u = self._lin(torch.cat([feats, self.embed[tokens]], -1), self.fc)
+        q, k, v = self._lin(self.norm1(u), self.qkv).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
+        return u, _rotate(q, positions, self.rope_theta), _rotate(k, positions, self.rope_theta), v
+
+    def finish(self, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual stream u [..., n, H] + attention output attn [..., n, A, D] -> the predicted next feature."""
+        x = u + self._lin(attn.flatten(-2), self.o)
+        gate, up = self._lin(self.norm2(x), self.gate_up).chunk(2, -1)
+        return x + self._lin(F.silu(gate) * up, self.down)
+
+    @staticmethod
+    def _lin(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        """layer(x); when drafting (no grad, CPU float32) through oneDNN on the weight packed once, which is
+        about twice as fast for the few rows a draft step has (passes/prepack_linear.py). Packed once per weight
+        tensor: weights changed in place after drafting need a fresh `load_eagle`."""
+        if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32:
+            return layer(x)
+        from speccomp.passes.prepack_linear import linear
+
+        y = linear(x.reshape(-1, x.shape[-1]), layer.weight).reshape(*x.shape[:-1], -1)
+        return y if layer.bias is None else y + layer.bias
+
+    def unrolled(self, feats: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training view, `steps` chained drafts from every anchor at once. feats [B, T, H] (f_0..f_{T-1}), tokens
+        [B, T] (x_0..x_{T-1}), valid [B, T] (False on padding). Returns o^s [B, T, H] for s = 1..steps, where o^s at
+        anchor p predicts f_{p+s} after reading the true entries <= p and its own s - 1 earlier guesses, with the
+        true tokens x_{p+2}..x_{p+s} as the path (rows whose p + s is out of range are garbage; mask them)."""
+        b, t, _ = feats.shape
+        pos = torch.arange(t, device=feats.device).expand(b, t)
+        nxt = torch.cat([tokens[:, 1:], tokens[:, -1:]], 1)  # x_{p+1}; the last column is never a valid anchor
+        u, q, k1, v1 = self.entries(feats, nxt, pos)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        causal = torch.ones(t, t, dtype=torch.bool, device=feats.device).tril() & valid[:, None, None, :]  # [B, 1, T, T]
+        keys, values = [], []  # the anchor's own earlier steps (s >= 2): one key per anchor each
+        outs = []
+        for s in range(1, steps + 1):
+            if s > 1:  # entry (o^{s-1}_p, x_{p+s}) at position p + s - 1
+                tok = torch.cat([tokens[:, s:], tokens[:, -1:].expand(b, s)], 1)  # x_{p+s}, clamped at the end
+                u, q, k, v = self.entries(outs[-1], tok, pos + s - 1)
+                keys.append(k)
+                values.append(v)
+            qh = q.transpose(1, 2)  # [B, A, T, D]
+            scores = (qh @ k1.transpose(1, 2).transpose(-1, -2)) * scale  # [B, A, T, T] over the true entries
+            scores = scores.masked_fill(~causal, float("-inf"))
+            diag = [((q * kk).sum(-1) * scale).transpose(1, 2)[..., None] for kk in keys]  # [B, A, T, 1] each
+            p = torch.cat([scores, *diag], -1).softmax(-1)
+            attn = p[..., :t] @ v1.transpose(1, 2)  # [B, A, T, D]
+            for j, vv in enumerate(values):
+                attn = attn + p[..., t + j : t + j + 1] * vv.transpose(1, 2)
+            outs.append(self.finish(u, attn.transpose(1, 2)))
+        return outs
+
+
+def new_eagle(model, draft_vocab, num_heads: int | None = None, intermediate: int | None = None,
+              rope_theta: float | None = None) -> EagleHead:
+    """A fresh head for `model`: attention heads / MLP width / RoPE base from its config when it has one."""
+    lm = _lm_head_weight(model)
+    vocab, hidden = lm.shape
+    cfg = getattr(model, "config", None)
+    if num_heads is None:
+        num_heads = getattr(cfg, "num_attention_heads", None) or max(1, hidden // 64)
+        if hidden % num_heads or (hidden // num_heads) % 2:
+            num_heads = 1
+    if intermediate is None:
+        intermediate = getattr(cfg, "intermediate_size", None) or 4 * hidden
+    if rope_theta is None:
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        rope_theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or getattr(cfg, "rope_theta", None) or 10000.0
+    return EagleHead(hidden, vocab, int(num_heads), int(intermediate), lm, _input_embedding(model), draft_vocab, rope_theta)
+
+
+_PARAMS = ("fc.weight", "fc.bias", "norm1.weight", "qkv.weight", "o.weight", "norm2.weight", "gate_up.weight", "down.weight")
+
+
+def save_eagle(head: EagleHead, directory, *, base_model: str = "") -> Path:
+    state = head.state_dict()
+    tensors = {name: state[name].detach().half().contiguous() for name in _PARAMS}
+    tensors["draft_vocab"] = head.draft_vocab.contiguous()
+    config = {
+        "head_type": "eagle",
+        "eagle_num_heads": head.num_heads,
+        "eagle_num_layers": 1,
+        "hidden_size": head.hidden,
+        "vocab_size": head.vocab,
+        "draft_vocab_size": len(head.draft_vocab),
+        "intermediate_size": head.intermediate,
+        "rope_theta": head.rope_theta,
+        **({"train_steps": head.train_steps} if head.train_steps else {}),
+        "base_model_name_or_path": base_model,
+        "tied_lm_head": True,
+        "dtype": "float16",
+    }
+    return write_head_files(directory, WEIGHTS, tensors, config)
+
+
+def load_eagle(directory, model) -> EagleHead:
+    """A head from a directory written by `save_eagle`, checked against `model`."""
+    from speccomp.drafters.medusa import CONFIG, check_dimensions, config_int, read_head_files
+
+    directory = Path(directory)
+    lm = _lm_head_weight(model)
+    vocab, hidden = lm.shape
+
+    def layout(config, header):
+        check_dimensions(config, directory, "eagle", hidden, vocab)
+        f, h = config_int(config, "intermediate_size", directory / CONFIG), hidden
+        shapes = ((h, 2 * h), (h,), (h,), (3 * h, h), (h, h), (h,), (2 * f, h), (h, f))  # in _PARAMS order
+        return {"draft_vocab": (config.get("draft_vocab_size"),), **dict(zip(_PARAMS, shapes))}
+
+    config, tensors = read_head_files(directory, "eagle", WEIGHTS, layout)
+    num_heads = config_int(config, "eagle_num_heads", directory / CONFIG)
+    theta = config.get("rope_theta", 10000.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise HeadsError(f"{directory / CONFIG}: rope_theta must be a positive number, got {theta!r}")
+    head = EagleHead(hidden, vocab, num_heads, config["intermediate_size"], lm, _input_embedding(model),
+                     tensors["draft_vocab"], float(theta))
+    head.load_state_dict({n: tensors[n].float() for n in _PARAMS})
+    train_steps = config.get("train_steps")
+    head.train_steps = config_int(config, "train_steps", directory / CONFIG) if train_steps else None
+    return head.eval()

@@ -1,0 +1,181 @@
+"""EagleDrafter: grow a token tree with the EAGLE head (speccomp/drafters/eagle.py) over its own KV cache.
+
+The head keeps one entry per position of the text: (target feature f_p, next token x_{p+1}).
+The runtime hands it the target's features of every newly accepted position (`wants_states =
+"path"`: after the prefill all prompt positions, after a verification every node of the accepted
+path). At the next `propose` those pending entries run through the layer in one forward and join
+the committed cache; the output of the last one is the head's guess of the root's feature, whose
+logits score the depth-1 drafts. A tree node c at depth d >= 1 that is expanded adds a scratch
+entry (the guessed feature of its parent, its own token) at position root + d - 1, attending to the
+committed cache, its ancestors' scratch entries and itself; scratch entries are dropped after the step.
+
+Trees as for Hydra: a static `Tree` (node c gets its parent's rank-r candidate) or a
+`DynamicTreeSpec` (EAGLE-2: the top_k likeliest frontier nodes expand each depth; the step's tree
+is the `budget` likeliest candidates).
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from speccomp.drafters.graph import LOG_MIN_PROB, MAX_DYNAMIC_DEPTH, add_children, select_tree
+from speccomp.runtime.decode import Draft, DraftContext, Drafter, truncate
+from speccomp.runtime.tree import DynamicTreeSpec, Tree
+
+DEFAULT_EAGLE_TREE = DynamicTreeSpec(16, 4)
+
+
+class EagleDrafter(Drafter):
+    name = "eagle"
+    wants_states = "path"  # the target's hidden states of every accepted position, not only the newest
+    dynamic_trees = True  # autotune may tune it in mode="dynamic"
+    drafts_by_level = True  # one layer forward per draft depth: autotune charges propose time per level
+
+    def __init__(self, head, tree):
+        if not isinstance(tree, (Tree, DynamicTreeSpec)):
+            raise TypeError(f"tree must be a Tree or a DynamicTreeSpec, got {type(tree).__name__}")
+        self.head, self.tree = head, tree
+        a, d = head.num_heads, head.head_dim
+        self.k = torch.zeros(a, 256, d)  # [A, capacity, D]: committed entries, then this step's scratch
+        self.v = torch.zeros(a, 256, d)
+        self.length = 0  # committed entries: positions 0 .. length-1
+        self.pending = None  # target features [m, H] of positions length .. length+m-1, not yet run
+        self.prompt = None  # set by begin, used once by the first take_states
+
+    def with_tree(self, tree) -> "EagleDrafter":
+        """The same head drafting `tree` (autotune's hook)."""
+        return EagleDrafter(self.head, tree)
+
+    def begin(self, prompt: list[int]) -> None:
+        self.length, self.pending, self.prompt = 0, None, list(prompt)
+
+    def take_states(self, states) -> None:
+        # [m, H]: the prompt after the prefill, the accepted path after a verification (in the head's dtype)
+        feats = states[0].to(self.head.fc.weight.dtype)
+        self.pending = feats if self.pending is None else torch.cat([self.pending, feats])
+        prompt, self.prompt = self.prompt, None
+        if prompt and self.length == 0 and len(self.pending) == len(prompt) > 1:
+            # right after the prefill: every prompt entry but the last already knows its next token (a prompt
+            # token), so it runs now, with the prefill, rather than inside the first draft step
+            with torch.no_grad():
+                self._append(self.pending[:-1], torch.tensor(prompt[1:], dtype=torch.long))
+            self.pending = self.pending[-1:]
+
+    def _room(self, n: int) -> None:
+        if n > self.k.shape[1]:
+            grow = max(n, 2 * self.k.shape[1])
+            self.k = torch.cat([self.k, self.k.new_zeros(self.k.shape[0], grow - self.k.shape[1], self.k.shape[2])], 1)
+            self.v = torch.cat([self.v, self.v.new_zeros(self.v.shape[0], grow - self.v.shape[1], self.v.shape[2])], 1)
+
+    def _run(self, feats, tokens, positions, start: int, mask):
+        """Entries (feats [q, H], tokens [q]) at `positions`, written to slots start..start+q-1; each query attends
+        to the slots `mask` [q, start + q] allows. Returns their outputs [q, H]."""
+        head, q_len = self.head, len(tokens)
+        u, q, k, v = head.entries(feats, tokens, positions)  # q, k, v: [q, A, D]
+        self.k[:, start : start + q_len] = k.transpose(0, 1)
+        self.v[:, start : start + q_len] = v.transpose(0, 1)
+        end = start + q_len
+        attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], self.k[None, :, :end], self.v[None, :, :end],
+                                              attn_mask=mask)  # [1, A, q, D]
+        return head.finish(u, attn[0].transpose(0, 1))
+
+    def _commit(self, ctx: DraftContext) -> torch.Tensor:
+        """Run the pending entries into the committed cache; the last output (the root's guessed feature) [1, H]."""
+        if self.pending is None:  # proposed again without a verification in between: same root
+            return self.root_out
+        m, c = self.pending.shape[0], self.length
+        if c + m != len(ctx.tokens) - 1:
+            raise RuntimeError(f"EAGLE drafter out of step: {c} committed + {m} pending entries for "
+                               f"{len(ctx.tokens) - 1} positions before the root")
+        out = self._append(self.pending, torch.tensor(ctx.tokens[c + 1 : c + m + 1], dtype=torch.long))
+        self.pending, self.root_out = None, out[-1:]
+        return self.root_out
+
+    def _append(self, feats, tokens) -> torch.Tensor:
+        """Commit entries (feats [m, H], next tokens [m]) after the `length` committed ones; their outputs [m, H]."""
+        m, c = len(tokens), self.length
+        self._room(c + m + 64)
+        mask = torch.ones(m, c + m, dtype=torch.bool).tril(c)  # entry i (position c + i) sees positions <= c + i
+        out = self._run(feats, tokens, torch.arange(c, c + m), c, mask)
+        self.length = c + m
+        return out
+
+    def _expand(self, nodes: list[int], parent, token, depth, slot, out):
+        """Scratch entries for `nodes` (all at one depth >= 1); fills slot[c] and out[c]; log-probs [k, Vd]."""
+        base, used = self.length, len(slot)
+        self._room(base + used + len(nodes) + 1)
+        mask = torch.zeros(len(nodes), base + used + len(nodes), dtype=torch.bool)
+        mask[:, :base] = True
+        for i, c in enumerate(nodes):
+            a = parent[c]
+            while a > 0:  # the root's entry is committed: only drafted ancestors live in the scratch
+                mask[i, base + slot[a]] = True
+                a = parent[a]
+            mask[i, base + used + i] = True
+            slot[c] = used + i
+        feats = torch.cat([out[parent[c]] for c in nodes])
+        positions = torch.tensor([base + depth[c] - 1 for c in nodes])
+        o = self._run(feats, torch.tensor([token[c] for c in nodes]), positions, base + used, mask)
+        for i, c in enumerate(nodes):
+            out[c] = o[i : i + 1]
+        return self._logp(o)
+
+    def _logp(self, o: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities [k, Vd] over the draft vocabulary (the packed LM-head kernel, as Hydra drafts)."""
+        from speccomp.passes.prepack_linear import linear
+
+        return linear(o, self.head.draft_lm).log_softmax(-1)
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        with torch.no_grad():
+            root_out = self._commit(ctx)
+            if isinstance(self.tree, Tree):
+                return self._propose_static(ctx, root_out)
+            return self._propose_dynamic(ctx, root_out)
+
+    def _propose_dynamic(self, ctx: DraftContext, root_out) -> Draft:
+        spec, vocab = self.tree, self.head.draft_vocab
+        budget = min(spec.budget, ctx.max_nodes - 1)
+        # no deeper than the head was trained to draft: its guesses past that are rarely accepted, each costs a forward
+        max_depth = min(MAX_DYNAMIC_DEPTH, self.head.train_steps or MAX_DYNAMIC_DEPTH, ctx.max_depth, budget)
+        parent, token, score, depth = [-1], [ctx.tokens[-1]], [0.0], [0]
+        slot, out = {}, {0: root_out}
+        frontier, logp = [0], self._logp(root_out)
+        for d in range(max_depth):
+            if d > 0:
+                logp = self._expand(frontier, parent, token, depth, slot, out)
+            top_p, top = logp.topk(spec.top_k, dim=-1)  # [k, top_k] draft-vocabulary indices
+            frontier = add_children(frontier, top_p, vocab[top], parent, token, score, depth)
+            if max(score[c] for c in frontier) < LOG_MIN_PROB:
+                break
+        return select_tree(parent, token, score, depth, budget)
+
+    def _propose_static(self, ctx: DraftContext, root_out) -> Draft:
+        tree, _ = truncate(self.tree, ctx.max_depth, ctx.max_nodes)
+        vocab, depth = self.head.draft_vocab, tree.depth.tolist()
+        parent = list(tree.parents)
+        token = [0] * tree.size
+        token[0] = ctx.tokens[-1]
+        slot, out = {}, {0: root_out}
+        for d in range(tree.max_depth):
+            nodes = [u for u in range(tree.size) if depth[u] == d and tree.children[u]]
+            if not nodes:
+                break
+            logp = self._logp(root_out) if d == 0 else self._expand(nodes, parent, token, depth, slot, out)
+            for i, u in enumerate(nodes):
+                top = logp[i].topk(max(tree.ranks[c] for c in tree.children[u]) + 1).indices  # draft-vocab indices
+                for c in tree.children[u]:
+                    token[c] = int(vocab[top[tree.ranks[c]]])
+        return Draft(tree, torch.tensor(token, dtype=torch.long))
+
+
+def make_eagle(base, options: dict, tree) -> EagleDrafter:
+    from speccomp.drafters.head_drafters import heads_for
+    from speccomp.drafters.eagle import load_eagle
+
+    from speccomp.runtime.tree import check_tree_width
+
+    head = load_eagle(heads_for(base, options, "eagle"), base.model)
+    if tree is not None:
+        check_tree_width(tree, len(head.draft_vocab), "EAGLE head's draft vocabulary", tree)
+    return EagleDrafter(head, tree if tree is not None else DEFAULT_EAGLE_TREE)

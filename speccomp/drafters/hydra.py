@@ -1,0 +1,157 @@
+"""Hydra draft heads: Medusa heads that also read the token drafted before them.
+
+A Medusa head guesses token t + k + 2 from h_t alone, blind to the tokens in between. A Hydra
+head is sequential: it also reads the embedding of the token at the previous depth, so the
+first head already knows the root token (the target's own next token) and deeper heads know
+which branch of the tree they extend (Ankner et al., "Hydra", 2024). Head k (0-based):
+
+    u_k = s_k + W_k E(x_k) + b_k        s_0 = h_t (the target's final hidden state), x_0 = the root
+    s_{k+1} = ResBlocks_k(u_k)          (y + SiLU(W y + b), `num_layers` times)
+    logits_k = P s_{k+1}                P = the frozen LM head restricted to the draft vocabulary
+
+`E` is the model's frozen input embedding. The draft vocabulary (FR-Spec's idea) is the
+`draft_vocab` most frequent tokens of the training data: a drafter can only propose tokens it
+scores, and scoring 8k tokens instead of 49k makes each head ~6x cheaper on CPU. Verification
+stays with the full model, so the restriction costs acceptance only when the target's token is
+rare, never correctness.
+
+Checkpoint layout (our own; Hydra's code base has no settled one), in a directory:
+
+    config.json                {"head_type": "hydra", "hydra_num_heads": K, "hydra_num_layers": L,
+                                "hidden_size": H, "vocab_size": V, "draft_vocab_size": Vd, ...}
+    hydra_heads.safetensors    hydra_head.{k}.embed.weight [H, H], .bias [H]
+                               hydra_head.{k}.{j}.linear.weight [H, H], .bias [H]     (j < L)
+                               draft_vocab [Vd] (int64 token ids)
+Weights are stored as float16 (a few MB) and loaded as float32.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from speccomp.drafters.medusa import (
+    CONFIG,
+    HeadsError,
+    ResBlock,
+    _lm_head_weight,
+    check_dimensions,
+    config_int,
+    count_check,
+    read_head_files,
+    write_head_files,
+)
+
+WEIGHTS = "hydra_heads.safetensors"
+
+
+def _input_embedding(model) -> torch.Tensor:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is None or not hasattr(emb, "weight"):
+        raise HeadsError(f"{type(model).__name__} has no input embedding for Hydra heads to read")
+    return emb.weight.detach()
+
+
+class HydraHeads(nn.Module):
+    """K sequential heads. `step(k, s, x)` -> next state; `logits(s)` over the draft vocabulary."""
+
+    kind = "hydra"
+
+    def __init__(self, num_heads: int, hidden: int, vocab: int, num_layers: int, lm_head: torch.Tensor,
+                 embed: torch.Tensor, draft_vocab: torch.Tensor):
+        super().__init__()
+        if num_heads < 1 or num_layers < 1:
+            raise HeadsError(f"need at least one head and one layer, got heads={num_heads}, layers={num_layers}")
+        self.num_heads, self.num_layers, self.hidden, self.vocab = num_heads, num_layers, hidden, vocab
+        self.embeds = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(num_heads))
+        for lin in self.embeds:  # start by ignoring the token: head k begins as a Medusa head
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
+        self.blocks = nn.ModuleList(nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)]) for _ in range(num_heads))
+        self.embed = embed  # [V, H] frozen, not saved
+        self.set_draft_vocab(lm_head, draft_vocab)
+
+    def set_draft_vocab(self, lm_head: torch.Tensor, draft_vocab: torch.Tensor) -> None:
+        draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long)
+        if draft_vocab.dim() != 1 or len(draft_vocab) == 0:
+            raise HeadsError("draft_vocab must be a non-empty 1-D list of token ids")
+        if int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= self.vocab:
+            raise HeadsError(f"draft_vocab holds token ids outside the model's vocabulary [0, {self.vocab})")
+        self.lm_head = lm_head
+        self.draft_vocab = draft_vocab
+        self.draft_lm = lm_head.index_select(0, draft_vocab).contiguous()  # [Vd, H], frozen
+
+    def step(self, k: int, s: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """State after head k: s [n, H] (the parent's state), tokens [n] (the parent's token) -> [n, H]."""
+        return self.blocks[k](s + self.embeds[k](self.embed[tokens]))
+
+    def logits(self, s: torch.Tensor) -> torch.Tensor:
+        """Scores [..., Vd] over the draft vocabulary (index i is token draft_vocab[i])."""
+        return s @ self.draft_lm.t()
+
+    def forward(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced training view: h [B, H], tokens [B, K] (x_{t+1} .. x_{t+K}) -> logits [B, K, Vd]."""
+        s, out = h, []
+        for k in range(self.num_heads):
+            s = self.step(k, s, tokens[:, k])
+            out.append(s)
+        return self.logits(torch.stack(out, dim=1))
+
+
+def new_hydra(model, draft_vocab, num_heads: int = 4, num_layers: int = 1) -> HydraHeads:
+    lm = _lm_head_weight(model)
+    return HydraHeads(num_heads, lm.shape[1], lm.shape[0], num_layers, lm, _input_embedding(model), draft_vocab)
+
+
+def save_hydra(heads: HydraHeads, directory, *, base_model: str = "") -> Path:
+    tensors = {"draft_vocab": heads.draft_vocab.contiguous()}
+    for k in range(heads.num_heads):
+        tensors[f"hydra_head.{k}.embed.weight"] = heads.embeds[k].weight.detach().half().contiguous()
+        tensors[f"hydra_head.{k}.embed.bias"] = heads.embeds[k].bias.detach().half().contiguous()
+        for j, block in enumerate(heads.blocks[k]):
+            tensors[f"hydra_head.{k}.{j}.linear.weight"] = block.linear.weight.detach().half().contiguous()
+            tensors[f"hydra_head.{k}.{j}.linear.bias"] = block.linear.bias.detach().half().contiguous()
+    config = {
+        "head_type": "hydra",
+        "hydra_num_heads": heads.num_heads,
+        "hydra_num_layers": heads.num_layers,
+        "hidden_size": heads.hidden,
+        "vocab_size": heads.vocab,
+        "draft_vocab_size": len(heads.draft_vocab),
+        "base_model_name_or_path": base_model,
+        "tied_lm_head": True,
+        "dtype": "float16",
+    }
+    return write_head_files(directory, WEIGHTS, tensors, config)
+
+
+def load_hydra(directory, model) -> HydraHeads:
+    """Heads from a directory written by `save_hydra`, checked against `model`."""
+    directory = Path(directory)
+    lm = _lm_head_weight(model)
+    vocab, hidden = lm.shape
+    shape = {}
+
+    def layout(config, header):
+        check_dimensions(config, directory, "hydra", hidden, vocab)
+        k_heads = config_int(config, "hydra_num_heads", directory / CONFIG)
+        layers = config_int(config, "hydra_num_layers", directory / CONFIG, default=1)
+        count_check(directory / WEIGHTS, f"{k_heads} heads x {layers} layers", k_heads * (2 + 2 * layers) + 1, header)
+        shape.update(heads=k_heads, layers=layers)
+        want = {"draft_vocab": (config.get("draft_vocab_size"),)}
+        for k in range(k_heads):
+            want[f"hydra_head.{k}.embed.weight"], want[f"hydra_head.{k}.embed.bias"] = (hidden, hidden), (hidden,)
+            for j in range(layers):
+                want[f"hydra_head.{k}.{j}.linear.weight"], want[f"hydra_head.{k}.{j}.linear.bias"] = (hidden, hidden), (hidden,)
+        return want
+
+    _, tensors = read_head_files(directory, "hydra", WEIGHTS, layout)
+    heads = HydraHeads(shape["heads"], hidden, vocab, shape["layers"], lm, _input_embedding(model), tensors["draft_vocab"])
+    state = {}
+    for k in range(shape["heads"]):
+        state.update({f"embeds.{k}.{p}": tensors[f"hydra_head.{k}.embed.{p}"].float() for p in ("weight", "bias")})
+        state.update({f"blocks.{k}.{j}.linear.{p}": tensors[f"hydra_head.{k}.{j}.linear.{p}"].float()
+                      for j in range(shape["layers"]) for p in ("weight", "bias")})
+    heads.load_state_dict(state)
+    return heads.eval()

@@ -1,0 +1,275 @@
+"""Medusa draft heads: the module, and checkpoints in FasterDecoding/Medusa's layout.
+
+Head k (0-based) reads the target's last hidden state h_t (after the final norm) and predicts
+the token k + 2 places ahead (the LM head itself predicts k = -1, the next token):
+
+    s_k = h_t + SiLU(W_k h_t + b_k)          (one ResBlock; `num_layers` of them in sequence)
+    logits_k = P_k s_k                       (P_k: the frozen LM head when tied, else its own)
+
+Checkpoint layout (what FasterDecoding/Medusa writes and reads):
+
+    config.json                  {"medusa_num_heads": K, "medusa_num_layers": L, "hidden_size": H,
+                                  "vocab_size": V, "base_model_name_or_path": ..., ...}
+    medusa_lm_head.safetensors   medusa_head.{k}.{j}.linear.weight [H, H], .bias [H]   (j < L)
+                                 medusa_head.{k}.{L}.weight [V, H]                     (projection)
+
+speccomp's own files leave the projections out when they are the LM head (`"tied_lm_head": true`
+in config.json), which keeps a head file at a few MB; `save_medusa(..., medusa_layout=True)`
+writes them in, so the Medusa code base can load the file.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from speccomp.errors import SpeccompError
+
+WEIGHTS = "medusa_lm_head.safetensors"
+CONFIG = "config.json"
+
+
+class HeadsError(SpeccompError, ValueError):
+    """A head checkpoint that is missing, corrupt, or made for another model."""
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)  # starts as the identity: head k begins as the LM head
+        nn.init.zeros_(self.linear.bias)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        return x + self.act(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K heads of L ResBlocks. `states(h)` [.., H] -> [.., K, H]; `logits(h)` applies the projections."""
+
+    def __init__(self, num_heads: int, hidden: int, vocab: int, num_layers: int = 1, lm_head: torch.Tensor | None = None):
+        super().__init__()
+        if num_heads < 1 or num_layers < 1:
+            raise HeadsError(f"need at least one head and one layer, got heads={num_heads}, layers={num_layers}")
+        self.num_heads, self.num_layers, self.hidden, self.vocab = num_heads, num_layers, hidden, vocab
+        self.blocks = nn.ModuleList(nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)]) for _ in range(num_heads))
+        # tied: the frozen LM head weight [V, H], kept as a plain attribute (not saved, not trained)
+        self.lm_head = lm_head
+        self.proj = None if lm_head is not None else nn.ParameterList(
+            nn.Parameter(torch.zeros(vocab, hidden)) for _ in range(num_heads)
+        )
+
+    @property
+    def tied(self) -> bool:
+        return self.proj is None
+
+    def states(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.stack([blocks(h) for blocks in self.blocks], dim=-2)  # [..., K, H]
+
+    def project(self, s: torch.Tensor) -> torch.Tensor:
+        """Logits [..., K, V] of head states [..., K, H]."""
+        if self.tied:
+            return s @ self.lm_head.t()
+        return torch.stack([s[..., k, :] @ self.proj[k].t() for k in range(self.num_heads)], dim=-2)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.project(self.states(h))
+
+
+def _lm_head_weight(model) -> torch.Tensor:
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if out is None or not hasattr(out, "weight"):
+        raise HeadsError(f"{type(model).__name__} has no output embedding (LM head) to tie Medusa heads to")
+    return out.weight.detach()
+
+
+def new_heads(model, num_heads: int = 4, num_layers: int = 1) -> MedusaHeads:
+    """Fresh heads for `model`, tied to its frozen LM head (Medusa-1: the backbone stays frozen)."""
+    w = _lm_head_weight(model)
+    return MedusaHeads(num_heads, w.shape[1], w.shape[0], num_layers, lm_head=w)
+
+
+def save_medusa(heads: MedusaHeads, directory, *, base_model: str = "", medusa_layout: bool = False) -> Path:
+    """Write config.json + medusa_lm_head.safetensors; `medusa_layout` also writes tied projections."""
+    tensors = {}
+    for k, blocks in enumerate(heads.blocks):
+        for j, block in enumerate(blocks):
+            tensors[f"medusa_head.{k}.{j}.linear.weight"] = block.linear.weight.detach().contiguous()
+            tensors[f"medusa_head.{k}.{j}.linear.bias"] = block.linear.bias.detach().contiguous()
+        if not heads.tied:
+            tensors[f"medusa_head.{k}.{heads.num_layers}.weight"] = heads.proj[k].detach().contiguous()
+        elif medusa_layout:
+            tensors[f"medusa_head.{k}.{heads.num_layers}.weight"] = heads.lm_head.detach().clone().contiguous()
+    tied_out = heads.tied and not medusa_layout
+    config = {
+        "medusa_num_heads": heads.num_heads,
+        "medusa_num_layers": heads.num_layers,
+        "hidden_size": heads.hidden,
+        "vocab_size": heads.vocab,
+        "base_model_name_or_path": base_model,
+        "tied_lm_head": tied_out,
+    }
+    return write_head_files(directory, WEIGHTS, tensors, config)
+
+
+def check_head_directory(directory) -> Path:
+    """A directory heads may be written to: new, or one whose config.json (if any) is a head config. Nothing else
+    in it is touched, so a project folder's own config.json is never overwritten by a head config."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise HeadsError(f"{directory} exists and is not a directory; choose a directory for the heads")
+    cfg = directory / CONFIG
+    if cfg.exists():
+        try:
+            config = json.loads(cfg.read_text())
+        except (ValueError, UnicodeDecodeError, OSError):
+            config = None
+        if not isinstance(config, dict) or not ("head_type" in config or "medusa_num_heads" in config):
+            raise HeadsError(f"{cfg} exists and is not a head config; refusing to overwrite it (choose a new "
+                             "directory for the heads)")
+    return directory
+
+
+def write_head_files(directory, weights: str, tensors: dict, config: dict) -> Path:
+    """Write a head directory: `weights` (safetensors) + config.json; read back by `read_head_files`."""
+    from safetensors.torch import save_file
+
+    from speccomp.models import replace_atomically, write_atomically
+
+    directory = check_head_directory(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    # each file replaced in one rename: a reader sees old or new files, never half a file (a mismatched pair is
+    # caught at load, where config.json is checked against the weights' header)
+    replace_atomically(directory / weights, lambda tmp: save_file(tensors, str(tmp)))
+    write_atomically(directory / CONFIG, json.dumps(config, indent=1) + "\n")
+    return directory
+
+
+def display_kind(kind: str) -> str:
+    """"a Medusa", "a Hydra", "an EAGLE": how messages name a head kind."""
+    return {"eagle": "an EAGLE"}.get(kind, f"a {kind.capitalize()}")
+
+
+FLOAT_DTYPES, INT_DTYPES = ("F16", "BF16", "F32"), ("I64", "I32")  # safetensors dtype names
+
+
+def config_int(config: dict, key: str, where, default=None) -> int:
+    """A positive int field of a head config.json, or a HeadsError naming the field."""
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise HeadsError(f"{where}: {key} must be a positive int, got {value!r}; the file is corrupt or not a head config")
+    return value
+
+
+def check_dimensions(config: dict, directory, kind: str, hidden: int, vocab: int) -> None:
+    """The config's hidden_size / vocab_size (where given) against the model's, before any tensor is read."""
+    for key, have, what in (("hidden_size", hidden, "hidden size"), ("vocab_size", vocab, "a vocabulary of")):
+        made = config.get(key)
+        if made is not None and made != have:
+            raise HeadsError(f"{display_kind(kind)} head in {directory} was made for {what} {made!r} (config.json "
+                             f"{key}), but the model has {what} {have}; use heads trained for this model")
+
+
+def tensor_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype) of a safetensors file, from its header alone (no tensor data is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise HeadsError(f"{path} is corrupt or not a safetensors file: {exc}") from None
+
+
+def check_layout(path: Path, header: dict, expected: dict[str, tuple], integer=("draft_vocab",)) -> None:
+    """Every tensor `expected` (name -> shape; None in a shape: any length) is in the file with that shape and a
+    float dtype (integer names: an int dtype), and nothing else is."""
+    missing = [n for n in expected if n not in header]
+    extra = [n for n in header if n not in expected]
+    if missing or extra:
+        raise HeadsError(f"{path} does not hold the tensors its config.json describes: missing {missing[:4]}"
+                         f"{' ...' if len(missing) > 4 else ''}, unexpected {extra[:4]}{' ...' if len(extra) > 4 else ''}; "
+                         "the files are corrupt or do not belong together")
+    for name, want in expected.items():
+        shape, dtype = header[name]
+        if len(shape) != len(want) or any(w is not None and w != d for w, d in zip(want, shape)):
+            shown = [("any" if w is None else w) for w in want]
+            raise HeadsError(f"{path}: {name} has shape {list(shape)}, but heads for this model need {shown}; "
+                             "the heads were made for another model (or config.json was edited)")
+        allowed = INT_DTYPES if name in integer else FLOAT_DTYPES
+        if dtype not in allowed:
+            raise HeadsError(f"{path}: {name} is stored as {dtype}, expected one of {list(allowed)}")
+
+
+def read_head_files(directory, kind: str, weights: str, layout) -> tuple[dict, dict]:
+    """(config, tensors) of a head directory, checked before any tensor is allocated: `layout(config, header)`
+    returns the {name: shape} the config describes for this model (it checks the config's numbers against the
+    file's header first, so an edited config.json cannot make anyone allocate what the file does not hold)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    cfg_path, w_path = directory / CONFIG, directory / weights
+    if not w_path.is_file() or not cfg_path.is_file():
+        raise HeadsError(f"{directory} is not {display_kind(kind)} head directory: it needs {CONFIG} and {weights}")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        raise HeadsError(f"{cfg_path} is not valid JSON ({exc}); the head directory is corrupt") from None
+    if not isinstance(config, dict):
+        raise HeadsError(f"{cfg_path}: expected a JSON object with {kind}_num_heads, got {type(config).__name__}")
+    header = tensor_header(w_path)
+    check_layout(w_path, header, layout(config, header))
+    try:
+        tensors = load_file(str(w_path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise HeadsError(f"{w_path} is corrupt or not a safetensors file: {exc}") from None
+    return config, tensors
+
+
+def count_check(where, config_says: str, want: int, header: dict) -> None:
+    if want != len(header):
+        raise HeadsError(f"{where}: config.json says {config_says} ({want} tensors), but the file holds {len(header)}; "
+                         "the files are corrupt or do not belong together")
+
+
+def load_medusa(directory, model) -> MedusaHeads:
+    """Heads from a Medusa-layout directory, checked against `model` (hidden size, vocabulary)."""
+    directory = Path(directory)
+    lm = _lm_head_weight(model)
+    vocab, hidden = lm.shape
+    shape = {}
+
+    def layout(config, header):
+        check_dimensions(config, directory, "medusa", hidden, vocab)
+        k_heads = config_int(config, "medusa_num_heads", directory / CONFIG)
+        layers = config_int(config, "medusa_num_layers", directory / CONFIG, default=1)
+        untied = f"medusa_head.0.{layers}.weight" in header  # projections in the file (Medusa's own layout)
+        count_check(directory / WEIGHTS, f"{k_heads} heads x {layers} layers", k_heads * (2 * layers + untied), header)
+        shape.update(heads=k_heads, layers=layers, untied=untied)
+        want = {}
+        for k in range(k_heads):
+            for j in range(layers):
+                want[f"medusa_head.{k}.{j}.linear.weight"] = (hidden, hidden)
+                want[f"medusa_head.{k}.{j}.linear.bias"] = (hidden,)
+            if untied:
+                want[f"medusa_head.{k}.{layers}.weight"] = (vocab, hidden)
+        return want
+
+    _, tensors = read_head_files(directory, "medusa", WEIGHTS, layout)
+    k_heads, layers = shape["heads"], shape["layers"]
+    tied = not shape["untied"] or all(torch.equal(tensors[f"medusa_head.{k}.{layers}.weight"], lm) for k in range(k_heads))
+    # (a Medusa-layout file whose projections are the frozen LM head shares it instead of copying it)
+    heads = MedusaHeads(k_heads, hidden, vocab, layers, lm_head=lm if tied else None)
+    state = {}
+    for k in range(k_heads):
+        for j in range(layers):
+            for p in ("weight", "bias"):
+                state[f"blocks.{k}.{j}.linear.{p}"] = tensors[f"medusa_head.{k}.{j}.linear.{p}"].float()
+        if not tied:
+            state[f"proj.{k}"] = tensors[f"medusa_head.{k}.{layers}.weight"].float()
+    heads.load_state_dict(state)
+    return heads.eval()

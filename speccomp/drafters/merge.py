@@ -1,0 +1,162 @@
+"""Merged drafters (SpecInfer's token-tree merge): several drafters propose, one tree is verified.
+
+    speccomp.compile(model, drafter="hydra+token_recycling")
+
+Each step every drafter drafts its own tree from the same root; the trees merge into one trie
+(equal token paths share a node), which the target verifies in one forward. Different drafters
+are right in different places: trained heads on new text, Token Recycling / prompt lookup where
+the reply repeats itself or the prompt (numbers in a math answer, names, code), so the merged
+tree is accepted deeper than either alone, for the cost of a few more verified nodes.
+
+    hydra:  root - "The" - "answer"          merged: root - "The" - "answer"
+                 \\ "So"                                  |       \\ "total"
+    recycling: root - "The" - "total"                     \\ "So"
+
+After verification every drafter sees its own tree again (its nodes, the part of the accepted
+path that lies in its tree, the target's logits at its nodes), so a stateful drafter (Token
+Recycling's table) learns from its own nodes as it would alone.
+
+Lossless: the merged drafts are deterministic (every drafter here drafts by argmax / table
+lookup, probs=None), and verification (greedy or SpecInfer's multi-draft rejection sampling)
+is exact for any deterministic tree.
+
+Rules, checked at compile time: at most one drafter that reads the model (heads, EAGLE, layer-skip /
+early-exit graphs: they read the target's states or write its cache's scratch room); any number
+of text drafters (ngram, token_recycling). Options go per drafter: drafter_options={"hydra":
+{...}, "token_recycling": {"tree": [[0], [0, 0]]}}; `tree=` shapes the first drafter's tree. Token
+Recycling after the first drafter defaults to a small 7-node tree (MERGED_RECYCLING_TREE).
+"""
+from __future__ import annotations
+
+import torch
+
+from speccomp.errors import OptionError, OptionTypeError
+from speccomp.runtime.decode import Draft, DraftContext, Drafter, restrict
+from speccomp.runtime.tree import Tree
+
+TEXT_DRAFTERS = ("ngram", "token_recycling")  # need neither the model's states nor its cache
+# Token Recycling's tree when it complements another drafter (its own default has 24 nodes): every node
+# costs verify time on CPU. Beside Hydra's 5-node tree, small complements (a chain of 3, this tree, prompt
+# lookup) ran within noise of each other and 24 nodes ran 13-15% slower (benchmarks/merged_trees.py on 4 and on
+# 12 prompts, README)
+MERGED_RECYCLING_TREE = [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
+
+
+class MergedDrafter(Drafter):
+    def __init__(self, drafters: list[Drafter], names: list[str]):
+        if len(drafters) < 2:
+            raise ValueError("a merged drafter needs at least two drafters, e.g. drafter='hydra+token_recycling'")
+        self.drafters, self.names = drafters, names
+        self.name = "+".join(names)
+        modes = [d.wants_states for d in drafters if d.wants_states]
+        self.wants_states = "path" if "path" in modes else bool(modes)
+        self.target_passes = [p for d in drafters for p in getattr(d, "target_passes", [])]
+        self._last: list[tuple[Draft, list[int]]] = []  # per drafter: its draft, and its node -> merged node
+
+    def begin(self, prompt: list[int]) -> None:
+        for d in self.drafters:
+            d.begin(prompt)
+
+    def take_states(self, states: tuple) -> None:
+        for d in self.drafters:
+            if not d.wants_states:
+                continue
+            if d.wants_states is True and self.wants_states == "path":  # handed the whole path; it wants the newest
+                d.take_states(tuple(x[-1] for x in states))
+            else:
+                d.take_states(states)
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        parents, tokens, depth = [-1], [ctx.tokens[-1]], [0]
+        kids: list[dict[int, int]] = [{}]  # merged node -> {token: child}
+        mapped = []
+        for d in self.drafters:
+            draft = d.propose(ctx)
+            if draft.probs is not None:  # sampled drafts carry their distributions; a merged node has several
+                raise ValueError(f"{d.name} drafted by sampling; merged trees need deterministic drafts")
+            where = [0]  # node i of this draft -> merged node
+            dtok = draft.tokens.tolist()
+            for i in range(1, draft.tree.size):
+                p, t = where[draft.tree.parents[i]], dtok[i]
+                c = kids[p].get(t)
+                if c is None:
+                    c = len(tokens)
+                    parents.append(p), tokens.append(t), depth.append(depth[p] + 1), kids.append({})
+                    kids[p][t] = c
+                where.append(c)
+            mapped.append((draft, where))
+        # BFS order (by depth, first drafter first within a depth) so the first max_nodes nodes form a tree
+        order = sorted((c for c in range(len(tokens)) if depth[c] <= ctx.max_depth), key=lambda c: (depth[c], c))
+        keep = order[: ctx.max_nodes]  # within the runtime's limits, so it verifies exactly this tree
+        new = {c: i for i, c in enumerate(keep)}
+        tree = Tree.from_parents([-1] + [new[parents[c]] for c in keep[1:]])
+        merged = Draft(tree, torch.tensor([tokens[c] for c in keep], dtype=torch.long))
+        self._last = []
+        for draft, where in mapped:
+            own = [i for i in range(draft.tree.size) if where[i] in new]  # prefix-closed: parents come first
+            sub, _ = restrict(draft.tree, own)
+            self._last.append((Draft(sub, draft.tokens[own]), [new[where[i]] for i in own]))
+        return merged
+
+    def observe(self, draft: Draft, path: list[int], target_logits: torch.Tensor) -> None:
+        if draft.tree.size == 1:  # the runtime verified the root alone (last token): so would each drafter
+            for d in self.drafters:
+                d.observe(draft, path, target_logits)
+            return
+        for d, (own, where) in zip(self.drafters, self._last):
+            index: dict[int, int] = {}
+            for i, m in enumerate(where):  # equal sibling tokens in one draft share a merged node: keep the first
+                index.setdefault(m, i)
+            own_path = []
+            for m in path:  # the accepted path as far as it runs through this drafter's tree
+                if m not in index:
+                    break
+                own_path.append(index[m])
+            d.observe(own, own_path, target_logits[where])
+
+
+def split_names(drafter: str) -> list[str] | None:
+    """["hydra", "token_recycling"] for "hydra+token_recycling"; None for a single name."""
+    return drafter.split("+") if isinstance(drafter, str) and "+" in drafter else None
+
+
+def check_merge(names: list[str], options: dict | None, tree, factories) -> None:
+    """Refuse a bad merge before anything is captured or loaded: names (`factories`: the known drafter names),
+    the one-model-drafter rule, options per drafter, one tree for the first drafter (tree= or its options)."""
+    drafter = "+".join(names)
+    unknown = [n for n in names if n not in factories]
+    if unknown or len(set(names)) != len(names) or "" in names:
+        raise OptionError("drafter", drafter, "merge distinct drafter names" + (f" (unknown: {unknown})" if unknown else ""),
+                          f"join names from {sorted(factories)} with '+', e.g. 'hydra+token_recycling'")
+    model_drafters = [n for n in names if n not in TEXT_DRAFTERS]
+    if len(model_drafters) > 1:
+        raise OptionError("drafter", drafter, f"merges {model_drafters}: at most one drafter that reads the model "
+                          "(they would share its states and cache)", f"the others must be text drafters: {list(TEXT_DRAFTERS)}")
+    options = dict(options or {})
+    extra = sorted(set(options) - set(names))
+    if extra:
+        raise OptionError("drafter_options", options, f"names {extra}, which are not among the merged drafters {names}",
+                          f"options of a merged drafter go per drafter, e.g. {{{names[0]!r}: {{...}}}}")
+    for n, o in options.items():
+        if not isinstance(o, dict):
+            raise OptionTypeError("drafter_options", {n: o}, f"drafter_options[{n!r}] must be a dict of {n}'s options, "
+                                  f"got {type(o).__name__}")
+    if tree is not None and "tree" in options.get(names[0], {}):
+        raise OptionError("tree", tree, f"given twice for {names[0]!r}: tree= and drafter_options[{names[0]!r}]['tree']",
+                          "give one")
+
+
+def make_merged(names: list[str], base, options: dict | None, tree, backend: str, factories: dict) -> MergedDrafter:
+    """The MergedDrafter of `names` (already checked by check_merge) over the captured graph `base`."""
+    options = dict(options or {})
+    drafters = []
+    for i, n in enumerate(names):
+        own = dict(options.get(n, {}))
+        if "tree" in own:
+            own_tree = own.pop("tree")
+        elif i == 0:
+            own_tree = tree
+        else:
+            own_tree = MERGED_RECYCLING_TREE if n == "token_recycling" else None
+        drafters.append(factories[n](base, own, own_tree, backend))
+    return MergedDrafter(drafters, names)

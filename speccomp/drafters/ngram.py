@@ -1,0 +1,155 @@
+"""Drafters that need no model and no training: they guess from text the decode has already seen.
+
+NGramDrafter (prompt lookup decoding, as HF's `prompt_lookup_num_tokens`, but as a tree):
+    the last few tokens (ending at the root) occurred earlier -> what followed them then is the
+    draft. Every earlier occurrence, most recent first, is one branch; branches merge into a trie.
+
+TokenRecyclingDrafter (Luo et al. 2024, "Turning Trash into Treasure"):
+    the target's top-k predictions at *every* verified node, accepted or not, are kept in an
+    adjacency table adj[token] -> top-k next tokens. A draft is a static tree template filled by
+    BFS: the rank-r child of a node with token t gets adj[t][r]. Plus, when prompt lookup finds
+    a match, that continuation as an extra branch (a simple version of the paper's hybrid).
+
+Both drafts are deterministic (probs=None), so they are lossless under greedy and under
+rejection-sampling acceptance alike. Nodes come out in BFS order (parents before children,
+shallow before deep), so cutting a draft to its first `max_nodes` nodes keeps a valid tree.
+"""
+from __future__ import annotations
+
+import inspect
+import torch
+
+from speccomp.runtime.calls import as_int
+from speccomp.errors import OptionError, OptionTypeError
+from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, recycle
+from speccomp.runtime.decode import Draft, DraftContext, Drafter
+from speccomp.runtime.tree import AutoTreeSpec, DynamicTreeSpec, Tree, tree_option
+
+# Token Recycling's default template: 24 drafts, depth 6, wide near the root where the
+# adjacency guesses are best (the paper's tree has ~80 nodes; on CPU every node costs compute).
+DEFAULT_RECYCLING_TREE = [
+    [0], [1], [2], [3], [4], [5],
+    [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [3, 0],
+    [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [2, 0, 0],
+    [0, 0, 0, 0], [0, 1, 0, 0], [1, 0, 0, 0],
+    [0, 0, 0, 0, 0], [1, 0, 0, 0, 0],
+    [0, 0, 0, 0, 0, 0],
+]  # fmt: skip
+DEFAULT_TREE = Tree.from_choices(DEFAULT_RECYCLING_TREE)
+
+
+def _int_option(name: str, value, minimum: int) -> int:
+    value = as_int(name, value, f"pass an int >= {minimum}")
+    if value < minimum:
+        raise OptionError(name, value, f"must be >= {minimum}", f"pass an int >= {minimum}")
+    return value
+
+
+def _draft(trie: Trie, max_depth: int, max_nodes: int) -> Draft:
+    parents, tokens = trie.bfs(max_depth, max_nodes)
+    return Draft(Tree.from_parents(parents), torch.tensor(tokens, dtype=torch.long))  # ranks: insertion order
+
+
+class NGramDrafter(Drafter):
+    """Prompt lookup as a tree.
+
+    max_ngram, min_ngram  n-gram lengths tried, longest first: the last n tokens (ending at the
+                          root) are looked up among earlier text. Longer matches are more reliable;
+                          shorter ones only fill branches the longer ones left free.
+    num_branches          earlier occurrences used per step (each adds a branch unless its
+                          continuation is already in the trie), most recent first.
+    max_depth             tokens drafted after each occurrence.
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, num_branches: int = 4, max_depth: int = 8):
+        self.max_ngram = _int_option("max_ngram", max_ngram, 1)
+        self.min_ngram = _int_option("min_ngram", min_ngram, 1)
+        if self.max_ngram < self.min_ngram:
+            raise OptionError("max_ngram", max_ngram, f"must be >= min_ngram ({min_ngram})")
+        self.num_branches = _int_option("num_branches", num_branches, 1)
+        self.max_depth = _int_option("max_depth", max_depth, 1)
+        self.lookup = NGramIndex(self.max_ngram, self.min_ngram)
+
+    def begin(self, prompt: list[int]) -> None:
+        self.lookup.begin(prompt)
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        depth = min(self.max_depth, ctx.max_depth)
+        trie = Trie(ctx.tokens[-1])
+        if depth > 0:
+            self.lookup.add_branches(trie, ctx.tokens, self.num_branches, depth)
+        return _draft(trie, depth, ctx.max_nodes)  # no match: root only
+
+
+class TokenRecyclingDrafter(Drafter):
+    """Token Recycling: adjacency table of the target's past top-k guesses, expanded over a static tree.
+
+    top_k           candidates kept per token (the template may use ranks 0..top_k-1).
+    tree            static template: a Medusa-style choice list, an int k (chain) or a Tree;
+                    default `DEFAULT_RECYCLING_TREE` (24 drafts, depth 6).
+    ngram_branches  prompt-lookup continuations added as extra branches (0: pure Token Recycling).
+    max_ngram, min_ngram, ngram_depth   the prompt lookup's options (see NGramDrafter).
+    persist         keep the table across generations (as the paper does). Default False: every
+                    generation starts empty, so its speed does not depend on earlier calls.
+    """
+
+    name = "token_recycling"
+
+    def __init__(
+        self, top_k: int = 8, tree=None, ngram_branches: int = 1, max_ngram: int = 4, min_ngram: int = 1,
+        ngram_depth: int = 8, persist: bool = False,
+    ):
+        self.top_k = top_k = _int_option("top_k", top_k, 1)
+        spec = DEFAULT_TREE if tree is None else tree_option(tree)
+        if isinstance(spec, (DynamicTreeSpec, AutoTreeSpec)):
+            raise OptionError("tree", tree, "token_recycling needs a static tree", "a choice list or an int k")
+        self.tree = spec
+        widest = max(spec.ranks)
+        if widest >= top_k:
+            raise OptionError("tree", tree if tree is not None else "default", f"uses sibling rank {widest} but "
+                              f"top_k={top_k} keeps ranks 0..{top_k - 1}", f"use top_k >= {widest + 1} or a narrower tree")
+        self.ngram_branches = _int_option("ngram_branches", ngram_branches, 0)
+        ngram_depth = _int_option("ngram_depth", ngram_depth, 1)
+        self.ngram = NGramDrafter(max_ngram, min_ngram, max(self.ngram_branches, 1), ngram_depth)
+        if not isinstance(persist, bool):
+            raise OptionTypeError("persist", persist, "must be True or False")
+        self.persist = persist
+        self.adj: dict[int, list[int]] = {}  # token -> the target's top-k next tokens, best first
+
+    def begin(self, prompt: list[int]) -> None:
+        if not self.persist:
+            self.adj = {}
+        if self.ngram_branches:
+            self.ngram.begin(prompt)
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        trie = Trie(ctx.tokens[-1])
+        fill_template(trie, self.tree.parents, self.tree.ranks, self.adj)
+        if self.ngram_branches and ctx.max_depth > 0:
+            self.ngram.lookup.add_branches(trie, ctx.tokens, self.ngram_branches, min(self.ngram.max_depth, ctx.max_depth))
+        return _draft(trie, ctx.max_depth, ctx.max_nodes)
+
+    def observe(self, draft: Draft, path: list[int], target_logits: torch.Tensor) -> None:
+        top = target_logits.topk(min(self.top_k, target_logits.shape[-1]), dim=-1).indices.tolist()
+        recycle(self.adj, draft.tokens.tolist(), path, top)
+
+
+def _make(cls, options: dict):
+    accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise OptionError("drafter_options", options, f"unknown {cls.name} options {unknown}", f"accepted options: {accepted}")
+    return cls(**options)
+
+
+def make_ngram(**options) -> NGramDrafter:
+    """The "ngram" drafter: options max_ngram, min_ngram, num_branches, max_depth."""
+    return _make(NGramDrafter, options)
+
+
+def make_token_recycling(**options) -> TokenRecyclingDrafter:
+    """The "token_recycling" drafter: options top_k, tree, ngram_branches, max_ngram, min_ngram,
+    ngram_depth, persist."""
+    return _make(TokenRecyclingDrafter, options)

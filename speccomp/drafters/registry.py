@@ -1,0 +1,154 @@
+"""The drafters `speccomp.compile` knows by name: each name's factory builds the drafter from the captured graph.
+
+    factory(base: SpecGraph, options: dict, tree, backend: str) -> Drafter
+
+Factories check their options (OptionError / OptionTypeError naming them) and the tree against what the
+drafter can fill (depth, sibling ranks, dynamic top-k); `max_tree_nodes` is how many nodes one verification
+holds for a model.
+"""
+from __future__ import annotations
+
+from speccomp.backends import lower
+from speccomp.errors import OptionError, OptionTypeError
+from speccomp.frontend.graph import SpecGraph, run_passes
+from speccomp.runtime.calls import MAX_TREE, as_int
+from speccomp.runtime.tree import check_tree_width, tree_option
+
+
+DRAFTERS: dict[str, object] = {}  # name -> drafter factory; filled by the drafter modules
+SEARCHED = ("early_exit", "layer_skip")  # drafters whose layers speccomp.search_drafter can pick
+
+
+def available_drafters() -> list[str]:
+    return sorted(DRAFTERS)
+
+
+def max_tree_nodes(structure) -> int:
+    """How many tree nodes fit in one verification: MAX_TREE, or less where a sliding window is smaller (every
+    node of a tree must see the whole tree inside every window: passes/tree_attention.py)."""
+    return min([MAX_TREE] + [s.sliding_window for s in structure.attention if s.sliding_window])
+
+
+def _default_tree(tree, fallback, dynamic_ok: bool = False, drafter: str = ""):
+    """The user's tree= as a Tree (or a DynamicTreeSpec where `dynamic_ok`), or `fallback` when None."""
+    from speccomp.runtime.tree import AutoTreeSpec, DynamicTreeSpec, tree_option
+
+    if tree is None:
+        return fallback
+    spec = tree_option(tree)
+    if isinstance(spec, AutoTreeSpec):
+        raise OptionError("tree", tree, "is resolved by speccomp.compile for named drafters only",
+                          "pass a choice list or an int k (a chain)")
+    if isinstance(spec, DynamicTreeSpec) and not dynamic_ok:
+        raise OptionError("tree", tree, f"the {drafter!r} drafter takes static trees only (a choice list or an int k)",
+                          "dynamic trees are grown by the early_exit, layer_skip, hydra and eagle drafters")
+    return spec
+
+
+def _graph_drafter(passes_for, default_name):
+    def factory(base: SpecGraph, options: dict, tree, backend: str):
+        from speccomp.passes.tree_attention import TreeAttention
+
+        from speccomp.drafters.graph import GraphDrafter
+        from speccomp.runtime.tree import DynamicTreeSpec
+
+        passes, rest = passes_for(base, options)
+        if rest:
+            raise OptionError("drafter_options", rest, f"unknown {default_name} options {sorted(rest)}",
+                              f"accepted: {'exit_layer' if default_name == 'early_exit' else 'skip'}")
+        spec = _default_tree(tree, DynamicTreeSpec(16, 4), dynamic_ok=True, drafter=default_name)
+        check_tree_width(spec, base.captured.vocab_size, "model", tree)
+        sg = run_passes(base.clone(), passes + [TreeAttention()])
+        drafter = GraphDrafter(lower(sg, backend), sg.kv_layers, spec, default_name)
+        drafter.options = passes[0].options()  # what the user, a stored search or the defaults chose
+        return drafter
+
+    return factory
+
+
+def _early_exit_passes(base: SpecGraph, options: dict):
+    from speccomp.passes.layer_skip import EarlyExit
+
+    n = len(base.structure.layers)
+    k = options.pop("exit_layer", n // 2 - 1)
+    k = as_int("exit_layer", k, f"pass a layer index in [0, {n - 2}]")
+    if not 0 <= k < n - 1:
+        raise OptionError("exit_layer", k, f"must be in [0, {n - 2}] (the model has {n} layers; the drafter exits "
+                          "before the last)")
+    return [EarlyExit(k, n)], options
+
+
+def _layer_skip_passes(base: SpecGraph, options: dict):
+    from speccomp.passes.layer_skip import SkipLayers
+
+    n = len(base.structure.layers)
+    skip = options.pop("skip", None)
+    if skip is None:  # SWIFT-like default: every other layer of the middle half
+        skip = list(range(n // 4, n - n // 4, 2))
+    fix = f"pass a list of layer indices in [0, {n - 1}]"
+    if isinstance(skip, (str, bytes, dict)) or getattr(skip, "ndim", 1) != 1 or not hasattr(skip, "__iter__"):
+        raise OptionTypeError("skip", skip, f"must be a list of layer indices, got {type(skip).__name__}", fix)
+    layers = sorted({as_int("skip", i, fix) for i in skip})
+    if not layers:
+        raise OptionError("skip", skip, "is empty: the drafter would be the target itself", "skip at least one layer")
+    if layers[0] < 0 or layers[-1] >= n:
+        raise OptionError("skip", skip, f"layers {[i for i in layers if not 0 <= i < n]} do not exist", fix)
+    if len(layers) == n:
+        raise OptionError("skip", skip, f"skips all {n} layers", "keep at least one")
+    return [SkipLayers(layers)], options
+
+
+def _ngram(base: SpecGraph, options: dict, tree, backend: str):
+    from speccomp.drafters.ngram import make_ngram
+
+    if tree is not None:
+        raise OptionError("tree", tree, "the ngram drafter builds its tree from the matches it finds",
+                          "drop tree= (use the max_depth / num_branches options)")
+    return make_ngram(**options)
+
+
+def _token_recycling(base: SpecGraph, options: dict, tree, backend: str):
+    from speccomp.drafters.ngram import make_token_recycling
+
+    if tree is not None and "tree" in options:
+        raise OptionError("tree", tree, f"given twice (also drafter_options['tree']={options['tree']!r})", "give one")
+    tree = options.pop("tree", tree)
+    if tree is not None:
+        tree_option(tree, max_tree_nodes(base.structure))
+    return make_token_recycling(tree=tree, **options)
+
+
+DRAFTERS["early_exit"] = _graph_drafter(_early_exit_passes, "early_exit")
+DRAFTERS["layer_skip"] = _graph_drafter(_layer_skip_passes, "layer_skip")
+DRAFTERS["ngram"] = _ngram
+DRAFTERS["token_recycling"] = _token_recycling
+
+
+def _medusa(base: SpecGraph, options: dict, tree, backend: str):
+    from speccomp.drafters.head_drafters import make_medusa
+
+    return make_medusa(base, options, _default_tree(tree, None, drafter="medusa"))
+
+
+DRAFTERS["medusa"] = _medusa
+
+
+def _hydra(base: SpecGraph, options: dict, tree, backend: str):
+    from speccomp.drafters.head_drafters import make_hydra
+
+    return make_hydra(base, options, _default_tree(tree, None, dynamic_ok=True, drafter="hydra"))
+
+
+DRAFTERS["hydra"] = _hydra
+
+
+def _eagle(base: SpecGraph, options: dict, tree, backend: str):
+    from speccomp.drafters.eagle_drafter import make_eagle
+
+    return make_eagle(base, options, _default_tree(tree, None, dynamic_ok=True, drafter="eagle"))
+
+
+DRAFTERS["eagle"] = _eagle
+
+
+

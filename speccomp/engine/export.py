@@ -1,0 +1,297 @@
+"""Write a compiled model as an engine directory that speccomp/engine/runtime.py runs without torch.
+
+    fast = speccomp.compile(model, drafter="token_recycling", backend="onnxruntime")
+    fast.export("engine/", tokenizer=tokenizer)        # target.onnx + manifest.json + tokenizer.json
+    engine = speccomp.load("engine/")                  # elsewhere: onnxruntime + numpy only
+
+The target graph exported is the one the compiled model verifies with (TreeAttention applied; for
+plain decoding the pass is applied to a copy here; with Medusa heads, MedusaHeads too, so the graph
+also returns every token's head states). A Medusa engine adds medusa.onnx, the heads' projection to
+the vocabulary with a top-k (tied heads: a copy of the LM head, so the engine grows by its size).
+With backend="onnxruntime" the ONNX file the backend already exported is copied instead of exported
+again.
+
+What export may touch (`check_destination`): the destination must be a new or empty directory, or,
+with overwrite=True, an engine whose manifest says format "speccomp-engine" and that holds nothing
+but the files that manifest names. It is never ".", the home directory, the filesystem root or any
+ancestor of the working directory. The new engine is written in a temporary directory beside the
+destination and swapped in by renames (`_swap_in`: the old engine moves aside and is checked again
+there, the new one moves in, the old one is deleted last), so export deletes nothing it did not
+write and an interrupted export never leaves half an engine at the destination. A crash between
+the two renames leaves the old engine in `.NAME-old-XXXX/engine` beside the destination.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import onnx
+
+from speccomp.engine.runtime import ENGINE_DRAFTERS, FORMAT, FORMAT_VERSION, MANIFEST, MEDUSA_FILE, EngineError, sha256
+from speccomp.models import set_default_mode
+
+
+def drafter_spec(drafter) -> dict:
+    """The manifest's `drafter` entry: the name and every option the torch-free loop needs."""
+    if drafter is None:
+        return {"name": None, "options": {}}
+    name = getattr(drafter, "name", type(drafter).__name__)
+    if name not in ENGINE_DRAFTERS:
+        raise EngineError(
+            f"drafter {name!r} cannot be exported as an engine yet: the torch-free runtime drafts with "
+            f"{[d for d in ENGINE_DRAFTERS if d]} or decodes plainly; compile with one of those (or drafter=None)"
+        )
+    if name == "ngram":
+        options = dict(max_ngram=drafter.max_ngram, min_ngram=drafter.min_ngram,
+                       num_branches=drafter.num_branches, max_depth=drafter.max_depth)
+    elif name == "medusa":  # states_output is filled in once the target graph is exported
+        options = dict(parents=list(drafter.tree.parents), ranks=list(drafter.tree.ranks),
+                       num_heads=drafter.heads.num_heads, top=drafter.top)
+        return {"name": name, "options": options, "graph": MEDUSA_FILE}
+    else:  # token_recycling
+        ng = drafter.ngram
+        options = dict(top_k=drafter.top_k, parents=list(drafter.tree.parents), ranks=list(drafter.tree.ranks),
+                       ngram_branches=drafter.ngram_branches, max_ngram=ng.max_ngram, min_ngram=ng.min_ngram,
+                       ngram_depth=ng.max_depth, persist=drafter.persist)
+    return {"name": name, "options": options}
+
+
+def check_tokenizer(tokenizer, vocab_size: int) -> None:
+    """export(tokenizer=) must be a Hugging Face fast tokenizer whose ids the model can take (checked before the
+    export's minutes of work)."""
+    from speccomp.errors import OptionError, OptionTypeError
+
+    if tokenizer is None:
+        return
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise OptionTypeError("tokenizer", tokenizer, f"must be a Hugging Face *fast* tokenizer (with .backend_tokenizer), "
+                              f"got {type(tokenizer).__name__}", "pass AutoTokenizer.from_pretrained(...) of this model")
+    size = len(tokenizer)
+    if size > vocab_size:
+        raise OptionError("tokenizer", type(tokenizer).__name__, f"has {size} tokens but the model scores {vocab_size}: "
+                          "it makes ids the model cannot take", "pass this model's own tokenizer")
+
+
+def _tokenizer_entry(tokenizer, out: Path) -> dict | None:
+    if tokenizer is None:
+        return None
+    backend = tokenizer.backend_tokenizer
+    backend.save(str(out / "tokenizer.json"))
+    special = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    return {
+        "file": "tokenizer.json",
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "special_tokens": {k: v for k, v in special.items() if isinstance(v, str)},
+    }
+
+
+def _medusa_onnx(drafter, out: Path) -> Path:
+    """medusa.onnx: head states [K, H] (one token's) -> each head's top token ids [K, top], best first."""
+    import torch
+
+    from speccomp.backends.onnx_export import OnnxBackendError
+
+    heads, top = drafter.heads, drafter.top
+
+    class HeadsTopK(torch.nn.Module):
+        def forward(self, medusa_states):  # [K, H]
+            return heads.project(medusa_states).topk(top, dim=-1).indices  # [K, V] -> [K, top]
+
+    path = out / MEDUSA_FILE
+    example = torch.zeros(heads.num_heads, heads.hidden)
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            program = torch.onnx.export(HeadsTopK().eval(), (example,), dynamo=True, input_names=["medusa_states"],
+                                        output_names=["top_ids"], optimize=True)
+        except Exception as exc:
+            raise OnnxBackendError(f"exporting the Medusa heads' projection failed: {str(exc).splitlines()[0]}") from exc
+    program.save(path)
+    return path
+
+
+def _target_onnx(fast, out: Path) -> Path:
+    """target.onnx in `out`: copied from the onnxruntime backend, else exported from the graph."""
+    from speccomp.frontend.graph import run_passes
+    from speccomp.passes.tree_attention import TreeAttention
+
+    from speccomp.backends.onnx_export import OrtStep, export_onnx
+    from speccomp.backends.onnxruntime import export_args
+
+    path = out / "target.onnx"
+    step = fast.step
+    if isinstance(step, OrtStep) and "tree_attention" in fast.graph.applied:
+        shutil.copyfile(step.path, path)
+        data = step.path.with_name(step.path.name + ".data")
+        if data.exists():  # weights beyond protobuf's 2 GB live next to the graph
+            shutil.copyfile(data, path.with_name(path.name + ".data"))
+        return path
+    sg = fast.graph
+    if "tree_attention" not in sg.applied:  # plain decoding: the engine verifies with the same graph always
+        sg = run_passes(sg.clone(), [TreeAttention()], dump_input=False)
+    extra = [n for n in sg.applied if n not in ("tree_attention", "medusa_heads")]
+    if extra:
+        raise EngineError(f"the target graph carries passes {extra} the engine runtime cannot feed; export supports "
+                          "plain, ngram, token_recycling and medusa compilations")
+    args, dynamic = export_args(sg)
+    return export_onnx(sg, path, example_args=args, dynamic_shapes=dynamic)
+
+
+def _graph_entry(path: Path, proto) -> dict:
+    return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256(path),
+            "inputs": [i.name for i in proto.graph.input], "outputs": [o.name for o in proto.graph.output]}
+
+
+def _engine_files(path: Path) -> set[str] | None:
+    """The names of the files the engine at `path` consists of (its manifest's own list), or None when `path`
+    holds no readable speccomp manifest (format field checked: a file named manifest.json proves nothing)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return None
+    names = {MANIFEST}
+    for graph in (manifest.get("graphs") or {}).values():
+        file = graph.get("file") if isinstance(graph, dict) else None
+        if isinstance(file, str):
+            names |= {file, file + ".data"}
+    tokenizer = manifest.get("tokenizer")
+    if isinstance(tokenizer, dict) and isinstance(tokenizer.get("file"), str):
+        names.add(tokenizer["file"])
+    return names
+
+
+def check_destination(path, overwrite: bool) -> Path:
+    """The absolute destination of an export, after refusing every place an export could destroy a user's files."""
+    from speccomp.errors import OptionTypeError
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise OptionTypeError("path", path, f"must be a directory path (str or os.PathLike), got {type(path).__name__}")
+    if not isinstance(overwrite, bool):
+        raise OptionTypeError("overwrite", overwrite, "must be True or False")
+    path = Path(os.path.abspath(Path(path).expanduser()))
+    real, cwd = path.resolve(), Path.cwd().resolve()
+    if real == cwd or real in cwd.parents or real == Path.home().resolve() or real == Path(real.anchor):
+        raise EngineError(f"refusing to export into {path}: it is the working directory, one of its parents, the home "
+                          "directory or the filesystem root; give a new directory such as ./my-engine")
+    if path.is_symlink():
+        raise EngineError(f"{path} is a symbolic link; export to a real directory path")
+    if path.exists() and not path.is_dir():
+        raise EngineError(f"{path} exists and is not a directory; choose another path")
+    if path.is_dir() and any(path.iterdir()):
+        _check_replaceable(path, overwrite, path)
+    return path
+
+
+def _check_replaceable(where: Path, overwrite: bool, path: Path) -> None:
+    """The non-empty directory `where` (the destination `path`, or where it was moved aside) may be replaced: it
+    is an engine (its manifest's format says so), holds nothing its manifest does not name, and overwrite=True."""
+    owned = _engine_files(where)
+    if owned is None:
+        raise EngineError(f"{path} is a non-empty directory that is not a speccomp engine; refusing to replace it "
+                          "(choose a new directory)")
+    if not overwrite:
+        raise EngineError(f"{path} already holds an engine; pass overwrite=True (CLI: --overwrite) to replace it")
+    foreign = sorted(p.name for p in where.iterdir() if p.name not in owned)
+    if foreign:
+        raise EngineError(f"{path} holds an engine plus files it did not write {foreign[:5]}; refusing to replace "
+                          "it (move those files out, or export elsewhere)")
+
+
+def _swap_in(tmp: Path, path: Path, overwrite: bool) -> None:
+    """Move the finished engine `tmp` to `path`. Whatever is at `path` now is checked again where no one else can
+    write to it: an empty directory is removed with rmdir (which fails, harmlessly, if a file appeared), an engine
+    is first renamed aside and checked there, then replaced, and deleted only after the new one is in place."""
+    set_default_mode(tmp)
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        try:
+            if path.exists():
+                os.rmdir(path)
+            os.rename(tmp, path)
+        except OSError as exc:
+            raise EngineError(f"could not move the new engine into {path} ({exc}); another process wrote there during "
+                              "the export? Nothing was replaced") from exc
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{path.name}-old-", dir=path.parent))
+    moved = old / "engine"
+    try:
+        os.rename(path, moved)
+    except OSError as exc:
+        old.rmdir()
+        raise EngineError(f"could not move the engine at {path} aside ({exc}); nothing was replaced") from exc
+    try:
+        _check_replaceable(moved, overwrite, path)  # what was there at the last moment, not at the first check
+        os.rename(tmp, path)
+    except (EngineError, OSError) as exc:
+        try:
+            os.rename(moved, path)  # put it back: nothing is lost
+        except OSError:
+            raise EngineError(f"could not move the new engine into {path} ({exc}); what was there is kept at "
+                              f"{moved}") from exc
+        old.rmdir()
+        if isinstance(exc, EngineError):
+            raise
+        raise EngineError(f"could not move the new engine into {path} ({exc}); the previous one is back in place") from exc
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def export_engine(fast, path, tokenizer=None, overwrite: bool = False, model_id: str | None = None) -> Path:
+    """Write `fast` (a SpecModel) as an engine directory at `path`; returns the path."""
+    import speccomp
+    from speccomp.models import fingerprint
+
+    path = check_destination(path, overwrite)
+    check_tokenizer(tokenizer, fast.graph.captured.vocab_size)
+    drafter = drafter_spec(fast.drafter)  # fails early, before any export work
+    model = getattr(fast, "model", None)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        target = _target_onnx(fast, tmp)
+        proto = onnx.load(str(target), load_external_data=False)
+        graphs = {"target": _graph_entry(target, proto)}
+        if drafter["name"] == "medusa":
+            outputs = graphs["target"]["outputs"]
+            if len(outputs) != 4:
+                raise EngineError(f"the Medusa target graph should return (logits, new_kv, hidden, head states), got {outputs}")
+            drafter["options"]["states_output"] = outputs[3]
+            medusa = _medusa_onnx(fast.drafter, tmp)
+            graphs["medusa"] = _graph_entry(medusa, onnx.load(str(medusa), load_external_data=False))
+        opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+        kv = fast.kv
+        config = getattr(model, "config", None)
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "speccomp_version": speccomp.__version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "model": {
+                "name": model_id or getattr(config, "_name_or_path", None) or type(model).__name__,
+                "model_type": fast.graph.captured.model_type,
+                "fingerprint": fingerprint(model) if model is not None else None,
+                "vocab_size": fast.graph.captured.vocab_size,
+                "max_positions": fast.max_positions,
+                "eos_token_id": getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else
+                getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+            },
+            "kv": {"num_layers": kv.num_layers, "num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim,
+                   "dtype": str(kv.dtype).removeprefix("torch."), "layout": "[layers, 2 (k, v), 1, kv_heads, tokens, head_dim]"},
+            "graphs": graphs,
+            "opset": opset,
+            "max_tree": fast.max_tree,
+            "drafter": drafter,
+            "tokenizer": _tokenizer_entry(tokenizer, tmp),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        check_destination(path, overwrite)  # again: the export took a while, someone may have written there
+        _swap_in(tmp, path, overwrite)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path

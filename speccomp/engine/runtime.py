@@ -1,0 +1,713 @@
+"""Run an exported engine directory with ONNX Runtime and numpy only: no torch anywhere.
+
+    engine = speccomp.load("engine/")                      # needs only onnxruntime + numpy (+ tokenizers)
+    ids = engine.chat_ids("Write a haiku about speed")     # tokenizer.json + the manifest's chat template
+    out = engine.generate(ids, max_new_tokens=128)          # np.int64 [1, prompt + new], like SpecModel
+    print(engine.decode(out[0, ids.shape[1]:]))
+
+`SpecModel.export(dir)` (speccomp/engine/export.py) writes the directory:
+
+    manifest.json    what is inside and how to call it (MANIFEST_KEYS; format speccomp-engine v1)
+    target.onnx      the target verify graph after TreeAttention: one file serves prefill (causal
+                     tree_mask), plain decoding (q = 1) and tree verification (q = tree size)
+    tokenizer.json   the Hugging Face fast tokenizer (when export was given one)
+    medusa.onnx      (Medusa engines) the heads' projection: head states [K, H] -> top token ids [K, top]
+
+The decode loop is speccomp/runtime/decode.py's, restated in numpy: draft a tree (no drafter: the root
+alone), verify it in one session run, walk the tree while the target agrees, keep the KV of the
+accepted path. Drafters here are the model-free ones (prompt lookup, Token Recycling), sharing their
+lookup code with the torch drafters (speccomp/drafters/lookup.py), and Medusa heads, whose residual blocks are
+inside target.onnx (an extra output: head states of every token) and whose projection is medusa.onnx.
+Sessions run through IO binding; the KV cache and the contiguous `past_kv` it is fed from are
+allocated once per generate.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from speccomp.runtime.calls import MAX_TREE, CallGuard, as_int, generate_args
+from speccomp.errors import SpeccompError
+from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, recycle
+
+FORMAT, FORMAT_VERSION = "speccomp-engine", 1
+MANIFEST = "manifest.json"
+MEDUSA_FILE = "medusa.onnx"
+MANIFEST_KEYS = ("format", "format_version", "speccomp_version", "model", "kv", "graphs", "opset", "max_tree", "drafter")
+ENGINE_DRAFTERS = (None, "ngram", "token_recycling", "medusa")  # drafters the torch-free loop can run
+_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
+
+
+class EngineError(SpeccompError, RuntimeError):
+    """An engine directory is missing, corrupt or does not match; the message names the fix."""
+
+
+# --------------------------------------------------------------------------------------
+# Manifest
+# --------------------------------------------------------------------------------------
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(path, verify: bool = True) -> dict:
+    """The validated manifest of engine directory `path`. verify=True also checks every graph file's
+    size and SHA-256 against the manifest (a truncated or edited file is caught before ORT loads it)."""
+    path = Path(path)
+    remake = "re-export it with `compiled.export(dir)` or `speccomp export DIR`"
+    if not path.is_dir():
+        raise EngineError(f"no engine directory at {path}; {remake}")
+    file = path / MANIFEST
+    if not file.is_file():
+        raise EngineError(f"{path} is not a speccomp engine: it has no {MANIFEST}; {remake}")
+    try:
+        manifest = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
+        raise EngineError(f"{file} is not valid JSON ({exc}); the engine is corrupt, {remake}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise EngineError(f"{file} is not a speccomp engine manifest (format must be {FORMAT!r}); {remake}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise EngineError(
+            f"{file} has format_version {manifest.get('format_version')!r}; this speccomp reads version "
+            f"{FORMAT_VERSION}; {remake} with this speccomp"
+        )
+    missing = [k for k in MANIFEST_KEYS if k not in manifest]
+    if missing:
+        raise EngineError(f"{file} lacks the keys {missing}; the engine is corrupt, {remake}")
+    check_schema(manifest, file, remake)
+    for name, graph in manifest["graphs"].items():
+        onnx_file = path / graph["file"]
+        if not onnx_file.is_file():
+            raise EngineError(f"the engine's {name} graph {onnx_file} is missing; {remake}")
+        if verify:
+            size = onnx_file.stat().st_size
+            if size != graph["bytes"] or sha256(onnx_file) != graph["sha256"]:
+                raise EngineError(
+                    f"the engine's {name} graph {onnx_file} does not match its manifest (size {size} bytes, "
+                    f"manifest {graph['bytes']}; or a different SHA-256): the file is corrupt or was replaced; {remake}"
+                )
+    return manifest
+
+
+def _is_int(x, minimum=None) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and (minimum is None or x >= minimum)
+
+
+def _is_file_name(x) -> bool:
+    """A plain file name inside the engine directory: no folders, no way out of it."""
+    return isinstance(x, str) and x not in ("", ".", "..") and os.path.basename(x) == x and "\\" not in x
+
+
+def _ints(x, minimum=None) -> bool:
+    return isinstance(x, list) and all(_is_int(v, minimum) for v in x)
+
+
+def _tree_ok(parents, ranks) -> bool:
+    """A parent array in topological order (root first) with one sibling rank per node."""
+    return (_ints(parents) and _ints(ranks, 0) and len(parents) == len(ranks) >= 1 and parents[0] == -1
+            and all(0 <= p < i for i, p in enumerate(parents) if i))
+
+
+_DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free drafters take
+    None: {},
+    "ngram": {k: lambda v: _is_int(v, 1) for k in ("max_ngram", "min_ngram", "num_branches", "max_depth")},
+    "token_recycling": {**{k: lambda v: _is_int(v, 1) for k in ("top_k", "max_ngram", "min_ngram", "ngram_depth")},
+                        "ngram_branches": lambda v: _is_int(v, 0), "persist": lambda v: isinstance(v, bool),
+                        "parents": _ints, "ranks": lambda v: _ints(v, 0)},
+    "medusa": {"num_heads": lambda v: _is_int(v, 1), "top": lambda v: _is_int(v, 1), "parents": _ints,
+               "ranks": lambda v: _ints(v, 0), "states_output": lambda v: isinstance(v, str)},
+}
+
+
+def check_schema(m: dict, file: Path, remake: str) -> None:
+    """Every field the runtime reads has the type and range it needs (a hand-edited or truncated manifest fails
+    here, naming the field, instead of as a KeyError or inside ONNX Runtime)."""
+    def need(ok: bool, field: str, value, what: str) -> None:
+        if not ok:
+            raise EngineError(f"{file}: {field}={value!r} is not {what}; the engine is corrupt, {remake}")
+
+    model, kv, graphs, drafter = m["model"], m["kv"], m["graphs"], m["drafter"]
+    for field, value in (("model", model), ("kv", kv), ("graphs", graphs), ("drafter", drafter)):
+        need(isinstance(value, dict), field, value, "a JSON object")
+    need(_is_int(model.get("vocab_size"), 1), "model.vocab_size", model.get("vocab_size"), "a positive int")
+    mp = model.get("max_positions")
+    need(mp is None or _is_int(mp, 1), "model.max_positions", mp, "a positive int or null")
+    eos = model.get("eos_token_id")
+    need(eos is None or _is_int(eos, 0) or _ints(eos, 0), "model.eos_token_id", eos, "a token id, a list of them or null")
+    for key in ("num_layers", "num_kv_heads", "head_dim"):
+        need(_is_int(kv.get(key), 1), f"kv.{key}", kv.get(key), "a positive int")
+    need(isinstance(kv.get("dtype"), str) and kv["dtype"] in _DTYPES, "kv.dtype", kv.get("dtype"), f"one of {list(_DTYPES)}")
+    need("target" in graphs, "graphs", sorted(graphs), "a set of graphs naming 'target'")
+    for name, graph in graphs.items():
+        need(isinstance(graph, dict), f"graphs.{name}", graph, "a JSON object")
+        need(_is_file_name(graph.get("file")), f"graphs.{name}.file", graph.get("file"), "a file name inside the engine")
+        need(_is_int(graph.get("bytes"), 0), f"graphs.{name}.bytes", graph.get("bytes"), "a byte count")
+        need(isinstance(graph.get("sha256"), str), f"graphs.{name}.sha256", graph.get("sha256"), "a hex digest")
+        for key in ("inputs", "outputs"):
+            value = graph.get(key)
+            need(isinstance(value, list) and all(isinstance(v, str) for v in value), f"graphs.{name}.{key}", value,
+                 "a list of names")
+    need(_is_int(m["max_tree"], 1) and m["max_tree"] <= MAX_TREE, "max_tree", m["max_tree"], f"an int in [1, {MAX_TREE}]")
+    need("name" in drafter, "drafter.name", None, "present (null for plain decoding)")
+    name = drafter.get("name")
+    need(name in ENGINE_DRAFTERS, "drafter.name", name, f"one of {list(ENGINE_DRAFTERS)}")
+    options = drafter.get("options") or {}
+    need(isinstance(options, dict), "drafter.options", options, "a JSON object")
+    checks = _DRAFTER_OPTIONS[name]
+    for key, value in options.items():
+        need(key in checks and checks[key](value), f"drafter.options.{key}", value, f"a valid {name} option")
+    missing = sorted(set(checks) - set(options))
+    need(not missing, "drafter.options", sorted(options), f"complete (missing {missing})")
+    if "parents" in options:
+        need(len(options["ranks"]) == len(options["parents"]), "drafter.options.ranks", options["ranks"],
+             f"one rank per node of drafter.options.parents={options['parents']!r}")
+        need(_tree_ok(options["parents"], options["ranks"]), "drafter.options.parents", options["parents"],
+             "a tree (root first, every parent before its children)")
+    if name == "medusa":
+        need(drafter.get("graph") == MEDUSA_FILE and "medusa" in graphs, "drafter.graph", drafter.get("graph"),
+             f"{MEDUSA_FILE!r} with a 'medusa' entry in graphs")
+    tokenizer = m.get("tokenizer")
+    need(tokenizer is None or (isinstance(tokenizer, dict) and _is_file_name(tokenizer.get("file"))), "tokenizer",
+         tokenizer, "null or an object naming its file")
+
+
+# --------------------------------------------------------------------------------------
+# ONNX Runtime session with IO binding
+# --------------------------------------------------------------------------------------
+PROVIDERS = {  # speccomp's names for ONNX Runtime execution providers
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+}
+_PROVIDER_HINTS = {  # what to install for an execution provider the plain `onnxruntime` wheel lacks
+    "CUDAExecutionProvider": "pip install onnxruntime-gpu (in place of onnxruntime) on a machine with an NVIDIA GPU and CUDA",
+    "TensorrtExecutionProvider": "pip install onnxruntime-gpu (in place of onnxruntime) plus TensorRT, on a machine with an NVIDIA GPU",
+    "DmlExecutionProvider": "pip install onnxruntime-directml (in place of onnxruntime)",
+    "OpenVINOExecutionProvider": "pip install onnxruntime-openvino (in place of onnxruntime)",
+    "ROCMExecutionProvider": "pip install onnxruntime-rocm (in place of onnxruntime)",
+    "CoreMLExecutionProvider": "use the macOS onnxruntime wheel",
+}
+
+
+def onnxruntime_module(error=None):
+    """`import onnxruntime`, with its telemetry off (speccomp runs offline; `import speccomp` also sets
+    ORT_DISABLE_TELEMETRY, which ORT reads when it starts). `error`: the exception class to raise when ONNX
+    Runtime is not installed (default EngineError)."""
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise (error or EngineError)("this needs ONNX Runtime: pip install onnxruntime (or onnxruntime-gpu)") from exc
+    if not getattr(onnxruntime, "_speccomp_quiet", False):
+        onnxruntime.disable_telemetry_events()
+        onnxruntime._speccomp_quiet = True
+    return onnxruntime
+
+
+def check_session_providers(session, providers: list, what, error=None) -> list[str]:
+    """The providers `session` really runs on; raises EngineError when ONNX Runtime fell back from the first
+    provider asked for (it does so silently when, say, the CUDA libraries cannot be loaded)."""
+    wanted = providers[0][0] if isinstance(providers[0], (tuple, list)) else providers[0]
+    used = list(session.get_providers())
+    if wanted not in used:
+        raise (error or EngineError)(
+            f"{what}: asked ONNX Runtime for {wanted}, but the session runs on {used}: ONNX Runtime fell back "
+            "(for CUDA/TensorRT usually missing CUDA, cuDNN or TensorRT libraries; its log says which). Fix the "
+            "installation, or ask for provider='cpu'"
+        )
+    return used
+
+
+def missing_provider(ort, name: str, alias: str | None = None) -> str | None:
+    """None if ONNX Runtime `ort` has execution provider `name`, else a message naming what to install.
+    (Shared with backends/onnx_export.py's OrtStep, which takes ORT's own provider names.)"""
+    available = ort.get_available_providers()
+    if name in available:
+        return None
+    label = f"{name} ({alias!r})" if alias else repr(name)
+    hint = _PROVIDER_HINTS.get(name, "Install an onnxruntime build that has it")
+    return (f"ONNX Runtime execution provider {label} is not available: onnxruntime {ort.__version__} here has "
+            f"{available}. {hint}.")
+
+
+def check_provider(provider: str) -> list[str]:
+    """ORT provider list for speccomp's provider name ("cpu", "cuda", "tensorrt"), CPU as the fallback for
+    ops a GPU provider leaves out. Raises EngineError naming what to install when the build lacks it."""
+    if not isinstance(provider, str) or provider not in PROVIDERS:
+        raise EngineError(f"unknown execution provider {provider!r}; accepted values: {sorted(PROVIDERS)}")
+    name = PROVIDERS[provider]
+    message = missing_provider(onnxruntime_module(), name, provider)
+    if message:
+        raise EngineError(message)
+    return [name] if name == "CPUExecutionProvider" else [name, "CPUExecutionProvider"]
+
+
+class BoundSession:
+    """An InferenceSession run through one reused IO binding: inputs bound from numpy arrays in place
+    (no copies on the CPU provider), only the outputs asked for are fetched. `providers`: what it runs on."""
+
+    def __init__(self, path: Path, providers: list[str], threads: int | None = None):
+        ort = onnxruntime_module()
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        try:
+            self.session = ort.InferenceSession(os.fspath(path), sess_options=options, providers=providers)
+        except Exception as exc:  # ORT raises its own Fail / InvalidProtobuf / ... types
+            raise EngineError(f"ONNX Runtime cannot load {path}: {str(exc).splitlines()[0]}") from exc
+        self.providers = check_session_providers(self.session, providers, path)
+        self.inputs = [i.name for i in self.session.get_inputs()]
+        self.binding = self.session.io_binding()
+
+    def run(self, feeds: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndarray]:
+        b = self.binding
+        b.clear_binding_inputs()
+        b.clear_binding_outputs()
+        for name in self.inputs:
+            b.bind_cpu_input(name, feeds[name])
+        for name in outputs:
+            b.bind_output(name)  # ORT allocates (shapes depend on q)
+        self.session.run_with_iobinding(b)
+        return b.copy_outputs_to_cpu()
+
+
+def check_target_outputs(session, manifest: dict, file: str) -> None:
+    """The target graph's outputs and vocabulary against the manifest's (a decode would otherwise index past the
+    logits, or read an output that is not there)."""
+    outputs = session.get_outputs()
+    names = [o.name for o in outputs]
+    if names != manifest["graphs"]["target"]["outputs"]:
+        raise EngineError(f"{file} returns {names} but the manifest's graphs.target.outputs says "
+                          f"{manifest['graphs']['target']['outputs']}; the engine is corrupt, re-export it")
+    vocab = outputs[0].shape[-1] if outputs and outputs[0].shape else None
+    if isinstance(vocab, int) and vocab != manifest["model"]["vocab_size"]:
+        raise EngineError(f"the manifest's model.vocab_size={manifest['model']['vocab_size']} but {file} scores {vocab} "
+                          "tokens; the engine is corrupt, re-export it")
+
+
+def check_kv_layout(session, kv: dict, dtype, file: str) -> None:
+    """The target graph's past_kv input and new_kv output against the manifest's KV layout (fixed dims and element
+    type): a disagreement is named here, at load, not deep inside ONNX Runtime at the first generate."""
+    want = [kv["num_layers"], 2, 1, kv["num_kv_heads"], None, kv["head_dim"]]
+    element = f"tensor({'float' if dtype == np.float32 else 'float16'})"
+    found = {i.name: i for i in session.get_inputs()} | {o.name: o for o in session.get_outputs()}
+    for name in ("past_kv", "new_kv"):
+        node = found.get(name)
+        if node is None:
+            raise EngineError(f"{file} has no {name}; the engine is corrupt, re-export it")
+        shape = node.shape
+        fixed_ok = len(shape) == 6 and all(w is None or not isinstance(d, int) or d == w for w, d in zip(want, shape))
+        if not fixed_ok or node.type != element:
+            raise EngineError(
+                f"{file}: {name} is {node.type} {shape}, but the manifest's KV layout is {kv['dtype']} "
+                f"[layers={kv['num_layers']}, 2, 1, kv_heads={kv['num_kv_heads']}, tokens, head_dim={kv['head_dim']}]; "
+                "the manifest and the graph do not belong together, re-export the engine"
+            )
+
+
+class KVCache:
+    """Preallocated [L, 2, 1, Hkv, capacity, D] plus one preallocated flat buffer that `past()` packs
+    the valid prefix into, contiguous, for the session's `past_kv` input (ORT wants dense inputs)."""
+
+    def __init__(self, kv: dict, capacity: int, dtype):
+        self.shape = (kv["num_layers"], 2, 1, kv["num_kv_heads"], capacity, kv["head_dim"])
+        self.data = np.zeros(self.shape, dtype=dtype)
+        self.flat = np.empty(self.data.size, dtype=dtype)
+        self.length = 0
+
+    def past(self) -> np.ndarray:
+        shape = self.shape[:4] + (self.length, self.shape[5])
+        out = self.flat[: int(np.prod(shape))].reshape(shape)  # [L, 2, 1, Hkv, length, D], contiguous
+        np.copyto(out, self.data[..., : self.length, :])
+        return out
+
+    def append(self, new_kv: np.ndarray, keep=None) -> None:
+        if keep is not None:
+            new_kv = new_kv[..., keep, :]
+        n = new_kv.shape[4]
+        if self.length + n > self.shape[4]:
+            raise EngineError(f"KV cache overflow: {self.length} + {n} > capacity {self.shape[4]}")
+        self.data[..., self.length : self.length + n, :] = new_kv
+        self.length += n
+
+    def nbytes(self) -> int:
+        return self.length * self.data[..., :1, :].nbytes
+
+
+# --------------------------------------------------------------------------------------
+# Trees, acceptance, sampling (numpy versions of tree.py / sampling.py)
+# --------------------------------------------------------------------------------------
+def tree_arrays(parents: list[int]) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
+    """depth [n], ancestor-or-self mask bool [n, n], children lists of a parent array."""
+    n = len(parents)
+    depth = np.zeros(n, dtype=np.int64)
+    mask = np.eye(n, dtype=bool)
+    children: list[list[int]] = [[] for _ in range(n)]
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+        mask[i] |= mask[parents[i]]  # topological order: the parent's row is already complete
+        children[parents[i]].append(i)
+    return depth, mask, children
+
+
+def warp(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """Probabilities after temperature and nucleus filtering, as speccomp.runtime.sampling.warp (HF's warpers)."""
+    x = logits.astype(np.float64) / temperature
+    if top_p < 1.0:
+        order = np.argsort(x, kind="stable")  # ascending
+        p = np.exp(x[order] - x[order].max())
+        cumulative = np.cumsum(p / p.sum())
+        remove = cumulative <= 1 - top_p
+        remove[-1] = False  # always keep the most likely token
+        x = x.copy()
+        x[order[remove]] = -np.inf
+    p = np.exp(x - x.max())
+    return p / p.sum()
+
+
+def accept(tokens: list[int], children: list[list[int]], pick) -> tuple[list[int], int]:
+    """Walk the tree from the root while the target's token (pick(node)) is a drafted child.
+    Greedy: pick = argmax, so the output is the target's greedy text. Sampling: pick draws from the
+    target's distribution at that node; drafts here are deterministic, so following the child that
+    equals the draw (else emitting the draw) is exact rejection sampling for every tree."""
+    path, node = [0], 0
+    while True:
+        t = pick(node)
+        nxt = next((c for c in children[node] if tokens[c] == t), None)
+        if nxt is None:
+            return path, t
+        path.append(nxt)
+        node = nxt
+
+
+# --------------------------------------------------------------------------------------
+# Drafters (model-free; same lookup code as speccomp/drafters/ngram.py)
+# --------------------------------------------------------------------------------------
+class _NGram:
+    outputs: tuple[str, ...] = ()  # extra outputs of the target graph the drafter reads (see _Medusa)
+
+    def __init__(self, max_ngram=4, min_ngram=1, num_branches=4, max_depth=8):
+        self.lookup, self.num_branches, self.max_depth = NGramIndex(max_ngram, min_ngram), num_branches, max_depth
+
+    def begin(self, prompt, extras):
+        self.lookup.begin(prompt)
+
+    def propose(self, tokens, max_depth, max_nodes):
+        depth = min(self.max_depth, max_depth)
+        trie = Trie(tokens[-1])
+        if depth > 0:
+            self.lookup.add_branches(trie, tokens, self.num_branches, depth)
+        return trie.bfs(depth, max_nodes)
+
+    def observe(self, tokens, path, logits, extras):
+        pass
+
+
+class _TokenRecycling:
+    outputs: tuple[str, ...] = ()
+
+    def __init__(self, top_k, parents, ranks, ngram_branches, max_ngram, min_ngram, ngram_depth, persist):
+        self.top_k, self.parents, self.ranks, self.persist = top_k, parents, ranks, persist
+        self.ngram_branches, self.ngram_depth = ngram_branches, ngram_depth
+        self.lookup = NGramIndex(max_ngram, min_ngram)
+        self.adj: dict[int, list[int]] = {}
+
+    def begin(self, prompt, extras):
+        if not self.persist:
+            self.adj = {}
+        if self.ngram_branches:
+            self.lookup.begin(prompt)
+
+    def propose(self, tokens, max_depth, max_nodes):
+        trie = Trie(tokens[-1])
+        fill_template(trie, self.parents, self.ranks, self.adj)
+        if self.ngram_branches and max_depth > 0:
+            self.lookup.add_branches(trie, tokens, self.ngram_branches, min(self.ngram_depth, max_depth))
+        return trie.bfs(max_depth, max_nodes)
+
+    def observe(self, tokens, path, logits, extras):  # logits [n, V]
+        k = min(self.top_k, logits.shape[-1])
+        part = np.argpartition(-logits, k - 1, axis=-1)[:, :k]  # the top k, unordered
+        order = np.argsort(-np.take_along_axis(logits, part, -1), axis=-1, kind="stable")
+        recycle(self.adj, tokens, path, np.take_along_axis(part, order, -1).tolist())
+
+
+class _Medusa:
+    """Medusa heads (speccomp/drafters/head_drafters.py's MedusaDrafter in numpy). The target graph returns the
+    head states [1, q, K, H] of every token as the extra output `states_output`; after each step the
+    newest accepted token's [K, H] go through medusa.onnx, which returns each head's top token ids, and
+    the next tree gives a node at depth d with sibling rank r head d-1's rank-r token."""
+
+    def __init__(self, parents, ranks, num_heads, top, states_output, session: BoundSession):
+        self.parents, self.ranks, self.num_heads, self.top = parents, ranks, num_heads, top
+        self.depth, _, _ = tree_arrays(parents)
+        self.outputs = (states_output,)
+        self.session, self.top_ids = session, None
+
+    def _take(self, states: np.ndarray, row: int) -> None:
+        feed = {self.session.inputs[0]: np.ascontiguousarray(states[0, row])}  # [K, H] of one token
+        self.top_ids = self.session.run(feed, ["top_ids"])[0]  # [K, top]
+
+    def begin(self, prompt, extras):
+        self._take(extras[0], len(prompt) - 1)
+
+    def propose(self, tokens, max_depth, max_nodes):
+        keep = [i for i, d in enumerate(self.depth) if d <= max_depth][:max_nodes]  # as speculative.truncate
+        remap = {old: new for new, old in enumerate(keep)}
+        parents = [-1] + [remap[self.parents[i]] for i in keep[1:]]
+        drafted = [tokens[-1]] + [int(self.top_ids[self.depth[i] - 1, self.ranks[i]]) for i in keep[1:]]
+        return parents, drafted
+
+    def observe(self, tokens, path, logits, extras):
+        self._take(extras[0], path[-1])
+
+
+def check_medusa(options: dict, session, target_outputs: list[str]) -> None:
+    """A Medusa engine's tree and options against medusa.onnx ([K, H] states -> [K, top] ids) and the target graph
+    (which must return the head states as its 4th output)."""
+    def bad(field, value, what):
+        raise EngineError(f"{MEDUSA_FILE}: drafter.options.{field}={value!r} {what}; the engine is corrupt, re-export it")
+
+    k_heads = session.get_inputs()[0].shape[0]
+    top = session.get_outputs()[0].shape[-1]
+    if isinstance(k_heads, int) and options["num_heads"] != k_heads:
+        bad("num_heads", options["num_heads"], f"but {MEDUSA_FILE} takes the states of {k_heads} heads")
+    if isinstance(top, int) and options["top"] != top:
+        bad("top", options["top"], f"but {MEDUSA_FILE} returns the top {top} tokens of each head")
+    if max(options["ranks"]) >= options["top"]:
+        bad("ranks", options["ranks"], f"use sibling ranks up to {max(options['ranks'])}, past the top {options['top']}")
+    depth, _, _ = tree_arrays(options["parents"])
+    if int(depth.max()) > options["num_heads"]:
+        bad("parents", options["parents"], f"make a tree {int(depth.max())} deep for {options['num_heads']} heads")
+    if len(target_outputs) != 4 or options["states_output"] != target_outputs[3]:
+        bad("states_output", options["states_output"], f"is not the target graph's head-state output "
+            f"(its outputs: {target_outputs})")
+
+
+def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | None, target_outputs: list[str]):
+    name, options = spec.get("name"), dict(spec.get("options") or {})
+    if name is None:
+        return None
+    if name == "ngram":
+        return _NGram(**options)
+    if name == "medusa":
+        session = BoundSession(path / spec["graph"], providers, threads)
+        check_medusa(options, session.session, target_outputs)
+        return _Medusa(**options, session=session)
+    return _TokenRecycling(**options)
+
+
+# --------------------------------------------------------------------------------------
+# The engine
+# --------------------------------------------------------------------------------------
+class Engine:
+    """An exported engine: `generate` with SpecModel's contract, on ONNX Runtime and numpy.
+
+    Thread safety as SpecModel's: concurrent `generate` calls run one at a time (they share the sessions'
+    IO bindings and the drafter's state) and `last_stats` is the calling thread's own last call's."""
+
+    def __init__(self, path, provider: str = "cpu", threads: int | None = None, verify: bool = True,
+                 draft: bool = True):
+        from speccomp.errors import OptionError, OptionTypeError
+
+        for name, value in (("draft", draft), ("verify", verify)):
+            if not isinstance(value, bool):
+                raise OptionTypeError(name, value, "must be True or False")
+        if threads is not None:
+            threads = as_int("threads", threads, "a positive int, or None for ONNX Runtime's default")
+            if threads < 1:
+                raise OptionError("threads", threads, "must be >= 1", "or None for ONNX Runtime's default")
+        if not isinstance(provider, str):
+            raise OptionTypeError("provider", provider, f"must be a str, got {type(provider).__name__}",
+                                  f"one of {sorted(PROVIDERS)}")
+        if not isinstance(path, (str, os.PathLike)):
+            raise OptionTypeError("path", path, f"must be an engine directory's path, got {type(path).__name__}")
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path, verify=verify)
+        m = self.manifest
+        self.kv, self.vocab_size, self.max_positions = m["kv"], m["model"]["vocab_size"], m["model"].get("max_positions")
+        self.dtype = _DTYPES.get(self.kv["dtype"])
+        if self.dtype is None:
+            raise EngineError(f"engine KV dtype {self.kv['dtype']!r} is not supported by the numpy runtime")
+        self.max_tree = int(m["max_tree"])
+        self.provider = provider
+        target = m["graphs"]["target"]
+        providers = check_provider(provider)
+        self.session = BoundSession(self.path / target["file"], providers, threads)
+        if self.session.inputs != target["inputs"]:
+            raise EngineError(
+                f"{target['file']} takes inputs {self.session.inputs} but the manifest says {target['inputs']}; "
+                "the engine is corrupt, re-export it"
+            )
+        check_kv_layout(self.session.session, self.kv, self.dtype, target["file"])
+        check_target_outputs(self.session.session, m, target["file"])
+        # draft=False: plain decoding on the same target graph (extra outputs a drafter would read go unused)
+        self.drafter = make_drafter(m["drafter"], self.path, providers, threads, target["outputs"]) if draft else None
+        self.tokenizer = self._load_tokenizer()  # a missing or corrupt tokenizer.json is named now, not at first use
+        self._template = self._chat_template()
+        self._calls = CallGuard()
+
+    @property
+    def providers(self) -> list[str]:
+        """The ONNX Runtime execution providers the target session really runs on."""
+        return self.session.providers
+
+    @property
+    def last_stats(self) -> dict:
+        return self._calls.stats
+
+    # ---- text -------------------------------------------------------------------------
+    def _load_tokenizer(self):
+        """The engine's tokenizer (tokenizers' Tokenizer), None when it was exported without one; a missing or
+        unreadable tokenizer.json is an EngineError. Without the tokenizers package: None, checked at first use."""
+        info = self.manifest.get("tokenizer")
+        if not info:
+            return None
+        file = self.path / info["file"]
+        if not file.is_file():
+            raise EngineError(f"the engine's tokenizer {file} is missing; re-export with tokenizer= (or copy it back)")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            return None
+        try:
+            return Tokenizer.from_file(os.fspath(file))
+        except Exception as exc:  # tokenizers raises its own Exception type for unreadable files
+            raise EngineError(f"the engine's tokenizer {file} is corrupt ({str(exc).splitlines()[0]}); re-export "
+                              "the engine with tokenizer=") from None
+
+    def _tok(self):
+        if self.tokenizer is None:
+            if not self.manifest.get("tokenizer"):
+                raise EngineError("this engine was exported without a tokenizer; pass token ids, or re-export with tokenizer=")
+            raise EngineError("text in and out of an engine needs the tokenizers package: pip install tokenizers")
+        return self.tokenizer
+
+    def _chat_template(self):
+        """The manifest's chat template compiled (None: no template, or jinja2 missing: then at first use)."""
+        template = (self.manifest.get("tokenizer") or {}).get("chat_template")
+        if not template:
+            return None
+        try:
+            from jinja2 import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment  # what transformers renders templates with
+        except ImportError:
+            return None
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        try:
+            return env.from_string(template)
+        except TemplateError as exc:
+            raise EngineError(f"the engine's tokenizer.chat_template is not a valid Jinja template ({exc}); re-export "
+                              "the engine with a tokenizer whose chat template works") from None
+
+    def chat_ids(self, prompt: str) -> np.ndarray:
+        """Token ids [1, n] of `prompt` as a user turn in the model's chat template (as models.chat_ids)."""
+        info = self.manifest.get("tokenizer") or {}
+        if info.get("chat_template"):
+            if self._template is None:
+                raise EngineError("rendering the engine's chat template needs jinja2: pip install jinja2")
+            text = self._template.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         **info.get("special_tokens", {}))
+        else:
+            text = prompt
+        return np.array([self._tok().encode(text, add_special_tokens=False).ids], dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        return self._tok().decode([int(i) for i in ids], skip_special_tokens=True)
+
+    @property
+    def eos_token_id(self):
+        return self.manifest["model"].get("eos_token_id")
+
+    # ---- decoding ---------------------------------------------------------------------
+    def _forward(self, cache: KVCache, tokens: list[int], positions: np.ndarray, tree_mask: np.ndarray):
+        """logits [q, V], new_kv [L, 2, 1, Hkv, q, D], and the extra outputs the drafter reads."""
+        q = len(tokens)
+        feeds = {
+            "input_ids": np.array([tokens], dtype=np.int64),
+            "position_ids": positions[None],
+            "attention_mask": np.ones((1, cache.length + q), dtype=np.int64),
+            "past_kv": cache.past(),
+            "tree_mask": tree_mask,
+        }
+        extra = list(self.drafter.outputs) if self.drafter is not None else []
+        logits, new_kv, *extras = self.session.run(feeds, ["logits", "new_kv", *extra])
+        return logits[0], new_kv, extras
+
+    def generate(self, input_ids, max_new_tokens: int, eos_token_id=None, do_sample: bool = False,
+                 temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None) -> np.ndarray:
+        """Prompt + new tokens, np.int64 [1, n + m]; greedy output equals the model's greedy decoding. Arguments
+        are checked as SpecModel.generate's (speccomp/runtime/calls.py)."""
+        args = generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed,
+                             vocab_size=self.vocab_size, max_positions=self.max_positions)
+        with self._calls.lock:
+            out, stats = self._decode(args)
+            self._calls.stats = stats
+        return np.concatenate([args.prompt, np.asarray(out, dtype=np.int64)])[None]
+
+    def _decode(self, args) -> tuple[list[int], dict]:
+        """The decode loop (speccomp/runtime/decode.py's, in numpy): new tokens and stats."""
+        prompt, max_new_tokens, eos = args.prompt.tolist(), args.max_new_tokens, args.eos
+        rng = np.random.default_rng(args.seed)
+
+        def pick(logits_row: np.ndarray) -> int:
+            if not args.do_sample:
+                return int(logits_row.argmax())
+            return int(rng.choice(logits_row.shape[-1], p=warp(logits_row, args.temperature, args.top_p)))
+
+        start = time.perf_counter()
+        n = len(prompt)
+        cache = KVCache(self.kv, n + max_new_tokens + self.max_tree + 1, self.dtype)
+        logits, new_kv, extras = self._forward(cache, prompt, np.arange(n, dtype=np.int64), np.tril(np.ones((n, n), dtype=bool)))
+        cache.append(new_kv)
+        prefill_seconds = time.perf_counter() - start
+        out = [pick(logits[-1])]
+        steps = 1
+        context = prompt + out
+        if self.drafter is not None:
+            self.drafter.begin(prompt, extras)
+        while len(out) < max_new_tokens and out[-1] not in eos:
+            room = max_new_tokens - len(out)  # tokens still allowed, the bonus included
+            if self.drafter is None or room <= 1:
+                parents, tokens = [-1], [out[-1]]
+            else:
+                parents, tokens = self.drafter.propose(context, room - 1, self.max_tree)
+            depth, mask, children = tree_arrays(parents)
+            logits, new_kv, extras = self._forward(cache, tokens, cache.length + depth, mask)
+            path, bonus = accept(tokens, children, lambda node: pick(logits[node]))
+            cache.append(new_kv, keep=path)
+            if self.drafter is not None:
+                self.drafter.observe(tokens, path, logits, extras)
+            steps += 1
+            for t in [tokens[i] for i in path[1:]] + [bonus]:
+                out.append(t)
+                if t in eos or len(out) >= max_new_tokens:
+                    break
+            context.extend(out[len(context) - n :])
+        seconds = time.perf_counter() - start
+        return out, {
+            "new_tokens": len(out), "steps": steps, "tau": len(out) / steps, "seconds": seconds,
+            "prefill_seconds": prefill_seconds, "tokens_per_second": len(out) / seconds,
+            "kv_bytes": cache.nbytes(), "lossless": True, "providers": self.providers,
+        }
+
+    def __repr__(self) -> str:
+        d = (self.manifest["drafter"].get("name") if self.drafter is not None else None) or "plain"
+        return f"Engine({str(self.path)!r}, drafter={d}, providers={self.providers})"
+
+
+def load(path, provider: str = "cpu", threads: int | None = None, verify: bool = True, draft: bool = True) -> Engine:
+    """Load an engine directory written by `SpecModel.export` (see the module docstring).
+
+    provider: "cpu", "cuda" or "tensorrt" (ONNX Runtime execution providers; the GPU ones need
+    onnxruntime-gpu and a GPU, and say so when missing). verify: check graph files against the
+    manifest's SHA-256 first. draft=False: decode without the engine's drafter (plain decoding on
+    the same target graph, the baseline to compare a drafter's speed against)."""
+    return Engine(path, provider, threads, verify, draft)

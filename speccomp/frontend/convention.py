@@ -1,0 +1,140 @@
+"""Capture a causal LM into one flat torch.fx graph with the KV cache, positions and mask as inputs.
+
+The captured graph has the calling convention every pass and backend relies on:
+
+    logits, new_kv, hidden = graph(input_ids, position_ids, attention_mask, past_kv)
+
+    input_ids      int64 [1, q]                 tokens fed this step (prompt, 1 token, or a token tree)
+    position_ids   int64 [1, q]                 their positions (a tree pass feeds past + depth)
+    attention_mask int64 [1, past + q]          key padding mask (all ones for batch 1)
+    past_kv        float [L, 2, 1, Hkv, past, D] keys (index 0) and values (index 1) of every layer
+    logits         float [1, q, V]
+    new_kv         float [L, 2, 1, Hkv, q, D]   this step's keys/values; the runtime owns the cache
+    hidden         float [1, q, H]              final hidden state (after the final norm)
+
+Hugging Face models are captured through their own cache interface: a `DynamicCache` whose
+layers are pre-filled with views of `past_kv`, so `torch.export` records the model's own
+`cat(past, new)` and its own mask construction (causal, sliding window, ...). Every dynamic
+dimension is `Dim.AUTO` and export runs with `backed_size_oblivious`, so one graph serves
+prefill (past = 0), single-token decode (q = 1) and tree verification (q = tree size).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx.experimental._config as fx_config
+from torch import nn
+
+from speccomp.errors import SpeccompError, UnsupportedModelError
+
+INPUT_NAMES = ("input_ids", "position_ids", "attention_mask", "past_kv")
+OUTPUT_NAMES = ("logits", "new_kv", "hidden")
+@dataclass(frozen=True)
+class KVSpec:
+    """Shape of the KV cache one layer holds: [1, num_kv_heads, length, head_dim]."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def shape(self, length: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, 1, self.num_kv_heads, length, self.head_dim)
+
+    def bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+
+@dataclass
+class CapturedModel:
+    """What capture hands to the passes: the flat graph plus the facts the graph cannot tell."""
+
+    graph_module: torch.fx.GraphModule
+    kv: KVSpec
+    vocab_size: int
+    max_positions: int | None
+    attn_implementation: str
+    model_type: str
+    sliding_windows: dict[str, int] = field(default_factory=dict)  # attention module path -> window
+    module_types: dict[str, type] = field(default_factory=dict)  # module path -> class (from the model)
+    model: object = field(default=None, repr=False, compare=False)  # the source nn.Module (identity, heads)
+
+    def copy(self) -> "CapturedModel":
+        """A copy whose graph can be rewritten without touching this one (weights are shared, not copied)."""
+        graph = torch.fx.Graph()
+        graph.output(graph.graph_copy(self.graph_module.graph, {}))
+        graph._codegen = self.graph_module.graph._codegen
+        return dataclasses.replace(self, graph_module=torch.fx.GraphModule(self.graph_module, graph))
+
+
+# --------------------------------------------------------------------------------------
+# Attention used while capturing SDPA models
+# --------------------------------------------------------------------------------------
+def example_inputs(kv: KVSpec, q: int, past: int, device="cpu", vocab_size: int = 2):
+    """Inputs of the graph's calling convention for q new tokens after `past` cached ones."""
+    gen = torch.Generator().manual_seed(q * 1000 + past)
+    return (
+        torch.randint(0, vocab_size, (1, q), generator=gen).to(device),
+        torch.arange(past, past + q, device=device)[None],
+        torch.ones(1, past + q, dtype=torch.long, device=device),
+        torch.randn(*kv.shape(past), generator=gen).to(device=device, dtype=kv.dtype),
+    )
+
+
+_NOT_ONE_GUARD = re.compile(r"^\(?[^!=<>]*\)?\s*!=\s*1$")
+
+
+def _drop_not_one_guards(program: torch.export.ExportedProgram) -> None:
+    """Drop export's `<sequence size> != 1` input guards; `check_against_eager` verifies size 1 instead.
+
+    With `backed_size_oblivious`, torch.export reasons about a dynamic size as if it were >= 2
+    wherever a size of 1 would change strides (reshape / contiguous of transposed views, e.g.
+    Falcon's own `query.transpose(1, 2).reshape(...)`) and records that as a `q != 1` guard,
+    so the graph would refuse single-token decode. The traced code is the general case, which
+    is also right for size 1; `check_against_eager` runs q = 1 and a 1-token prompt against the
+    model and refuses the model if they disagree (a real `if q == 1` branch in model code).
+    """
+    codes = getattr(program, "_guards_code", None)
+    if isinstance(codes, list):
+        program._guards_code = [g for g in codes if not _NOT_ONE_GUARD.match(g.strip())]
+
+
+def export_dynamic(step: nn.Module, args: tuple, dynamic: tuple, what: str) -> torch.export.ExportedProgram:
+    """torch.export with size-oblivious dynamic dims (0 and 1 stay legal sizes); errors name `what` failed."""
+    with fx_config.patch(backed_size_oblivious=True), torch.no_grad():
+        try:
+            return torch.export.export(step, args, dynamic_shapes=dynamic)
+        except SpeccompError:
+            raise
+        except Exception as exc:  # torch.export's errors are long; lead with what failed
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise UnsupportedModelError(f"torch.export could not capture {what}: {first}") from exc
+
+
+def _flatten(program: torch.export.ExportedProgram) -> torch.fx.GraphModule:
+    """The exported program as a GraphModule with plain positional inputs and a tuple output.
+
+    `ExportedProgram.module()` calls through pytree specs; passes add inputs, so the
+    codegen is reset to plain FX, which takes and returns flat tensors.
+    """
+    _drop_not_one_guards(program)
+    gm = program.module()
+    gm._forward_pre_hooks.clear()  # the pytree input-spec check would reject inputs that passes add
+    graph = gm.graph
+    graph._codegen = torch.fx.graph.CodeGen()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, INPUT_NAMES):
+        node.name = node.target = name
+    out = graph.output_node()
+    (flat,) = out.args
+    if isinstance(flat, (list, tuple)) and len(flat) == 1 and isinstance(flat[0], (list, tuple)):
+        flat = flat[0]
+    out.args = (tuple(flat),)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+

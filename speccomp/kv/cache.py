@@ -1,0 +1,275 @@
+"""Compressed KV caches with exact byte accounting and exact rollback.
+
+Both kinds speak the runtime's layout ([L, 2, 1, Hkv, T, D], see capture.py) and one protocol:
+
+    cache.append(new_kv, keep=None)   new tokens, in full precision; nothing is compressed yet
+    cache.compact(votes=None)         apply the policy to tokens older than the recent window W
+    cache.rollback(n)                 drop the newest n tokens (exact: they are always full precision)
+    cache.accumulate(probs)           H2O: add attention probabilities [L, Hkv, slots] to each slot's score
+    cache.dense()                     what attention reads: [L, 2, 1, Hkv, slots, D]
+    cache.workspace(room)             dense() in a buffer with `room` free slots after it (draft scratch)
+    cache.nbytes()                    bytes of keys/values (and quantisation parameters) actually held
+
+`length` counts the sequence's tokens the cache has seen; `slots` the tokens attention reads.
+
+Why rollback is exact: `compact` never touches the newest W tokens (W = policy.window, validated
+to be >= the token tree's depth + 1), and `append` compresses nothing. So rolling back tokens
+appended since the last compact restores the cache bitwise, and rolling back up to W tokens at
+any time drops exactly those tokens and leaves the others as they were.
+
+EvictingCache (sink, snapkv, h2o): the kept tokens of each KV head in position order; heads of
+SnapKV and H2O keep different tokens (same count). Attention over the cache does not care which
+slot a key sits in (keys carry their rotary position, and every cached key is visible), so
+evicting is a gather of the kept slots.
+
+KiviCache: the oldest tokens as packed codes in whole groups (kv_policies.quantize_keys /
+quantize_values), the newest in a full-precision tail. `workspace` keeps a dequantised mirror for a
+graph that reads dense float caches (each group is dequantised once); the mirror is scratch, not
+what the cache holds, and is reported by `workspace_bytes`.
+"""
+from __future__ import annotations
+
+import torch
+
+from speccomp.frontend.convention import KVSpec
+from speccomp.kv.policies import (
+    KVPolicy,
+    Quantized,
+    dequantize_keys,
+    dequantize_values,
+    gather_slots,
+    gather_tokens,
+    pool_votes,
+    quantize_keys,
+    quantize_values,
+    sink_keep,
+    topk_keep,
+    value_group,
+)
+
+
+def make_cache(kv: KVSpec, policy: KVPolicy, device="cpu", min_window: int = 1):
+    """A compressed cache for `policy` (checked against the model's KV layout and the tree depth)."""
+    policy.check(kv, min_window=min_window)
+    if policy.kind == "kivi":
+        return KiviCache(kv, policy, device)
+    return EvictingCache(kv, policy, device)
+
+
+def _grow(buffer: torch.Tensor, dim: int, used: int, needed: int) -> torch.Tensor:
+    """`buffer` with capacity >= needed along `dim` (doubling, so appends are amortised O(1))."""
+    if buffer.shape[dim] >= needed:
+        return buffer
+    shape = list(buffer.shape)
+    shape[dim] = max(needed, 2 * shape[dim], 16)
+    new = buffer.new_zeros(shape)
+    new.narrow(dim, 0, used).copy_(buffer.narrow(dim, 0, used))
+    return new
+
+
+class EvictingCache:
+    def __init__(self, kv: KVSpec, policy: KVPolicy, device="cpu"):
+        self.kv, self.policy = kv, policy
+        self.data = torch.zeros(kv.shape(0), dtype=kv.dtype, device=device)  # [L, 2, 1, Hkv, capacity, D]
+        L, H = kv.num_layers, kv.num_kv_heads
+        self.pos = torch.zeros(L, H, 0, dtype=torch.long, device=device)  # sequence position of each slot
+        self.score = torch.zeros(L, H, 0, dtype=torch.float32, device=device)  # H2O accumulated attention
+        self.slots = 0
+        self.length = 0
+        self.selected = False  # SnapKV selects once, after the prompt
+
+    def _reserve(self, needed: int) -> None:
+        self.data = _grow(self.data, 4, self.slots, needed)
+        self.pos = _grow(self.pos, 2, self.slots, needed)
+        self.score = _grow(self.score, 2, self.slots, needed)
+
+    def append(self, new_kv: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        if keep is not None:
+            new_kv = new_kv.index_select(4, keep)
+        n = new_kv.shape[4]
+        self._reserve(self.slots + n)
+        s = self.slots
+        self.data[..., s : s + n, :] = new_kv
+        self.pos[..., s : s + n] = torch.arange(self.length, self.length + n, device=self.pos.device)
+        self.score[..., s : s + n] = 0
+        self.slots += n
+        self.length += n
+
+    def rollback(self, n: int) -> None:
+        if n < 0 or n > self.slots:
+            raise ValueError(f"cannot roll back {n} tokens from a cache of {self.slots}")
+        newest = torch.arange(self.length - n, self.length, device=self.pos.device)
+        if not torch.equal(self.pos[..., self.slots - n : self.slots], newest.expand(*self.pos.shape[:2], n)):
+            raise ValueError(
+                f"cannot roll back {n} tokens: only the {self.policy.window} most recent are guaranteed uncompressed"
+            )
+        self.slots -= n
+        self.length -= n
+
+    def compact(self, votes: torch.Tensor | None = None) -> None:
+        """Evict down to the budget. votes [L, Hkv, slots]: SnapKV's window votes (required for its one
+        selection when the prompt exceeds the budget); for H2O, attention to add to the scores first."""
+        p, s = self.policy, self.slots
+        if p.kind == "h2o" and votes is not None:
+            self.accumulate(votes)
+        if p.kind == "snapkv":
+            if self.selected:
+                return  # SnapKV compresses the prompt only; decoded tokens are all kept
+            self.selected = True
+            if s <= p.budget:
+                return
+            if votes is None:
+                raise ValueError("SnapKV selection needs the observation window's votes [L, Hkv, slots]")
+            keep = topk_keep(pool_votes(votes[..., :s].float()), p.window, p.budget)
+        elif s <= p.budget:
+            return
+        elif p.kind == "sink":
+            keep = sink_keep(s, p.sinks, p.budget).to(self.data.device)
+        else:  # h2o
+            keep = topk_keep(self.score[..., :s], p.window, p.budget)
+        self._keep(keep)
+
+    def _keep(self, keep: torch.Tensor) -> None:
+        n = keep.shape[-1]
+        self.data[..., :n, :] = gather_tokens(self.data[..., : self.slots, :], keep)
+        self.pos[..., :n] = gather_slots(self.pos[..., : self.slots], keep)
+        self.score[..., :n] = gather_slots(self.score[..., : self.slots], keep)
+        self.slots = n
+
+    def accumulate(self, probs: torch.Tensor) -> None:
+        """Add attention probabilities [L, Hkv, >= slots] (pooled per KV head) to the slots' scores."""
+        self.score[..., : self.slots] += probs[..., : self.slots].float()
+
+    def positions(self) -> torch.Tensor:
+        """Sequence position held in each slot, [L, Hkv, slots]."""
+        return self.pos[..., : self.slots]
+
+    def dense(self) -> torch.Tensor:
+        return self.data[..., : self.slots, :]
+
+    def workspace(self, room: int) -> torch.Tensor:
+        self._reserve(self.slots + room)
+        return self.data[..., : self.slots + room, :]
+
+    def nbytes(self) -> int:
+        return self.dense().nbytes
+
+    def workspace_bytes(self) -> int:
+        return 0  # attention reads the held buffer itself
+
+    def metadata_bytes(self) -> int:
+        """Bookkeeping besides the keys and values: slot positions and scores."""
+        return self.positions().nbytes + self.score[..., : self.slots].nbytes
+
+
+class KiviCache:
+    def __init__(self, kv: KVSpec, policy: KVPolicy, device="cpu"):
+        self.kv, self.policy = kv, policy
+        self.group, self.vgroup = policy.group, value_group(kv.head_dim)
+        self.keys: Quantized | None = None  # packed [L, 1, Hkv, quantised, D*bits/8], per (group, channel) params
+        self.values: Quantized | None = None  # packed [L, 1, Hkv, quantised, D*bits/8], per (token, channel group)
+        self.quantised = 0
+        self.tail = torch.zeros(kv.shape(0), dtype=kv.dtype, device=device)  # full precision [L, 2, 1, Hkv, cap, D]
+        self.tail_len = 0
+        self.mirror: torch.Tensor | None = None  # dequantised [0, quantised) + tail copy + room (workspace)
+
+    @property
+    def length(self) -> int:
+        return self.quantised + self.tail_len
+
+    @property
+    def slots(self) -> int:
+        return self.length
+
+    def append(self, new_kv: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        if keep is not None:
+            new_kv = new_kv.index_select(4, keep)
+        n = new_kv.shape[4]
+        self.tail = _grow(self.tail, 4, self.tail_len, self.tail_len + n)
+        self.tail[..., self.tail_len : self.tail_len + n, :] = new_kv
+        self.tail_len += n
+
+    def rollback(self, n: int) -> None:
+        if n < 0 or n > self.tail_len:
+            raise ValueError(
+                f"cannot roll back {n} tokens: only the {self.tail_len} newest are in full precision "
+                f"(the policy guarantees {self.policy.window})"
+            )
+        self.tail_len -= n
+
+    def compact(self, votes: torch.Tensor | None = None) -> None:
+        """Quantise whole groups of the oldest full-precision tokens while the tail exceeds the window."""
+        p, g = self.policy, self.group
+        n = (self.tail_len - p.residual) // g * g  # tokens to quantise (whole groups, oldest first)
+        if n <= 0:
+            return
+        old = self.tail[..., :n, :]  # [L, 2, 1, Hkv, n, D]
+        keys = quantize_keys(old[:, 0], p.bits, g)
+        values = quantize_values(old[:, 1], p.bits, self.vgroup)
+        if self.mirror is not None and self.mirror.shape[4] < self.quantised + n:
+            self.mirror = None  # too small: the next workspace() rebuilds it
+        if self.mirror is not None:  # dequantise each group once, where the workspace will read it
+            self.mirror[:, 0, ..., self.quantised : self.quantised + n, :] = dequantize_keys(keys, g)
+            self.mirror[:, 1, ..., self.quantised : self.quantised + n, :] = dequantize_values(values, self.vgroup)
+        self.keys = keys if self.keys is None else _cat(self.keys, keys)
+        self.values = values if self.values is None else _cat(self.values, values)
+        self.quantised += n
+        rest = self.tail_len - n
+        self.tail[..., :rest, :] = self.tail[..., n : self.tail_len, :].clone()  # shift left; clone: overlap
+        self.tail_len = rest
+
+    def accumulate(self, probs: torch.Tensor) -> None:
+        pass  # KIVI keeps every token; attention does not choose
+
+    def _dequantised(self) -> torch.Tensor:
+        """[L, 2, 1, Hkv, quantised, D]."""
+        if self.keys is None:
+            return self.tail[..., :0, :]
+        return torch.stack([dequantize_keys(self.keys, self.group), dequantize_values(self.values, self.vgroup)], 1)
+
+    def dense(self) -> torch.Tensor:
+        return torch.cat([self._dequantised(), self.tail[..., : self.tail_len, :]], dim=4)
+
+    def workspace(self, room: int) -> torch.Tensor:
+        needed = self.length + room
+        if self.mirror is None or self.mirror.shape[4] < needed:
+            mirror = torch.zeros(self.kv.shape(max(needed, 2 * self.length)), dtype=self.kv.dtype, device=self.tail.device)
+            mirror[..., : self.quantised, :] = self._dequantised()
+            self.mirror = mirror
+        self.mirror[..., self.quantised : self.length, :] = self.tail[..., : self.tail_len, :]
+        return self.mirror[..., :needed, :]
+
+    def graph_inputs(self) -> tuple:
+        """past_kv (a stride-0 view: only its shape is read) and the held tensors, for a graph rewritten by
+        passes/kv_compress.py KiviCacheRead: (past_kv, tail, key codes, key scale, key min, value codes,
+        value scale, value min)."""
+        kv, dtype, device = self.kv, self.kv.dtype, self.tail.device
+        past = torch.zeros((), dtype=dtype, device=device).expand(kv.shape(self.length))
+        if self.keys is None:  # nothing quantised yet: empty tensors of the right ranks
+            L, H, D = kv.num_layers, kv.num_kv_heads, kv.head_dim
+            codes = torch.zeros(L, 1, H, 0, D * self.policy.bits // 8, dtype=torch.uint8, device=device)
+            kparam = torch.zeros(L, 1, H, 0, D, dtype=dtype, device=device)
+            vparam = torch.zeros(L, 1, H, 0, D // self.vgroup, dtype=dtype, device=device)
+            return past, self.tail[..., : self.tail_len, :], codes, kparam, kparam, codes, vparam, vparam
+        k, v = self.keys, self.values
+        return past, self.tail[..., : self.tail_len, :], k.packed, k.scale, k.minimum, v.packed, v.scale, v.minimum
+
+    def nbytes(self) -> int:
+        held = self.tail[..., : self.tail_len, :].nbytes
+        if self.keys is not None:
+            held += self.keys.nbytes() + self.values.nbytes()
+        return held
+
+    def workspace_bytes(self) -> int:
+        return 0 if self.mirror is None else self.mirror.nbytes
+
+    def metadata_bytes(self) -> int:
+        return 0
+
+
+def _cat(a: Quantized, b: Quantized) -> Quantized:
+    """Quantized tokens a then b. Exact-size storage, so the packed bytes held are the bytes used; codes and
+    parameters (per key group, per value token) all run along dim -2."""
+    return Quantized(
+        torch.cat([a.packed, b.packed], -2), torch.cat([a.scale, b.scale], -2), torch.cat([a.minimum, b.minimum], -2), a.bits
+    )

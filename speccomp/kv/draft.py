@@ -1,0 +1,216 @@
+"""Mode (a) of KV compression, lossless: the target drafts for itself over a compressed cache.
+
+    target cache (full, exact) ──► after every verification, the drafter ingests the newly
+        │                          accepted tokens' keys/values and compacts its own copy
+        │                          (sink / SnapKV / H2O eviction, KIVI quantisation)
+        ▼
+    drafter = the target's own graph (TreeAttention; + AttentionScores for SnapKV / H2O), run
+              level by level like GraphDrafter, reading the compressed cache + scratch slots
+    target  = verifies the draft tree against the full cache: greedy output is the model's own
+
+(TriForce / MagicDec / QuantSpec.) The drafter only ever ingests tokens the target accepted, with
+the target's exact keys/values, so rejected drafts never reach its cache; draft nodes live in
+scratch slots past the compressed tokens and are overwritten next step.
+
+drafter_options {"skip": [...]} or {"exit_layer": k} also drop layers from the draft graph
+(SkipLayers / EarlyExit, TriForce's hierarchy idea): drafts then cost fewer layers as well as
+fewer keys. By default the whole model drafts.
+
+Positions: a compressed cache holds fewer slots than the sequence has tokens, so draft positions
+come from the target's length (keys already carry their rotary position; every cached key is
+visible to the draft, so which slot a key sits in does not matter). Models with sliding windows
+still draft losslessly but their window is then counted in slots, not positions.
+
+SnapKV and H2O need attention: after the prompt, one extra forward of the last w prompt tokens
+(SnapKV's observation window) against the target's cache gives the votes; H2O then adds the root
+token's attention at every draft step (the root is always a real token).
+"""
+from __future__ import annotations
+
+import torch
+
+from speccomp.runtime.model import SpecModel
+from speccomp.frontend.convention import KVSpec
+from speccomp.kv.cache import make_cache
+from speccomp.drafters.graph import MAX_DYNAMIC_DEPTH, GraphDrafter
+from speccomp.kv.policies import KVPolicy, policy_bytes, snapkv_window
+from speccomp.runtime.decode import KVCache
+from speccomp.runtime.decode import DraftContext
+from speccomp.runtime.tree import DynamicTreeSpec
+
+KV_MODES = ("draft", "target")
+
+
+class _Slots:
+    """What GraphDrafter reads from a cache: a buffer and the number of valid slots in it."""
+
+    def __init__(self, data: torch.Tensor, length: int):
+        self.data, self.length = data, length
+
+
+def tree_depth(tree) -> int:
+    """Deepest draft the tree spec can produce (a dynamic tree is capped by GraphDrafter)."""
+    if isinstance(tree, DynamicTreeSpec):
+        return min(MAX_DYNAMIC_DEPTH, tree.budget)
+    return int(tree.max_depth)
+
+
+class CompressedKVDrafter(GraphDrafter):
+    """GraphDrafter over a compressed copy of the target's cache (see the module docstring)."""
+
+    def __init__(self, step, kv: KVSpec, policy: KVPolicy, tree, name: str = "compressed_kv", kv_layers=None):
+        super().__init__(step, list(range(kv.num_layers)) if kv_layers is None else list(kv_layers), tree, name)
+        self.kv, self.policy = kv, policy
+        self.min_window = tree_depth(tree) + 1
+        policy.check(kv, min_window=self.min_window)
+        self.cache = None
+        self.prompt_length = 0
+        self._position_base = 0
+        self._scores_pending = False  # H2O: take the root's attention at the next depth-0 forward
+        self.measured: dict = {}
+
+    def begin(self, prompt: list[int]) -> None:
+        self.cache = make_cache(self.kv, self.policy, min_window=self.min_window)
+        self.prompt_length = len(prompt)
+        self.measured = {}
+
+    # ---- keeping the compressed copy in step with the target --------------------------------
+    def _observe(self, target: KVCache, tokens: list[int]) -> torch.Tensor:
+        """Votes [L, Hkv, n] of the last w prompt tokens' queries over the n cached prompt tokens."""
+        n = target.length
+        w = min(snapkv_window(self.policy.budget), n)
+        with torch.no_grad():
+            outs = self.step(
+                torch.tensor([tokens[n - w : n]]),
+                torch.arange(n - w, n)[None],
+                torch.ones(1, n, dtype=torch.long),
+                target.data[..., : n - w, :],
+                torch.ones(w, w, dtype=torch.bool).tril(),
+            )
+        return self._all_layers(outs[-1][:, 0].sum(2))  # [L', 1, Hkv, w, n] -> [L, Hkv, n]
+
+    def _all_layers(self, per_kept: torch.Tensor) -> torch.Tensor:
+        """Scores of the graph's layers [L', ...] placed in a zero [L, ...] table (skipped layers: no votes)."""
+        if len(self.layer_index) == self.kv.num_layers:
+            return per_kept
+        full = per_kept.new_zeros(self.kv.num_layers, *per_kept.shape[1:])
+        full[self.layer_index] = per_kept
+        return full
+
+    def _sync(self, target: KVCache, tokens: list[int]) -> None:
+        start = self.cache.length
+        if target.length < start:
+            raise RuntimeError(f"the target cache shrank from {start} to {target.length} tokens")
+        votes = None
+        if start == 0 and self.policy.needs_attention and target.length > self.policy.budget:
+            votes = self._observe(target, tokens)
+        self.cache.append(target.data[..., start : target.length, :])
+        self.cache.compact(votes)
+        self.measured = {
+            "kv_bytes_full": target.past().nbytes,
+            "kv_bytes_draft": self.cache.nbytes(),
+            "kv_bytes_draft_closed_form": policy_bytes(self.kv, self.policy, target.length, self.prompt_length),
+            "kv_tokens_full": target.length,
+            "kv_tokens_draft": self.cache.slots,
+        }
+
+    # ---- drafting ---------------------------------------------------------------------------
+    def propose(self, ctx: DraftContext):
+        self._sync(ctx.cache, ctx.tokens)
+        self._position_base = ctx.cache.length
+        self._scores_pending = self.policy.kind == "h2o"
+        view = _Slots(self.cache.workspace(ctx.max_nodes), self.cache.slots)
+        draft = super().propose(DraftContext(ctx.tokens, view, ctx.max_depth, ctx.max_nodes))
+        self.measured["kv_workspace_bytes"] = self.cache.workspace_bytes()
+        return draft
+
+    def _forward(self, cache, base: int, used: int, tokens, depth: int, mask):
+        """GraphDrafter._forward with positions from the target's length, not the compressed slot count."""
+        k = len(tokens)
+        with torch.no_grad():
+            outs = self.step(
+                tokens[None],
+                torch.full((1, k), self._position_base + depth, dtype=torch.long),
+                torch.ones(1, base + used + k, dtype=torch.long),
+                cache.data[..., : base + used, :],
+                mask,
+            )
+        cache.data[self.layer_index, :, :, :, base + used : base + used + k, :] = outs[1]
+        if self._scores_pending and used == 0:  # the root's row: a real token's attention over the cache
+            self.cache.accumulate(self._all_layers(outs[-1][:, 0, :, 0, :base]))
+            self._scores_pending = False
+        return outs[0][0]
+
+    def kv_stats(self) -> dict:
+        return {"kv_cache": self.policy.spec, "kv_mode": "draft", **self.measured}
+
+
+class CompressedKVModel(SpecModel):
+    """A SpecModel whose drafter runs over a compressed cache; `last_stats` adds the KV bytes held."""
+
+    def _decode(self, prompt, args, sampler, acceptance):
+        new, stats = super()._decode(prompt, args, sampler, acceptance)
+        return new, {**stats, **self.drafter.kv_stats()}
+
+
+def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options: dict | None) -> CompressedKVModel:
+    """Mode (a): target with TreeAttention verifies; the same graph drafts over `policy`'s cache."""
+    from speccomp.backends import lower
+    from speccomp.passes.kv_compress import AttentionScores
+    from speccomp.passes.tree_attention import TreeAttention
+
+    from speccomp.drafters.registry import _default_tree
+    from speccomp.frontend.graph import run_passes
+
+    spec = _default_tree(tree, DynamicTreeSpec(16, 4), dynamic_ok=True, drafter="compressed_kv")
+    policy.check(base.captured.kv, base.captured.max_positions, tree_depth(spec) + 1)
+    passes = _layer_passes(base, dict(drafter_options or {}))
+    passes += [TreeAttention()] + ([AttentionScores()] if policy.needs_attention else [])
+    draft_graph = run_passes(base.clone(), passes)
+    drafter = CompressedKVDrafter(lower(draft_graph, backend), base.captured.kv, policy, spec, kv_layers=draft_graph.kv_layers)
+    drafter.options = dict(drafter_options or {})
+    target = run_passes(base.clone(), [TreeAttention()])
+    return CompressedKVModel(target, lower(target, backend), backend, drafter=drafter)
+
+
+def _layer_passes(base, options: dict) -> list:
+    """drafter_options {"skip": [...]} or {"exit_layer": k}: the drafter also skips layers (TriForce's
+    hierarchy idea: fewer layers *and* fewer keys per draft token). None given: the whole model drafts."""
+    from speccomp.drafters.registry import _early_exit_passes, _layer_skip_passes
+
+    if "skip" in options and "exit_layer" in options:
+        raise ValueError("give drafter_options 'skip' or 'exit_layer', not both")
+    if "skip" in options:
+        passes, rest = _layer_skip_passes(base, options)
+    elif "exit_layer" in options:
+        passes, rest = _early_exit_passes(base, options)
+    else:
+        passes, rest = [], options
+    if rest:
+        raise ValueError(f"unknown compressed-KV drafter options {sorted(rest)}; accepted: 'skip' or 'exit_layer'")
+    return passes
+
+
+def check_kv_options(kv_cache, kv_mode, drafter) -> tuple[KVPolicy, str]:
+    """Validate compile's kv_cache= / kv_mode= before anything is captured."""
+    from speccomp.runtime.calls import choice
+    from speccomp.errors import OptionError, OptionTypeError
+    from speccomp.kv.policies import KVPolicyError, parse_kv_cache
+
+    if kv_cache is not None and not isinstance(kv_cache, (str, KVPolicy)):
+        raise OptionTypeError("kv_cache", kv_cache, f"must be a policy string, got {type(kv_cache).__name__}",
+                              "e.g. 'sink:256', 'snapkv:512' or 'kivi4'")
+    try:
+        policy = parse_kv_cache(kv_cache)
+    except KVPolicyError as exc:
+        raise OptionError("kv_cache", kv_cache, str(exc)) from None
+    if policy is None:
+        raise OptionError("kv_mode", kv_mode, "needs a kv_cache= policy", "e.g. kv_cache='sink:256' or 'kivi4'")
+    if kv_mode is not None:
+        choice("kv_mode", kv_mode, KV_MODES)
+    mode = "draft" if kv_mode is None else kv_mode
+    if drafter is not None:
+        what = ("'target' (LOSSY: the target reads the compressed cache) runs plain decoding only for now"
+                if mode == "target" else "'draft' makes the drafter itself (the model over its compressed cache)")
+        raise OptionError("drafter", drafter, f"given with kv_mode={what}", "drop drafter=")
+    return policy, mode

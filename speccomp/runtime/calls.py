@@ -1,0 +1,181 @@
+"""What `generate` means in both runtimes, SpecModel (torch) and the exported Engine (numpy only), written
+once: its arguments' checks and its calling discipline. This module imports neither torch nor anything that does.
+
+Calling discipline (`CallGuard`): one generate runs at a time per model (a lock: drafters keep per-generation
+state, sessions keep bindings), and `last_stats` is the stats of the calling thread's own last call, so
+threads may share a model and each reads its own numbers (a thread that never called reads the latest).
+
+Arguments:
+
+Integers may be Python ints, numpy integers or 0-d integer arrays/tensors (anything `operator.index`
+takes), never bools; sequences of token ids are lists, tuples, sets or 1-D integer arrays/tensors, never
+strings (a string is a sequence of characters: "88" would otherwise stop at token 8). A wrong type is an
+`OptionTypeError`, a wrong value an `OptionError`; both name the parameter, the value and the fix.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from speccomp.errors import OptionError, OptionTypeError
+
+ACCEPTANCE = ("exact", "typical-lossy")
+MAX_TREE = 64  # nodes (root included) one verification may hold (both runtimes; sliding windows can lower it)
+
+
+def as_int(name: str, value, fix: str = "") -> int:
+    """`value` as a Python int, or an OptionTypeError naming `name`."""
+    if isinstance(value, (bool, np.bool_)) or getattr(value, "dtype", None) in (bool, np.bool_):
+        raise OptionTypeError(name, value, "must be an int, got a bool", fix)
+    if str(getattr(value, "dtype", "")) == "torch.bool":
+        raise OptionTypeError(name, value, "must be an int, got a bool tensor", fix)
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise OptionTypeError(name, value, f"must be an int, got {type(value).__name__}", fix) from None
+
+
+def as_number(name: str, value, fix: str = "") -> float:
+    """`value` as a finite float (ints, numpy numbers and 0-d arrays/tensors welcome; bools, strings, NaN not)."""
+    zero_d = getattr(value, "ndim", None) == 0 and "bool" not in str(getattr(value, "dtype", "bool"))
+    if isinstance(value, (bool, np.bool_)) or not (isinstance(value, (int, float, np.integer, np.floating)) or zero_d):
+        raise OptionTypeError(name, value, f"must be a number, got {type(value).__name__}", fix)
+    value = float(value)
+    if not math.isfinite(value):
+        raise OptionError(name, value, "must be a finite number", fix)
+    return value
+
+
+def positive_int(name: str, value, fix: str = "") -> int:
+    n = as_int(name, value, fix)
+    if n <= 0:
+        raise OptionError(name, value, "must be a positive int", fix)
+    return n
+
+
+def token_ids(name: str, value, vocab_size: int) -> list[int]:
+    """A token id or a sequence of them (see the module docstring), each in [0, vocab_size)."""
+    if isinstance(value, (str, bytes)):
+        raise OptionTypeError(name, value, "must be a token id (int) or a list of token ids, got a string",
+                              f"pass the id itself, e.g. {name}=tokenizer.eos_token_id")
+    ndim = getattr(value, "ndim", None)
+    if ndim == 0 or isinstance(value, (int, np.integer)) or (ndim is None and not hasattr(value, "__iter__")):
+        ids = [as_int(name, value)]
+    elif ndim is not None and ndim != 1:
+        raise OptionError(name, value, f"must be an int or a 1-D sequence of ints, got {ndim} dimensions")
+    else:
+        ids = [as_int(name, v, "every entry must be a token id (int)") for v in value]
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise OptionError(name, value, f"token ids {bad[:4]} are outside the vocabulary [0, {vocab_size}) and could "
+                          "never be generated", "pass ids of this model's tokenizer")
+    return ids
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    """generate()'s options, checked and normalised."""
+
+    prompt: np.ndarray  # int64 [n]
+    max_new_tokens: int
+    eos: frozenset
+    do_sample: bool
+    temperature: float
+    top_p: float
+    seed: int | None
+
+
+def _prompt(input_ids, vocab_size: int):
+    """The prompt as a 1-D int64 numpy array (an integer array/tensor is checked without a Python loop)."""
+    shape = getattr(input_ids, "shape", None)
+    if shape is None and not isinstance(input_ids, (list, tuple)):
+        raise OptionTypeError("input_ids", input_ids, f"must be token ids ([seq] or [1, seq]), got {type(input_ids).__name__}",
+                              "pass a LongTensor / int64 array such as tokenizer(text, return_tensors='pt').input_ids")
+    if shape is None:  # a list: [ids] or [[ids]]
+        rows = input_ids if input_ids and isinstance(input_ids[0], (list, tuple)) else [input_ids]
+        shape = (len(rows), len(rows[0]) if rows else 0)
+        flat = [as_int(f"input_ids[{i}]", v, "every entry must be a token id") for i, v in enumerate(v for r in rows for v in r)]
+        ids = np.array(flat, dtype=np.int64)
+    else:
+        dtype = str(getattr(input_ids, "dtype", ""))
+        if "int" not in dtype:  # torch.int64, int32, uint8, ...: not float, bool or object
+            raise OptionTypeError("input_ids", input_ids, f"must hold integer token ids, got dtype {dtype}")
+        ids = None
+    shape = tuple(shape)
+    if len(shape) not in (1, 2):
+        raise OptionError("input_ids", input_ids, f"must be [seq] or [1, seq], got shape {shape}")
+    if len(shape) == 2 and shape[0] != 1:
+        raise OptionError("input_ids", input_ids, f"holds a batch of {shape[0]} sequences; speccomp decodes one "
+                          "sequence at a time (batch size 1)", "call generate once per prompt")
+    if shape[-1] == 0:
+        raise OptionError("input_ids", input_ids, "is empty", "give at least one prompt token")
+    if ids is None:
+        host = input_ids.detach().cpu() if hasattr(input_ids, "detach") else input_ids  # a torch tensor
+        ids = np.asarray(host).reshape(-1).astype(np.int64, copy=False)
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise OptionError("input_ids", input_ids, f"token ids must be in [0, {vocab_size}), got values in [{lo}, {hi}]",
+                          "encode the prompt with this model's tokenizer")
+    return ids
+
+
+def generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed, *,
+                  vocab_size: int, max_positions: int | None) -> GenerateArgs:
+    """Check everything generate() was given, before any work; returns the normalised values."""
+    prompt = _prompt(input_ids, vocab_size)
+    n = positive_int("max_new_tokens", max_new_tokens, "ask for at least one new token")
+    if max_positions is not None and len(prompt) + n > max_positions:
+        raise OptionError("max_new_tokens", max_new_tokens, f"prompt ({len(prompt)} tokens) + max_new_tokens ({n}) "
+                          f"exceeds the model's context of {max_positions} positions",
+                          "shorten the prompt or ask for fewer tokens")
+    eos = frozenset() if eos_token_id is None else frozenset(token_ids("eos_token_id", eos_token_id, vocab_size))
+    if not isinstance(do_sample, (bool, np.bool_)):
+        raise OptionTypeError("do_sample", do_sample, f"must be True or False, got {type(do_sample).__name__}",
+                              "a string such as 'False' is not a bool")
+    t = as_number("temperature", temperature, "pass a float > 0 such as 0.7")
+    if not t > 0:
+        raise OptionError("temperature", temperature, "must be > 0", "use do_sample=False for greedy decoding")
+    p = as_number("top_p", top_p, "pass a float in (0, 1]")
+    if not 0 < p <= 1:
+        raise OptionError("top_p", top_p, "must be in (0, 1]", "1.0 keeps the whole distribution")
+    if seed is not None:
+        seed = as_int("seed", seed, "pass an int >= 0, or None for a fresh seed")
+        if not 0 <= seed < 2**63:
+            raise OptionError("seed", seed, "must be in [0, 2**63)")
+    return GenerateArgs(prompt, n, eos, bool(do_sample), t, p, seed)
+
+
+def choice(name: str, value, accepted) -> None:
+    """`value` must be one of `accepted`; a value of the wrong type (a list where names are expected, say) is an
+    OptionTypeError, an unknown one an OptionError; both list what is accepted."""
+    names = sorted(accepted, key=str)
+    if value is not None and not isinstance(value, str) and all(isinstance(a, str) for a in accepted if a is not None):
+        raise OptionTypeError(name, value, f"must be a str, got {type(value).__name__}", f"accepted values: {names}")
+    try:
+        known = value in accepted
+    except TypeError:  # unhashable
+        raise OptionTypeError(name, value, f"cannot be a {type(value).__name__}", f"accepted values: {names}") from None
+    if not known:
+        raise OptionError(name, value, f"unknown {name}", f"accepted values: {names}")
+
+
+class CallGuard:
+    """The lock generate() holds and the per-thread `last_stats` (see the module docstring). Copies of a model
+    that share its lowered graphs share its lock (`lock=`) but keep their own stats."""
+
+    def __init__(self, lock=None):
+        self.lock = lock or threading.Lock()
+        self._local = threading.local()
+        self._latest: dict = {}
+
+    @property
+    def stats(self) -> dict:
+        return getattr(self._local, "stats", self._latest)
+
+    @stats.setter
+    def stats(self, value: dict) -> None:  # set while holding `lock`, so `_latest` is the last call to finish
+        self._local.stats = self._latest = value

@@ -1,0 +1,119 @@
+"""SpecModel: what `speccomp.compile` returns. `generate` (one call at a time, lossless), `export` (an engine)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from speccomp.drafters.registry import max_tree_nodes
+from speccomp.errors import OptionError
+from speccomp.frontend.graph import SpecGraph
+from speccomp.runtime.calls import ACCEPTANCE, CallGuard, choice, generate_args
+from speccomp.runtime.decode import decode_plain, decode_speculative
+from speccomp.runtime.sampling import Sampler
+
+
+class SpecModel:
+    """A compiled causal LM. `generate` returns prompt + new tokens, like HF `generate`.
+
+    Thread safety: `generate` may be called from several threads; calls on one SpecModel run one at a time
+    (drafters keep per-generation state), and `last_stats` is the calling thread's own last call's."""
+
+    export_refusal: str | None = None  # why `export` must refuse this kind of model (None: it can export)
+
+    def __init__(self, spec_graph: SpecGraph, step, backend: str, drafter=None, model=None):
+        self.graph = spec_graph
+        self.model = model  # the source model (identity for export manifests)
+        self.step = step
+        self.backend = backend
+        self.drafter = drafter
+        self.kv = spec_graph.captured.kv
+        self.max_positions = spec_graph.captured.max_positions
+        self._calls = CallGuard()
+        self.max_tree = max_tree_nodes(spec_graph.structure)
+        weight = next(iter(spec_graph.gm.parameters()), None)
+        self.device = weight.device if weight is not None else torch.device("cpu")
+
+    @property
+    def last_stats(self) -> dict:
+        """new_tokens, steps (target forwards), tau, seconds, acceptance_by_depth, ... of this thread's last call."""
+        return self._calls.stats
+
+    @property
+    def providers(self) -> list[str] | None:
+        """The ONNX Runtime execution providers the sessions really run on (None: not an ONNX Runtime backend)."""
+        return getattr(self.step, "providers", None)
+
+    def with_drafter(self, drafter) -> "SpecModel":
+        """A copy that shares this model's lowered graphs (and so its lock) but drafts with `drafter` (own stats)."""
+        new = copy.copy(self)
+        new.drafter, new._calls = drafter, CallGuard(lock=self._calls.lock)  # the graphs are shared: so is the lock
+        return new
+
+    def __repr__(self) -> str:
+        drafter = getattr(self.drafter, "name", type(self.drafter).__name__) if self.drafter is not None else None
+        tree = getattr(self.drafter, "tree", None)
+        shape = f", tree={tree.choices if hasattr(tree, 'choices') else str(tree)}" if tree is not None else ""
+        on = f", providers={self.providers}" if self.providers else ""
+        return (f"{type(self).__name__}({self.graph.captured.model_type}, drafter={drafter!r}{shape}, "
+                f"backend={self.backend!r}{on})")
+
+    def generate(
+        self,
+        input_ids,
+        max_new_tokens: int,
+        eos_token_id=None,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        acceptance: str = "exact",
+    ) -> torch.Tensor:
+        """input_ids: [seq] or [1, seq] token ids (a LongTensor, an integer array or a list). eos_token_id: an int
+        or a list of ints. acceptance: "exact" (lossless: greedy equality / rejection sampling) or "typical-lossy"
+        (Medusa's typical acceptance with do_sample=True; LOSSY, the text no longer follows the model's
+        distribution; `last_stats["lossless"]` says which ran). Every argument is checked before any work
+        (speccomp/runtime/calls.py); a bad one raises OptionError / OptionTypeError naming it."""
+        args = generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed,
+                             vocab_size=self.graph.captured.vocab_size, max_positions=self.max_positions)
+        choice("acceptance", acceptance, ACCEPTANCE)
+        if acceptance != "exact" and not args.do_sample:
+            raise OptionError("acceptance", acceptance, "only changes sampling", "with greedy decoding use 'exact'")
+        if acceptance != "exact" and self.drafter is None:
+            raise OptionError("acceptance", acceptance, "needs a drafter (plain decoding accepts nothing)")
+        if isinstance(input_ids, torch.Tensor):
+            device, prompt = input_ids.device, input_ids.reshape(1, -1).long()
+        else:
+            device, prompt = self.device, torch.from_numpy(args.prompt)[None].to(self.device)
+        sampler = Sampler(args.do_sample, args.temperature, args.top_p, args.seed)
+        with self._calls.lock:
+            new, stats = self._decode(prompt, args, sampler, acceptance)
+            self._calls.stats = stats
+        return torch.cat([prompt, new[None].to(device)], dim=1)
+
+    def _decode(self, prompt: torch.Tensor, args, sampler: Sampler, acceptance: str) -> tuple[torch.Tensor, dict]:
+        """(new tokens [m], stats): the decode loop itself; subclasses with other loops override this."""
+        eos = set(args.eos)
+        if self.drafter is None:
+            new, stats = decode_plain(self.step, self.kv, prompt, args.max_new_tokens, eos, sampler)
+        else:
+            new, stats = decode_speculative(
+                self.step, self.drafter, self.kv, prompt, args.max_new_tokens, eos, sampler, self.max_tree, acceptance
+            )
+        return new, {**stats.as_dict(), "acceptance": acceptance, "lossless": acceptance == "exact",
+                     "backend": self.backend, "providers": self.providers}
+
+    def export(self, path, tokenizer=None, overwrite: bool = False):
+        """Write an engine directory (ONNX graph + manifest.json [+ tokenizer.json]) that `speccomp.load`
+        runs with ONNX Runtime and numpy only. Plain, ngram, token_recycling and medusa compilations export.
+        `path` must be a new or empty directory, or with overwrite=True an engine export wrote (nothing of
+        anyone else's is ever deleted: speccomp/engine/export.py's `check_destination`)."""
+        from speccomp.engine.export import export_engine
+
+        if self.export_refusal:
+            from speccomp.engine.runtime import EngineError
+
+            raise EngineError(self.export_refusal)
+        return export_engine(self, path, tokenizer=tokenizer, overwrite=overwrite)
+
+

@@ -1,0 +1,968 @@
+"""Autotune a drafter's token tree on this machine: measure, optimise, cache.
+
+    result = speccomp.autotune(model, "layer_skip", prompts=[ids, ...])   # or: speccomp autotune --drafter X
+    print(result.summary())
+    fast = speccomp.compile(model, drafter="layer_skip", tree="auto")     # the stored tree
+
+1. Measure, on the backend and machine in use:
+   - acceptance: the drafter runs on the calibration prompts with a *probe tree* (a rank-0 spine
+     of depth D with the K top candidates hanging from every spine node, 1 + D*K nodes) and the
+     target verifies as usual. For each accepted spine node at depth d-1 we count a visit, and a
+     hit at (d, r) when its rank-r child is the one the target accepted:
+         p[d-1][r] = hits / visits = P(rank-r child accepted | its parent accepted)
+     (Sequoia's positional acceptance vector, one row per depth: self-drafters and heads get
+     worse with depth). A child the drafter could not propose counts as not accepted; rarely
+     visited deep rows are shrunk towards the row above (`Acceptance`).
+   - t_verify(n): one target forward over n tree tokens + argmax + acceptance + cache append, at
+     a representative context length (mean prompt + half the new tokens), sizes interleaved,
+     median of `repeats`, made non-decreasing (`monotone_fit`); linear between the timed sizes.
+   - drafting: graph drafters (layer_skip, early_exit) run one draft forward per depth over that
+     depth's nodes, so their draft forward is timed per width w the same way and a tree costs
+     sum over its depths of (t_draft(width) + c_level), c_level being the probe's propose time
+     beyond its timed forwards divided by the probe's draft levels (Python and top-k work is paid
+     per level: a one-level tree does not pay for six); other drafters cost their median
+     `propose` time per step in the probe. `observe` (token recycling's table update) is charged
+     per verified node.
+   - the loop's own cost per step (tree bookkeeping, masks, stats), a + b*n: each decode run
+     gives one point, its wall time minus the parts above divided by its steps, at its mean tree
+     size: the plain reference run (n = 1), the probe (n = 1 + D*K) and every dynamic budget;
+     `fit_loop_overhead` is the least-squares line through them with a, b >= 0. Also measured:
+     the share of each depth's nodes the drafter really sends (token recycling drops the
+     children of tokens its table has no row for), which makes a tree's realized size n' <= n.
+2. Optimise (speccomp/tuning/tree_dp.py): for every depth limit <= D and every size n <= max_nodes the
+   DP gives the tree with the highest E[tokens per step]; the prediction is
+       tokens/s(tree) = E[tokens per step] / (t_verify(n') + t_draft(tree) + t_observe(n') + t_loop(n'))
+   and the static tree with the highest prediction wins. Dynamic trees (EAGLE-2 style, for the
+   drafters that grow them) are a second mode: each budget of a small grid is decoded on the
+   calibration prompts, its mean tokens per step and draft time measured, the same formula
+   predicts its speed, and the best budget competes with the best static tree.
+3. Check and cache: the chosen tree (and, on request, trees of other sizes) decodes the
+   calibration prompts; the measured decode speed is kept next to the prediction, and the output
+   must equal plain greedy decoding. The result is stored as JSON in the user cache under
+   `autotune/`, keyed by (model fingerprint, drafter, backend, device, dtype, threads, CPU);
+   `speccomp.compile(..., tree="auto")` reads it back (`resolve_auto`).
+
+Drafters: early_exit, layer_skip, token_recycling, medusa, hydra, eagle. `ngram` builds its tree from
+the matches it finds and takes no tree, so it cannot be tuned (a clear error says so). Token
+recycling is tuned as pure Token Recycling (`ngram_branches=0`) unless drafter_options say
+otherwise: its prompt-lookup branch adds nodes the tree model does not see (with it, the
+prediction is a lower bound). Its table learns from every verified node, so a big probe fills it
+faster than a small tree would: its acceptance, and so the prediction for small trees, leans
+optimistic; calibrate with generations as long as the real ones.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import platform
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from speccomp.errors import SpeccompError
+from speccomp.runtime.decode import ROOT_ONLY, Draft, DraftContext, Drafter
+from speccomp.runtime.tree import DEFAULT_DYNAMIC_TOP_K, AutoTreeSpec, DynamicTreeSpec, Tree, parse_tree_spec
+from speccomp.tuning.tree_dp import optimal_trees
+
+PROBE_DEPTH = 6
+PROBE_RANKS = 8
+DEFAULT_MAX_NODES = 64
+DYNAMIC_BUDGETS = (4, 8, 12, 16, 24, 32)
+TIMED_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64)
+REPORT_SIZES = (2, 4, 8, 16, 32, 64)  # sizes decoded for the report's "measured" points
+UNTUNABLE = {"ngram": "the ngram drafter builds its tree from the n-gram matches it finds and takes no tree="}
+SCHEMA = 1
+
+
+class AutotuneError(SpeccompError, ValueError):
+    """Autotuning cannot run as asked, or compile(tree="auto") finds no tuned tree (the message says what to do)."""
+
+
+def is_auto(tree) -> bool:
+    """True for the `tree=` values that ask for the autotuned tree ("auto", AutoTreeSpec())."""
+    return isinstance(tree, AutoTreeSpec) or (isinstance(tree, str) and tree.strip().lower() == "auto")
+
+
+# --------------------------------------------------------------------------------------------
+# Cache
+# --------------------------------------------------------------------------------------------
+
+
+def cache_key(model, drafter: str, backend: str) -> dict:
+    """What an autotune result is valid for: the model, drafter, backend, device, dtype, threads and CPU."""
+    from speccomp.models import fingerprint
+
+    p = next(iter(model.parameters()), None)
+    return {
+        "fingerprint": fingerprint(model),
+        "drafter": drafter,
+        "backend": backend,
+        "device": str(p.device) if p is not None else "cpu",
+        "dtype": str(p.dtype).replace("torch.", "") if p is not None else "float32",
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+    }
+
+
+def result_path(model, drafter: str, backend: str) -> Path:
+    from speccomp.models import cache_dir
+
+    key = cache_key(model, drafter, backend)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / "autotune" / f"{drafter}-{backend}-{digest}.json"
+
+
+def load_result(model, drafter: str, backend: str = "eager") -> "AutotuneResult | None":
+    """The stored autotune result for this model/drafter/backend/machine, or None (a damaged file counts as none)."""
+    path = result_path(model, drafter, backend)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("schema") != SCHEMA or data["key"] != cache_key(model, drafter, backend):
+            return None
+        result = AutotuneResult.from_dict(data)
+        parse_tree_spec(result.tree)  # a tree that no longer parses is no result
+        return result
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def resolve_auto(model, drafter, backend: str, drafter_options: dict | None):
+    """`tree="auto"` for compile: the stored tree and the drafter options it was tuned with."""
+    if not isinstance(drafter, str):
+        raise AutotuneError(
+            "tree='auto' looks up the tree tuned for a named drafter; give drafter= a name from "
+            "speccomp.available_drafters(), or pass your Drafter object an explicit tree"
+        )
+    if drafter in UNTUNABLE:
+        raise AutotuneError(f"tree='auto': {UNTUNABLE[drafter]}; drop tree= (or use token_recycling, which takes a tuned tree)")
+    result = load_result(model, drafter, backend)
+    if result is None:
+        key = cache_key(model, drafter, backend)
+        raise AutotuneError(
+            f"tree='auto': no autotuned tree for drafter {drafter!r} on backend {backend!r} for this model and machine "
+            f"(fingerprint {key['fingerprint']}, {key['device']}, {key['dtype']}, {key['threads']} threads). "
+            f"Run `speccomp autotune --drafter {drafter} --backend {backend}` (default model, same thread count) or, "
+            f"in Python, `speccomp.autotune(model, {drafter!r}, prompts, backend={backend!r})` first; "
+            "or pass an explicit tree (a choice list, an int k, 'dynamic:B:K')"
+        )
+    if drafter_options is not None and drafter_options != result.drafter_options:
+        warnings.warn(
+            f"tree='auto': the stored tree was tuned with drafter_options={result.drafter_options}, not {drafter_options}; "
+            f"it may not be the best tree for these options (re-run speccomp autotune with them)",
+            stacklevel=3,
+        )
+        return result.tree, dict(drafter_options)
+    return result.tree, dict(result.drafter_options)
+
+
+# --------------------------------------------------------------------------------------------
+# Drafters with another tree
+# --------------------------------------------------------------------------------------------
+
+
+def _drafter_classes():
+    from speccomp.drafters import head_drafters as drafters_medusa
+    from speccomp.drafters.graph import GraphDrafter
+    from speccomp.drafters.ngram import TokenRecyclingDrafter
+
+    return GraphDrafter, TokenRecyclingDrafter, drafters_medusa.MedusaDrafter, getattr(drafters_medusa, "HydraDrafter", None)
+
+
+def supports_dynamic(drafter: Drafter) -> bool:
+    graph, _, _, hydra = _drafter_classes()
+    return (isinstance(drafter, graph) or (hydra is not None and isinstance(drafter, hydra))
+            or bool(getattr(drafter, "dynamic_trees", False)))
+
+
+def max_tree_depth(drafter: Drafter) -> int | None:
+    """The deepest static tree the drafter can fill (heads: one per depth), None when unlimited."""
+    heads = getattr(drafter, "heads", None)
+    return getattr(heads, "num_heads", None)
+
+
+def max_tree_rank(drafter: Drafter) -> int | None:
+    """The most candidates per node the drafter can give (token recycling keeps top_k), None when unlimited."""
+    _, recycling, _, _ = _drafter_classes()
+    return drafter.top_k if isinstance(drafter, recycling) else None
+
+
+def retree(drafter: Drafter, tree) -> Drafter:
+    """A drafter like `drafter` (same graphs, heads, options) that drafts `tree` (a Tree or DynamicTreeSpec).
+
+    speccomp's drafters are rebuilt here; a custom Drafter can take part by defining `with_tree(tree)`.
+    """
+    hook = getattr(drafter, "with_tree", None)
+    if callable(hook):
+        if isinstance(tree, DynamicTreeSpec) and not supports_dynamic(drafter):
+            raise AutotuneError(f"the {drafter.name} drafter takes static trees only; tune it with mode='static'")
+        return hook(tree)
+    graph, recycling, medusa, hydra = _drafter_classes()
+    dynamic = isinstance(tree, DynamicTreeSpec)
+    if isinstance(drafter, graph):
+        new = graph(drafter.step, drafter.layer_index.tolist(), tree, drafter.name)
+        if hasattr(drafter, "options"):
+            new.options = drafter.options
+        return new
+    if dynamic and not supports_dynamic(drafter):
+        raise AutotuneError(f"the {drafter.name} drafter takes static trees only; tune it with mode='static'")
+    if isinstance(drafter, recycling):
+        if max(tree.ranks) >= drafter.top_k:
+            raise AutotuneError(f"tree uses rank {max(tree.ranks)} but token_recycling keeps top_k={drafter.top_k} candidates")
+        new = copy.copy(drafter)
+        new.tree, new.adj = tree, {}
+        return new
+    if isinstance(drafter, medusa):
+        return medusa(drafter.heads, tree)
+    if hydra is not None and isinstance(drafter, hydra):
+        return hydra(drafter.heads, tree)
+    raise AutotuneError(
+        f"the {getattr(drafter, 'name', type(drafter).__name__)} drafter cannot take a tuned tree; autotune works for "
+        "early_exit, layer_skip, token_recycling, medusa and hydra"
+    )
+
+
+def with_tree(sm, tree):
+    """A shallow copy of the SpecModel `sm` (same lowered graphs) whose drafter drafts `tree`."""
+    return sm.with_drafter(retree(sm.drafter, tree))
+
+
+class _NoDrafts(Drafter):
+    """Proposes the root alone: greedy decoding, one token per step, through the same target graph."""
+
+    name = "none"
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        return Draft(ROOT_ONLY, torch.tensor([ctx.tokens[-1]]))
+
+
+def probe_tree(depth: int, ranks: int) -> Tree:
+    """A rank-0 spine `depth` deep with `ranks` candidates under every spine node (1 + depth * ranks nodes)."""
+    return Tree.from_choices([[0] * (d - 1) + [r] for d in range(1, depth + 1) for r in range(ranks)])
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------------
+
+
+class _Recorder(Drafter):
+    """Wraps a drafter: times propose / observe and records each step's tree and accepted path."""
+
+    def __init__(self, inner: Drafter):
+        self.inner = inner
+        self.name = inner.name
+        self.wants_states = inner.wants_states
+        self.steps: list[dict] = []
+        self._propose_s, self._max_depth = 0.0, 0
+
+    def begin(self, prompt):
+        self.inner.begin(prompt)
+
+    def take_states(self, states):
+        self.inner.take_states(states)
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        start = time.perf_counter()
+        draft = self.inner.propose(ctx)
+        self._propose_s = time.perf_counter() - start
+        self._max_depth = ctx.max_depth
+        return draft
+
+    def observe(self, draft: Draft, path, target_logits):
+        start = time.perf_counter()
+        self.inner.observe(draft, path, target_logits)
+        self.steps.append(
+            {
+                "propose_s": self._propose_s, "observe_s": time.perf_counter() - start, "size": draft.tree.size,
+                "ranks": draft.tree.ranks, "path": list(path), "room": self._max_depth,
+                "per_depth": torch.bincount(draft.tree.depth).tolist(),
+            }
+        )
+        self._propose_s, self._max_depth = 0.0, 0  # the last step of a decode verifies the root alone, unproposed
+
+
+PRIOR_VISITS = 4  # pseudo-visits pulling a deep, rarely reached depth's estimate towards the depth above
+
+
+@dataclass
+class Acceptance:
+    """Positional acceptance measured with a probe tree (row d = depth d + 1, column r = rank r).
+
+    p_raw[d][r] = hits[d][r] / visits[d]. Deep rows see few visits (the spine must be accepted that far),
+    so `p` shrinks each row below depth 1 towards the row above with PRIOR_VISITS pseudo-visits:
+    p[d][r] = (hits[d][r] + PRIOR_VISITS * p[d-1][r]) / (visits[d] + PRIOR_VISITS). One lucky visit then
+    does not make a depth look certain; with many visits the data wins. A depth never visited gets 0:
+    the tree does not reach where calibration never went. Rows stay sub-stochastic.
+    """
+
+    hits: list[list[int]]
+    visits: list[int]
+
+    @property
+    def p_raw(self) -> list[list[float]]:
+        return [[h / v if v else 0.0 for h in row] for row, v in zip(self.hits, self.visits)]
+
+    @property
+    def p(self) -> list[list[float]]:
+        out: list[list[float]] = []
+        for row, v in zip(self.hits, self.visits):
+            if not out or not v:
+                out.append([h / v if v else 0.0 for h in row])
+            else:
+                out.append([(h + PRIOR_VISITS * q) / (v + PRIOR_VISITS) for h, q in zip(row, out[-1])])
+        return out
+
+    def add(self, step: dict) -> None:
+        depth, ranks = len(self.visits), len(self.hits[0])
+        path, node_ranks = step["path"], step["ranks"]
+        for i in range(min(depth, step["room"])):  # path[i] is an accepted spine node at depth i
+            if i >= len(path):
+                break
+            self.visits[i] += 1
+            if i + 1 >= len(path):
+                break
+            r = node_ranks[path[i + 1]]
+            if r < ranks:
+                self.hits[i][r] += 1
+            if r != 0:  # off the spine: the probe has no children there
+                break
+
+
+def _decode_rate(runs: list[dict]) -> tuple[float, float]:
+    """(decode tokens/s, tokens per verify step) over runs, leaving out the prefill and its token."""
+    tokens = sum(r["new_tokens"] - 1 for r in runs)
+    seconds = sum(r["seconds"] - r["prefill_seconds"] for r in runs)
+    steps = sum(r["steps"] - 1 for r in runs)
+    return (tokens / seconds if seconds > 0 else float("nan")), (tokens / steps if steps else float("nan"))
+
+
+def _run(sm, prompts, max_new_tokens, eos, refs=None, bar=None) -> dict:
+    """Decode every prompt with `sm`; stats summed over prompts, and whether all outputs equal `refs`.
+
+    Also returns `runs`, each decode's `last_stats` (wall time, prefill time, steps).
+    """
+    runs, identical, outs = [], True, []
+    for i, p in enumerate(prompts):
+        out = sm.generate(p, max_new_tokens=max_new_tokens, eos_token_id=eos)
+        runs.append(dict(sm.last_stats))
+        outs.append(out)
+        if refs is not None:
+            identical &= bool(torch.equal(out, refs[i]))
+        if bar is not None:
+            bar.update()
+    rate, per_step = _decode_rate(runs)
+    return {"tokens_per_s": rate, "tokens_per_step": per_step, "identical": identical, "outputs": outs, "runs": runs}
+
+
+def measure_acceptance(sm, prompts, *, max_new_tokens: int, eos=None, depth: int, ranks: int, bar=None):
+    """Acceptance table of `sm`'s drafter from a probe tree (depth x ranks).
+
+    Returns (Acceptance, recorded steps, last_stats of every decode).
+    """
+    probe = with_tree(sm, probe_tree(depth, ranks))
+    probe.generate(prompts[0], max_new_tokens=min(4, max_new_tokens))  # warm-up, not recorded
+    recorder = _Recorder(probe.drafter)
+    probe.drafter = recorder
+    acc = Acceptance([[0] * ranks for _ in range(depth)], [0] * depth)
+    runs = []
+    for p in prompts:
+        probe.generate(p, max_new_tokens=max_new_tokens, eos_token_id=eos)
+        runs.append(dict(probe.last_stats))
+        if bar is not None:
+            bar.update()
+    for step in recorder.steps:
+        acc.add(step)
+    return acc, recorder.steps, runs
+
+
+def _interp(xs: list, ys: list, x: float) -> float:
+    if x <= xs[0]:
+        return ys[0]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[-1] + (ys[-1] - ys[-2]) * (x - xs[-1]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[-1]
+
+
+def monotone_fit(ys: list[float]) -> list[float]:
+    """The closest non-decreasing sequence to `ys` in least squares (pool adjacent violators).
+
+    Scoring more tokens does not cost less; on a busy machine single medians still dip, and a dip would
+    make the optimiser prefer a size for its noise. The raw medians stay in the result for the report.
+    """
+    blocks: list[list[float]] = []  # [sum, count]
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    out: list[float] = []
+    for s, c in blocks:
+        out += [s / c] * c
+    return out
+
+
+def _context(sm, prompts, length: int):
+    """A KV cache holding `length` tokens of the calibration text (prompts cycled), room for 64 more."""
+    from speccomp.runtime.decode import KVCache
+    from speccomp.runtime.decode import prefill
+
+    text = torch.cat([p[0] for p in prompts])
+    ids = text.repeat(length // text.numel() + 1)[:length][None]
+    cache = KVCache(sm.kv, length + DEFAULT_MAX_NODES + 2)
+    prefill(sm.step, cache, ids)
+    return cache
+
+
+def time_steps(sm, prompts, *, context_len: int, sizes, widths=(), repeats: int = 5, bar=None) -> dict:
+    """Median seconds of a verify step at each tree size (and of a graph drafter's forward at each width).
+
+    A verify step is what the decode loop does per step besides drafting: the target forward over
+    n tree tokens at `context_len` cached tokens, the argmax, greedy acceptance and the cache append.
+    Sizes (and widths) are interleaved in a rotating order, after one untimed pass.
+    """
+    from speccomp.runtime.tree import greedy_accept
+
+    cache = _context(sm, prompts, context_len)
+    base = cache.length
+    graph_cls = _drafter_classes()[0]
+    drafter = sm.drafter if isinstance(sm.drafter, graph_cls) else None
+    jobs = [("verify", n) for n in sizes] + ([("draft", w) for w in widths] if drafter is not None else [])
+    trees = {n: Tree.from_parents((-1,)) if n == 1 else Tree.chain(n - 1) for n in sizes}
+    text = torch.cat([p[0] for p in prompts])
+    longest = max(list(sizes) + list(widths) + [1])
+    tokens = text.repeat(longest // text.numel() + 1)[:longest]
+
+    def run(kind: str, n: int) -> float:
+        start = time.perf_counter()
+        if kind == "verify":
+            tree = trees[n]
+            mask = torch.ones(1, base + n, dtype=torch.long)
+            with torch.no_grad():
+                outs = sm.step(tokens[None, :n], tree.positions(base), mask, cache.past(), tree.mask)
+            logits = outs[0][0]
+            path, _ = greedy_accept(tree, tokens[:n], logits.argmax(-1))
+            cache.append(outs[1], keep=torch.tensor(path))
+        else:
+            drafter._forward(cache, base, 0, tokens[:n], 0, torch.eye(n, dtype=torch.bool))
+        seconds = time.perf_counter() - start
+        cache.length = base
+        return seconds
+
+    for job in jobs:  # warm-up: first calls at a shape allocate
+        run(*job)
+    times: dict = {job: [] for job in jobs}
+    for rep in range(repeats):
+        k = rep % len(jobs)
+        for job in jobs[k:] + jobs[:k]:
+            times[job].append(run(*job))
+        if bar is not None:
+            bar.update()
+    med = {job: statistics.median(v) for job, v in times.items()}
+    verify = [med[("verify", n)] for n in sizes]
+    draft = [med[("draft", w)] for w in widths] if drafter is not None else []
+    return {
+        "sizes": list(sizes), "verify_raw_s": verify, "verify_s": monotone_fit(verify),
+        "widths": list(widths) if drafter is not None else [], "draft_raw_s": draft, "draft_s": monotone_fit(draft),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Result
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AutotuneResult:
+    drafter: str
+    backend: str
+    key: dict
+    drafter_options: dict
+    mode: str  # "static" | "dynamic": which kind of tree won
+    tree: object  # choice list (static) or "dynamic:BUDGET:TOPK"
+    predicted_tokens_per_s: float
+    measured_tokens_per_s: float  # decode speed of the chosen tree on the calibration prompts (prefill excluded)
+    context_len: int
+    acceptance: dict  # p, hits, visits, probe_depth, probe_ranks
+    timing: dict  # sizes, verify_s, widths, draft_s, draft_overhead_per_level_s, propose_s, observe_per_node_s, loop_*
+    static: list = field(default_factory=list)  # per size n: the DP's best tree and its prediction
+    dynamic: list = field(default_factory=list)  # per budget: expected, mean size, prediction, measurement
+    measured: list = field(default_factory=list)  # decoded configurations: predicted vs measured tokens/s
+    plain_tokens_per_s: float = float("nan")  # the same target graph, one token per step
+    path: str | None = None
+    schema: int = SCHEMA
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "AutotuneResult":
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def tree_spec(self):
+        """The chosen tree as compile takes it: a Tree or a DynamicTreeSpec."""
+        return parse_tree_spec(self.tree)
+
+    def summary(self) -> str:
+        lines = [
+            f"autotune {self.drafter} on {self.backend} ({self.key['device']}, {self.key['dtype']}, "
+            f"{self.key['threads']} threads, {self.key['cpu']}), options {self.drafter_options}",
+            f"chosen: {self.mode} tree {self.tree if self.mode == 'dynamic' else json.dumps(self.tree)}",
+            f"  predicted {self.predicted_tokens_per_s:.1f} tok/s, measured {self.measured_tokens_per_s:.1f} tok/s "
+            f"(decode, calibration prompts); no drafts (1 token per step) {self.plain_tokens_per_s:.1f} tok/s",
+            "acceptance p[depth][rank] (probe " + f"{self.acceptance['probe_depth']}x{self.acceptance['probe_ranks']}):",
+        ]
+        for d, (row, v) in enumerate(zip(self.acceptance["p"], self.acceptance["visits"]), 1):
+            lines.append(f"  depth {d} ({v:>4} visits): " + " ".join(f"{x:.2f}" for x in row))
+        t = self.timing
+        if "loop_overhead_per_node_s" in t:
+            lines.append(
+                f"step costs: loop overhead {1e3 * t['loop_overhead_s']:.1f} ms + {1e3 * t['loop_overhead_per_node_s']:.2f} ms/node"
+                + (f", draft overhead {1e3 * t['draft_overhead_per_level_s']:.1f} ms per draft level" if t.get("widths") else "")
+            )
+        lines.append("| n | depth | E[tokens/step] | step ms | predicted tok/s |")
+        lines.append("|---:|---:|---:|---:|---:|")
+        best_n = len(self.tree) + 1 if self.mode == "static" else None
+        for row in self.static:
+            if row["n"] in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) or row["n"] == best_n:
+                mark = " **chosen**" if row["n"] == best_n else ""
+                lines.append(
+                    f"| {row['n']}{mark} | {row['depth']} | {row['expected']:.2f} | {1e3 * row['step_s']:.1f} | {row['tokens_per_s']:.1f} |"
+                )
+        if self.dynamic:
+            lines.append("| dynamic budget | E[tokens/step] | mean nodes | step ms | predicted tok/s | measured tok/s |")
+            lines.append("|---:|---:|---:|---:|---:|---:|")
+            for row in self.dynamic:
+                lines.append(
+                    f"| {row['budget']}:{row['top_k']} | {row['expected']:.2f} | {row['mean_size']:.1f} | "
+                    f"{1e3 * row['step_s']:.1f} | {row['tokens_per_s']:.1f} | {row['measured_tokens_per_s']:.1f} |"
+                )
+        if self.measured:
+            lines.append("| decoded | predicted tok/s | measured tok/s | E pred | E meas | identical |")
+            lines.append("|---|---:|---:|---:|---:|---|")
+            for row in self.measured:
+                lines.append(
+                    f"| {row['label']} | {row['predicted_tokens_per_s']:.1f} | {row['measured_tokens_per_s']:.1f} | "
+                    f"{row['expected']:.2f} | {row['measured_tokens_per_step']:.2f} | {row['identical']} |"
+                )
+        if self.predicted_tokens_per_s < self.plain_tokens_per_s:
+            lines.append(
+                f"note: even the best tree is predicted slower than decoding without drafts "
+                f"({self.plain_tokens_per_s:.1f} tok/s): this drafter does not pay on this machine"
+            )
+        if self.path:
+            lines.append(f"stored in {self.path}")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Optimise
+# --------------------------------------------------------------------------------------------
+
+
+def _tree_widths(choices: list) -> list[int]:
+    """Nodes per depth (root first) of a choice list."""
+    widths = [1]
+    for c in choices:
+        while len(widths) <= len(c):
+            widths.append(0)
+        widths[len(c)] += 1
+    return widths
+
+
+def draft_seconds(timing: dict, choices: list) -> float:
+    """Predicted drafting time of a static tree: per-depth forwards (graph drafters) or the probe's propose time.
+
+    A graph drafter pays, per draft level, one forward over that level's nodes plus the Python/top-k
+    work around it (`draft_overhead_per_level_s`, measured on the probe).
+    """
+    if timing["widths"]:
+        widths = _tree_widths(choices)
+        forwards = widths[:-1]  # every depth that has children below it runs one forward over its nodes
+        per_level = timing.get("draft_overhead_per_level_s")
+        overhead = per_level * len(forwards) if per_level is not None else timing.get("draft_overhead_s", 0.0)  # old results
+        return overhead + sum(_interp(timing["widths"], timing["draft_s"], w) for w in forwards)
+    if timing.get("propose_per_level_s") is not None:  # drafters that run one forward per draft level (EAGLE)
+        return timing["propose_per_level_s"] * (len(_tree_widths(choices)) - 1)
+    return timing["propose_s"]
+
+
+def loop_seconds(timing: dict, n: float) -> float:
+    """The decode loop's own cost of a step verifying n nodes: a + b*n (`fit_loop_overhead`)."""
+    return timing.get("loop_overhead_s", 0.0) + timing.get("loop_overhead_per_node_s", 0.0) * n
+
+
+def step_seconds(timing: dict, n: float, draft_s: float) -> float:
+    """Predicted seconds of one decode step: verify n nodes + draft + observe + the loop's own overhead."""
+    verify = _interp(timing["sizes"], timing["verify_s"], n)
+    return verify + draft_s + timing["observe_per_node_s"] * n + loop_seconds(timing, n)
+
+
+def fit_loop_overhead(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least-squares a, b >= 0 of overhead(n) = a + b*n from (n, seconds per step, weight) points.
+
+    Each point is one calibration decode (weight = its steps). One distinct size gives b = 0 and a = the
+    weighted mean; a negative slope or intercept (noise) is clamped to 0 and the other refitted.
+    """
+    pts = [(float(n), float(y), float(w)) for n, y, w in points if w > 0]
+    if not pts:
+        return 0.0, 0.0
+    sw = sum(w for _, _, w in pts)
+    mean_n = sum(w * n for n, _, w in pts) / sw
+    mean_y = sum(w * y for _, y, w in pts) / sw
+    var = sum(w * (n - mean_n) ** 2 for n, _, w in pts)
+    if var <= 1e-12 * sw:
+        return max(0.0, mean_y), 0.0
+    b = sum(w * (n - mean_n) * (y - mean_y) for n, y, w in pts) / var
+    a = mean_y - b * mean_n
+    if b < 0:  # more nodes never cost less: a flat line
+        return max(0.0, mean_y), 0.0
+    if a < 0:  # a line through the origin
+        b = max(0.0, sum(w * n * y for n, y, w in pts) / sum(w * n * n for n, _, w in pts))
+        return 0.0, b
+    return a, b
+
+
+def _loop_point(runs: list[dict], steps: list[dict], timing: dict) -> tuple[float, float, float]:
+    """(mean tree size, loop seconds per step, steps) of decode runs whose steps a _Recorder timed (or of a
+    drafter-less run when `steps` is empty: every step then verifies the root alone)."""
+    wall = sum(r["seconds"] - r["prefill_seconds"] for r in runs)
+    n_steps = sum(r["steps"] - 1 for r in runs)  # the prefill counts as a step
+    if not steps:  # plain decoding: one node per step, nothing proposed
+        return 1.0, (wall - n_steps * _interp(timing["sizes"], timing["verify_s"], 1)) / max(n_steps, 1), n_steps
+    parts = sum(_interp(timing["sizes"], timing["verify_s"], s["size"]) + s["propose_s"] + s["observe_s"] for s in steps)
+    return statistics.mean(s["size"] for s in steps), (wall - parts) / len(steps), len(steps)
+
+
+def realized_size(timing: dict, choices: list) -> float:
+    """Expected nodes a drafter really sends for a tree: token recycling drops the children of tokens its
+    table has no row for (`presence[d-1]` = share of depth-d nodes present in the probe; 1 for the others)."""
+    presence = timing.get("presence") or []
+    widths = _tree_widths(choices)
+    return 1 + sum(w * (presence[d - 1] if d - 1 < len(presence) else 1.0) for d, w in enumerate(widths) if d > 0)
+
+
+def plan_static(p, timing: dict, max_nodes: int, max_depth: int) -> list[dict]:
+    """For every size n = 2..max_nodes: the DP's best tree over depth limits 1..max_depth by predicted tokens/s."""
+    best: dict[int, dict] = {}
+    for depth in range(1, max_depth + 1):
+        for sol in optimal_trees(p, max_nodes, depth)[1:]:
+            if sol is None:
+                continue
+            t_draft = draft_seconds(timing, sol.choices)
+            size = realized_size(timing, sol.choices)
+            t = step_seconds(timing, size, t_draft)
+            row = {
+                "n": sol.size, "depth": sol.max_depth, "expected": float(sol.value), "realized_size": size, "step_s": t,
+                "draft_s": t_draft, "tokens_per_s": float(sol.value) / t, "choices": sol.choices,
+            }
+            if sol.size not in best or row["tokens_per_s"] > best[sol.size]["tokens_per_s"]:
+                best[sol.size] = row
+    return [best[n] for n in sorted(best)]
+
+
+# --------------------------------------------------------------------------------------------
+# The whole thing
+# --------------------------------------------------------------------------------------------
+
+
+def _default_options(model, drafter: str, options: dict | None) -> dict | None:
+    if options is not None:
+        return dict(options)
+    if drafter == "token_recycling":
+        return {"ngram_branches": 0}
+    from speccomp.drafters.registry import SEARCHED
+
+    if drafter in SEARCHED:  # the layers `speccomp search` chose on this machine, if it ran
+        from speccomp.tuning.search import cached_options
+
+        return cached_options(model, drafter, None)
+    return None
+
+
+def autotune(
+    model,
+    drafter: str,
+    prompts,
+    *,
+    backend: str = "eager",
+    drafter_options: dict | None = None,
+    max_nodes: int = DEFAULT_MAX_NODES,
+    max_depth: int = PROBE_DEPTH,
+    ranks: int = PROBE_RANKS,
+    mode: str = "auto",
+    dynamic_budgets=DYNAMIC_BUDGETS,
+    dynamic_top_k: int = DEFAULT_DYNAMIC_TOP_K,
+    max_new_tokens: int = 64,
+    eos_token_id=None,
+    repeats: int = 5,
+    measure_sizes=None,
+    save: bool = True,
+    progress: bool = False,
+) -> AutotuneResult:
+    """Measure acceptance and step costs of `drafter` on `model`, pick the fastest tree, store it.
+
+    prompts        calibration prompts (token id tensors [1, n] or [n])
+    max_nodes      largest tree considered, root included (also capped by the model's sliding windows)
+    max_depth, ranks   the probe tree: depths measured and candidates per node (the DP uses no more)
+    mode           "static", "dynamic" (drafters that grow trees: early_exit, layer_skip, hydra, eagle) or
+                   "auto" (both where the drafter supports dynamic trees; the faster prediction wins)
+    dynamic_budgets    budgets tried in dynamic mode (draft nodes, root not counted), with `dynamic_top_k`
+    measure_sizes  static tree sizes to decode for predicted-vs-measured rows besides the chosen one
+    save           store the result where compile(tree="auto") finds it
+    Every decoded configuration is compared with plain greedy decoding; a mismatch raises (a bug).
+    """
+    import speccomp
+
+    from speccomp.drafters.registry import DRAFTERS
+    from speccomp.drafters.graph import MAX_DYNAMIC_DEPTH
+
+    from speccomp.drafters.merge import split_names
+
+    if split_names(drafter):
+        raise AutotuneError(
+            f"cannot autotune the merged drafter {drafter!r} as a whole: autotune its first drafter "
+            f"({split_names(drafter)[0]!r}); compile(drafter={drafter!r}, tree='auto') then uses that drafter's tree"
+        )
+    if not isinstance(drafter, str) or drafter not in DRAFTERS:
+        raise AutotuneError(f"unknown drafter {drafter!r}; accepted values: {sorted(DRAFTERS)}")
+    if drafter in UNTUNABLE:
+        raise AutotuneError(f"cannot autotune {drafter!r}: {UNTUNABLE[drafter]}; tune token_recycling or a self-drafter instead")
+    if mode not in ("auto", "static", "dynamic"):
+        raise AutotuneError(f"unknown mode {mode!r}; accepted values: ['auto', 'dynamic', 'static']")
+    for name, value, low in (("max_nodes", max_nodes, 2), ("max_depth", max_depth, 1), ("ranks", ranks, 1),
+                             ("max_new_tokens", max_new_tokens, 2), ("repeats", repeats, 1), ("dynamic_top_k", dynamic_top_k, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise AutotuneError(f"{name} must be an int >= {low}, got {value!r}")
+    prompts = [p if p.dim() == 2 else p[None] for p in prompts]
+    if not prompts:
+        raise AutotuneError("autotune needs at least one calibration prompt (token ids)")
+
+    options = _default_options(model, drafter, drafter_options)
+    sm = speccomp.compile(model, drafter=drafter, drafter_options=None if options is None else dict(options), backend=backend)
+    options = dict(getattr(sm.drafter, "options", None) or options or {})
+    dynamic_ok = supports_dynamic(sm.drafter)
+    if mode == "dynamic" and not dynamic_ok:
+        raise AutotuneError(f"the {drafter} drafter takes static trees only; use mode='static' (or 'auto')")
+    do_static = mode in ("auto", "static")
+    do_dynamic = mode == "dynamic" or (mode == "auto" and dynamic_ok)
+    max_nodes = min(max_nodes, sm.max_tree)
+    if max_nodes < 2:
+        raise AutotuneError(f"the model fits trees of at most {sm.max_tree} nodes (sliding window); nothing to tune")
+    # the probe may be larger than the trees considered: only the model's limit applies
+    depth = min(max_depth, max_tree_depth(sm.drafter) or max_depth, sm.max_tree - 1)
+    ranks = min(ranks, max_tree_rank(sm.drafter) or ranks)
+    while 1 + depth * ranks > sm.max_tree and ranks > 1:
+        ranks -= 1
+    while 1 + depth * ranks > sm.max_tree:
+        depth -= 1
+    depth = min(depth, max_nodes - 1)
+    budgets = sorted({b for b in dynamic_budgets if 1 <= b <= max_nodes - 1}) if do_dynamic else []
+    if do_dynamic and not budgets:
+        raise AutotuneError(f"no dynamic budget in {list(dynamic_budgets)} fits trees of {max_nodes} nodes")
+    probe_size = 1 + depth * ranks
+    sizes = sorted({n for n in TIMED_SIZES if n <= max(max_nodes, probe_size)} | {max_nodes, probe_size})
+    if measure_sizes == "report":
+        measure_sizes = [n for n in REPORT_SIZES if n <= max_nodes]
+    extra_sizes = sorted({int(n) for n in (measure_sizes or []) if 2 <= int(n) <= max_nodes})
+    context_len = int(sum(p.shape[1] for p in prompts) / len(prompts)) + max_new_tokens // 2
+    if sm.max_positions is not None:
+        context_len = max(1, min(context_len, sm.max_positions - max(sizes) - 2))
+
+    from tqdm import tqdm
+
+    n_p = len(prompts)
+    total = n_p + n_p + repeats + len(budgets) * n_p + (1 + len(extra_sizes)) * n_p * do_static
+    bar = tqdm(total=total, desc=f"autotune {drafter}", disable=not progress, unit="run")
+    plain = sm.with_drafter(_NoDrafts())  # the reference: greedy decoding through the same lowered target graph
+    bar.set_postfix_str("greedy decoding without drafts (reference)")
+    ref = _run(plain, prompts, max_new_tokens, eos_token_id, bar=bar)
+    refs = ref["outputs"]
+
+    # 1. measure
+    bar.set_postfix_str(f"acceptance, probe {depth}x{ranks}")
+    acc, steps, probe_runs = measure_acceptance(
+        sm, prompts, max_new_tokens=max_new_tokens, eos=eos_token_id, depth=depth, ranks=ranks, bar=bar
+    )
+    bar.set_postfix_str("step costs")
+    widths = [w for w in sizes if w <= max(max_nodes - 1, ranks)]  # a depth of the trees (or of the probe)
+    timing = time_steps(sm, prompts, context_len=context_len, sizes=sizes, widths=widths, repeats=repeats, bar=bar)
+    probe_choices = probe_tree(depth, ranks).choices
+    proposed = [s for s in steps if s["room"] > 0]
+    timing["propose_s"] = statistics.median(s["propose_s"] for s in proposed) if proposed else 0.0
+    timing["observe_per_node_s"] = statistics.median(s["observe_s"] / s["size"] for s in steps) if steps else 0.0
+    timing["draft_overhead_per_level_s"] = 0.0
+    probe_levels = len(_tree_widths(probe_choices)) - 1
+    if timing["widths"]:  # what propose costs beyond its forwards (Python, top-k), per draft level of the probe
+        timing["draft_overhead_per_level_s"] = max(0.0, timing["propose_s"] - draft_seconds(timing, probe_choices)) / probe_levels
+    elif getattr(sm.drafter, "drafts_by_level", False):  # its own forward per level: propose time scales with depth
+        timing["propose_per_level_s"] = timing["propose_s"] / probe_levels
+    # nodes the drafter really sent, per depth, against the probe's (token recycling prunes rowless tokens)
+    presence = []
+    for d in range(1, depth + 1):
+        sent = [s["per_depth"][d] if d < len(s["per_depth"]) else 0 for s in steps if s["room"] >= d]
+        presence.append(min(1.0, sum(sent) / (ranks * len(sent))) if sent else 1.0)
+    timing["presence"] = presence
+
+    # dynamic budgets: decoded now, since their wall times also calibrate the loop overhead below
+    dynamic_runs = []
+    for b in budgets:
+        bar.set_postfix_str(f"dynamic budget {b}")
+        dyn = with_tree(sm, DynamicTreeSpec(b, dynamic_top_k))
+        recorder = _Recorder(dyn.drafter)
+        dyn.drafter = recorder
+        run = _run(dyn, prompts, max_new_tokens, eos_token_id, refs, bar=bar)
+        if not run["identical"]:
+            raise RuntimeError(f"{drafter} with tree dynamic:{b}:{dynamic_top_k} changed the greedy output; please report this")
+        dynamic_runs.append((b, recorder.steps, run))
+
+    # the decode loop's own cost per step (tree bookkeeping, masks, stats), a + b*n over every calibration
+    # decode: wall time minus the parts timed above, per step, at the run's mean tree size
+    points = [_loop_point(ref["runs"], [], timing)]
+    if steps:
+        points.append(_loop_point(probe_runs, steps, timing))
+    points += [_loop_point(run["runs"], rec_steps, timing) for _, rec_steps, run in dynamic_runs if rec_steps]
+    timing["loop_points"] = [list(pt) for pt in points]
+    timing["loop_overhead_s"], timing["loop_overhead_per_node_s"] = fit_loop_overhead(points)
+
+    # 2. optimise
+    static_rows = plan_static(acc.p, timing, max_nodes, depth) if do_static else []
+    dynamic_rows = []
+    for b, rec_steps, run in dynamic_runs:
+        full = [s for s in rec_steps if s["room"] >= min(b, MAX_DYNAMIC_DEPTH)] or rec_steps  # steady state
+        expected = statistics.mean(len(s["path"]) for s in full) if full else 1.0
+        mean_size = statistics.mean(s["size"] for s in full) if full else 1.0
+        t_draft = statistics.median(s["propose_s"] for s in rec_steps) if rec_steps else 0.0
+        t = step_seconds(timing, mean_size, t_draft)
+        dynamic_rows.append({
+            "budget": b, "top_k": dynamic_top_k, "expected": expected, "mean_size": mean_size, "draft_s": t_draft,
+            "step_s": t, "tokens_per_s": expected / t, "measured_tokens_per_s": run["tokens_per_s"],
+            "measured_tokens_per_step": run["tokens_per_step"], "identical": run["identical"],
+        })
+
+    best_static = max(static_rows, key=lambda r: r["tokens_per_s"]) if static_rows else None
+    best_dynamic = max(dynamic_rows, key=lambda r: r["tokens_per_s"]) if dynamic_rows else None
+    if best_dynamic is not None and (best_static is None or best_dynamic["tokens_per_s"] > best_static["tokens_per_s"]):
+        chosen_mode, tree = "dynamic", f"dynamic:{best_dynamic['budget']}:{best_dynamic['top_k']}"
+        predicted, measured_rate = best_dynamic["tokens_per_s"], best_dynamic["measured_tokens_per_s"]
+    else:
+        chosen_mode, tree, predicted, measured_rate = "static", best_static["choices"], best_static["tokens_per_s"], float("nan")
+
+    # 3. check: decode the chosen static tree (and the requested sizes) on the calibration prompts
+    measured_rows = []
+    by_n = {r["n"]: r for r in static_rows}
+    check = ([best_static["n"]] if best_static else []) + [n for n in extra_sizes if not best_static or n != best_static["n"]]
+    for n in check:
+        if n not in by_n:
+            continue
+        row = by_n[n]
+        bar.set_postfix_str(f"decoding with the best {n}-node tree")
+        run = _run(with_tree(sm, Tree.from_choices(row["choices"])), prompts, max_new_tokens, eos_token_id, refs, bar=bar)
+        if not run["identical"]:
+            raise RuntimeError(f"{drafter} with the tree {row['choices']} changed the greedy output; please report this")
+        measured_rows.append({
+            "label": f"static n={n}", "mode": "static", "n": n, "expected": row["expected"],
+            "predicted_tokens_per_s": row["tokens_per_s"], "measured_tokens_per_s": run["tokens_per_s"],
+            "measured_tokens_per_step": run["tokens_per_step"], "identical": run["identical"],
+        })
+        if chosen_mode == "static" and best_static is not None and n == best_static["n"]:
+            measured_rate = run["tokens_per_s"]
+    for row in dynamic_rows:
+        measured_rows.append({
+            "label": f"dynamic:{row['budget']}:{row['top_k']}", "mode": "dynamic", "n": row["mean_size"],
+            "expected": row["expected"], "predicted_tokens_per_s": row["tokens_per_s"],
+            "measured_tokens_per_s": row["measured_tokens_per_s"], "measured_tokens_per_step": row["measured_tokens_per_step"],
+            "identical": row["identical"],
+        })
+    bar.close()
+
+    result = AutotuneResult(
+        drafter=drafter, backend=backend, key=cache_key(model, drafter, backend), drafter_options=options,
+        mode=chosen_mode, tree=tree, predicted_tokens_per_s=predicted, measured_tokens_per_s=measured_rate,
+        context_len=context_len,
+        acceptance={"p": acc.p, "p_raw": acc.p_raw, "hits": acc.hits, "visits": acc.visits, "probe_depth": depth, "probe_ranks": ranks},
+        timing=timing, static=static_rows, dynamic=dynamic_rows, measured=measured_rows,
+        plain_tokens_per_s=ref["tokens_per_s"],
+    )
+    if save:
+        from speccomp.models import write_atomically
+
+        path = result_path(model, drafter, backend)
+        result.path = str(path)
+        write_atomically(path, json.dumps(result.to_dict(), indent=1, default=float))
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+
+def plot_report(result: AutotuneResult, path) -> Path:
+    """PNG: verify (and draft) latency by size, acceptance heat map by depth x rank, predicted vs measured tok/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    t = result.timing
+    ax = axes[0]
+    ax.plot(t["sizes"], [1e3 * s for s in t.get("verify_raw_s", t["verify_s"])], "o", color="C0", label="verify step, median")
+    ax.plot(t["sizes"], [1e3 * s for s in t["verify_s"]], "-", color="C0", label="verify step, monotone fit (used)")
+    if t.get("widths"):
+        ax.plot(t["widths"], [1e3 * s for s in t.get("draft_raw_s", t["draft_s"])], "s", color="C1", label="draft forward per depth, median")
+        ax.plot(t["widths"], [1e3 * s for s in t["draft_s"]], "--", color="C1", label="draft forward, monotone fit (used)")
+    ax.set_xlabel("tokens in the forward (tree size n / depth width)")
+    ax.set_ylabel("ms (median)")
+    ax.set_title(f"latency at {result.context_len} cached tokens ({result.backend})")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+    ax = axes[1]
+    p = result.acceptance["p"]
+    im = ax.imshow(p, cmap="viridis", vmin=0, vmax=max(0.01, max(max(r) for r in p)), aspect="auto")
+    for d, row in enumerate(p):
+        for r, x in enumerate(row):
+            ax.text(r, d, f"{x:.2f}", ha="center", va="center", fontsize=7, color="w" if x < 0.5 * max(max(r) for r in p) else "k")
+    ax.set_xlabel("rank r (drafter's r-th candidate)")
+    ax.set_ylabel("depth")
+    ax.set_xticks(range(len(p[0])))
+    ax.set_yticks(range(len(p)), [str(d + 1) for d in range(len(p))])
+    ax.set_title("P(rank-r child accepted | parent accepted)")
+    fig.colorbar(im, ax=ax, fraction=0.046)
+
+    ax = axes[2]
+    if result.static:
+        ax.plot([r["n"] for r in result.static], [r["tokens_per_s"] for r in result.static], "-", label="predicted, best static tree of n nodes")
+    stat = [r for r in result.measured if r["mode"] == "static"]
+    if stat:
+        ax.plot([r["n"] for r in stat], [r["measured_tokens_per_s"] for r in stat], "o", label="measured, static")
+    dyn = [r for r in result.measured if r["mode"] == "dynamic"]
+    if dyn:
+        ax.plot([r["n"] for r in dyn], [r["predicted_tokens_per_s"] for r in dyn], "x", label="predicted, dynamic (mean nodes)")
+        ax.plot([r["n"] for r in dyn], [r["measured_tokens_per_s"] for r in dyn], "^", label="measured, dynamic")
+    if not math.isnan(result.plain_tokens_per_s):
+        ax.axhline(result.plain_tokens_per_s, color="gray", ls=":", label="no drafts (1 token per step)")
+    ax.set_xlabel("tree size n (nodes, root included)")
+    ax.set_ylabel("decode tokens/s")
+    chosen = result.tree if result.mode == "dynamic" else f"{len(result.tree) + 1} nodes"
+    ax.set_title(f"{result.drafter}: chosen {chosen}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,472 @@
+"""Train Medusa, Hydra or EAGLE heads on CPU (frozen backbone) on the model's own outputs (EAGLE: `_train_eagle`).
+
+    heads = speccomp.train_heads(model, prompts=[ids, ...], out="heads/", kind="hydra")
+
+1. Self-distillation text: the model's own greedy reply to each prompt, plus `sampled` replies
+   sampled at `temperature` (more, and more varied, text for the same prompts). HF models decode
+   a batch of prompts at once (left-padded `generate`; on CPU a batch of 16 costs little more
+   than one sequence), other modules one prompt at a time through speccomp.
+2. One forward of the plain compiled graph over prompt + reply gives, at every position, the final
+   hidden state h_t and the model's greedy next token g_t (its argmax): the labels. Labels come
+   from the model, not from the text, so a sampled reply teaches exactly what verification
+   checks: after the tokens x_{t+1} .. x_{t+k+1} of a path, the target accepts g_{t+k+1}.
+3. Heads: head k learns g_{t+k+1} from h_t (Medusa) or from h_t and x_{t+1} .. x_{t+k+1} (Hydra,
+   teacher-forced), over reply positions, cross-entropy weighted 0.8^k as in Medusa, AdamW with a
+   linearly decaying learning rate. Projections are the frozen LM head, so only the heads'
+   small matrices train. With `soft_labels=S`, each head also learns the model's top-S next-token
+   probabilities at its position (cross-entropy to that distribution, teacher distillation as in
+   Hydra++ / Medusa-2): more signal per position than the argmax alone. Hydra scores a draft
+   vocabulary: the `draft_vocab` most frequent labels (others are skipped), which makes training and
+   drafting several times cheaper (speccomp/drafters/hydra.py).
+
+Resumable: after every data batch and every epoch the state goes to `out/_train/` (tokens,
+heads, optimizer moments as safetensors, progress as JSON); a rerun with the same arguments
+continues where it stopped. Deterministic for a seed (shuffling uses its own generator).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from speccomp.drafters.medusa import MedusaHeads, check_head_directory, new_heads, save_medusa
+
+KINDS = ("medusa", "hydra", "eagle")
+DISTILL_BATCH = 32  # prompts decoded together by HF generate
+
+
+def _state_dir(out: Path) -> Path:
+    d = out / "_train"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _generate_batch(model, batch: list[torch.Tensor], max_new_tokens: int, eos, temperature: float = 0.0,
+                    seed: int = 0) -> list[torch.Tensor]:
+    """Continuations of `batch` (1-D id tensors), greedy or sampled at `temperature`: prompt + reply up to
+    and including eos."""
+    width = max(len(p) for p in batch)
+    pad = 0
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for i, p in enumerate(batch):  # left padding: every reply starts at column `width`
+        ids[i, width - len(p):] = p
+        mask[i, width - len(p):] = 1
+    if eos is None:  # HF then stops at the model's own eos ids and pads after them: cut there
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
+    with torch.no_grad(), torch.random.fork_rng():  # reproducible samples; the caller's RNG is left alone
+        torch.manual_seed(seed)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                             pad_token_id=pad, **sampling)
+    seqs = []
+    eos_set = set([eos] if isinstance(eos, int) else (eos or []))
+    for i, p in enumerate(batch):
+        reply = out[i, width:].tolist()
+        for j, t in enumerate(reply):
+            if t in eos_set:
+                reply = reply[: j + 1]
+                break
+        seqs.append(torch.cat([p, torch.tensor(reply, dtype=torch.long)]))
+    return seqs
+
+
+def _self_distill(model, prompts, max_new_tokens: int, eos, progress: bool, state: Path, sampled: int = 0,
+                  temperature: float = 0.8, seed: int = 0):
+    """The model's replies to `prompts` (greedy, then `sampled` sampled ones per prompt) as (sequence, reply
+    start) pairs, saved batch by batch so an interrupted run keeps them."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    data_file = state / "tokens.safetensors"
+    seqs, starts = distilled_text(state.parent) if data_file.exists() else ([], [])
+    jobs = []  # (prompts, temperature, seed) per batch
+    for r in range(1 + sampled):
+        step = DISTILL_BATCH if hasattr(model, "generate") else 1
+        for i in range(0, len(prompts), step):
+            jobs.append((prompts[i : i + step], 0.0 if r == 0 else temperature, seed + 1000 * r + i))
+    if hasattr(model, "generate"):
+        decode = lambda batch, t, sd: _generate_batch(model, batch, max_new_tokens, eos, t, sd)  # noqa: E731
+    else:  # a plain module: one prompt at a time through speccomp
+        import speccomp
+
+        plain = speccomp.compile(model)
+        decode = lambda batch, t, sd: [plain.generate(batch[0], max_new_tokens=max_new_tokens, eos_token_id=eos,  # noqa: E731
+                                                      do_sample=t > 0, temperature=t or 1.0, seed=sd)[0]]
+    done = 0
+    with tqdm(total=len(prompts) * (1 + sampled), desc="self-distill", disable=not progress) as bar:
+        for batch, temp, sd in jobs:
+            if done + len(batch) > len(seqs):  # not decoded before an interruption
+                seqs.extend(decode(batch, temp, sd))
+                starts.extend(len(p) for p in batch)
+                flat = {f"seq_{i}": x.contiguous() for i, x in enumerate(seqs)}
+                flat.update({f"start_{i}": torch.tensor(st) for i, st in enumerate(starts)})
+                save_file(flat, str(data_file))
+            done += len(batch)
+            bar.update(len(batch))
+    return seqs, starts
+
+
+def distilled_text(out) -> tuple[list[torch.Tensor], list[int]]:
+    """The self-distilled sequences stored by a (finished or interrupted) run into `out`, and where each
+    reply starts."""
+    from safetensors.torch import load_file
+
+    flat = load_file(str(Path(out) / "_train" / "tokens.safetensors"))
+    n = len(flat) // 2
+    return [flat[f"seq_{i}"] for i in range(n)], [int(flat[f"start_{i}"]) for i in range(n)]
+
+
+def _hidden_states(model, seqs, progress: bool, mass: torch.Tensor | None = None, soft_k: int = 0) -> list[tuple]:
+    """Per sequence: final hidden states h [n, H], the model's greedy next token after every position [n] and,
+    with soft_k > 0, its top-`soft_k` next-token probabilities (float16 [n, soft_k]) and ids ([n, soft_k]), else
+    None. `mass` [V], if given, accumulates the model's next-token probabilities over all positions."""
+    import speccomp
+    from tqdm import tqdm
+
+    plain = speccomp.compile(model)
+    kv = plain.kv
+    out = []
+    with torch.no_grad():
+        for s in tqdm(seqs, desc="hidden states", disable=not progress):
+            n = s.shape[0]
+            empty = torch.zeros(*kv.shape(0), dtype=kv.dtype)
+            logits, _, h = plain.step(s[None], torch.arange(n)[None], torch.ones(1, n, dtype=torch.long), empty)
+            probs = logits[0].softmax(-1) if (mass is not None or soft_k) else None
+            soft = None
+            if soft_k:
+                top = probs.topk(soft_k, dim=-1)
+                soft = (top.values.half(), top.indices)
+            out.append((h[0].clone(), logits[0].argmax(-1), soft))
+            if mass is not None:
+                mass += probs.sum(0)
+    return out
+
+
+def _examples(seqs, states, num_heads: int, starts=None):
+    """(h [N, H], inputs [N, K], targets [N, K], soft) over positions t >= start (the reply, and the last prompt
+    token) with all K targets inside the sequence. inputs[:, k] = x_{t+k+1} (the text's token: what Hydra
+    head k reads along a path), targets[:, k] = the model's greedy token after x_{t+k+1}, i.e. what the
+    target accepts at depth k + 1. For greedy text that is x_{t+k+2}; for sampled text it still is the
+    label verification would check, so sampled replies are valid training text. soft: None, or (probabilities
+    [N, K, S], ids [N, K, S]) of the model's top-S tokens where targets holds its argmax (when `states` carry them)."""
+    hs, ins, ts, sp, si = [], [], [], [], []
+    for i, (s, (h, greedy, soft)) in enumerate(zip(seqs, states)):
+        first = max(0, (starts[i] - 1) if starts else 0)
+        n = s.shape[0] - num_heads - first
+        if n <= 0:
+            continue
+        ahead = lambda x: torch.stack([x[first + k + 1 : first + k + 1 + n] for k in range(num_heads)], dim=1)  # noqa: E731
+        hs.append(h[first : first + n])
+        ins.append(ahead(s))
+        ts.append(ahead(greedy))  # [n, K]
+        if soft is not None:
+            sp.append(ahead(soft[0]))  # [n, K, S]
+            si.append(ahead(soft[1]))
+    if not hs:
+        raise ValueError(f"no training positions: sequences are shorter than {num_heads + 2} tokens")
+    soft = (torch.cat(sp), torch.cat(si)) if sp else None
+    return torch.cat(hs), torch.cat(ins), torch.cat(ts), soft
+
+
+def frequent_tokens(seqs, size: int, always=(), fill: torch.Tensor | None = None) -> torch.Tensor:
+    """The `size` most frequent token ids of `seqs` (ties: smaller id first), plus `always`, sorted.
+    With fewer distinct tokens than `size`, the rest are the highest-scoring ids of `fill` [V] (e.g. the
+    model's probability mass): tokens that never won an argmax in the training text still get drafted."""
+    counts = torch.bincount(torch.cat(seqs))
+    order = sorted(range(len(counts)), key=lambda t: (-int(counts[t]), t))
+    chosen = {t for t in order[:size] if counts[t] > 0}
+    if fill is not None and len(chosen) < size:
+        for t in fill.argsort(descending=True).tolist():
+            if len(chosen) >= size:
+                break
+            chosen.add(t)
+    chosen |= {int(t) for t in always}
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def _vocab_size(model) -> int:
+    from speccomp.drafters.medusa import _lm_head_weight
+
+    return _lm_head_weight(model).shape[0]
+
+
+def check_soft_labels(k) -> None:
+    """soft_labels is 0 (off) or the number (>= 2) of the model's top tokens whose probabilities heads learn."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0 or k == 1:
+        raise ValueError(f"soft_labels / --soft-labels (the model's top-k probabilities learned besides its argmax) must be "
+                         f"0 (off) or an int >= 2 (1 would be the argmax label again), got {k!r}")
+
+
+def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the heads' scores logits [..., V] to a top-S teacher distribution (probs, ids [..., S],
+    renormalized over what is left of it): [...]."""
+    p = probs.float()
+    p = p / p.sum(-1, keepdim=True).clamp(min=1e-6)
+    return -(p * logits.log_softmax(-1).gather(-1, ids)).sum(-1)
+
+
+def _checkpoint(state: Path, heads, opt, args: dict, epoch: int) -> None:
+    """Heads, AdamW moments and progress after `epoch` epochs, so a rerun resumes there."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous() for k, v in heads.state_dict().items()}, str(state / "heads.safetensors"))
+    moments = {}
+    for i, st in opt.state_dict()["state"].items():
+        moments[f"{i}.step"] = torch.as_tensor(st["step"]).reshape(1).float()
+        moments[f"{i}.exp_avg"] = st["exp_avg"].contiguous()
+        moments[f"{i}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
+    save_file(moments, str(state / "optimizer.safetensors"))
+    (state / "progress.json").write_text(json.dumps({"args": args, "epoch": epoch}))
+
+
+def _resume(state: Path, heads, opt, done: dict) -> int:
+    """The epoch to start at: 0 for a new run, else the last checkpointed one, with heads and AdamW moments loaded."""
+    from safetensors.torch import load_file
+
+    if not (state / "heads.safetensors").exists() or done.get("epoch", 0) == 0:
+        return 0
+    heads.load_state_dict(load_file(str(state / "heads.safetensors")))
+    moments = load_file(str(state / "optimizer.safetensors"))
+    opt_state = opt.state_dict()
+    for i, _ in enumerate(opt.param_groups[0]["params"]):
+        opt_state["state"][i] = {"step": moments[f"{i}.step"].reshape(()), "exp_avg": moments[f"{i}.exp_avg"],
+                                 "exp_avg_sq": moments[f"{i}.exp_avg_sq"]}
+    opt.load_state_dict(opt_state)
+    return done["epoch"]
+
+
+def _update(opt, loss: torch.Tensor, clip=None) -> float:
+    """One optimizer step on `loss` (gradient norm clipped to 1 over the parameters `clip`, if given); its value."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(clip, 1.0)
+    opt.step()
+    return float(loss.detach())
+
+
+def _check_settings(kind, **ints) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
+    for name, value in ints.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def train_heads(
+    model, prompts, *, out, kind: str = "medusa", num_heads: int = 4, num_layers: int = 1, max_new_tokens: int = 128,
+    epochs: int = 3, lr: float = 1e-3, batch_size: int | None = None, draft_vocab: int = 8192, sampled: int = 0,
+    temperature: float = 0.8, weight_decay: float = 0.0, soft_labels: int = 0, seed: int = 0, eos_token_id=None,
+    progress: bool = True, base_model: str = "",
+):
+    """Train heads of `kind` for `model` on its own continuations of `prompts` (token id tensors); save to `out`."""
+    from tqdm import tqdm
+
+    if batch_size is None:  # positions per batch for heads; sequences per batch for EAGLE
+        batch_size = 8 if kind == "eagle" else 256
+    if kind == "eagle" and soft_labels:
+        raise ValueError("soft_labels does not apply to kind='eagle': it always learns the model's whole distribution "
+                         "over its draft vocabulary")
+    _check_settings(kind, num_heads=num_heads, num_layers=num_layers, max_new_tokens=max_new_tokens, epochs=epochs,
+                    batch_size=batch_size, draft_vocab=draft_vocab)
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    if isinstance(sampled, bool) or not isinstance(sampled, int) or sampled < 0:
+        raise ValueError(f"sampled (extra sampled replies per prompt) must be an int >= 0, got {sampled!r}")
+    check_soft_labels(soft_labels)
+    if sampled and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for sampled replies, got {temperature!r}")
+    if not prompts:
+        raise ValueError("train_heads needs at least one prompt (token ids) to self-distill from")
+    if soft_labels > _vocab_size(model):
+        raise ValueError(f"soft_labels={soft_labels} is more than the model's vocabulary ({_vocab_size(model)} tokens)")
+    out = check_head_directory(out)  # before minutes of work: never over a folder's own config.json
+    state = _state_dir(out)
+    args = {"kind": kind, "num_heads": num_heads, "num_layers": num_layers, "max_new_tokens": max_new_tokens,
+            "epochs": epochs, "lr": lr, "batch_size": batch_size, "seed": seed, "prompts": len(prompts),
+            "sampled": sampled, "temperature": temperature, "weight_decay": weight_decay}
+    if kind in ("hydra", "eagle"):
+        args["draft_vocab"] = draft_vocab
+    if soft_labels:  # only when on, so runs stored before the option existed still resume
+        args["soft_labels"] = soft_labels
+    progress_file = state / "progress.json"
+    done = json.loads(progress_file.read_text()) if progress_file.exists() else {}
+    if done and done.get("args") != args:
+        raise ValueError(f"{state} holds a run with other settings {done.get('args')}; use another out= or delete it")
+    if not done:
+        progress_file.write_text(json.dumps({"args": args, "epoch": 0}))
+
+    seqs, starts = _self_distill(model, [p.reshape(-1) for p in prompts], max_new_tokens, eos_token_id, progress, state,
+                                 sampled, temperature, seed)
+    mass = torch.zeros(_vocab_size(model)) if kind in ("hydra", "eagle") else None
+    if kind == "eagle":
+        return _train_eagle(model, seqs, starts, _hidden_states(model, seqs, progress, mass), state=state, args=args,
+                            done=done, steps=num_heads, epochs=epochs, lr=lr, batch_size=batch_size, draft_vocab=draft_vocab,
+                            weight_decay=weight_decay, seed=seed, eos_token_id=eos_token_id, mass=mass, progress=progress,
+                            out=out, base_model=base_model)
+    h, inputs, targets, soft = _examples(seqs, _hidden_states(model, seqs, progress, mass, soft_labels), num_heads, starts)
+
+    torch.manual_seed(seed)
+    if kind == "hydra":
+        from speccomp.drafters.hydra import new_hydra
+
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        vocab = frequent_tokens([targets.flatten()], draft_vocab, always=eos, fill=mass)
+        heads = new_hydra(model, vocab, num_heads, num_layers)
+        # targets as indices into the draft vocabulary; -100 (skipped by cross_entropy) outside it
+        index = torch.full((heads.vocab,), -100, dtype=torch.long)
+        index[heads.draft_vocab] = torch.arange(len(heads.draft_vocab))
+        targets = index[targets]
+        if soft is not None:  # soft labels outside the draft vocabulary get probability 0
+            # (the rest is renormalized below, also where the argmax itself is outside and the hard loss skips the
+            # position: the head then learns the in-vocabulary shape there; the shipped heads were trained so)
+            soft = (soft[0] * (index[soft[1]] >= 0), index[soft[1]].clamp(min=0))
+    else:
+        heads = new_heads(model, num_heads, num_layers)
+    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    total = math.ceil(h.shape[0] / batch_size)
+    start = _resume(state, heads, opt, done)
+    weights = torch.tensor([0.8**k for k in range(num_heads)])
+    gen = torch.Generator().manual_seed(seed)
+    orders = [torch.randperm(h.shape[0], generator=gen) for _ in range(epochs)]  # fixed whatever the resume point
+    for epoch in range(start, epochs):
+        heads.train()
+        loss_sum = 0.0
+        bar = tqdm(range(total), desc=f"epoch {epoch + 1}/{epochs}", disable=not progress)
+        for b in bar:
+            idx = orders[epoch][b * batch_size : (b + 1) * batch_size]
+            opt.param_groups[0]["lr"] = lr * max(0.05, 1 - (epoch * total + b) / (epochs * total))  # linear decay
+            logits = heads(h[idx], inputs[idx]) if kind == "hydra" else heads(h[idx])  # [B, K, V]
+            ce = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), targets[idx].reshape(-1), reduction="none"
+            ).view(len(idx), num_heads)
+            valid = (targets[idx] != -100).float()
+            loss = ((ce * valid).sum(0) / valid.sum(0).clamp(min=1) * weights).sum()
+            if soft is not None:  # teacher distillation: cross-entropy to the model's top-k distribution
+                loss = loss + (soft_cross_entropy(logits, soft[0][idx], soft[1][idx]).mean(0) * weights).sum()
+            loss_sum += _update(opt, loss)
+            bar.set_postfix(loss=f"{loss_sum / (b + 1):.3f}")
+        heads.eval()
+        _checkpoint(state, heads, opt, args, epoch + 1)
+    heads.eval()
+    if kind == "hydra":
+        from speccomp.drafters.hydra import save_hydra
+
+        save_hydra(heads, out, base_model=base_model)
+    else:
+        save_medusa(heads, out, base_model=base_model)
+    return heads
+
+
+def head_accuracy(heads, model, seqs, starts=None) -> list[float]:
+    """Top-1 accuracy of each head on `seqs` (token id tensors), every position: how often head k names the
+    model's greedy token after x_{t+k+1} (Hydra heads read x_{t+1..t+k+1}, as along an accepted path).
+    `starts`: where each reply starts (then only reply positions count)."""
+    h, inputs, targets, _ = _examples(seqs, _hidden_states(model, seqs, progress=False), heads.num_heads, starts)
+    with torch.no_grad():
+        if isinstance(heads, MedusaHeads):
+            pred = heads(h).argmax(-1)
+        else:
+            pred = heads.draft_vocab[heads(h, inputs).argmax(-1)]
+    return (pred == targets).float().mean(0).tolist()
+
+
+def _train_eagle(model, seqs, starts, states, *, state, args, done, steps, epochs, lr, batch_size, draft_vocab,
+                 weight_decay, seed, eos_token_id, mass, progress, out, base_model):
+    """EAGLE: the head's one layer, unrolled `steps` deep on its own guesses (eagle.EagleHead.unrolled), learns at
+    every anchor p and step s the target's feature f_{p+s} (smooth L1) and its next-token distribution over the
+    draft vocabulary (cross-entropy to softmax(P f_{p+s}), the teacher), weighted 0.8^(s-1). Batches are
+    `batch_size` sequences of similar length (padded)."""
+    from tqdm import tqdm
+
+    from speccomp.drafters.eagle import new_eagle, save_eagle
+
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    labels = [greedy[max(0, st - 1):] for (_, greedy, _), st in zip(states, starts)]
+    torch.manual_seed(seed)
+    head = new_eagle(model, frequent_tokens(labels, draft_vocab, always=eos, fill=mass))
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    first = _resume(state, head, opt, done)
+    by_length = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]), i))
+    batches = [by_length[i : i + batch_size] for i in range(0, len(by_length), batch_size)]
+    gen = torch.Generator().manual_seed(seed)
+    orders = [torch.randperm(len(batches), generator=gen).tolist() for _ in range(epochs)]
+    weights = [0.8**s for s in range(steps)]
+    total = len(batches)
+    warmup = min(50, max(1, epochs * total // 5))
+    for epoch in range(first, epochs):
+        head.train()
+        loss_sum = 0.0
+        bar = tqdm(orders[epoch], desc=f"epoch {epoch + 1}/{epochs}", disable=not progress)
+        for b, which in enumerate(bar):
+            it = epoch * total + b  # linear warm-up (50 steps, at most a fifth of the run), then linear decay
+            opt.param_groups[0]["lr"] = lr * min(1.0, (it + 1) / warmup) * max(0.05, 1 - it / (epochs * total))
+            loss = _eagle_loss(head, [seqs[i] for i in batches[which]], [states[i][0] for i in batches[which]],
+                               [starts[i] for i in batches[which]], steps, weights)
+            loss_sum += _update(opt, loss, clip=head.parameters())
+            bar.set_postfix(loss=f"{loss_sum / (b + 1):.3f}")
+        head.eval()
+        _checkpoint(state, head, opt, args, epoch + 1)
+    head.eval()
+    head.train_steps = steps
+    save_eagle(head, out, base_model=base_model)
+    return head
+
+
+def _pad(seqs, feats, starts):
+    """Pad a batch: tokens [B, T], features [B, T, H], valid [B, T], reply [B, T] (anchors from the last prompt token)."""
+    t = max(len(s) for s in seqs)
+    tokens = torch.zeros(len(seqs), t, dtype=torch.long)
+    f = torch.zeros(len(seqs), t, feats[0].shape[-1])
+    valid = torch.zeros(len(seqs), t, dtype=torch.bool)
+    reply = torch.zeros(len(seqs), t, dtype=torch.bool)
+    for i, (s, h, st) in enumerate(zip(seqs, feats, starts)):
+        tokens[i, : len(s)], f[i, : len(s)], valid[i, : len(s)] = s, h.float(), True
+        reply[i, max(0, st - 1) : len(s)] = True
+    return tokens, f, valid, reply
+
+
+def _eagle_loss(head, seqs, feats, starts, steps: int, weights) -> torch.Tensor:
+    tokens, f, valid, reply = _pad(seqs, feats, starts)
+    t = tokens.shape[1]
+    outs = head.unrolled(f, tokens, valid, steps)
+    with torch.no_grad():
+        teacher = head.logits(f).softmax(-1)  # [B, T, Vd]: the model's distribution over the draft vocabulary
+    loss = f.new_zeros(())
+    for s, o in enumerate(outs, start=1):
+        # anchor p predicts position p + s: it must exist (valid) and p must be in the reply
+        ok = reply[:, : t - s] & valid[:, s:]  # [B, T - s]
+        if not ok.any():
+            continue
+        o = o[:, : t - s][ok]  # [N, H]
+        target = f[:, s:][ok]
+        ce = -(teacher[:, s:][ok] * head.logits(o).log_softmax(-1)).sum(-1).mean()
+        reg = torch.nn.functional.smooth_l1_loss(o, target)
+        loss = loss + weights[s - 1] * (ce + reg)
+    return loss
+
+
+def eagle_accuracy(head, model, seqs, starts=None, steps: int = 4) -> list[float]:
+    """Chain acceptance of an EAGLE head on `seqs` (greedy text of the model): for depth s, the fraction of reply
+    anchors whose first s drafts (each made from the head's own guesses) are all the model's greedy tokens."""
+    states = _hidden_states(model, seqs, progress=False)
+    hits = torch.zeros(steps)
+    count = 0
+    with torch.no_grad():
+        for i, (s, (h, greedy, _)) in enumerate(zip(seqs, states)):
+            st = max(0, (starts[i] - 1) if starts else 0)
+            n = len(s) - steps - 1 - st
+            if n <= 0:
+                continue
+            outs = head.unrolled(h[None], s[None], torch.ones(1, len(s), dtype=torch.bool), steps)
+            ok = torch.ones(n, dtype=torch.bool)
+            for d, o in enumerate(outs):
+                pred = head.draft_vocab[head.logits(o[0, st : st + n]).argmax(-1)]
+                # the draft at depth d + 1 is the model's token after x_{p+d+1}; along greedy text, path tokens match
+                ok &= (pred == greedy[st + d + 1 : st + d + 1 + n]) & (s[st + d + 2 : st + d + 2 + n] == greedy[st + d + 1 : st + d + 1 + n])
+                hits[d] += float(ok.sum())
+            count += n
+    return (hits / max(count, 1)).tolist()
