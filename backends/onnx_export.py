@@ -15,7 +15,7 @@ dynamic axes
                  pass past + q, as for the captured graph.
 
 so one file serves prefill (past = 0), decode (q = 1) and tree verification (q = tree size), and
-`OrtStep` can be handed to `speccomp.runtime.decode_plain` like any other `step`.
+`OrtStep` can be the target of speccomp/runtime/decode.py's loop like any other `step`.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from speccomp.drafters.registry import DRAFTERS, SEARCHED, max_tree_nodes
 from speccomp.errors import OptionError, OptionTypeError
 from speccomp.frontend import capture
 from speccomp.frontend.graph import SpecGraph, run_passes
+from speccomp.passes.tree_attention import TreeAttention
 from speccomp.runtime.calls import MAX_TREE, choice
 from speccomp.runtime.model import SpecModel
 from speccomp.runtime.tree import tree_option
@@ -102,8 +103,8 @@ def compile(  # noqa: A001
     base.model = model  # drafters that look things up per model (stored heads, searches) need it
     if tree is not None:
         tree_option(tree, max_tree_nodes(base.structure))  # fits this model's windows
-    if drafter is None:
-        sg = run_passes(base, [])
+    if drafter is None:  # plain decoding: the same loop and graph, verifying the root alone each step
+        sg = run_passes(base, [TreeAttention()])
         return SpecModel(sg, lower(sg, backend), backend, model=model)
     return _compile_drafter(base, model, drafter, tree, backend, drafter_options)
 
@@ -139,8 +140,6 @@ def _resolve_auto(model, drafter, tree, backend: str, drafter_options):
 
 
 def _compile_drafter(base: SpecGraph, model, drafter, tree, backend: str, drafter_options) -> SpecModel:
-    from speccomp.passes.tree_attention import TreeAttention
-
     from speccomp.drafters.merge import make_merged, split_names
     from speccomp.runtime.decode import Drafter
 

@@ -109,8 +109,9 @@ def test_structure_found(tiny):
     # residual stream is chained: each layer's entry is the previous layer's exit
     for prev, nxt in zip(s.layers, s.layers[1:]):
         assert nxt.entry is prev.exit
+    # plain decoding verifies the root alone through the one decode loop: the graph has the tree mask too
     assert [n.name for n in fast.graph.gm.graph.nodes if n.op == "placeholder"] == [
-        "input_ids", "position_ids", "attention_mask", "past_kv"
+        "input_ids", "position_ids", "attention_mask", "past_kv", "tree_mask"
     ]
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, UNSUPPORTED, WINDOW, captured, seeded_prompt
-from tiny_models import hf_greedy_with_margin as hf_greedy
+from tiny_models import ARCHITECTURES, UNSUPPORTED, WINDOW, captured, seeded_prompt, hf_greedy_with_margin as hf_greedy
 
 import speccomp
 from speccomp.frontend.graph import annotate
-from speccomp.runtime.decode import KVCache, forward
+from speccomp.runtime.decode import FullCache
+from speccomp.runtime.tree import Tree
 
 PROMPT_LEN, NEW_TOKENS = 12, 40
 MIN_MARGIN = 1e-2  # top-1 minus top-2 logit along HF's greedy path: the seeds in tiny_models give at least this
@@ -80,14 +80,12 @@ def test_sliding_window_logits(name):
     model, fast = compiled(name)
     n = 40
     seq = seeded_prompt(n, model.config.vocab_size)
-    cache = KVCache(fast.kv, n)
-    chunks = [(0, PROMPT_LEN)] + [(i, i + 1) for i in range(PROMPT_LEN, 24)] + [(24, 28)]
-    chunks += [(i, i + 1) for i in range(28, n)]
-    got = []
+    target = FullCache(fast.step, fast.kv, n, "cpu")  # the decode loop's verifier: chains of q tokens past the prompt
+    got = [target.prefill(seq[:, :PROMPT_LEN])[0][0]]
+    chunks = [(i, i + 1) for i in range(PROMPT_LEN, 24)] + [(24, 28)] + [(i, i + 1) for i in range(28, n)]
     for a, b in chunks:
-        logits, new_kv, _ = forward(fast.step, cache, seq[:, a:b], torch.arange(a, b)[None])
-        cache.append(new_kv)
-        got.append(logits[0])
+        got.append(target.verify(seq[0, a:b], Tree.chain(b - a - 1) if b - a > 1 else Tree.from_parents([-1]))[0][0])
+        target.commit(list(range(b - a)))
     got = torch.cat(got)
     with torch.no_grad():
         want = model(seq, attention_mask=torch.ones_like(seq)).logits[0]

@@ -55,18 +55,37 @@ def test_manifest_describes_the_engine(engine_dir, llama):
     assert sorted(p.name for p in engine_dir.iterdir()) == ["manifest.json", "target.onnx"]
 
 
+def record_steps(drafter, torch_side: bool) -> list:
+    """Wrap a drafter's observe: each verification's (drafted tokens, accepted path) is appended to the list."""
+    steps, observe = [], drafter.observe
+
+    def spy(draft, path, logits, *extras):
+        tokens = draft.tokens.tolist() if torch_side else list(draft)
+        steps.append((tokens, list(path)))
+        return observe(draft, path, logits, *extras)
+
+    drafter.observe = spy
+    return steps
+
+
 @pytest.mark.parametrize("drafter", [None, "ngram", "token_recycling"])
 def test_engine_greedy_identical(llama, drafter, tmp_path):
+    """The engine runs the torch runtime's algorithm in numpy: same tokens, and with a drafter the same drafts and
+    the same accepted paths at every step (both run the same ONNX graph: onnxruntime backend and its export)."""
     fast = speccomp.compile(llama, drafter=drafter, backend="onnxruntime")
     fast.export(tmp_path / "e")  # from the onnxruntime backend: its ONNX file is copied, not exported again
     engine = speccomp.load(tmp_path / "e")
+    if drafter is not None:
+        engine_steps, torch_steps = record_steps(engine.drafter, False), record_steps(fast.drafter, True)
     for seed in (0, 1):
         ids = repetitive_prompt(seed)
         out = engine.generate(ids.numpy(), max_new_tokens=30, eos_token_id=2)
         assert out.dtype == np.int64
         assert np.array_equal(out, hf_greedy(llama, ids, 30).numpy()), (drafter, seed)
         assert np.array_equal(out, fast.generate(ids, max_new_tokens=30, eos_token_id=2).numpy())
+        assert engine.last_stats["steps"] == fast.last_stats["steps"], (drafter, seed)
     if drafter is not None:
+        assert engine_steps == torch_steps and len(engine_steps) > 10, "the same drafts, the same accepted paths"
         assert engine.last_stats["tau"] > 1.2, "drafts were accepted (else the tree path is untested)"
 
 

@@ -175,8 +175,7 @@ def test_hydra_greedy_identical(model, tmp_path, tree):
 def test_hydra_drafts_follow_the_previous_token(model):
     """The same hidden state with another root token gives other drafts: heads read the token."""
     from speccomp.drafters.head_drafters import HydraDrafter
-    from speccomp.runtime.decode import KVCache
-    from speccomp.runtime.decode import DraftContext
+    from speccomp.runtime.decode import KVCache, DraftContext
     from speccomp.runtime.tree import Tree
 
     heads = random_hydra(model, k=2)

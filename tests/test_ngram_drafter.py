@@ -288,12 +288,13 @@ PROMPTS = [
 
 def run(tiny_target, drafter, prompt, n, max_tree=64, sampler=None):
     import speccomp.runtime.sampling
-    from speccomp.runtime.decode import decode_speculative
+    from speccomp.runtime.decode import FullCache, decode
 
     _, sg = tiny_target
     prompt = torch.tensor([prompt])
     sampler = sampler or speccomp.runtime.sampling.Sampler()
-    return decode_speculative(sg.gm, drafter, sg.captured.kv, prompt, n, eos=set(), sampler=sampler, max_tree=max_tree)
+    target = FullCache(sg.gm, sg.captured.kv, prompt.shape[1] + n + max_tree + 1, "cpu")
+    return decode(target, drafter, prompt, n, eos=set(), sampler=sampler, max_tree=max_tree)
 
 
 def hf_greedy(model, prompt, n):

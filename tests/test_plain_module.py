@@ -232,9 +232,10 @@ def test_generate_matches_naive_greedy(compiled, name):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_structure(compiled, name):
     model, fast = compiled(name)
-    gm = fast.graph.gm
+    captured = speccomp.capture(model)  # the capture's graph (compile adds the tree mask on top)
+    gm = captured.graph_module
     n_layers = len(model.transformer.h) if name == "nanogpt" else len(model.layers)
-    structure = annotate(fast.graph.captured)
+    structure = annotate(captured)
     assert [layer.module for layer in structure.layers] == [LAYER_PATHS[name].format(i) for i in range(n_layers)]
     assert [site.layer for site in structure.attention] == list(range(n_layers))
     assert all(site.kind == "sdpa" and site.mask is not None for site in structure.attention)

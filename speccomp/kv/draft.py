@@ -34,8 +34,7 @@ from speccomp.frontend.convention import KVSpec
 from speccomp.kv.cache import make_cache
 from speccomp.drafters.graph import MAX_DYNAMIC_DEPTH, GraphDrafter
 from speccomp.kv.policies import KVPolicy, policy_bytes, snapkv_window
-from speccomp.runtime.decode import KVCache
-from speccomp.runtime.decode import DraftContext
+from speccomp.runtime.decode import KVCache, DraftContext
 from speccomp.runtime.tree import DynamicTreeSpec
 
 KV_MODES = ("draft", "target")

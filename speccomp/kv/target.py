@@ -21,7 +21,6 @@ packed codes and dequantises one layer at a time inside the forward.
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
@@ -29,8 +28,7 @@ from speccomp.runtime.model import SpecModel
 from speccomp.frontend.convention import KVSpec
 from speccomp.kv.cache import make_cache
 from speccomp.kv.policies import KVPolicy, full_bytes, policy_bytes, snapkv_window
-from speccomp.runtime.decode import KVCache, Stats
-from speccomp.runtime.sampling import Sampler
+from speccomp.runtime.decode import KVCache, RootOnly, decode
 
 
 def _run(step, tokens: torch.Tensor, start: int, past: torch.Tensor, *held):
@@ -76,31 +74,42 @@ def step_token(reader, scored, cache, policy: KVPolicy, token: int, position: in
     return outs[0][0, -1]
 
 
-def decode_kv_target(step, reader, scored, kv: KVSpec, policy: KVPolicy, prompt: torch.Tensor, max_new_tokens: int,
-                     eos: set[int], sampler: Sampler):
-    """Plain decoding with the target reading the compressed cache (LOSSY). Returns (new tokens, Stats, kv stats)."""
-    stats = Stats()
-    start = time.perf_counter()
-    n = prompt.shape[1]
-    logits, cache = prefill(step, scored, kv, policy, prompt)
-    stats.prefill_seconds = time.perf_counter() - start
-    out = [int(sampler(logits[0, -1]))]
-    while len(out) < max_new_tokens and out[-1] not in eos:
-        out.append(int(sampler(step_token(reader, scored, cache, policy, out[-1], n + len(out) - 1))))
-        stats.steps += 1
-    stats.steps += 1  # the prefill produced the first token
-    stats.new_tokens = len(out)
-    stats.seconds = time.perf_counter() - start
-    kv_stats = {
-        "kv_cache": policy.spec,
-        "kv_mode": "target",
-        "kv_bytes_full": full_bytes(kv, cache.length),  # what the full cache would hold for the same tokens
-        "kv_bytes_target": cache.nbytes(),
-        "kv_bytes_target_closed_form": policy_bytes(kv, policy, cache.length, n),
-        "kv_tokens_full": cache.length,
-        "kv_tokens_target": cache.slots,
-    }
-    return torch.tensor(out, dtype=torch.long), stats, kv_stats
+class CompressedTarget:
+    """The verifier of speccomp/runtime/decode.py's loop for kv_mode='target': the target reads the compressed
+    cache. Root-only trees (plain decoding); no cache for graph drafters (`cache` None)."""
+
+    cache = None
+
+    def __init__(self, step, reader, scored, kv: KVSpec, policy: KVPolicy):
+        self.step, self.reader, self.scored, self.kv, self.policy = step, reader, scored, kv, policy
+        self.compressed, self.prompt_length = None, 0
+
+    def prefill(self, prompt: torch.Tensor) -> tuple:
+        logits, self.compressed = prefill(self.step, self.scored, self.kv, self.policy, prompt)
+        self.prompt_length = prompt.shape[1]
+        return (logits,)
+
+    def verify(self, tokens: torch.Tensor, tree) -> tuple:
+        if tree.size != 1:
+            raise ValueError("kv_mode='target' decodes plainly: it verifies the root alone")
+        position = self.compressed.length  # every token so far is in the cache (compressed or not)
+        logits = step_token(self.reader, self.scored, self.compressed, self.policy, int(tokens[0]), position)
+        return (logits[None, None],)
+
+    def commit(self, path: list[int]) -> None:
+        """Nothing left to keep: verify already appended the root's entry (and compacted)."""
+
+    def kv_stats(self) -> dict:
+        cache, kv, policy = self.compressed, self.kv, self.policy
+        return {
+            "kv_cache": policy.spec,
+            "kv_mode": "target",
+            "kv_bytes_full": full_bytes(kv, cache.length),  # what the full cache would hold for the same tokens
+            "kv_bytes_target": cache.nbytes(),
+            "kv_bytes_target_closed_form": policy_bytes(kv, policy, cache.length, self.prompt_length),
+            "kv_tokens_full": cache.length,
+            "kv_tokens_target": cache.slots,
+        }
 
 
 def kv_quality(step, reader, scored, kv: KVSpec, policy: KVPolicy, ids: torch.Tensor, prompt_length: int) -> dict:
@@ -158,11 +167,10 @@ class LossyKVModel(SpecModel):
         self.reader = step if reader is None else reader
 
     def _decode(self, prompt, args, sampler, acceptance):  # acceptance is "exact": generate refuses others without a drafter
-        new, stats, kv_stats = decode_kv_target(
-            self.step, self.reader, self.scored, self.kv, self.policy, prompt, args.max_new_tokens, set(args.eos), sampler
-        )
+        target = CompressedTarget(self.step, self.reader, self.scored, self.kv, self.policy)
+        new, stats = decode(target, RootOnly(), prompt, args.max_new_tokens, set(args.eos), sampler, self.max_tree)
         return new, {**stats.as_dict(), "lossless": False, "lossy": "target reads the compressed KV cache",
-                     "backend": self.backend, "providers": self.providers, **kv_stats}
+                     "backend": self.backend, "providers": self.providers, **target.kv_stats()}
 
     def quality(self, ids: torch.Tensor, prompt_length: int) -> dict:
         """kv_quality of this model's policy on `ids` (see kv_quality)."""

@@ -1,20 +1,21 @@
-"""The decode loops, and what they share: the KV cache the runtime owns, stats, the drafter protocol.
+"""The decode loop, written once, and what it shares: the KV cache the runtime owns, stats, the drafter protocol.
 
-`step` / `target` is any callable with the captured graph's convention (speccomp/frontend/convention.py):
-    logits, new_kv, hidden[, extra outputs] = target(input_ids, position_ids, attention_mask, past_kv[, tree_mask])
-Backends hand the runtime such a callable; the runtime never looks inside it.
-
-Plain decoding (`decode_plain`): one token per target forward, the baseline every speculative path must
-reproduce. Speculative decoding (`decode_speculative`): draft a token tree, verify it in one target
-forward, keep the longest path the target agrees with, repeat.
-
-    prefill(prompt) -> root token
+    verifier.prefill(prompt)                      -> the first token (the first root)
     loop:
-        draft  = drafter.propose(ctx)                # ctx: text so far (root last), cache, room; Tree + tokens
-        logits = target(draft tokens, positions = past + depth, tree_mask = ancestor-or-self)
-        path, bonus = greedy_accept | sample_accept  # path starts at the root
-        cache.append(new_kv, keep=path)              # KV of root + accepted drafts, in order
+        draft  = drafter.propose(ctx)             # ctx: the text so far (root last), cache, room; Tree + tokens
+        logits = verifier.verify(tokens, tree)    # one forward: positions past + depth, tree_mask ancestor-or-self
+        path, bonus = greedy_accept | sample_accept   # path starts at the root
+        verifier.commit(path)                     # keep the KV of root + accepted drafts, in order
         emit tokens[path[1:]] + [bonus]; bonus is the next root
+
+Plain decoding is the same loop with `RootOnly`, which drafts nothing: every step verifies the root alone.
+The target side is a `Verifier`: `FullCache` runs the target graph (after TreeAttention) over a `KVCache`;
+speccomp/kv/target.py's reads a compressed cache. The engine (speccomp/engine/runtime.py) runs this
+algorithm in numpy; tests/test_engine.py pins the two together step by step.
+
+`target` is any callable with the captured graph's convention (speccomp/frontend/convention.py) plus the
+tree mask: logits, new_kv, hidden[, extra outputs] = target(input_ids, position_ids, attention_mask, past_kv,
+tree_mask). Backends hand the runtime such a callable; the runtime never looks inside it.
 """
 from __future__ import annotations
 
@@ -65,10 +66,24 @@ class KVCache:
 @dataclass
 class Stats:
     new_tokens: int = 0
-    steps: int = 0  # target forwards after prefill
+    steps: int = 0  # target forwards, the prefill included
     seconds: float = 0.0
     prefill_seconds: float = 0.0
     acceptance_by_depth: list = field(default_factory=list)  # P(draft at depth d accepted), d = 1, 2, ...
+    _proposed: list = field(default_factory=list, repr=False)  # steps that drafted down to depth d (index d-1)
+    _accepted: list = field(default_factory=list, repr=False)  # steps that accepted a draft at depth d
+
+    def record(self, tree: Tree, path: list[int]) -> None:
+        """One verification: drafts proposed down to tree.max_depth, accepted down to len(path) - 1."""
+        depth = int(tree.max_depth)
+        while len(self._proposed) < depth:
+            self._proposed.append(0)
+            self._accepted.append(0)
+        for d in range(depth):
+            self._proposed[d] += 1
+        for d in range(len(path) - 1):
+            self._accepted[d] += 1
+        self.acceptance_by_depth = [a / p if p else 0.0 for a, p in zip(self._accepted, self._proposed)]
 
     def as_dict(self) -> dict:
         return {
@@ -80,35 +95,6 @@ class Stats:
             "acceptance_by_depth": list(self.acceptance_by_depth),
             "tokens_per_second": self.new_tokens / self.seconds if self.seconds > 0 else float("nan"),
         }
-
-
-def forward(step, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor):
-    """Run `tokens` [1, q] at `positions` [1, q] against the cache; returns logits, new_kv, hidden."""
-    mask = torch.ones(1, cache.length + tokens.shape[1], dtype=torch.long, device=tokens.device)
-    with torch.no_grad():
-        return step(tokens, positions, mask, cache.past())
-
-
-def decode_plain(step, kv: KVSpec, prompt: torch.Tensor, max_new_tokens: int, eos: set[int], sampler: Sampler):
-    """One token per target forward: the baseline every speculative path must reproduce."""
-    stats = Stats()
-    start = time.perf_counter()
-    n = prompt.shape[1]
-    cache = KVCache(kv, n + max_new_tokens, prompt.device)
-    logits, new_kv, _ = forward(step, cache, prompt, torch.arange(n, device=prompt.device)[None])
-    cache.append(new_kv)
-    stats.prefill_seconds = time.perf_counter() - start
-    out = [int(sampler(logits[0, -1]))]
-    while len(out) < max_new_tokens and out[-1] not in eos:
-        token = torch.tensor([[out[-1]]], device=prompt.device)
-        logits, new_kv, _ = forward(step, cache, token, torch.tensor([[cache.length]], device=prompt.device))
-        cache.append(new_kv)
-        stats.steps += 1
-        out.append(int(sampler(logits[0, -1])))
-    stats.steps += 1  # the prefill forward produced the first token
-    stats.new_tokens = len(out)
-    stats.seconds = time.perf_counter() - start
-    return torch.tensor(out, dtype=torch.long, device=prompt.device), stats
 
 
 @dataclass
@@ -173,7 +159,17 @@ def restrict(tree: Tree, keep: list[int]) -> tuple[Tree, list[int]]:
     return Tree.from_parents(parents, ranks), keep
 
 
+class RootOnly(Drafter):
+    """Drafts nothing: the loop verifies the root alone each step, which is plain decoding."""
+
+    name = "plain"
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        return Draft(ROOT_ONLY, torch.tensor([ctx.tokens[-1]]))
+
+
 def prefill(target, cache: KVCache, prompt: torch.Tensor):
+    """The prompt through `target` (a causal tree mask), its KV appended to `cache`; the target's outputs."""
     n = prompt.shape[1]
     positions = torch.arange(n, device=prompt.device)[None]
     mask = torch.ones(1, n, dtype=torch.long, device=prompt.device)
@@ -184,69 +180,83 @@ def prefill(target, cache: KVCache, prompt: torch.Tensor):
     return outs  # logits, new_kv, hidden, *extra outputs of passes
 
 
-def decode_speculative(
-    target, drafter: Drafter, kv: KVSpec, prompt: torch.Tensor, max_new_tokens: int, eos: set[int],
-    sampler: Sampler, max_tree: int, acceptance: str = "exact",
-):
-    """Lossless speculative decoding. Returns (new tokens [m], Stats with per-depth acceptance).
+class FullCache:
+    """The usual verifier: the target graph (after TreeAttention) over a full KVCache it owns. `cache` is what
+    graph drafters read, and write their own entries into past `cache.length` (the next verify overwrites them)."""
 
-    acceptance="typical-lossy" (sampling only) swaps the exact rejection sampler for Medusa's typical
-    acceptance: faster at high temperature, but the output no longer follows the model's distribution."""
-    stats = Stats()
-    start = time.perf_counter()
-    device = prompt.device
-    n = prompt.shape[1]
-    cache = KVCache(kv, n + max_new_tokens + max_tree + 1, device)
-    outs = prefill(target, cache, prompt)
-    logits = outs[0]
-    stats.prefill_seconds = time.perf_counter() - start
-    drafter.begin(prompt[0].tolist())  # before take_states: a drafter may reset its state here
-    if drafter.wants_states:
-        drafter.take_states(tuple(x[0] if drafter.wants_states == "path" else x[0, -1] for x in outs[2:]))
-    out = [int(sampler(logits[0, -1]))]
-    stats.steps = 1  # the prefill produced the first token
-    context = prompt[0].tolist() + out
-    accepted_at_depth: list[int] = []  # how many steps accepted a draft at depth d (index d-1)
-    proposed_at_depth: list[int] = []
-    while len(out) < max_new_tokens and out[-1] not in eos:
-        room = max_new_tokens - len(out)  # tokens still allowed, the bonus included
-        ctx = DraftContext(context, cache, max_depth=room - 1, max_nodes=max_tree)
-        draft = drafter.propose(ctx) if room > 1 else Draft(ROOT_ONLY, torch.tensor([out[-1]]))
-        tree, keep = truncate(draft.tree, ctx.max_depth, ctx.max_nodes)
-        tokens = draft.tokens[keep] if len(keep) != draft.tree.size else draft.tokens
-        draft_probs = None if draft.probs is None else draft.probs[keep]
-        draft = Draft(tree, tokens, draft_probs)
-        past = cache.length
+    def __init__(self, target, kv: KVSpec, capacity: int, device):
+        self.target, self.cache, self._new_kv = target, KVCache(kv, capacity, device), None
+
+    def prefill(self, prompt: torch.Tensor) -> tuple:
+        return prefill(self.target, self.cache, prompt)
+
+    def verify(self, tokens: torch.Tensor, tree: Tree) -> tuple:
+        """The target's outputs for the tree's nodes (logits [1, n, V] first); their KV waits for `commit`."""
+        past, device = self.cache.length, self.cache.data.device
         mask = torch.ones(1, past + tree.size, dtype=torch.long, device=device)
         with torch.no_grad():
-            outs = target(tokens[None].to(device), tree.positions(past, device), mask, cache.past(), tree.mask.to(device))
-        logits, new_kv = outs[0][0], outs[1]  # logits [n, V]
-        if acceptance == "typical-lossy":
-            path, bonus = typical_accept_lossy(tree, tokens, sampler.probs(logits), generator=sampler.generator)
-        elif sampler.do_sample:
-            path, bonus = sample_accept(tree, tokens, sampler.probs(logits), draft_probs, sampler.generator)
-        else:
-            path, bonus = greedy_accept(tree, tokens, logits.argmax(-1))
-        cache.append(new_kv, keep=torch.tensor(path, device=device))
+            outs = self.target(tokens[None].to(device), tree.positions(past, device), mask, self.cache.past(),
+                               tree.mask.to(device))
+        self._new_kv = outs[1]
+        return outs
+
+    def commit(self, path: list[int]) -> None:
+        """Keep the KV of the accepted nodes (root first), in order."""
+        self.cache.append(self._new_kv, keep=torch.tensor(path, device=self.cache.data.device))
+
+
+def accept(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, draft_probs, sampler: Sampler, acceptance: str):
+    """(accepted path from the root, bonus token). acceptance="typical-lossy" (sampling only) is Medusa's typical
+    acceptance: faster at high temperature, but the output no longer follows the model's distribution."""
+    if acceptance == "typical-lossy":
+        return typical_accept_lossy(tree, tokens, sampler.probs(logits), generator=sampler.generator)
+    if sampler.do_sample:
+        return sample_accept(tree, tokens, sampler.probs(logits), draft_probs, sampler.generator)
+    return greedy_accept(tree, tokens, logits.argmax(-1))
+
+
+def decode(verifier, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int, eos: set[int], sampler: Sampler,
+           max_tree: int, acceptance: str = "exact") -> tuple[torch.Tensor, Stats]:
+    """Decode up to `max_new_tokens` after `prompt` [1, n]: (new tokens [m], Stats). Lossless with
+    acceptance="exact": greedy output is the target's greedy text, sampled output follows its distribution."""
+    stats, start, n = Stats(), time.perf_counter(), prompt.shape[1]
+    outs = verifier.prefill(prompt)
+    stats.prefill_seconds = time.perf_counter() - start
+    drafter.begin(prompt[0].tolist())  # before take_states: a drafter may reset its state here
+    _hand_states(drafter, outs, None)
+    out = [int(sampler(outs[0][0, -1]))]
+    stats.steps = 1  # the prefill produced the first token
+    context = prompt[0].tolist() + out
+    while len(out) < max_new_tokens and out[-1] not in eos:
+        room = max_new_tokens - len(out)  # tokens still allowed, the bonus included
+        ctx = DraftContext(context, verifier.cache, max_depth=room - 1, max_nodes=max_tree)
+        draft = drafter.propose(ctx) if room > 1 else Draft(ROOT_ONLY, torch.tensor([out[-1]]))
+        tree, keep = truncate(draft.tree, ctx.max_depth, ctx.max_nodes)
+        if len(keep) != draft.tree.size:
+            draft = Draft(tree, draft.tokens[keep], None if draft.probs is None else draft.probs[keep])
+        outs = verifier.verify(draft.tokens, tree)
+        logits = outs[0][0]  # [n, V]
+        path, bonus = accept(tree, draft.tokens, logits, draft.probs, sampler, acceptance)
+        verifier.commit(path)
         drafter.observe(draft, path, logits)
-        if drafter.wants_states:
-            at = path if drafter.wants_states == "path" else path[-1]
-            drafter.take_states(tuple(x[0, at] for x in outs[2:]))
+        _hand_states(drafter, outs, path)
         stats.steps += 1
-        depth = int(tree.max_depth)
-        while len(proposed_at_depth) < depth:
-            proposed_at_depth.append(0)
-            accepted_at_depth.append(0)
-        for d in range(depth):
-            proposed_at_depth[d] += 1
-        for d in range(len(path) - 1):
-            accepted_at_depth[d] += 1
-        for t in tokens[path[1:]].tolist() + [int(bonus)]:
+        stats.record(tree, path)
+        for t in draft.tokens[path[1:]].tolist() + [int(bonus)]:
             out.append(t)
             if t in eos or len(out) >= max_new_tokens:
                 break
         context.extend(out[len(context) - n:])
-    stats.new_tokens = len(out)
-    stats.seconds = time.perf_counter() - start
-    stats.acceptance_by_depth = [a / p if p else 0.0 for a, p in zip(accepted_at_depth, proposed_at_depth)]
-    return torch.tensor(out, dtype=torch.long, device=device), stats
+    stats.new_tokens, stats.seconds = len(out), time.perf_counter() - start
+    return torch.tensor(out, dtype=torch.long, device=prompt.device), stats
+
+
+def _hand_states(drafter: Drafter, outs: tuple, path: list[int] | None) -> None:
+    """The target's outputs from `hidden` on, for drafters that read them (wants_states): at the newest token,
+    or ("path") at every newly accepted position; path None: after the prefill (the prompt's positions)."""
+    if not drafter.wants_states:
+        return
+    if drafter.wants_states == "path":
+        drafter.take_states(tuple(x[0] if path is None else x[0, path] for x in outs[2:]))
+    else:
+        drafter.take_states(tuple(x[0, -1] if path is None else x[0, path[-1]] for x in outs[2:]))

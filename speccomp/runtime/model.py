@@ -9,7 +9,7 @@ from speccomp.drafters.registry import max_tree_nodes
 from speccomp.errors import OptionError
 from speccomp.frontend.graph import SpecGraph
 from speccomp.runtime.calls import ACCEPTANCE, CallGuard, choice, generate_args
-from speccomp.runtime.decode import decode_plain, decode_speculative
+from speccomp.runtime.decode import FullCache, RootOnly, decode
 from speccomp.runtime.sampling import Sampler
 
 
@@ -92,16 +92,16 @@ class SpecModel:
         return torch.cat([prompt, new[None].to(device)], dim=1)
 
     def _decode(self, prompt: torch.Tensor, args, sampler: Sampler, acceptance: str) -> tuple[torch.Tensor, dict]:
-        """(new tokens [m], stats): the decode loop itself; subclasses with other loops override this."""
-        eos = set(args.eos)
-        if self.drafter is None:
-            new, stats = decode_plain(self.step, self.kv, prompt, args.max_new_tokens, eos, sampler)
-        else:
-            new, stats = decode_speculative(
-                self.step, self.drafter, self.kv, prompt, args.max_new_tokens, eos, sampler, self.max_tree, acceptance
-            )
+        """(new tokens [m], stats): the one decode loop (speccomp/runtime/decode.py) over this model's verifier;
+        plain decoding is the loop with a drafter that drafts nothing."""
+        new, stats = decode(self._verifier(prompt, args.max_new_tokens), self.drafter or RootOnly(), prompt,
+                            args.max_new_tokens, set(args.eos), sampler, self.max_tree, acceptance)
         return new, {**stats.as_dict(), "acceptance": acceptance, "lossless": acceptance == "exact",
                      "backend": self.backend, "providers": self.providers}
+
+    def _verifier(self, prompt: torch.Tensor, max_new_tokens: int):
+        """The target side of the loop for one generation: the target graph over a fresh full cache."""
+        return FullCache(self.step, self.kv, prompt.shape[1] + max_new_tokens + self.max_tree + 1, prompt.device)
 
     def export(self, path, tokenizer=None, overwrite: bool = False):
         """Write an engine directory (ONNX graph + manifest.json [+ tokenizer.json]) that `speccomp.load`

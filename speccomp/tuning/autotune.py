@@ -66,7 +66,7 @@ from pathlib import Path
 import torch
 
 from speccomp.errors import SpeccompError
-from speccomp.runtime.decode import ROOT_ONLY, Draft, DraftContext, Drafter
+from speccomp.runtime.decode import Draft, DraftContext, Drafter, RootOnly
 from speccomp.runtime.tree import DEFAULT_DYNAMIC_TOP_K, AutoTreeSpec, DynamicTreeSpec, Tree, parse_tree_spec
 from speccomp.tuning.tree_dp import optimal_trees
 
@@ -232,15 +232,6 @@ def retree(drafter: Drafter, tree) -> Drafter:
 def with_tree(sm, tree):
     """A shallow copy of the SpecModel `sm` (same lowered graphs) whose drafter drafts `tree`."""
     return sm.with_drafter(retree(sm.drafter, tree))
-
-
-class _NoDrafts(Drafter):
-    """Proposes the root alone: greedy decoding, one token per step, through the same target graph."""
-
-    name = "none"
-
-    def propose(self, ctx: DraftContext) -> Draft:
-        return Draft(ROOT_ONLY, torch.tensor([ctx.tokens[-1]]))
 
 
 def probe_tree(depth: int, ranks: int) -> Tree:
@@ -413,8 +404,7 @@ def monotone_fit(ys: list[float]) -> list[float]:
 
 def _context(sm, prompts, length: int):
     """A KV cache holding `length` tokens of the calibration text (prompts cycled), room for 64 more."""
-    from speccomp.runtime.decode import KVCache
-    from speccomp.runtime.decode import prefill
+    from speccomp.runtime.decode import KVCache, prefill
 
     text = torch.cat([p[0] for p in prompts])
     ids = text.repeat(length // text.numel() + 1)[:length][None]
@@ -784,7 +774,7 @@ def autotune(
     n_p = len(prompts)
     total = n_p + n_p + repeats + len(budgets) * n_p + (1 + len(extra_sizes)) * n_p * do_static
     bar = tqdm(total=total, desc=f"autotune {drafter}", disable=not progress, unit="run")
-    plain = sm.with_drafter(_NoDrafts())  # the reference: greedy decoding through the same lowered target graph
+    plain = sm.with_drafter(RootOnly())  # the reference: greedy decoding through the same lowered target graph
     bar.set_postfix_str("greedy decoding without drafts (reference)")
     ref = _run(plain, prompts, max_new_tokens, eos_token_id, bar=bar)
     refs = ref["outputs"]
