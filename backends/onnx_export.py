@@ -125,6 +125,21 @@ def _without_slow_rewrites():
         rewriter._DEFAULT_REWRITE_RULES = rules
 
 
+def _input_names(gm, given: bool) -> list[str]:
+    """The graph's inputs: the calling convention's, then any a pass added (which need example_args= and
+    dynamic_shapes=, `given`)."""
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    extra = [n for n in names if n not in INPUT_NAMES]
+    if extra and not given:
+        raise OnnxBackendError(
+            f"the graph has inputs {extra} beyond {list(INPUT_NAMES)}; pass example_args= and dynamic_shapes= "
+            "for all inputs in order"
+        )
+    if list(names[: len(INPUT_NAMES)]) != list(INPUT_NAMES) and not extra:
+        raise OnnxBackendError(f"graph inputs {names} are not {list(INPUT_NAMES)}; was it captured by speccomp.capture?")
+    return names
+
+
 def export_onnx(
     graph_module_or_specgraph,
     path,
@@ -155,15 +170,7 @@ def export_onnx(
         raise OnnxBackendError("ONNX export needs onnxscript and onnx: pip install onnx onnxscript") from exc
     gm, kv, vocab = _unpack(graph_module_or_specgraph, kv_spec)
     gm = export_copy(gm)
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    extra = [n for n in names if n not in INPUT_NAMES]
-    if extra and (example_args is None or dynamic_shapes is None):
-        raise OnnxBackendError(
-            f"the graph has inputs {extra} beyond {list(INPUT_NAMES)}; pass example_args= and dynamic_shapes= "
-            "for all inputs in order"
-        )
-    if list(names[: len(INPUT_NAMES)]) != list(INPUT_NAMES) and not extra:
-        raise OnnxBackendError(f"graph inputs {names} are not {list(INPUT_NAMES)}; was it captured by speccomp.capture?")
+    names = _input_names(gm, given=example_args is not None and dynamic_shapes is not None)
     if example_args is None:
         example_args = example_inputs(kv, _EXAMPLE_Q, _EXAMPLE_PAST, vocab_size=vocab)
     if dynamic_shapes is None:

@@ -7,7 +7,9 @@
     pass expects) and `rewrite` (edit the torch.fx graph in place; run_passes then drops dead code, lints, recompiles).
     SiluToSigmoid rewrites every aten.silu(x) into x * sigmoid(x): the op counts change, the logits do not.
 (b) A Drafter (speccomp/runtime/decode.py) proposes a token tree each step: propose(ctx) -> Draft(tree, tokens), with
-    tokens[0] = the root (the last token so far); optional begin(prompt) / observe(draft, path, logits) hooks.
+    tokens[0] = the root (the last token so far); optional begin(prompt) / observe(draft, path, logits) hooks. It
+    declares what it reads (`reads`: nothing here; "states" / "path_states" to be handed the target's hidden states)
+    and which trees it takes (`trees`, with `with_tree`, for autotune); speccomp reads the declaration, never the class.
     LastFollower proposes a chain: the token that followed the root last time, then the one that followed that, ...
     The target verifies every draft, so the output is the model's greedy output whatever the drafter proposes.
 Exits 1 if the logits differ, the output differs from HF greedy, or no draft was accepted (tau <= 1).
@@ -79,6 +81,8 @@ except GraphStructureError as e:
 # ---- (b) a drafter ---------------------------------------------------------------------------------------------------
 class LastFollower(Drafter):
     name = "last_follower"
+    reads = ()  # only the text so far: no target states, no cache
+    trees = ()  # it shapes its own chains (autotune has no tree to tune)
 
     def __init__(self, depth: int = 4):
         self.depth = depth

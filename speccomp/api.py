@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from speccomp.backends import lower
-from speccomp.drafters.registry import DRAFTERS, SEARCHED, max_tree_nodes
+from speccomp.drafters.registry import DECLARED, DRAFTERS, SEARCHED, max_tree_nodes
 from speccomp.errors import OptionError, OptionTypeError
 from speccomp.frontend import capture
 from speccomp.frontend.graph import SpecGraph, run_passes
@@ -25,7 +25,7 @@ def check_options(*, drafter=None, tree=None, kv_cache=None, kv_mode=None, backe
     loads one. What needs the model (layer indices, vocabulary, heads, windows) is checked by compile."""
     from speccomp.backends import check
 
-    from speccomp.runtime.decode import Drafter
+    from speccomp.runtime.decode import Drafter, check_declaration
 
     check(backend)  # unknown names and missing GPU providers fail here, before the capture
     if drafter_options is not None and not isinstance(drafter_options, dict):
@@ -42,12 +42,14 @@ def check_options(*, drafter=None, tree=None, kv_cache=None, kv_mode=None, backe
         if tree is not None:
             tree_option(tree, MAX_TREE)
         return
-    if drafter is not None and not isinstance(drafter, Drafter):
+    if isinstance(drafter, Drafter):
+        check_declaration(drafter)
+    elif drafter is not None:
         from speccomp.drafters.merge import check_merge, split_names
 
         merged = split_names(drafter)  # "hydra+token_recycling": one tree merged from several drafters
         if merged:
-            check_merge(merged, drafter_options, tree, DRAFTERS)
+            check_merge(merged, drafter_options, tree, DECLARED)
         else:
             choice("drafter", drafter, DRAFTERS)
     if drafter is None and tree is not None:
@@ -156,7 +158,7 @@ def _compile_drafter(base: SpecGraph, model, drafter, tree, backend: str, drafte
             options = cached_options(model, drafter, tree)
         drafter_obj = DRAFTERS[drafter](base, dict(options or {}), tree, backend)
     # a drafter may need the target graph to compute more (Medusa: head states on every token)
-    target = run_passes(base.clone(), list(getattr(drafter_obj, "target_passes", [])) + [TreeAttention()])
+    target = run_passes(base.clone(), list(drafter_obj.target_passes) + [TreeAttention()])
     return SpecModel(target, lower(target, backend), backend, drafter=drafter_obj, model=model)
 
 

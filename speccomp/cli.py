@@ -286,13 +286,13 @@ def cmd_autotune(args) -> int:
     """Measure acceptance and step costs of a drafter on this machine; store the fastest tree for tree="auto"."""
     import speccomp
 
-    from speccomp.tuning.autotune import REPORT_SIZES, UNTUNABLE, autotune, plot_report
+    from speccomp.tuning.autotune import REPORT_SIZES, autotune, plot_report, untunable
     from speccomp.models import chat_ids
 
     _compile_options(args)
-    tunable = [d for d in speccomp.available_drafters() if d not in UNTUNABLE]
-    _drafter_among(args.drafter, tunable, UNTUNABLE.get(args.drafter, "autotune tunes the tree of one drafter (of a "
-                                                                      "merged drafter: autotune its first one)"))
+    tunable = [d for d in speccomp.available_drafters() if not untunable(d)]
+    _drafter_among(args.drafter, tunable, untunable(args.drafter) or "autotune tunes the tree of one drafter (of a "
+                                                                     "merged drafter: autotune its first one)")
     check_plot_flag("report", args.report)
     texts = _prompts(args.prompts or [None], args.limit)  # None: the prompts shipped with speccomp
     model, tok = _load(args)

@@ -249,6 +249,7 @@ class Oracle(Drafter):
     """Knows the greedy continuation: the true token sits at rank RANK[d] at depth d (nowhere if absent)."""
 
     name = "oracle"
+    trees = ("static",)  # declared: autotune hands it other static trees through with_tree
     RANK = {1: 0, 2: 0, 3: 1}
 
     def __init__(self, ref: list[int], tree: Tree):
@@ -367,13 +368,17 @@ def test_autotune_layer_skip_then_compile_auto_equals_hf(cache):
     assert load_result(model, "layer_skip") is None
 
 
+def fast_options(model) -> dict:
+    return speccomp.compile(model, drafter="token_recycling").drafter.options
+
+
 def test_autotune_token_recycling_static_tree(cache):
     model = tiny_llama(initializer_range=0.2)
     with pytest.raises(AutotuneError, match="static trees only"):
         speccomp.autotune(model, "token_recycling", prompts(), mode="dynamic", save=False)
     result = speccomp.autotune(model, "token_recycling", prompts(), max_new_tokens=24, repeats=2, max_nodes=12, measure_sizes=[4])
     assert result.mode == "static" and not result.dynamic
-    assert result.drafter_options == {"ngram_branches": 0}  # tuned as pure Token Recycling
+    assert result.drafter_options == {**fast_options(model), "ngram_branches": 0}  # pure Token Recycling, all options
     assert result.acceptance["probe_ranks"] == 8 and {r["n"] for r in result.measured} >= {4}
     assert all(0.0 <= f <= 1.0 for f in result.timing["presence"])
     fast = speccomp.compile(model, drafter="token_recycling", tree="auto")
@@ -382,7 +387,7 @@ def test_autotune_token_recycling_static_tree(cache):
         assert torch.equal(fast.generate(ids, max_new_tokens=20, eos_token_id=2), hf_greedy(model, ids, 20))
     with pytest.warns(UserWarning, match="tuned with drafter_options"):
         tree, options = resolve_auto(model, "token_recycling", "eager", {"ngram_branches": 1})
-    assert tree == result.tree and options == {"ngram_branches": 1}  # the user's options win
+    assert tree == result.tree and options == {**result.drafter_options, "ngram_branches": 1}  # the user's win
 
 
 def test_untunable_drafters_and_bad_settings_are_refused(cache):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import speccomp
+from speccomp.drafters.grow import Grown
 from speccomp.drafters.eagle_drafter import EagleDrafter
 from speccomp.drafters.eagle import EagleHead, load_eagle, new_eagle, save_eagle
 from speccomp.drafters.medusa import HeadsError
@@ -48,11 +49,11 @@ def test_unrolled_training_view_is_the_drafters_computation(model, prompt_known)
         assert drafter.length == (p if prompt_known else 0)
         root = drafter._commit(DraftContext(x[0, : p + 2].tolist(), None, 5, 10))
         # candidates: 0 root, 1 = a decoy sibling, 2 = x_{p+2} (true path, second branch), 3 = x_{p+3} under it
-        parent, depth = [-1, 0, 0, 2], [0, 1, 1, 2]
         token = [int(x[0, p + 1]), int(x[0, p + 2]) + 1, int(x[0, p + 2]), int(x[0, p + 3])]
+        grown = Grown(parent=[-1, 0, 0, 2], token=token, depth=[0, 1, 1, 2])
         slot, out = {}, {0: root}
-        drafter._expand([1, 2], parent, token, depth, slot, out)
-        drafter._expand([3], parent, token, depth, slot, out)
+        drafter._expand([1, 2], grown, slot, out)
+        drafter._expand([3], grown, slot, out)
     torch.testing.assert_close(root[0], outs[0][0, p], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[2][0], outs[1][0, p], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[3][0], outs[2][0, p], atol=1e-5, rtol=1e-5)
@@ -172,7 +173,7 @@ def test_eagle_round_trip_and_bad_files(model, tmp_path):
 
 
 def test_dynamic_trees_stop_at_the_trained_depth(model, tmp_path):
-    from speccomp.drafters.graph import MAX_DYNAMIC_DEPTH
+    from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
     from speccomp.runtime.tree import DynamicTreeSpec
 
     head = random_eagle(model)
@@ -194,11 +195,11 @@ def test_dynamic_trees_stop_at_the_trained_depth(model, tmp_path):
 
 
 def test_autotune_can_retree_the_eagle_drafter(model):
-    from speccomp.tuning.autotune import retree, supports_dynamic
+    from speccomp.tuning.autotune import retree
     from speccomp.runtime.tree import DynamicTreeSpec
 
     drafter = EagleDrafter(random_eagle(model), Tree.from_choices([[0]]))
-    assert supports_dynamic(drafter)
+    assert drafter.trees == ("static", "dynamic") and "path_states" in drafter.reads
     chain = retree(drafter, Tree.from_choices([[0], [0, 0]]))
     grown = retree(drafter, DynamicTreeSpec(6, 2))
     assert isinstance(chain, EagleDrafter) and chain.head is drafter.head and chain.tree.size == 3

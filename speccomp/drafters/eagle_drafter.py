@@ -1,8 +1,8 @@
 """EagleDrafter: grow a token tree with the EAGLE head (speccomp/drafters/eagle.py) over its own KV cache.
 
 The head keeps one entry per position of the text: (target feature f_p, next token x_{p+1}).
-The runtime hands it the target's features of every newly accepted position (`wants_states =
-"path"`: after the prefill all prompt positions, after a verification every node of the accepted
+The runtime hands it the target's features of every newly accepted position (reads
+"path_states": after the prefill all prompt positions, after a verification every node of the accepted
 path). At the next `propose` those pending entries run through the layer in one forward and join
 the committed cache; the output of the last one is the head's guess of the root's feature, whose
 logits score the depth-1 drafts. A tree node c at depth d >= 1 that is expanded adds a scratch
@@ -15,26 +15,28 @@ is the `budget` likeliest candidates).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.nn import functional as F
 
-from speccomp.drafters.graph import LOG_MIN_PROB, MAX_DYNAMIC_DEPTH, add_children, select_tree
-from speccomp.runtime.decode import Draft, DraftContext, Drafter, truncate
-from speccomp.runtime.tree import DynamicTreeSpec, Tree
+from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH, Grown, ancestor_rows, grow
+from speccomp.runtime.decode import Draft, DraftContext, Drafter, check_tree_kind
+from speccomp.runtime.tree import DynamicTreeSpec
 
 DEFAULT_EAGLE_TREE = DynamicTreeSpec(16, 4)
 
 
 class EagleDrafter(Drafter):
     name = "eagle"
-    wants_states = "path"  # the target's hidden states of every accepted position, not only the newest
-    dynamic_trees = True  # autotune may tune it in mode="dynamic"
-    drafts_by_level = True  # one layer forward per draft depth: autotune charges propose time per level
+    reads = ("path_states", "own_cache")  # the target's features at every accepted position; its layer's KV
+    trees = ("static", "dynamic")
+    forward_per_level = True
 
-    def __init__(self, head, tree):
-        if not isinstance(tree, (Tree, DynamicTreeSpec)):
-            raise TypeError(f"tree must be a Tree or a DynamicTreeSpec, got {type(tree).__name__}")
-        self.head, self.tree = head, tree
+    def __init__(self, head, tree, heads_path: str | None = None):
+        self.head, self.tree, self.heads_path = head, tree, heads_path
+        check_tree_kind(self, tree)
+        self.options = {} if heads_path is None else {"heads": heads_path}
         a, d = head.num_heads, head.head_dim
         self.k = torch.zeros(a, 256, d)  # [A, capacity, D]: committed entries, then this step's scratch
         self.v = torch.zeros(a, 256, d)
@@ -43,8 +45,7 @@ class EagleDrafter(Drafter):
         self.prompt = None  # set by begin, used once by the first take_states
 
     def with_tree(self, tree) -> "EagleDrafter":
-        """The same head drafting `tree` (autotune's hook)."""
-        return EagleDrafter(self.head, tree)
+        return EagleDrafter(self.head, tree, self.heads_path)
 
     def begin(self, prompt: list[int]) -> None:
         self.length, self.pending, self.prompt = 0, None, list(prompt)
@@ -100,22 +101,16 @@ class EagleDrafter(Drafter):
         self.length = c + m
         return out
 
-    def _expand(self, nodes: list[int], parent, token, depth, slot, out):
-        """Scratch entries for `nodes` (all at one depth >= 1); fills slot[c] and out[c]; log-probs [k, Vd]."""
+    def _expand(self, nodes: list[int], grown: Grown, slot: dict, out: dict) -> torch.Tensor:
+        """Scratch entries for `nodes` (all at one depth >= 1): (the guessed feature of the parent, the node's
+        token) at position root + depth - 1; fills slot[c] and out[c]; log-probs [k, Vd]."""
         base, used = self.length, len(slot)
         self._room(base + used + len(nodes) + 1)
-        mask = torch.zeros(len(nodes), base + used + len(nodes), dtype=torch.bool)
-        mask[:, :base] = True
-        for i, c in enumerate(nodes):
-            a = parent[c]
-            while a > 0:  # the root's entry is committed: only drafted ancestors live in the scratch
-                mask[i, base + slot[a]] = True
-                a = parent[a]
-            mask[i, base + used + i] = True
-            slot[c] = used + i
-        feats = torch.cat([out[parent[c]] for c in nodes])
-        positions = torch.tensor([base + depth[c] - 1 for c in nodes])
-        o = self._run(feats, torch.tensor([token[c] for c in nodes]), positions, base + used, mask)
+        rows = ancestor_rows(nodes, grown, slot, used)  # the root's entry is committed: not in the scratch
+        mask = torch.cat([torch.ones(len(nodes), base, dtype=torch.bool), rows], 1)
+        feats = torch.cat([out[grown.parent[c]] for c in nodes])
+        positions = torch.tensor([base + grown.depth[c] - 1 for c in nodes])
+        o = self._run(feats, torch.tensor([grown.token[c] for c in nodes]), positions, base + used, mask)
         for i, c in enumerate(nodes):
             out[c] = o[i : i + 1]
         return self._logp(o)
@@ -129,44 +124,14 @@ class EagleDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> Draft:
         with torch.no_grad():
             root_out = self._commit(ctx)
-            if isinstance(self.tree, Tree):
-                return self._propose_static(ctx, root_out)
-            return self._propose_dynamic(ctx, root_out)
+            slot, out = {}, {0: root_out}
 
-    def _propose_dynamic(self, ctx: DraftContext, root_out) -> Draft:
-        spec, vocab = self.tree, self.head.draft_vocab
-        budget = min(spec.budget, ctx.max_nodes - 1)
-        # no deeper than the head was trained to draft: its guesses past that are rarely accepted, each costs a forward
-        max_depth = min(MAX_DYNAMIC_DEPTH, self.head.train_steps or MAX_DYNAMIC_DEPTH, ctx.max_depth, budget)
-        parent, token, score, depth = [-1], [ctx.tokens[-1]], [0.0], [0]
-        slot, out = {}, {0: root_out}
-        frontier, logp = [0], self._logp(root_out)
-        for d in range(max_depth):
-            if d > 0:
-                logp = self._expand(frontier, parent, token, depth, slot, out)
-            top_p, top = logp.topk(spec.top_k, dim=-1)  # [k, top_k] draft-vocabulary indices
-            frontier = add_children(frontier, top_p, vocab[top], parent, token, score, depth)
-            if max(score[c] for c in frontier) < LOG_MIN_PROB:
-                break
-        return select_tree(parent, token, score, depth, budget)
+            def expand(d: int, nodes: list[int], grown: Grown) -> torch.Tensor:
+                return self._logp(root_out) if d == 0 else self._expand(nodes, grown, slot, out)
 
-    def _propose_static(self, ctx: DraftContext, root_out) -> Draft:
-        tree, _ = truncate(self.tree, ctx.max_depth, ctx.max_nodes)
-        vocab, depth = self.head.draft_vocab, tree.depth.tolist()
-        parent = list(tree.parents)
-        token = [0] * tree.size
-        token[0] = ctx.tokens[-1]
-        slot, out = {}, {0: root_out}
-        for d in range(tree.max_depth):
-            nodes = [u for u in range(tree.size) if depth[u] == d and tree.children[u]]
-            if not nodes:
-                break
-            logp = self._logp(root_out) if d == 0 else self._expand(nodes, parent, token, depth, slot, out)
-            for i, u in enumerate(nodes):
-                top = logp[i].topk(max(tree.ranks[c] for c in tree.children[u]) + 1).indices  # draft-vocab indices
-                for c in tree.children[u]:
-                    token[c] = int(vocab[top[tree.ranks[c]]])
-        return Draft(tree, torch.tensor(token, dtype=torch.long))
+            # no deeper than the head was trained to draft: its guesses past that are rarely accepted
+            depth = min(MAX_DYNAMIC_DEPTH, self.head.train_steps or MAX_DYNAMIC_DEPTH)
+            return grow(self.tree, ctx, expand, self.head.draft_vocab, depth)
 
 
 def make_eagle(base, options: dict, tree) -> EagleDrafter:
@@ -175,7 +140,8 @@ def make_eagle(base, options: dict, tree) -> EagleDrafter:
 
     from speccomp.runtime.tree import check_tree_width
 
+    given = options.get("heads")
     head = load_eagle(heads_for(base, options, "eagle"), base.model)
     if tree is not None:
         check_tree_width(tree, len(head.draft_vocab), "EAGLE head's draft vocabulary", tree)
-    return EagleDrafter(head, tree if tree is not None else DEFAULT_EAGLE_TREE)
+    return EagleDrafter(head, tree if tree is not None else DEFAULT_EAGLE_TREE, given and os.fspath(given))

@@ -1,7 +1,7 @@
 """Head drafters: draft a token tree from the target's last hidden state with trained heads.
 
-MedusaDrafter (below) and HydraDrafter (further down) share where heads come from and the
-`wants_states` hook through which the runtime hands them the newest token's outputs.
+MedusaDrafter (below) and HydraDrafter (further down) share where heads come from and what they read:
+the target's outputs at the newest token (reads = ("states",), handed over by `take_states`).
 
 MedusaDrafter:
 
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from speccomp.drafters.graph import LOG_MIN_PROB, MAX_DYNAMIC_DEPTH, add_children, select_tree
+from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH, Grown, grow
 from speccomp.errors import OptionTypeError
 from speccomp.drafters.medusa import HeadsError, MedusaHeads, display_kind, load_medusa
 from speccomp.models import cache_dir
-from speccomp.runtime.decode import Draft, DraftContext, Drafter, truncate
+from speccomp.runtime.decode import Draft, DraftContext, Drafter, check_tree_kind, truncate
 from speccomp.runtime.tree import Tree, check_tree_width
 
 # 16 drafts, depth <= 4: Medusa's sparse-tree idea (wide where the first head is sure), CPU-sized
@@ -73,17 +73,24 @@ def find_heads(model, path=None, kind: str = "medusa") -> Path:
 
 class MedusaDrafter(Drafter):
     name = "medusa"
-    wants_states = True
+    reads = ("states",)  # the Medusa head states [K, H] of the newest token, computed inside the target graph
+    trees = ("static",)
 
-    def __init__(self, heads: MedusaHeads, tree: Tree):
+    def __init__(self, heads: MedusaHeads, tree: Tree, heads_path: str | None = None):
+        check_tree_kind(self, tree)
         check_heads_depth(tree, heads.num_heads, "Medusa")
         check_tree_width(tree, heads.vocab, "Medusa heads' vocabulary", tree)
         from speccomp.passes.medusa_heads import MedusaHeadsPass
 
-        self.heads, self.tree = heads, tree
+        self.heads, self.tree, self.heads_path = heads, tree, heads_path
         self.target_passes = [MedusaHeadsPass(heads)]
         self.states = None
         self.top = max(tree.ranks) + 1
+        self.max_tree_depth = heads.num_heads  # head k drafts depth k + 1
+        self.options = {} if heads_path is None else {"heads": heads_path}
+
+    def with_tree(self, tree) -> "MedusaDrafter":
+        return MedusaDrafter(self.heads, tree, self.heads_path)
 
     def take_states(self, states) -> None:
         self.states = states[1]  # (hidden [H], medusa_states [K, H])
@@ -108,75 +115,45 @@ class MedusaDrafter(Drafter):
 
 
 class HydraDrafter(Drafter):
-    """Grow the tree depth by depth: head d reads each depth-d node's state and token, scores its children.
-
-    Static trees: node c gets its parent's rank-r candidate (r = tree.ranks[c]); the tree's depth must be
-    <= K. Dynamic trees (`DynamicTreeSpec`, EAGLE-2): the `top_k` likeliest frontier nodes (cumulative
-    head probability) expand each depth; the step's tree is the `budget` likeliest candidates.
-    """
+    """Grow the tree depth by depth (speccomp/drafters/grow.py): head d reads each depth-d node's state and
+    token and scores its children; the root's state is the target's final hidden state at the newest token.
+    Static trees are at most K (the number of heads) deep; dynamic ones stop there."""
 
     name = "hydra"
-    wants_states = True
+    reads = ("states",)
+    trees = ("static", "dynamic")
 
-    def __init__(self, heads, tree):
-        from speccomp.runtime.tree import DynamicTreeSpec
-
-        if not isinstance(tree, (Tree, DynamicTreeSpec)):
-            raise OptionTypeError("tree", tree, f"must be a Tree or a DynamicTreeSpec, got {type(tree).__name__}")
+    def __init__(self, heads, tree, heads_path: str | None = None):
+        check_tree_kind(self, tree)
         if isinstance(tree, Tree):
             check_heads_depth(tree, heads.num_heads, "Hydra")
         check_tree_width(tree, len(heads.draft_vocab), "Hydra heads' draft vocabulary", tree)
-        self.heads, self.tree = heads, tree
+        self.heads, self.tree, self.heads_path = heads, tree, heads_path
         self.h = None
+        self.max_tree_depth = heads.num_heads
+        self.options = {} if heads_path is None else {"heads": heads_path}
+
+    def with_tree(self, tree) -> "HydraDrafter":
+        return HydraDrafter(self.heads, tree, self.heads_path)
 
     def take_states(self, states) -> None:
         self.h = states[0]  # the target's final hidden state [H] at the newest token
 
-    def _expand(self, d: int, states: torch.Tensor, tokens: list[int]):
-        """Head d on nodes (states [n, H], tokens) -> (child states [n, H], log-probs [n, Vd])."""
+    def propose(self, ctx: DraftContext) -> Draft:
         from speccomp.passes.prepack_linear import linear
 
-        with torch.no_grad():
-            z = self.heads.step(d, states, torch.tensor(tokens))
-            return z, linear(z, self.heads.draft_lm).log_softmax(-1)
-
-    def propose(self, ctx: DraftContext) -> Draft:
-        if isinstance(self.tree, Tree):
-            return self._propose_static(ctx)
-        spec = self.tree
-        budget = min(spec.budget, ctx.max_nodes - 1)
-        max_depth = min(MAX_DYNAMIC_DEPTH, self.heads.num_heads, ctx.max_depth, budget)
-        vocab = self.heads.draft_vocab
-        parent, token, score, depth = [-1], [ctx.tokens[-1]], [0.0], [0]
         out = {}  # expanded candidate -> its head's output, the state its children's head reads
-        frontier = [0]
-        for d in range(max_depth):
-            states = torch.cat([self.h[None] if c == 0 else out[parent[c]] for c in frontier])
-            z, logp = self._expand(d, states, [token[c] for c in frontier])
-            for i, c in enumerate(frontier):
-                out[c] = z[i : i + 1]
-            top_p, top = logp.topk(spec.top_k, dim=-1)  # [k, top_k] draft-vocabulary indices
-            frontier = add_children(frontier, top_p, vocab[top], parent, token, score, depth)
-            if max(score[c] for c in frontier) < LOG_MIN_PROB:
-                break
-        return select_tree(parent, token, score, depth, budget)
 
-    def _propose_static(self, ctx: DraftContext) -> Draft:
-        tree, _ = truncate(self.tree, ctx.max_depth, ctx.max_nodes)
-        vocab = self.heads.draft_vocab
-        tokens = [0] * tree.size
-        tokens[0] = ctx.tokens[-1]
-        state = {0: self.h[None]}
-        depth = tree.depth.tolist()
-        for d in range(tree.max_depth):
-            nodes = [u for u in range(tree.size) if depth[u] == d and tree.children[u]]
-            z, logp = self._expand(d, torch.cat([state[u] for u in nodes]), [tokens[u] for u in nodes])
-            for i, u in enumerate(nodes):
-                top = logp[i].topk(max(tree.ranks[c] for c in tree.children[u]) + 1).indices  # draft-vocab indices
-                for c in tree.children[u]:
-                    tokens[c] = int(vocab[top[tree.ranks[c]]])
-                    state[c] = z[i : i + 1]
-        return Draft(tree, torch.tensor(tokens, dtype=torch.long))
+        def expand(d: int, nodes: list[int], grown: Grown) -> torch.Tensor:
+            states = torch.cat([self.h[None] if c == 0 else out[grown.parent[c]] for c in nodes])
+            with torch.no_grad():
+                z = self.heads.step(d, states, torch.tensor([grown.token[c] for c in nodes]))
+                logp = linear(z, self.heads.draft_lm).log_softmax(-1)
+            for i, c in enumerate(nodes):
+                out[c] = z[i : i + 1]
+            return logp
+
+        return grow(self.tree, ctx, expand, self.heads.draft_vocab, min(MAX_DYNAMIC_DEPTH, self.heads.num_heads))
 
 
 def check_heads_depth(tree: Tree, num_heads: int, kind: str) -> None:
@@ -207,12 +184,14 @@ def make_hydra(base, options: dict, tree) -> HydraDrafter:
     from speccomp.drafters.hydra import load_hydra
     from speccomp.runtime.tree import DynamicTreeSpec
 
+    given = options.get("heads")
     heads = load_hydra(heads_for(base, options, "hydra"), base.model)
-    return HydraDrafter(heads, tree if tree is not None else DynamicTreeSpec(16, 4))
+    return HydraDrafter(heads, tree if tree is not None else DynamicTreeSpec(16, 4), given and os.fspath(given))
 
 
 def make_medusa(base, options: dict, tree) -> MedusaDrafter:
+    given = options.get("heads")
     heads = load_medusa(heads_for(base, options, "medusa"), base.model)
     if tree is None:  # the default tree, no deeper than these heads reach
         tree, _ = truncate(Tree.from_choices(DEFAULT_MEDUSA_TREE), heads.num_heads, len(DEFAULT_MEDUSA_TREE) + 1)
-    return MedusaDrafter(heads, tree)
+    return MedusaDrafter(heads, tree, given and os.fspath(given))

@@ -31,10 +31,9 @@ from __future__ import annotations
 import torch
 
 from speccomp.errors import OptionError, OptionTypeError
-from speccomp.runtime.decode import Draft, DraftContext, Drafter, restrict
+from speccomp.runtime.decode import READS, Draft, DraftContext, Drafter, restrict
 from speccomp.runtime.tree import Tree
 
-TEXT_DRAFTERS = ("ngram", "token_recycling")  # need neither the model's states nor its cache
 # Token Recycling's tree when it complements another drafter (its own default has 24 nodes): every node
 # costs verify time on CPU. Beside Hydra's 5-node tree, small complements (a chain of 3, this tree, prompt
 # lookup) ran within noise of each other and 24 nodes ran 13-15% slower (benchmarks/merged_trees.py on 4 and on
@@ -46,11 +45,16 @@ class MergedDrafter(Drafter):
     def __init__(self, drafters: list[Drafter], names: list[str]):
         if len(drafters) < 2:
             raise ValueError("a merged drafter needs at least two drafters, e.g. drafter='hydra+token_recycling'")
+        model = [d.name for d in drafters if d.reads]
+        if len(model) > 1:
+            raise ValueError(f"merged drafters {model} all read the model (states or caches): at most one may")
         self.drafters, self.names = drafters, names
         self.name = "+".join(names)
-        modes = [d.wants_states for d in drafters if d.wants_states]
-        self.wants_states = "path" if "path" in modes else bool(modes)
-        self.target_passes = [p for d in drafters for p in getattr(d, "target_passes", [])]
+        self.reads = tuple(r for r in READS if any(r in d.reads for d in drafters))
+        self.graphs = tuple(g for d in drafters for g in d.graphs)
+        self.tree = drafters[0].tree
+        self.options = {n: dict(d.options) for n, d in zip(names, drafters)}
+        self.target_passes = [p for d in drafters for p in d.target_passes]
         self._last: list[tuple[Draft, list[int]]] = []  # per drafter: its draft, and its node -> merged node
 
     def begin(self, prompt: list[int]) -> None:
@@ -59,11 +63,9 @@ class MergedDrafter(Drafter):
 
     def take_states(self, states: tuple) -> None:
         for d in self.drafters:
-            if not d.wants_states:
-                continue
-            if d.wants_states is True and self.wants_states == "path":  # handed the whole path; it wants the newest
-                d.take_states(tuple(x[-1] for x in states))
-            else:
+            if "path_states" in self.reads and "path_states" not in d.reads and "states" in d.reads:
+                d.take_states(tuple(x[-1] for x in states))  # handed the whole path; it reads the newest
+            elif "path_states" in d.reads or "states" in d.reads:
                 d.take_states(states)
 
     def propose(self, ctx: DraftContext) -> Draft:
@@ -120,18 +122,19 @@ def split_names(drafter: str) -> list[str] | None:
     return drafter.split("+") if isinstance(drafter, str) and "+" in drafter else None
 
 
-def check_merge(names: list[str], options: dict | None, tree, factories) -> None:
-    """Refuse a bad merge before anything is captured or loaded: names (`factories`: the known drafter names),
+def check_merge(names: list[str], options: dict | None, tree, declared: dict) -> None:
+    """Refuse a bad merge before anything is captured or loaded: names (`declared`: drafter name -> its class),
     the one-model-drafter rule, options per drafter, one tree for the first drafter (tree= or its options)."""
     drafter = "+".join(names)
-    unknown = [n for n in names if n not in factories]
+    unknown = [n for n in names if n not in declared]
     if unknown or len(set(names)) != len(names) or "" in names:
         raise OptionError("drafter", drafter, "merge distinct drafter names" + (f" (unknown: {unknown})" if unknown else ""),
-                          f"join names from {sorted(factories)} with '+', e.g. 'hydra+token_recycling'")
-    model_drafters = [n for n in names if n not in TEXT_DRAFTERS]
+                          f"join names from {sorted(declared)} with '+', e.g. 'hydra+token_recycling'")
+    model_drafters = [n for n in names if declared[n].reads]
     if len(model_drafters) > 1:
+        text = sorted(n for n, cls in declared.items() if not cls.reads)
         raise OptionError("drafter", drafter, f"merges {model_drafters}: at most one drafter that reads the model "
-                          "(they would share its states and cache)", f"the others must be text drafters: {list(TEXT_DRAFTERS)}")
+                          "(they would share its states and cache)", f"the others must be text drafters: {text}")
     options = dict(options or {})
     extra = sorted(set(options) - set(names))
     if extra:

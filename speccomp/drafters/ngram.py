@@ -22,7 +22,7 @@ import torch
 from speccomp.runtime.calls import as_int
 from speccomp.errors import OptionError, OptionTypeError
 from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, recycle
-from speccomp.runtime.decode import Draft, DraftContext, Drafter
+from speccomp.runtime.decode import Draft, DraftContext, Drafter, check_tree_kind
 from speccomp.runtime.tree import AutoTreeSpec, DynamicTreeSpec, Tree, tree_option
 
 # Token Recycling's default template: 24 drafts, depth 6, wide near the root where the
@@ -71,6 +71,8 @@ class NGramDrafter(Drafter):
         self.num_branches = _int_option("num_branches", num_branches, 1)
         self.max_depth = _int_option("max_depth", max_depth, 1)
         self.lookup = NGramIndex(self.max_ngram, self.min_ngram)
+        self.options = dict(max_ngram=self.max_ngram, min_ngram=self.min_ngram, num_branches=self.num_branches,
+                            max_depth=self.max_depth)
 
     def begin(self, prompt: list[int]) -> None:
         self.lookup.begin(prompt)
@@ -96,6 +98,7 @@ class TokenRecyclingDrafter(Drafter):
     """
 
     name = "token_recycling"
+    trees = ("static",)
 
     def __init__(
         self, top_k: int = 8, tree=None, ngram_branches: int = 1, max_ngram: int = 4, min_ngram: int = 1,
@@ -117,6 +120,15 @@ class TokenRecyclingDrafter(Drafter):
             raise OptionTypeError("persist", persist, "must be True or False")
         self.persist = persist
         self.adj: dict[int, list[int]] = {}  # token -> the target's top-k next tokens, best first
+        self.max_siblings = top_k
+        ng = self.ngram
+        self.options = dict(top_k=top_k, ngram_branches=self.ngram_branches, max_ngram=ng.max_ngram,
+                            min_ngram=ng.min_ngram, ngram_depth=ng.max_depth, persist=persist)
+
+    def with_tree(self, tree) -> "TokenRecyclingDrafter":
+        """The same options drafting `tree` (a fresh table)."""
+        check_tree_kind(self, tree)
+        return TokenRecyclingDrafter(tree=tree, **self.options)
 
     def begin(self, prompt: list[int]) -> None:
         if not self.persist:

@@ -9,14 +9,30 @@ holds for a model.
 from __future__ import annotations
 
 from speccomp.backends import lower
+from speccomp.drafters.eagle_drafter import EagleDrafter, make_eagle
+from speccomp.drafters.graph import GraphDrafter
+from speccomp.drafters.head_drafters import HydraDrafter, MedusaDrafter, make_hydra, make_medusa
+from speccomp.drafters.ngram import NGramDrafter, TokenRecyclingDrafter, make_ngram, make_token_recycling
 from speccomp.errors import OptionError, OptionTypeError
 from speccomp.frontend.graph import SpecGraph, run_passes
 from speccomp.runtime.calls import MAX_TREE, as_int
+from speccomp.runtime.decode import Drafter
 from speccomp.runtime.tree import check_tree_width, tree_option
 
 
-DRAFTERS: dict[str, object] = {}  # name -> drafter factory; filled by the drafter modules
+DRAFTERS: dict[str, object] = {}  # name -> drafter factory
+DECLARED: dict[str, type[Drafter]] = {}  # name -> the class it builds, whose attributes declare what it reads,
+# which trees it takes and which parts are graphs (speccomp/runtime/decode.py's Drafter): read before it is built
 SEARCHED = ("early_exit", "layer_skip")  # drafters whose layers speccomp.search_drafter can pick
+
+
+def register(name: str, cls: type[Drafter]):
+    """Decorator: `factory` builds drafter `name`, an instance of `cls`."""
+    def add(factory):
+        DRAFTERS[name], DECLARED[name] = factory, cls
+        return factory
+
+    return add
 
 
 def available_drafters() -> list[str]:
@@ -29,10 +45,12 @@ def max_tree_nodes(structure) -> int:
     return min([MAX_TREE] + [s.sliding_window for s in structure.attention if s.sliding_window])
 
 
-def _default_tree(tree, fallback, dynamic_ok: bool = False, drafter: str = ""):
-    """The user's tree= as a Tree (or a DynamicTreeSpec where `dynamic_ok`), or `fallback` when None."""
+def _default_tree(tree, fallback, drafter: str, dynamic_ok: bool | None = None):
+    """The user's tree= as a Tree (or a DynamicTreeSpec where the drafter declares dynamic trees), or `fallback`."""
     from speccomp.runtime.tree import AutoTreeSpec, DynamicTreeSpec, tree_option
 
+    if dynamic_ok is None:
+        dynamic_ok = "dynamic" in DECLARED[drafter].trees
     if tree is None:
         return fallback
     spec = tree_option(tree)
@@ -41,7 +59,8 @@ def _default_tree(tree, fallback, dynamic_ok: bool = False, drafter: str = ""):
                           "pass a choice list or an int k (a chain)")
     if isinstance(spec, DynamicTreeSpec) and not dynamic_ok:
         raise OptionError("tree", tree, f"the {drafter!r} drafter takes static trees only (a choice list or an int k)",
-                          "dynamic trees are grown by the early_exit, layer_skip, hydra and eagle drafters")
+                          "dynamic trees are grown by the drafters "
+                          f"{[n for n, c in sorted(DECLARED.items()) if 'dynamic' in c.trees]}")
     return spec
 
 
@@ -49,19 +68,16 @@ def _graph_drafter(passes_for, default_name):
     def factory(base: SpecGraph, options: dict, tree, backend: str):
         from speccomp.passes.tree_attention import TreeAttention
 
-        from speccomp.drafters.graph import GraphDrafter
         from speccomp.runtime.tree import DynamicTreeSpec
 
         passes, rest = passes_for(base, options)
         if rest:
             raise OptionError("drafter_options", rest, f"unknown {default_name} options {sorted(rest)}",
                               f"accepted: {'exit_layer' if default_name == 'early_exit' else 'skip'}")
-        spec = _default_tree(tree, DynamicTreeSpec(16, 4), dynamic_ok=True, drafter=default_name)
+        spec = _default_tree(tree, DynamicTreeSpec(16, 4), default_name)
         check_tree_width(spec, base.captured.vocab_size, "model", tree)
         sg = run_passes(base.clone(), passes + [TreeAttention()])
-        drafter = GraphDrafter(lower(sg, backend), sg.kv_layers, spec, default_name)
-        drafter.options = passes[0].options()  # what the user, a stored search or the defaults chose
-        return drafter
+        return GraphDrafter(lower(sg, backend), sg.kv_layers, spec, default_name, passes[0].options())
 
     return factory
 
@@ -98,18 +114,16 @@ def _layer_skip_passes(base: SpecGraph, options: dict):
     return [SkipLayers(layers)], options
 
 
+@register("ngram", NGramDrafter)
 def _ngram(base: SpecGraph, options: dict, tree, backend: str):
-    from speccomp.drafters.ngram import make_ngram
-
     if tree is not None:
         raise OptionError("tree", tree, "the ngram drafter builds its tree from the matches it finds",
                           "drop tree= (use the max_depth / num_branches options)")
     return make_ngram(**options)
 
 
+@register("token_recycling", TokenRecyclingDrafter)
 def _token_recycling(base: SpecGraph, options: dict, tree, backend: str):
-    from speccomp.drafters.ngram import make_token_recycling
-
     if tree is not None and "tree" in options:
         raise OptionError("tree", tree, f"given twice (also drafter_options['tree']={options['tree']!r})", "give one")
     tree = options.pop("tree", tree)
@@ -118,37 +132,20 @@ def _token_recycling(base: SpecGraph, options: dict, tree, backend: str):
     return make_token_recycling(tree=tree, **options)
 
 
-DRAFTERS["early_exit"] = _graph_drafter(_early_exit_passes, "early_exit")
-DRAFTERS["layer_skip"] = _graph_drafter(_layer_skip_passes, "layer_skip")
-DRAFTERS["ngram"] = _ngram
-DRAFTERS["token_recycling"] = _token_recycling
+register("early_exit", GraphDrafter)(_graph_drafter(_early_exit_passes, "early_exit"))
+register("layer_skip", GraphDrafter)(_graph_drafter(_layer_skip_passes, "layer_skip"))
 
 
+@register("medusa", MedusaDrafter)
 def _medusa(base: SpecGraph, options: dict, tree, backend: str):
-    from speccomp.drafters.head_drafters import make_medusa
-
-    return make_medusa(base, options, _default_tree(tree, None, drafter="medusa"))
+    return make_medusa(base, options, _default_tree(tree, None, "medusa"))
 
 
-DRAFTERS["medusa"] = _medusa
-
-
+@register("hydra", HydraDrafter)
 def _hydra(base: SpecGraph, options: dict, tree, backend: str):
-    from speccomp.drafters.head_drafters import make_hydra
-
-    return make_hydra(base, options, _default_tree(tree, None, dynamic_ok=True, drafter="hydra"))
+    return make_hydra(base, options, _default_tree(tree, None, "hydra"))
 
 
-DRAFTERS["hydra"] = _hydra
-
-
+@register("eagle", EagleDrafter)
 def _eagle(base: SpecGraph, options: dict, tree, backend: str):
-    from speccomp.drafters.eagle_drafter import make_eagle
-
-    return make_eagle(base, options, _default_tree(tree, None, dynamic_ok=True, drafter="eagle"))
-
-
-DRAFTERS["eagle"] = _eagle
-
-
-
+    return make_eagle(base, options, _default_tree(tree, None, "eagle"))

@@ -41,24 +41,17 @@ def drafter_spec(drafter) -> dict:
     """The manifest's `drafter` entry: the name and every option the torch-free loop needs."""
     if drafter is None:
         return {"name": None, "options": {}}
-    name = getattr(drafter, "name", type(drafter).__name__)
+    name = drafter.name
     if name not in ENGINE_DRAFTERS:
         raise EngineError(
             f"drafter {name!r} cannot be exported as an engine yet: the torch-free runtime drafts with "
             f"{[d for d in ENGINE_DRAFTERS if d]} or decodes plainly; compile with one of those (or drafter=None)"
         )
-    if name == "ngram":
-        options = dict(max_ngram=drafter.max_ngram, min_ngram=drafter.min_ngram,
-                       num_branches=drafter.num_branches, max_depth=drafter.max_depth)
-    elif name == "medusa":  # states_output is filled in once the target graph is exported
-        options = dict(parents=list(drafter.tree.parents), ranks=list(drafter.tree.ranks),
-                       num_heads=drafter.heads.num_heads, top=drafter.top)
+    tree = {} if drafter.tree is None else dict(parents=list(drafter.tree.parents), ranks=list(drafter.tree.ranks))
+    if name == "medusa":  # the heads become medusa.onnx; states_output is filled in once the target is exported
+        options = dict(tree, num_heads=drafter.max_tree_depth, top=max(tree["ranks"]) + 1)
         return {"name": name, "options": options, "graph": MEDUSA_FILE}
-    else:  # token_recycling
-        ng = drafter.ngram
-        options = dict(top_k=drafter.top_k, parents=list(drafter.tree.parents), ranks=list(drafter.tree.ranks),
-                       ngram_branches=drafter.ngram_branches, max_ngram=ng.max_ngram, min_ngram=ng.min_ngram,
-                       ngram_depth=ng.max_depth, persist=drafter.persist)
+    options = dict(drafter.options, **tree)  # ngram: its options; token_recycling: its options and tree
     return {"name": name, "options": options}
 
 

@@ -247,17 +247,46 @@ def annotate(captured: CapturedModel) -> Structure:
     missing = [n for n in INPUT_NAMES if n not in inputs]
     if missing:
         raise GraphStructureError(f"graph inputs {missing} are missing; was it captured by speccomp.capture?")
-    past_kv, attention_mask = inputs["past_kv"], inputs["attention_mask"]
-
     embeddings = [
         n for n in graph.nodes
         if n.target is aten.embedding.default and _reshaped_from(n.args[1], inputs["input_ids"])
     ]
     if not embeddings:
         raise UnsupportedModelError("no token embedding (aten.embedding of input_ids) found in the captured graph")
+    sites = _attention_sites(captured, inputs["past_kv"], inputs["attention_mask"])
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    logits, new_kv, final_hidden = graph.output_node().args[0][:3]
+    layers = _decoder_layers(graph, sites, embeddings[0], final_hidden, order)
+    # LM head: the last matmul on the way from the final hidden state to the logits
+    head = None
+    for node in sorted(ancestors(logits) | {logits}, key=order.get, reverse=True):
+        if node.target in MATMUL_OPS and order[node] > order[layers[-1].exit]:
+            head = node
+            break
+    if head is None:
+        raise UnsupportedModelError("no LM head (a matmul producing the logits) found after the last decoder block")
+    norm_paths = [module_path(n) for n in graph.nodes if order[layers[-1].exit] < order[n] <= order[final_hidden]]
+    norm_paths = [p for p in norm_paths if p]
+    if not norm_paths:
+        raise UnsupportedModelError("no final norm module found between the last decoder block and the LM head")
+    return Structure(
+        inputs=inputs,
+        embedding=embeddings[0],
+        layers=layers,
+        attention=sites,
+        final_norm=Counter(norm_paths).most_common(1)[0][0],
+        final_hidden=final_hidden,
+        lm_head=head,
+        lm_head_module=module_path(head),
+        logits=logits,
+        new_kv=new_kv,
+    )
 
+
+def _attention_sites(captured: CapturedModel, past_kv, attention_mask) -> list[AttentionSite]:
+    """One attention site per cache layer (SDPA, or an eager softmax over cat(past, new) keys), in layer order."""
     sites = []
-    for node in graph.nodes:
+    for node in captured.graph_module.graph.nodes:
         if node.target in SDPA_OPS:
             key_cat, layer, _ = _find_cat(node.args[1], past_kv)
             value_cat, _, _ = _find_cat(node.args[2], past_kv)
@@ -284,78 +313,49 @@ def annotate(captured: CapturedModel) -> Structure:
         for path, window in captured.sliding_windows.items():
             if site.module == path or site.module.startswith(path + "."):
                 site.sliding_window = window
-    sites.sort(key=lambda s: s.layer)
+    return sorted(sites, key=lambda s: s.layer)
 
-    # decoder layers: the indexed module around each attention site
+
+def _decoder_layers(graph, sites: list[AttentionSite], embedding, final_hidden, order: dict) -> list[Layer]:
+    """The decoder blocks around the attention sites (the indexed module of each), with their residual-stream
+    entry (the previous block's exit; for the first, an activation computed from the token embedding) and exit."""
     layer_paths = []
     for site in sites:
         path = _decoder_layer_path(site.node)
         if path is None:
             raise UnsupportedModelError(f"attention {site.module} is not inside an indexed decoder block (ModuleList)")
         layer_paths.append(path)
-    order = {n: i for i, n in enumerate(graph.nodes)}
     inside = {p: [] for p in layer_paths}
     for node in graph.nodes:
         p = _decoder_layer_path(node)
         if p in inside:
             inside[p].append(node)
-
-    output = graph.output_node()
-    logits, new_kv, final_hidden = output.args[0][:3]
     hidden_size = shape(final_hidden)[-1] if shape(final_hidden) else None
 
     def is_hidden(n):
         s = shape(n)
         return s is not None and len(s) == 3 and s[-1] == hidden_size and n.meta["val"].is_floating_point()
 
-    layers = []
-    prev_exit = None
-    for i, (site, path) in enumerate(zip(sites, layer_paths)):
+    layers, entry = [], None
+    for i, path in enumerate(layer_paths):
         members = set(inside[path])
         exits = [n for n in inside[path] if is_hidden(n) and any(u not in members for u in n.users)]
         if not exits:
             raise UnsupportedModelError(f"decoder block {path} has no residual-stream output")
-        exit_node = max(exits, key=order.get)
-        if prev_exit is None:
-            # the residual stream is an activation computed from the token embedding; a parameter that merely
-            # has a hidden-sized last dim (a MoE's stacked expert weights [E, 2I, H]) is not one
+        if entry is None:
+            # a parameter that merely has a hidden-sized last dim (a MoE's stacked expert weights [E, 2I, H]) is not
+            # the residual stream: that is an activation computed from the token embedding
             external = {
                 a for n in inside[path] for a in n.all_input_nodes
                 if a not in members and is_hidden(a) and a.op == "call_function"
-                and (a is embeddings[0] or embeddings[0] in ancestors(a))
+                and (a is embedding or embedding in ancestors(a))
             }
             if not external:
                 raise UnsupportedModelError(f"decoder block {path} has no residual-stream input")
             entry = min(external, key=order.get)
-        else:
-            entry = prev_exit
-        layers.append(Layer(i, path, entry, exit_node))
-        prev_exit = exit_node
-
-    # LM head: the last matmul on the way from the final hidden state to the logits
-    head = None
-    for node in sorted(ancestors(logits) | {logits}, key=order.get, reverse=True):
-        if node.target in MATMUL_OPS and order[node] > order[layers[-1].exit]:
-            head = node
-            break
-    if head is None:
-        raise UnsupportedModelError("no LM head (a matmul producing the logits) found after the last decoder block")
-    norm_paths = [module_path(n) for n in graph.nodes if order[layers[-1].exit] < order[n] <= order[final_hidden]]
-    norm_paths = [p for p in norm_paths if p]
-    if not norm_paths:
-        raise UnsupportedModelError("no final norm module found between the last decoder block and the LM head")
-    return Structure(
-        inputs=inputs,
-        embedding=embeddings[0],
-        layers=layers,
-        attention=sites,
-        final_norm=Counter(norm_paths).most_common(1)[0][0],
-        final_hidden=final_hidden,
-        lm_head=head,
-        lm_head_module=module_path(head),
-        logits=logits,
-        new_kv=new_kv,
-    )
+        layers.append(Layer(i, path, entry, max(exits, key=order.get)))
+        entry = layers[-1].exit
+    return layers
 
 
 # --------------------------------------------------------------------------------------

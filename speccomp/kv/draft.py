@@ -32,7 +32,8 @@ import torch
 from speccomp.runtime.model import SpecModel
 from speccomp.frontend.convention import KVSpec
 from speccomp.kv.cache import make_cache
-from speccomp.drafters.graph import MAX_DYNAMIC_DEPTH, GraphDrafter
+from speccomp.drafters.graph import GraphDrafter
+from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
 from speccomp.kv.policies import KVPolicy, policy_bytes, snapkv_window
 from speccomp.runtime.decode import KVCache, DraftContext
 from speccomp.runtime.tree import DynamicTreeSpec
@@ -57,8 +58,12 @@ def tree_depth(tree) -> int:
 class CompressedKVDrafter(GraphDrafter):
     """GraphDrafter over a compressed copy of the target's cache (see the module docstring)."""
 
-    def __init__(self, step, kv: KVSpec, policy: KVPolicy, tree, name: str = "compressed_kv", kv_layers=None):
-        super().__init__(step, list(range(kv.num_layers)) if kv_layers is None else list(kv_layers), tree, name)
+    reads = ("target_cache", "own_cache")  # the accepted tokens' exact KV from the target, kept compressed
+
+    def __init__(self, step, kv: KVSpec, policy: KVPolicy, tree, name: str = "compressed_kv", kv_layers=None,
+                 options: dict | None = None):
+        super().__init__(step, list(range(kv.num_layers)) if kv_layers is None else list(kv_layers), tree, name,
+                         options)
         self.kv, self.policy = kv, policy
         self.min_window = tree_depth(tree) + 1
         policy.check(kv, min_window=self.min_window)
@@ -67,6 +72,10 @@ class CompressedKVDrafter(GraphDrafter):
         self._position_base = 0
         self._scores_pending = False  # H2O: take the root's attention at the next depth-0 forward
         self.measured: dict = {}
+
+    def with_tree(self, tree) -> "CompressedKVDrafter":
+        return CompressedKVDrafter(self.step, self.kv, self.policy, tree, self.name, self.layer_index.tolist(),
+                                   self.options)
 
     def begin(self, prompt: list[int]) -> None:
         self.cache = make_cache(self.kv, self.policy, min_window=self.min_window)
@@ -161,13 +170,13 @@ def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options
     from speccomp.drafters.registry import _default_tree
     from speccomp.frontend.graph import run_passes
 
-    spec = _default_tree(tree, DynamicTreeSpec(16, 4), dynamic_ok=True, drafter="compressed_kv")
+    spec = _default_tree(tree, DynamicTreeSpec(16, 4), "compressed_kv", dynamic_ok=True)
     policy.check(base.captured.kv, base.captured.max_positions, tree_depth(spec) + 1)
     passes = _layer_passes(base, dict(drafter_options or {}))
     passes += [TreeAttention()] + ([AttentionScores()] if policy.needs_attention else [])
     draft_graph = run_passes(base.clone(), passes)
-    drafter = CompressedKVDrafter(lower(draft_graph, backend), base.captured.kv, policy, spec, kv_layers=draft_graph.kv_layers)
-    drafter.options = dict(drafter_options or {})
+    drafter = CompressedKVDrafter(lower(draft_graph, backend), base.captured.kv, policy, spec,
+                                  kv_layers=draft_graph.kv_layers, options=drafter_options)
     target = run_passes(base.clone(), [TreeAttention()])
     return CompressedKVModel(target, lower(target, backend), backend, drafter=drafter)
 

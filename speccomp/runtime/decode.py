@@ -114,10 +114,38 @@ class DraftContext:
     max_nodes: int  # tree size limit (context left, sliding windows)
 
 
+READS = ("states", "path_states", "target_cache", "own_cache")
+TREES = ("static", "dynamic")
+
+
 class Drafter:
-    """Proposes a token tree each step. Subclasses override `propose`; the hooks are optional."""
+    """Proposes a token tree each step. Subclasses override `propose`; the hooks are optional.
+
+    A drafter declares what it is; the decode loop, autotune, merges and export read these declarations
+    and never look at its class:
+
+    - `reads`: what it reads besides the text so far, a subset of READS: "states" (the target's outputs from
+      `hidden` on at the newest token, via `take_states`), "path_states" (those outputs at every newly accepted
+      position), "target_cache" (the target's KV cache: it writes its own entries in the scratch room past
+      `cache.length`), "own_cache" (a KV cache of its own, rolled back by itself).
+    - `trees`: the tree kinds `with_tree` accepts, a subset of TREES ("static": a Tree, "dynamic": a
+      DynamicTreeSpec); () when it shapes its own trees (ngram). `max_tree_depth` / `max_siblings`: the deepest
+      tree and the most candidates per node it can fill (None: no limit).
+    - `graphs`: its parts that are captured graphs lowered by the backend (the rest is host-side Python);
+      `forward_per_level`: it runs one forward per draft depth (autotune charges its propose time per level).
+    - `options`: the JSON options that rebuild it (with its name and `tree`): what an engine manifest records.
+    """
 
     name = "drafter"
+    reads: tuple[str, ...] = ()
+    trees: tuple[str, ...] = ()
+    graphs: tuple[str, ...] = ()
+    forward_per_level = False
+    max_tree_depth: int | None = None
+    max_siblings: int | None = None
+    tree = None
+    options: dict = {}
+    target_passes: tuple = ()  # passes it adds to the target graph (Medusa: head states at every token)
 
     def begin(self, prompt: list[int]) -> None:
         """A new generation starts with `prompt`."""
@@ -128,15 +156,51 @@ class Drafter:
     def observe(self, draft: Draft, path: list[int], target_logits: torch.Tensor) -> None:
         """After verification: the accepted `path` and the target's logits [n, V] at every node."""
 
-    wants_states = False  # True: the runtime calls take_states after every target forward; "path": with every
-    # newly accepted position's states ([m, ...]: after the prefill all prompt positions, then each accepted path)
-
     def take_states(self, states: tuple) -> None:
         """The target's outputs from `hidden` on (hidden [H], then extra outputs of passes, e.g. Medusa
-        head states [K, H]) at the newest token: after the prefill its last prompt token, after a
-        verification the last accepted node. With wants_states == "path" every newly accepted position
-        instead ([m, H], ...: all prompt positions, then the accepted path root first). Called only when
-        `wants_states` is set (True or "path")."""
+        head states [K, H]): with "states" in `reads` at the newest token (after the prefill its last prompt
+        token, after a verification the last accepted node); with "path_states" at every newly accepted
+        position ([m, H], ...: all prompt positions, then the accepted path root first)."""
+
+    def with_tree(self, tree) -> "Drafter":
+        """The same drafter (same graphs, heads, options, fresh state) drafting `tree`, a kind in `trees`."""
+        raise TypeError(f"the {self.name} drafter shapes its own trees and takes no other tree")
+
+    def describe(self) -> dict:
+        """Its declaration as JSON: name, tree, options, reads, graphs."""
+        tree = self.tree
+        shape = tree.choices if isinstance(tree, Tree) else (None if tree is None else str(tree))
+        return {"name": self.name, "tree": shape, "options": dict(self.options), "reads": list(self.reads),
+                "graphs": list(self.graphs)}
+
+
+def check_declaration(drafter: Drafter) -> None:
+    """A Drafter given to compile declares what it reads and which trees it takes in the known words."""
+    from speccomp.errors import OptionError
+
+    if hasattr(drafter, "wants_states"):
+        raise OptionError("drafter", type(drafter).__name__, "sets wants_states, which speccomp no longer reads",
+                          "declare reads = ('states',) for the newest token's outputs or ('path_states',) for every "
+                          "accepted position's")
+    for attr, known in (("reads", READS), ("trees", TREES)):
+        value = getattr(drafter, attr)
+        if not isinstance(value, tuple) or not set(value) <= set(known):
+            raise OptionError("drafter", type(drafter).__name__, f"declares {attr}={value!r}",
+                              f"declare a tuple of {list(known)}")
+
+
+def check_tree_kind(drafter: Drafter, tree) -> None:
+    """`tree` must be a kind the drafter declares in `trees` (a clear error naming the kinds it takes)."""
+    from speccomp.errors import OptionError, OptionTypeError
+    from speccomp.runtime.tree import DynamicTreeSpec
+
+    kind = "static" if isinstance(tree, Tree) else "dynamic" if isinstance(tree, DynamicTreeSpec) else None
+    if kind is None:
+        raise OptionTypeError("tree", tree, f"must be a Tree or a DynamicTreeSpec, got {type(tree).__name__}")
+    if kind not in drafter.trees:
+        raise OptionError("tree", str(tree), f"the {drafter.name} drafter takes {' or '.join(drafter.trees) or 'no'} "
+                          f"trees, not {kind} ones", "pass a choice list or an int k (a chain)" if drafter.trees
+                          else "drop tree=")
 
 
 ROOT_ONLY = Tree.from_parents((-1,))
@@ -252,11 +316,9 @@ def decode(verifier, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int
 
 
 def _hand_states(drafter: Drafter, outs: tuple, path: list[int] | None) -> None:
-    """The target's outputs from `hidden` on, for drafters that read them (wants_states): at the newest token,
-    or ("path") at every newly accepted position; path None: after the prefill (the prompt's positions)."""
-    if not drafter.wants_states:
-        return
-    if drafter.wants_states == "path":
+    """The target's outputs from `hidden` on, for drafters that read them: at the newest token ("states"), or at
+    every newly accepted position ("path_states"); path None: after the prefill (the prompt's positions)."""
+    if "path_states" in drafter.reads:
         drafter.take_states(tuple(x[0] if path is None else x[0, path] for x in outs[2:]))
-    else:
+    elif "states" in drafter.reads:
         drafter.take_states(tuple(x[0, -1] if path is None else x[0, path[-1]] for x in outs[2:]))

@@ -51,9 +51,9 @@ class SpecModel:
         return new
 
     def __repr__(self) -> str:
-        drafter = getattr(self.drafter, "name", type(self.drafter).__name__) if self.drafter is not None else None
-        tree = getattr(self.drafter, "tree", None)
-        shape = f", tree={tree.choices if hasattr(tree, 'choices') else str(tree)}" if tree is not None else ""
+        about = self.drafter.describe() if self.drafter is not None else {"name": None, "tree": None}
+        drafter, tree = about["name"], about["tree"]
+        shape = f", tree={tree}" if tree is not None else ""
         on = f", providers={self.providers}" if self.providers else ""
         return (f"{type(self).__name__}({self.graph.captured.model_type}, drafter={drafter!r}{shape}, "
                 f"backend={self.backend!r}{on})")

@@ -78,6 +78,65 @@ def _check_size(size: int, max_nodes: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _check_parents(parents: tuple[int, ...]) -> tuple[int, ...]:
+    """A parent array: the root first (-1), then every node's parent before it."""
+    n = len(parents)
+    if n == 0:
+        raise TreeError("empty tree: a tree needs at least the root node (parents=[-1])")
+    if parents[0] != -1:
+        raise TreeError(f"parents[0] must be -1 (node 0 is the root), got {parents[0]}")
+    for i in range(1, n):
+        if parents[i] == -1:
+            raise TreeError(f"node {i} has parent -1 but only node 0 may be the root; give it a parent in 0..{i - 1}")
+        if not 0 <= parents[i] < i:
+            raise TreeError(
+                f"parents not topological: parents[{i}] = {parents[i]} but must be in 0..{i - 1}; "
+                "order nodes so that every parent comes before its children"
+            )
+    return parents
+
+
+def _ranks(children: list[list[int]], given) -> tuple[int, ...]:
+    """Sibling ranks: `given` checked (one per node, root 0, distinct among siblings), or the order of appearance."""
+    n = len(children)
+    if given is None:
+        ranks = [0] * n
+        for kids in children:
+            for r, c in enumerate(kids):
+                ranks[c] = r
+        return tuple(ranks)
+    ranks = tuple(_as_int(r, f"ranks[{i}]") for i, r in enumerate(_seq(given, "ranks")))
+    if len(ranks) != n:
+        raise TreeError(f"ranks has {len(ranks)} entries but the tree has {n} nodes; give one rank per node")
+    if ranks[0] != 0:
+        raise TreeError(f"ranks[0] must be 0 (the root has no siblings), got {ranks[0]}")
+    for i, r in enumerate(ranks):
+        if r < 0:
+            raise TreeError(f"negative rank {r} at node {i}; ranks are 0-based sibling indices (top-k slots)")
+    for u, kids in enumerate(children):
+        seen = {}
+        for c in kids:
+            if ranks[c] in seen:
+                raise TreeError(
+                    f"duplicate nodes: nodes {seen[ranks[c]]} and {c} are both child rank {ranks[c]} of node {u}; "
+                    "give each sibling a distinct rank"
+                )
+            seen[ranks[c]] = c
+    return ranks
+
+
+def _paths(parents, children, depth) -> torch.Tensor:
+    """Root-to-leaf paths [leaves, max_depth + 1], -1 padded."""
+    leaves = [i for i in range(len(parents)) if not children[i]]
+    paths = torch.full((len(leaves), max(depth) + 1), -1, dtype=torch.long)
+    for row, leaf in enumerate(leaves):
+        j = leaf
+        while j != -1:
+            paths[row, depth[j]] = j
+            j = parents[j]
+    return paths
+
+
 @dataclass(frozen=True)
 class Tree:
     """A token tree of `size` nodes in topological order (see the module docstring).
@@ -97,64 +156,17 @@ class Tree:
     paths: torch.Tensor = field(init=False, compare=False, repr=False)  # long [leaves, max_depth+1], -1 pad
 
     def __post_init__(self):
-        parents = tuple(_as_int(p, f"parents[{i}]") for i, p in enumerate(_seq(self.parents, "parents")))
+        parents = _check_parents(tuple(_as_int(p, f"parents[{i}]") for i, p in enumerate(_seq(self.parents, "parents"))))
         n = len(parents)
-        if n == 0:
-            raise TreeError("empty tree: a tree needs at least the root node (parents=[-1])")
-        if parents[0] != -1:
-            raise TreeError(f"parents[0] must be -1 (node 0 is the root), got {parents[0]}")
-        for i in range(1, n):
-            if parents[i] == -1:
-                raise TreeError(f"node {i} has parent -1 but only node 0 may be the root; give it a parent in 0..{i - 1}")
-            if not 0 <= parents[i] < i:
-                raise TreeError(
-                    f"parents not topological: parents[{i}] = {parents[i]} but must be in 0..{i - 1}; "
-                    "order nodes so that every parent comes before its children"
-                )
         children = [[] for _ in range(n)]
         for i in range(1, n):
             children[parents[i]].append(i)
-
-        if self.ranks is None:
-            ranks = [0] * n
-            for kids in children:
-                for r, c in enumerate(kids):
-                    ranks[c] = r
-            ranks = tuple(ranks)
-        else:
-            ranks = tuple(_as_int(r, f"ranks[{i}]") for i, r in enumerate(_seq(self.ranks, "ranks")))
-            if len(ranks) != n:
-                raise TreeError(f"ranks has {len(ranks)} entries but the tree has {n} nodes; give one rank per node")
-            if ranks[0] != 0:
-                raise TreeError(f"ranks[0] must be 0 (the root has no siblings), got {ranks[0]}")
-            for i, r in enumerate(ranks):
-                if r < 0:
-                    raise TreeError(f"negative rank {r} at node {i}; ranks are 0-based sibling indices (top-k slots)")
-            for u, kids in enumerate(children):
-                seen = {}
-                for c in kids:
-                    if ranks[c] in seen:
-                        raise TreeError(
-                            f"duplicate nodes: nodes {seen[ranks[c]]} and {c} are both child rank {ranks[c]} of node {u}; "
-                            "give each sibling a distinct rank"
-                        )
-                    seen[ranks[c]] = c
-
+        ranks = _ranks(children, self.ranks)
         depth = [0] * n
-        for i in range(1, n):
-            depth[i] = depth[parents[i]] + 1
         mask = torch.eye(n, dtype=torch.bool)
         for i in range(1, n):
+            depth[i] = depth[parents[i]] + 1
             mask[i] |= mask[parents[i]]  # topological order: the parent's row is already complete
-        max_depth = max(depth)
-        leaves = [i for i in range(n) if not children[i]]
-        paths = torch.full((len(leaves), max_depth + 1), -1, dtype=torch.long)
-        for row, leaf in enumerate(leaves):
-            j = leaf
-            while j != -1:
-                paths[row, depth[j]] = j
-                j = parents[j]
-
         set_ = object.__setattr__  # frozen dataclass: fill the derived fields once
         set_(self, "parents", parents)
         set_(self, "ranks", ranks)
@@ -162,8 +174,8 @@ class Tree:
         set_(self, "depth", torch.tensor(depth, dtype=torch.long))
         set_(self, "mask", mask)
         set_(self, "children", children)
-        set_(self, "max_depth", max_depth)
-        set_(self, "paths", paths)
+        set_(self, "max_depth", max(depth))
+        set_(self, "paths", _paths(parents, children, depth))
 
     # ---- constructors ---------------------------------------------------------------------
 
@@ -416,6 +428,18 @@ def sample_accept(
     passing draft_probs gives higher acceptance when the drafter *sampled* its tokens. Passing
     draft_probs for tokens the drafter picked deterministically (argmax / top-k) is NOT lossless.
     """
+    toks = _check_sample_args(tree, tokens, target_probs, draft_probs)
+    coins = torch.rand(tree.size, generator=generator, dtype=torch.float64).tolist()  # one per node, drawn up front
+    path, u = [0], 0
+    while True:
+        accepted, p = _first_accepted(tree.children[u], toks, _row(target_probs, u), draft_probs, coins)
+        if accepted is None:  # no child survived: the token leaving u is drawn from the last residual
+            return path, int(torch.multinomial(p, 1, generator=generator))
+        path.append(accepted)
+        u = accepted
+
+
+def _check_sample_args(tree: Tree, tokens, target_probs, draft_probs) -> list[int]:
     toks = _check_tokens(tree, tokens)
     n = tree.size
     if target_probs.dim() != 2 or target_probs.shape[0] != n:
@@ -426,52 +450,44 @@ def sample_accept(
     bad = [i for i, t in enumerate(toks) if not 0 <= t < V]
     if bad:
         raise ValueError(f"tokens at nodes {bad} are outside the vocabulary [0, {V})")
+    return toks
 
-    def row(probs: torch.Tensor, i: int) -> torch.Tensor:
-        r = probs[i].detach().to("cpu", torch.float64)  # float64: residuals subtract close numbers
-        s = float(r.sum())
-        if not s > 0:
-            raise ValueError(f"row {i} of the probabilities has no mass (sum {s}); pass warped probabilities, not logits")
-        return r / s
 
-    # One uniform per draft node, drawn up front (each child is tested at most once).
-    coins = torch.rand(n, generator=generator, dtype=torch.float64).tolist()
-    path, u = [0], 0
-    p = row(target_probs, 0)
-    while True:
-        accepted = None
-        for c in tree.children[u]:
-            x = toks[c]
-            if draft_probs is None:
-                # q = point mass on x: accept with p(x); residual = p without x.
-                if coins[c] < float(p[x]):
-                    accepted = c
-                    break
-                residual = p.clone()
-                residual[x] = 0.0
-            else:
-                q = row(draft_probs, c)
-                qx = float(q[x])
-                if qx <= 0.0:
-                    raise ValueError(
-                        f"draft_probs[{c}] gives probability 0 to node {c}'s token {x}, so it was not drawn from it; "
-                        "pass the distribution the drafter sampled from, or draft_probs=None for deterministic drafts"
-                    )
-                if coins[c] * qx < float(p[x]):  # u < p(x)/q(x), without dividing
-                    accepted = c
-                    break
-                residual = (p - q).clamp_min_(0.0)
-            s = float(residual.sum())
-            # s ~ 0 means p <= q everywhere (p == q up to rounding): rejection had ~zero probability,
-            # so keep p rather than divide noise by noise.
-            if s > _TINY:
-                p = residual / s
-        if accepted is None:
-            next_token = int(torch.multinomial(p, 1, generator=generator))
-            return path, next_token
-        path.append(accepted)
-        u = accepted
-        p = row(target_probs, u)
+def _row(probs: torch.Tensor, i: int) -> torch.Tensor:
+    r = probs[i].detach().to("cpu", torch.float64)  # float64: residuals subtract close numbers
+    s = float(r.sum())
+    if not s > 0:
+        raise ValueError(f"row {i} of the probabilities has no mass (sum {s}); pass warped probabilities, not logits")
+    return r / s
+
+
+def _first_accepted(children: list[int], toks: list[int], p: torch.Tensor, draft_probs, coins: list[float]):
+    """Test `children` in order against the residual `p`: (the first accepted child or None, the last residual)."""
+    for c in children:
+        x = toks[c]
+        if draft_probs is None:
+            # q = point mass on x: accept with p(x); residual = p without x.
+            if coins[c] < float(p[x]):
+                return c, p
+            residual = p.clone()
+            residual[x] = 0.0
+        else:
+            q = _row(draft_probs, c)
+            qx = float(q[x])
+            if qx <= 0.0:
+                raise ValueError(
+                    f"draft_probs[{c}] gives probability 0 to node {c}'s token {x}, so it was not drawn from it; "
+                    "pass the distribution the drafter sampled from, or draft_probs=None for deterministic drafts"
+                )
+            if coins[c] * qx < float(p[x]):  # u < p(x)/q(x), without dividing
+                return c, p
+            residual = (p - q).clamp_min_(0.0)
+        s = float(residual.sum())
+        # s ~ 0 means p <= q everywhere (p == q up to rounding): rejection had ~zero probability,
+        # so keep p rather than divide noise by noise.
+        if s > _TINY:
+            p = residual / s
+    return None, p
 
 
 def typical_accept_lossy(

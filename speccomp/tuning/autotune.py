@@ -52,7 +52,6 @@ optimistic; calibrate with generations as long as the real ones.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
@@ -76,7 +75,13 @@ DEFAULT_MAX_NODES = 64
 DYNAMIC_BUDGETS = (4, 8, 12, 16, 24, 32)
 TIMED_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64)
 REPORT_SIZES = (2, 4, 8, 16, 32, 64)  # sizes decoded for the report's "measured" points
-UNTUNABLE = {"ngram": "the ngram drafter builds its tree from the n-gram matches it finds and takes no tree="}
+def untunable(drafter: str) -> str | None:
+    """Why the named drafter has no tree to tune (it declares no tree kinds), or None."""
+    from speccomp.drafters.registry import DECLARED
+
+    if drafter in DECLARED and not DECLARED[drafter].trees:
+        return f"the {drafter} drafter shapes its own trees (from what it finds) and takes no tree="
+    return None
 SCHEMA = 1
 
 
@@ -141,8 +146,8 @@ def resolve_auto(model, drafter, backend: str, drafter_options: dict | None):
             "tree='auto' looks up the tree tuned for a named drafter; give drafter= a name from "
             "speccomp.available_drafters(), or pass your Drafter object an explicit tree"
         )
-    if drafter in UNTUNABLE:
-        raise AutotuneError(f"tree='auto': {UNTUNABLE[drafter]}; drop tree= (or use token_recycling, which takes a tuned tree)")
+    if untunable(drafter):
+        raise AutotuneError(f"tree='auto': {untunable(drafter)}; drop tree= (or use token_recycling, which takes a tuned tree)")
     result = load_result(model, drafter, backend)
     if result is None:
         key = cache_key(model, drafter, backend)
@@ -153,13 +158,15 @@ def resolve_auto(model, drafter, backend: str, drafter_options: dict | None):
             f"in Python, `speccomp.autotune(model, {drafter!r}, prompts, backend={backend!r})` first; "
             "or pass an explicit tree (a choice list, an int k, 'dynamic:B:K')"
         )
-    if drafter_options is not None and drafter_options != result.drafter_options:
+    stored = result.drafter_options
+    differ = {k: v for k, v in (drafter_options or {}).items() if k not in stored or stored[k] != v}
+    if differ:  # the stored options are complete (every option the drafter declares); the user's win
         warnings.warn(
-            f"tree='auto': the stored tree was tuned with drafter_options={result.drafter_options}, not {drafter_options}; "
+            f"tree='auto': the stored tree was tuned with drafter_options={result.drafter_options}, not {differ}; "
             f"it may not be the best tree for these options (re-run speccomp autotune with them)",
             stacklevel=3,
         )
-        return result.tree, dict(drafter_options)
+        return result.tree, {**result.drafter_options, **drafter_options}
     return result.tree, dict(result.drafter_options)
 
 
@@ -168,65 +175,18 @@ def resolve_auto(model, drafter, backend: str, drafter_options: dict | None):
 # --------------------------------------------------------------------------------------------
 
 
-def _drafter_classes():
-    from speccomp.drafters import head_drafters as drafters_medusa
-    from speccomp.drafters.graph import GraphDrafter
-    from speccomp.drafters.ngram import TokenRecyclingDrafter
-
-    return GraphDrafter, TokenRecyclingDrafter, drafters_medusa.MedusaDrafter, getattr(drafters_medusa, "HydraDrafter", None)
-
-
-def supports_dynamic(drafter: Drafter) -> bool:
-    graph, _, _, hydra = _drafter_classes()
-    return (isinstance(drafter, graph) or (hydra is not None and isinstance(drafter, hydra))
-            or bool(getattr(drafter, "dynamic_trees", False)))
-
-
-def max_tree_depth(drafter: Drafter) -> int | None:
-    """The deepest static tree the drafter can fill (heads: one per depth), None when unlimited."""
-    heads = getattr(drafter, "heads", None)
-    return getattr(heads, "num_heads", None)
-
-
-def max_tree_rank(drafter: Drafter) -> int | None:
-    """The most candidates per node the drafter can give (token recycling keeps top_k), None when unlimited."""
-    _, recycling, _, _ = _drafter_classes()
-    return drafter.top_k if isinstance(drafter, recycling) else None
-
-
 def retree(drafter: Drafter, tree) -> Drafter:
-    """A drafter like `drafter` (same graphs, heads, options) that drafts `tree` (a Tree or DynamicTreeSpec).
-
-    speccomp's drafters are rebuilt here; a custom Drafter can take part by defining `with_tree(tree)`.
-    """
-    hook = getattr(drafter, "with_tree", None)
-    if callable(hook):
-        if isinstance(tree, DynamicTreeSpec) and not supports_dynamic(drafter):
-            raise AutotuneError(f"the {drafter.name} drafter takes static trees only; tune it with mode='static'")
-        return hook(tree)
-    graph, recycling, medusa, hydra = _drafter_classes()
-    dynamic = isinstance(tree, DynamicTreeSpec)
-    if isinstance(drafter, graph):
-        new = graph(drafter.step, drafter.layer_index.tolist(), tree, drafter.name)
-        if hasattr(drafter, "options"):
-            new.options = drafter.options
-        return new
-    if dynamic and not supports_dynamic(drafter):
-        raise AutotuneError(f"the {drafter.name} drafter takes static trees only; tune it with mode='static'")
-    if isinstance(drafter, recycling):
-        if max(tree.ranks) >= drafter.top_k:
-            raise AutotuneError(f"tree uses rank {max(tree.ranks)} but token_recycling keeps top_k={drafter.top_k} candidates")
-        new = copy.copy(drafter)
-        new.tree, new.adj = tree, {}
-        return new
-    if isinstance(drafter, medusa):
-        return medusa(drafter.heads, tree)
-    if hydra is not None and isinstance(drafter, hydra):
-        return hydra(drafter.heads, tree)
-    raise AutotuneError(
-        f"the {getattr(drafter, 'name', type(drafter).__name__)} drafter cannot take a tuned tree; autotune works for "
-        "early_exit, layer_skip, token_recycling, medusa and hydra"
-    )
+    """A drafter like `drafter` (same graphs, heads, options) that drafts `tree` (a Tree or DynamicTreeSpec):
+    its declared `with_tree`, for speccomp's drafters and any custom Drafter that declares its tree kinds."""
+    kind = "dynamic" if isinstance(tree, DynamicTreeSpec) else "static"
+    if kind not in drafter.trees:
+        if not drafter.trees:
+            raise AutotuneError(f"the {drafter.name} drafter cannot take a tuned tree (it declares no tree kinds); "
+                                "autotune works for drafters that do, e.g. early_exit, layer_skip, token_recycling, "
+                                "medusa, hydra, eagle")
+        raise AutotuneError(f"the {drafter.name} drafter takes {' or '.join(drafter.trees)} trees only; "
+                            f"tune it with mode={drafter.trees[0]!r}")
+    return drafter.with_tree(tree)
 
 
 def with_tree(sm, tree):
@@ -250,7 +210,7 @@ class _Recorder(Drafter):
     def __init__(self, inner: Drafter):
         self.inner = inner
         self.name = inner.name
-        self.wants_states = inner.wants_states
+        self.reads, self.trees, self.graphs = inner.reads, inner.trees, inner.graphs
         self.steps: list[dict] = []
         self._propose_s, self._max_depth = 0.0, 0
 
@@ -424,8 +384,7 @@ def time_steps(sm, prompts, *, context_len: int, sizes, widths=(), repeats: int 
 
     cache = _context(sm, prompts, context_len)
     base = cache.length
-    graph_cls = _drafter_classes()[0]
-    drafter = sm.drafter if isinstance(sm.drafter, graph_cls) else None
+    drafter = sm.drafter if "draft" in sm.drafter.graphs else None  # a draft graph: its forward is timed per width
     jobs = [("verify", n) for n in sizes] + ([("draft", w) for w in widths] if drafter is not None else [])
     trees = {n: Tree.from_parents((-1,)) if n == 1 else Tree.chain(n - 1) for n in sizes}
     text = torch.cat([p[0] for p in prompts])
@@ -715,7 +674,7 @@ def autotune(
     import speccomp
 
     from speccomp.drafters.registry import DRAFTERS
-    from speccomp.drafters.graph import MAX_DYNAMIC_DEPTH
+    from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
 
     from speccomp.drafters.merge import split_names
 
@@ -726,8 +685,8 @@ def autotune(
         )
     if not isinstance(drafter, str) or drafter not in DRAFTERS:
         raise AutotuneError(f"unknown drafter {drafter!r}; accepted values: {sorted(DRAFTERS)}")
-    if drafter in UNTUNABLE:
-        raise AutotuneError(f"cannot autotune {drafter!r}: {UNTUNABLE[drafter]}; tune token_recycling or a self-drafter instead")
+    if untunable(drafter):
+        raise AutotuneError(f"cannot autotune {drafter!r}: {untunable(drafter)}; tune token_recycling or a self-drafter instead")
     if mode not in ("auto", "static", "dynamic"):
         raise AutotuneError(f"unknown mode {mode!r}; accepted values: ['auto', 'dynamic', 'static']")
     for name, value, low in (("max_nodes", max_nodes, 2), ("max_depth", max_depth, 1), ("ranks", ranks, 1),
@@ -740,8 +699,8 @@ def autotune(
 
     options = _default_options(model, drafter, drafter_options)
     sm = speccomp.compile(model, drafter=drafter, drafter_options=None if options is None else dict(options), backend=backend)
-    options = dict(getattr(sm.drafter, "options", None) or options or {})
-    dynamic_ok = supports_dynamic(sm.drafter)
+    options = dict(sm.drafter.options or options or {})
+    dynamic_ok = "dynamic" in sm.drafter.trees
     if mode == "dynamic" and not dynamic_ok:
         raise AutotuneError(f"the {drafter} drafter takes static trees only; use mode='static' (or 'auto')")
     do_static = mode in ("auto", "static")
@@ -750,8 +709,8 @@ def autotune(
     if max_nodes < 2:
         raise AutotuneError(f"the model fits trees of at most {sm.max_tree} nodes (sliding window); nothing to tune")
     # the probe may be larger than the trees considered: only the model's limit applies
-    depth = min(max_depth, max_tree_depth(sm.drafter) or max_depth, sm.max_tree - 1)
-    ranks = min(ranks, max_tree_rank(sm.drafter) or ranks)
+    depth = min(max_depth, sm.drafter.max_tree_depth or max_depth, sm.max_tree - 1)
+    ranks = min(ranks, sm.drafter.max_siblings or ranks)
     while 1 + depth * ranks > sm.max_tree and ranks > 1:
         ranks -= 1
     while 1 + depth * ranks > sm.max_tree:
@@ -795,7 +754,7 @@ def autotune(
     probe_levels = len(_tree_widths(probe_choices)) - 1
     if timing["widths"]:  # what propose costs beyond its forwards (Python, top-k), per draft level of the probe
         timing["draft_overhead_per_level_s"] = max(0.0, timing["propose_s"] - draft_seconds(timing, probe_choices)) / probe_levels
-    elif getattr(sm.drafter, "drafts_by_level", False):  # its own forward per level: propose time scales with depth
+    elif sm.drafter.forward_per_level:  # its own forward per level: propose time scales with depth
         timing["propose_per_level_s"] = timing["propose_s"] / probe_levels
     # nodes the drafter really sent, per depth, against the probe's (token recycling prunes rowless tokens)
     presence = []

@@ -133,7 +133,8 @@ def _hidden_states(model, seqs, progress: bool, mass: torch.Tensor | None = None
         for s in tqdm(seqs, desc="hidden states", disable=not progress):
             n = s.shape[0]
             empty = torch.zeros(*kv.shape(0), dtype=kv.dtype)
-            logits, _, h = plain.step(s[None], torch.arange(n)[None], torch.ones(1, n, dtype=torch.long), empty)
+            causal = torch.ones(n, n, dtype=torch.bool).tril()  # the plain graph takes a tree mask too
+            logits, _, h = plain.step(s[None], torch.arange(n)[None], torch.ones(1, n, dtype=torch.long), empty, causal)
             probs = logits[0].softmax(-1) if (mass is not None or soft_k) else None
             soft = None
             if soft_k:
