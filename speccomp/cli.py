@@ -316,7 +316,8 @@ def cmd_export(args) -> int:
     from speccomp.engine.runtime import ENGINE_DRAFTERS
 
     _compile_options(args)
-    _drafter_among(args.drafter, ENGINE_DRAFTERS, "an engine cannot carry this drafter (its runtime has no torch)")
+    for name in (args.drafter.split("+") if args.drafter else [None]):  # a merge: every part
+        _drafter_among(name, ENGINE_DRAFTERS, f"an engine cannot carry the {name} drafter yet (its runtime has no torch)")
     check_destination(args.out, args.overwrite)  # never a directory of someone else's files
     model, tok = _load(args)
     fast = _compile(model, args)

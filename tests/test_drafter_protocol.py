@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import speccomp
-from speccomp.drafters.grow import LOG_MIN_PROB, grow
+from speccomp.drafters.grow import LOG_MIN_PROB, cut, grow, grow_dynamic, grow_static, torch_top
 from speccomp.drafters.registry import DECLARED, DRAFTERS
 from speccomp.errors import OptionError
 from speccomp.runtime.decode import READS, TREES, Draft, DraftContext, Drafter
@@ -122,9 +122,9 @@ def test_bad_declarations_are_refused_at_compile():
 
 def scorer(table: dict[int, list[float]], calls: list):
     """expand() over a fixed table: candidate token -> log-probs of the next token over a vocabulary of 5."""
-    def expand(d, nodes, grown):
+    def expand(d, nodes, grown, k):
         calls.append((d, list(nodes)))
-        return torch.tensor([table[grown.token[c]] for c in nodes])
+        return torch_top(torch.tensor([table[grown.token[c]] for c in nodes]), k)
 
     return expand
 
@@ -139,12 +139,12 @@ def test_static_growth_fills_ranks_and_expands_only_parents():
     # token t's ranking is (t, t+1, t+2, ...) mod 5: root 0 -> [0]=0, [1]=1; [0,0]=0, [0,1]=1; [0,0,0]=0
     assert draft.tokens.tolist() == [0, 0, 1, 0, 1, 0] and draft.tree == tree
     assert calls == [(0, [0]), (1, [1]), (2, [3])]  # leaves are never expanded
-    vocab = torch.tensor([10, 11, 12, 13, 14])  # a draft vocabulary: indices map to token ids
-    mapped = grow(tree, DraftContext([4, 0], None, 8, 16), lambda d, n, g: torch.tensor([LOGP[t % 10] for t in
-                                                                                       (g.token[c] for c in n)]), vocab)
-    assert mapped.tokens.tolist() == [0, 10, 11, 10, 11, 10]
-    cut = grow(tree, DraftContext([4, 0], None, 1, 16), scorer(LOGP, []))  # one token of room: depth 1 only
-    assert cut.tree.max_depth == 1 and cut.tokens.tolist() == [0, 0, 1]
+    tokens = grow_static(list(tree.parents), list(tree.ranks), 0, scorer(LOGP, []))  # the torch-free core
+    assert tokens == draft.tokens.tolist()
+    cut_parents, cut_ranks = cut(list(tree.parents), list(tree.ranks), 1, 16)  # one token of room: depth 1 only
+    assert (cut_parents, cut_ranks) == ([-1, 0, 0], [0, 0, 1])
+    short = grow(tree, DraftContext([4, 0], None, 1, 16), scorer(LOGP, []))
+    assert list(short.tree.parents) == cut_parents and short.tokens.tolist() == [0, 0, 1]
 
 
 def test_dynamic_growth_keeps_the_likeliest_prefix_closed_candidates():
@@ -158,7 +158,8 @@ def test_dynamic_growth_keeps_the_likeliest_prefix_closed_candidates():
     for c in range(1, tree.size):
         score.append(score[tree.parents[c]] + LOGP[tokens[tree.parents[c]]][tokens[c]])
     assert score[1] == max(score[1:])  # the likeliest candidate is first
-    stop = grow(DynamicTreeSpec(4, 2), DraftContext([4, 0], None, 8, 16), lambda d, n, g: None)
+    assert grow_dynamic(4, 2, 0, scorer(LOGP, []), 3) == (list(tree.parents), tokens)  # the torch-free core
+    stop = grow(DynamicTreeSpec(4, 2), DraftContext([4, 0], None, 8, 16), lambda d, n, g, k: None)
     assert stop.tree.size == 1  # expand said: no room
     flat = {t: [LOG_MIN_PROB - 1.0] * 5 for t in range(5)}  # nothing worth a second level
     calls = []

@@ -89,6 +89,21 @@ def test_engine_greedy_identical(llama, drafter, tmp_path):
         assert engine.last_stats["tau"] > 1.2, "drafts were accepted (else the tree path is untested)"
 
 
+def steps_like_torch(engine, fast, model):
+    """HF greedy's text from the engine on three repetitive prompts, in as many steps as the torch runtime `fast`
+    (the same drafts), with drafts accepted; returns the last prompt."""
+    taus = []
+    for seed in (0, 1, 2):
+        ids = repetitive_prompt(seed)
+        out = engine.generate(ids.numpy(), max_new_tokens=30, eos_token_id=2)
+        assert np.array_equal(out, hf_greedy(model, ids, 30).numpy()), seed
+        fast.generate(ids, max_new_tokens=30, eos_token_id=2)
+        assert engine.last_stats["steps"] == fast.last_stats["steps"], seed
+        taus.append(engine.last_stats["tau"])
+    assert max(taus) > 1.2, "drafts were accepted (else the tree path is untested)"
+    return ids
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_medusa_engine_greedy_identical_and_drafts_like_torch(tied, tmp_path):
     """Medusa heads in an engine: the target graph returns head states, medusa.onnx projects them. Zero
@@ -111,15 +126,7 @@ def test_medusa_engine_greedy_identical_and_drafts_like_torch(tied, tmp_path):
     m = engine.manifest
     assert m["drafter"]["graph"] == "medusa.onnx" and m["graphs"]["medusa"]["outputs"] == ["top_ids"]
     assert m["drafter"]["options"]["states_output"] == m["graphs"]["target"]["outputs"][3]
-    taus = []
-    for seed in (0, 1, 2):
-        ids = repetitive_prompt(seed)
-        out = engine.generate(ids.numpy(), max_new_tokens=30, eos_token_id=2)
-        assert np.array_equal(out, hf_greedy(model, ids, 30).numpy()), seed
-        fast.generate(ids, max_new_tokens=30, eos_token_id=2)
-        assert engine.last_stats["steps"] == fast.last_stats["steps"], seed
-        taus.append(engine.last_stats["tau"])
-    assert max(taus) > 1.2, "drafts were accepted (else the tree path is untested)"
+    ids = steps_like_torch(engine, fast, model)
     plain = speccomp.load(tmp_path / "e", draft=False)  # the speed baseline: the same target graph, no drafter
     out = plain.generate(ids.numpy(), max_new_tokens=30, eos_token_id=2)
     assert np.array_equal(out, hf_greedy(model, ids, 30).numpy()) and "drafter=plain" in repr(plain)
@@ -129,6 +136,79 @@ def test_medusa_engine_greedy_identical_and_drafts_like_torch(tied, tmp_path):
     (tmp_path / "e" / "medusa.onnx").unlink()
     with pytest.raises(EngineError, match="medusa graph .* is missing"):
         speccomp.load(tmp_path / "e")
+
+
+@pytest.fixture(scope="module")
+def hydra_model(tmp_path_factory):
+    """A tiny tied Llama and random Hydra heads over a draft vocabulary subset (saved in a directory)."""
+    from speccomp.drafters.hydra import save_hydra
+    from test_medusa import random_hydra
+
+    model = tiny_llama(num_hidden_layers=3, initializer_range=0.2, tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("hydra") / "heads"
+    save_hydra(random_hydra(model, 3, vocab=torch.arange(3, 80)), path)
+    return model, str(path)
+
+
+@pytest.mark.parametrize("drafter, tree", [
+    ("hydra", [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]), ("hydra", "dynamic:8:3"),
+    ("hydra+token_recycling", None), ("hydra+token_recycling+ngram", "dynamic:6:2"),
+])
+def test_hydra_engines_greedy_identical_and_step_like_torch(hydra_model, drafter, tree, tmp_path):
+    """Hydra heads in an engine (hydra.onnx: one head step, the tree grown by speccomp/drafters/grow.py, shared with
+    the torch drafter), alone and merged with text drafters: HF's greedy text, as many steps as the torch runtime."""
+    model, heads = hydra_model
+    fast = speccomp.compile(model, drafter=drafter, tree=tree,
+                            drafter_options={"heads": heads} if drafter == "hydra" else {"hydra": {"heads": heads}})
+    engine = speccomp.load(fast.export(tmp_path / "e"))
+    m = engine.manifest
+    parts = m["drafter"].get("drafters") or [m["drafter"]]
+    assert [p["name"] for p in parts] == drafter.split("+") and m["graphs"]["hydra"]["file"] == "hydra.onnx"
+    steps_like_torch(engine, fast, model)
+    # two sessions (target, hydra step): neither spins between runs, or they fight over the cores
+    spins = [x.session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
+             for x in (engine.session, engine.drafter.drafters[0].session if "+" in drafter else engine.drafter.session)]
+    assert spins == ["0", "0"]
+
+
+def test_merged_engine_drafts_like_torch(llama, tmp_path):
+    """A merge of text drafters: the same merged drafts and accepted paths at every step in both runtimes."""
+    fast = speccomp.compile(llama, drafter="token_recycling+ngram", backend="onnxruntime")
+    engine = speccomp.load(fast.export(tmp_path / "e"))
+    engine_steps, torch_steps = record_steps(engine.drafter, False), record_steps(fast.drafter, True)
+    for seed in (0, 1):
+        ids = repetitive_prompt(seed)
+        out = engine.generate(ids.numpy(), max_new_tokens=30, eos_token_id=2)
+        assert np.array_equal(out, hf_greedy(llama, ids, 30).numpy())
+        fast.generate(ids, max_new_tokens=30, eos_token_id=2)
+    assert engine_steps == torch_steps and len(engine_steps) > 10
+    assert any(len(t) > 1 for t, _ in engine_steps) and engine.last_stats["tau"] > 1.2
+
+
+def test_hydra_engine_runs_without_torch_and_checks_its_manifest(hydra_model, tmp_path):
+    model, heads = hydra_model
+    path = speccomp.compile(model, drafter="hydra+token_recycling",
+                            drafter_options={"hydra": {"heads": heads}}).export(tmp_path / "e")
+    prompts = [repetitive_prompt(seed) for seed in (0, 1)]
+    child = subprocess.run(
+        [sys.executable, "-c", TORCH_FREE_CHILD, str(path), json.dumps([p[0].tolist() for p in prompts]), "30"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    for ids, out in zip(prompts, json.loads(child.stdout.strip().splitlines()[-1])):
+        assert out == hf_greedy(model, ids, 30).tolist()
+    manifest = json.loads((path / "manifest.json").read_text())
+    for edit, needle in [
+        (lambda d: d["drafters"][0]["options"].update(tree={"budget": 0, "top_k": 2}), r"drafter.drafters\[0\].options.tree="),
+        (lambda d: d["drafters"].reverse(), "drafter.drafters=.*one entry per drafter"),
+        (lambda d: d["drafters"][0].update(graph="target.onnx"), r"drafter.drafters\[0\].graph="),
+        (lambda d: d["drafters"][0]["options"].update(top=1), "returns the top 4 tokens but drafter.options.top=1"),
+    ]:
+        broken = json.loads(json.dumps(manifest))
+        edit(broken["drafter"])
+        (path / "manifest.json").write_text(json.dumps(broken))
+        with pytest.raises(EngineError, match=needle):
+            speccomp.load(path)
 
 
 def test_engine_sliding_window_past_the_window(tmp_path):

@@ -137,10 +137,10 @@ def test_merged_drafter_bad_input(llama6):
         speccomp.compile(llama6, drafter="early_exit+ngram", drafter_options={"early_exit": {"exit_layer": 9}})
 
 
-def test_merged_drafter_is_not_exported_as_an_engine(llama6, tmp_path):
+def test_merge_with_a_drafter_engines_cannot_run_is_not_exported(llama6, tmp_path):
     from speccomp.engine.runtime import EngineError
 
-    fast = speccomp.compile(llama6, drafter="token_recycling+ngram")
-    with pytest.raises(EngineError, match="cannot be exported as an engine yet"):
+    fast = speccomp.compile(llama6, drafter="layer_skip+ngram")  # merges of engine drafters: tests/test_engine.py
+    with pytest.raises(EngineError, match="drafter 'layer_skip' cannot be exported as an engine yet"):
         fast.export(tmp_path / "engine")
     assert not (tmp_path / "engine").exists()  # refused before any work

@@ -226,6 +226,9 @@ ENGINE_CASES = {
     "ngram": (lambda h: dict(drafter="ngram"), 0.8),  # 0.93
     "token_recycling": (lambda h: dict(drafter="token_recycling", tree=WIDE,
                                        drafter_options={"top_k": 4, "persist": True, "ngram_branches": 0}), 0.8),  # 1.00
+    # Hydra's head step in hydra.onnx, the tree grown in numpy, merged with Token Recycling's
+    "hydra+token_recycling": (lambda h: dict(drafter="hydra+token_recycling", tree=WIDE, drafter_options={
+        "hydra": {"heads": h["hydra"]}, "token_recycling": {"tree": [[0], [1], [0, 0]], "top_k": 3}}), 1.0),
 }
 
 

@@ -20,7 +20,7 @@ import os
 import torch
 from torch.nn import functional as F
 
-from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH, Grown, ancestor_rows, grow
+from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH, Grown, ancestor_rows, grow, torch_top
 from speccomp.runtime.decode import Draft, DraftContext, Drafter, check_tree_kind
 from speccomp.runtime.tree import DynamicTreeSpec
 
@@ -126,12 +126,12 @@ class EagleDrafter(Drafter):
             root_out = self._commit(ctx)
             slot, out = {}, {0: root_out}
 
-            def expand(d: int, nodes: list[int], grown: Grown) -> torch.Tensor:
-                return self._logp(root_out) if d == 0 else self._expand(nodes, grown, slot, out)
+            def expand(d: int, nodes: list[int], grown: Grown, k: int):
+                logp = self._logp(root_out) if d == 0 else self._expand(nodes, grown, slot, out)
+                return torch_top(logp, k, self.head.draft_vocab)
 
             # no deeper than the head was trained to draft: its guesses past that are rarely accepted
-            depth = min(MAX_DYNAMIC_DEPTH, self.head.train_steps or MAX_DYNAMIC_DEPTH)
-            return grow(self.tree, ctx, expand, self.head.draft_vocab, depth)
+            return grow(self.tree, ctx, expand, min(MAX_DYNAMIC_DEPTH, self.head.train_steps or MAX_DYNAMIC_DEPTH))
 
 
 def make_eagle(base, options: dict, tree) -> EagleDrafter:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from speccomp.drafters.grow import Grown, ancestor_rows, grow
+from speccomp.drafters.grow import Grown, ancestor_rows, grow, torch_top
 from speccomp.runtime.decode import Draft, DraftContext, Drafter, check_tree_kind
 
 
@@ -48,12 +48,12 @@ class GraphDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> Draft:
         cache, base, slot = ctx.cache, ctx.cache.length, {}  # slot: candidate -> its scratch slot past `base`
 
-        def expand(d: int, nodes: list[int], grown: Grown):
+        def expand(d: int, nodes: list[int], grown: Grown, k: int):
             used = len(slot)
             if used + len(nodes) > ctx.max_nodes:  # the drafter's tree mask must fit where the target's does
                 return None
             rows = ancestor_rows(nodes, grown, slot, used)
             logits = self._forward(cache, base, used, torch.tensor([grown.token[c] for c in nodes]), d, rows)
-            return logits.float().log_softmax(-1)
+            return torch_top(logits.float().log_softmax(-1), k)
 
         return grow(self.tree, ctx, expand)

@@ -1,28 +1,25 @@
-"""Tree growth, written once for every drafter that scores candidates depth by depth (graphs, heads, EAGLE).
+"""Tree growth, written once for every drafter that scores candidates depth by depth (graphs, heads, EAGLE),
+in plain Python so that the torch runtime and the torch-free engine (speccomp/engine/runtime.py) share it.
 
-A drafter supplies `expand(d, nodes, grown) -> log-probs [len(nodes), V]`: score the next token of each
-candidate in `nodes` (all at depth d; node 0 is the root) and keep whatever state its children's expansion
-will read (a KV slot, a head state). `grow` decides which candidates get expanded and which tokens they get:
+A drafter supplies `expand(d, nodes, grown, k) -> (top_logp, top_ids)`: for each candidate in `nodes` (all at
+depth d; node 0 is the root) the log-probabilities and token ids of its k likeliest next tokens, best first
+(nested lists or arrays [len(nodes)][k]); it keeps whatever state the children's expansion reads (a KV slot, a
+head state). The functions here decide which candidates get expanded and which tokens they get:
 
-- static tree (`Tree`): every node with children is expanded; child c takes its parent's rank-r token,
-  r = tree.ranks[c]. The tree is first cut to the room the decode loop gives (`truncate`).
-- dynamic tree (`DynamicTreeSpec`, EAGLE-2): each depth expands the `top_k` frontier candidates of highest
-  cumulative log-probability, each proposing its `top_k` best next tokens; growth stops at `max_depth`, when
-  `expand` returns None (no room left) or when even the likeliest frontier candidate is below MIN_PROB (rarely
-  accepted, and every drafter forward costs real time on a CPU). The step's tree is the `budget` likeliest
-  candidates: a prefix-closed set, since a child is never likelier than its parent.
+- `grow_static(parents, ranks, root, expand)`: every node with children is expanded; child c takes its parent's
+  rank-r token, r = ranks[c]. The caller has already cut the tree to the room the decode loop gives.
+- `grow_dynamic(budget, top_k, root, expand, max_depth)` (EAGLE-2): each depth expands the `top_k` frontier
+  candidates of highest cumulative log-probability, each proposing its `top_k` best next tokens; growth stops
+  at `max_depth`, when `expand` returns None (no room left) or when even the likeliest frontier candidate is
+  below MIN_PROB (rarely accepted, and every drafter forward costs real time on a CPU). The step's tree is the
+  `budget` likeliest candidates: a prefix-closed set, since a child is never likelier than its parent.
 
-`vocab` maps the drafter's vocabulary indices to token ids (heads that score a reduced draft vocabulary).
+`grow(tree, ctx, expand, max_depth)` is the torch runtime's entry: a Tree or DynamicTreeSpec in, a Draft out.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
-import torch
-
-from speccomp.runtime.decode import Draft, DraftContext, truncate
-from speccomp.runtime.tree import DynamicTreeSpec, Tree
 
 MAX_DYNAMIC_DEPTH = 6  # EAGLE-2's default depth
 MIN_PROB = 0.02  # stop expanding when the best frontier path is less likely than this
@@ -39,58 +36,55 @@ class Grown:
     score: list[float] = field(default_factory=list)
 
 
-def grow(tree, ctx: DraftContext, expand, vocab: torch.Tensor | None = None,
-         max_depth: int = MAX_DYNAMIC_DEPTH) -> Draft:
-    """The step's draft: `tree` (a Tree or a DynamicTreeSpec) filled by `expand` (see the module docstring)."""
-    if isinstance(tree, DynamicTreeSpec):
-        return _grow_dynamic(tree, ctx, expand, vocab, max_depth)
-    tree, _ = truncate(tree, ctx.max_depth, ctx.max_nodes)
-    depth = tree.depth.tolist()
-    grown = Grown(list(tree.parents), [ctx.tokens[-1]] + [0] * (tree.size - 1), depth)
-    for d in range(tree.max_depth):
-        nodes = [u for u in range(tree.size) if depth[u] == d and tree.children[u]]
-        logp = expand(d, nodes, grown)
+def grow_static(parents: list[int], ranks: list[int], root: int, expand) -> list[int]:
+    """The tokens of a static tree (parents in topological order, sibling ranks), root first."""
+    n = len(parents)
+    depth, children = [0] * n, [[] for _ in range(n)]
+    for c in range(1, n):
+        depth[c] = depth[parents[c]] + 1
+        children[parents[c]].append(c)
+    grown = Grown(list(parents), [root] + [0] * (n - 1), depth)
+    k = max(ranks) + 1
+    for d in range(max(depth)):
+        nodes = [u for u in range(n) if depth[u] == d and children[u]]
+        _, ids = expand(d, nodes, grown, k)
         for i, u in enumerate(nodes):
-            top = logp[i].topk(max(tree.ranks[c] for c in tree.children[u]) + 1).indices
-            if vocab is not None:
-                top = vocab[top]
-            for c in tree.children[u]:
-                grown.token[c] = int(top[tree.ranks[c]])
-    return Draft(tree, torch.tensor(grown.token, dtype=torch.long))
+            for c in children[u]:
+                grown.token[c] = int(ids[i][ranks[c]])
+    return grown.token
 
 
-def _grow_dynamic(spec: DynamicTreeSpec, ctx: DraftContext, expand, vocab, max_depth: int) -> Draft:
-    budget = min(spec.budget, ctx.max_nodes - 1)
-    grown = Grown([-1], [ctx.tokens[-1]], [0], [0.0])
+def grow_dynamic(budget: int, top_k: int, root: int, expand, max_depth: int) -> tuple[list[int], list[int]]:
+    """(parents, tokens) of the `budget` likeliest candidates grown from `root` (see the module docstring)."""
+    grown = Grown([-1], [root], [0], [0.0])
     frontier = [0]
-    for d in range(min(max_depth, ctx.max_depth, budget)):
-        logp = expand(d, frontier, grown)
-        if logp is None:
+    for d in range(min(max_depth, budget)):
+        top = expand(d, frontier, grown, top_k)
+        if top is None:
             break
-        top_p, top = logp.float().topk(spec.top_k, dim=-1)  # [k, top_k]
-        frontier = add_children(frontier, top_p, top if vocab is None else vocab[top], grown)
+        frontier = add_children(frontier, top, grown)
         if max(grown.score[c] for c in frontier) < LOG_MIN_PROB:
             break
     return select_tree(grown, budget)
 
 
-def add_children(frontier: list[int], top_logp: torch.Tensor, top_tokens: torch.Tensor, grown: Grown) -> list[int]:
-    """One level of dynamic growth: every frontier candidate c (row i) gets a child per column of top_tokens
-    [k, top_k] (token ids) scored score[c] + top_logp[i, r]. Returns the next frontier: the top_k likeliest."""
+def add_children(frontier: list[int], top, grown: Grown) -> list[int]:
+    """One level of dynamic growth: every frontier candidate c (row i) gets a child per column of top = (logp, ids)
+    [k][top_k], scored score[c] + logp[i][r]. Returns the next frontier: the top_k likeliest new candidates."""
+    logp, ids = top
     new = []
-    logp, tokens = top_logp.tolist(), top_tokens.tolist()
     for i, c in enumerate(frontier):
-        for r in range(len(tokens[i])):
+        for r in range(len(ids[i])):
             grown.parent.append(c)
-            grown.token.append(tokens[i][r])
-            grown.score.append(grown.score[c] + logp[i][r])
+            grown.token.append(int(ids[i][r]))
+            grown.score.append(grown.score[c] + float(logp[i][r]))
             grown.depth.append(grown.depth[c] + 1)
             new.append(len(grown.token) - 1)
-    return sorted(new, key=lambda c: -grown.score[c])[: top_tokens.shape[1]]
+    return sorted(new, key=lambda c: -grown.score[c])[: len(ids[0])]
 
 
-def select_tree(grown: Grown, budget: int) -> Draft:
-    """The draft of the `budget` likeliest candidates (prefix-closed, BFS order) of a grown candidate set."""
+def select_tree(grown: Grown, budget: int) -> tuple[list[int], list[int]]:
+    """(parents, tokens) of the `budget` likeliest candidates (prefix-closed, BFS order) of a grown set."""
     score, depth, parent = grown.score, grown.depth, grown.parent
     order = sorted(range(1, len(grown.token)), key=lambda c: (-score[c], depth[c], c))
     chosen = {0}
@@ -101,13 +95,24 @@ def select_tree(grown: Grown, budget: int) -> Draft:
             chosen.add(c)
     nodes = sorted(chosen, key=lambda c: (depth[c], -score[c], c))
     index = {c: i for i, c in enumerate(nodes)}
-    tree = Tree.from_parents([-1] + [index[parent[c]] for c in nodes[1:]])
-    return Draft(tree, torch.tensor([grown.token[c] for c in nodes], dtype=torch.long))
+    return [-1] + [index[parent[c]] for c in nodes[1:]], [grown.token[c] for c in nodes]
 
 
-def ancestor_rows(nodes: list[int], grown: Grown, slot: dict[int, int], used: int) -> torch.Tensor:
-    """Attention rows [k, used + k] for scoring `nodes` in scratch slots used..used+k-1: each sees the slots of
-    its expanded ancestors (`slot`: candidate -> scratch slot) and itself. Fills slot[c] for the new nodes."""
+def cut(parents: list[int], ranks: list[int], max_depth: int, max_nodes: int) -> tuple[list[int], list[int]]:
+    """A static tree's nodes at depth <= max_depth, the first max_nodes of them: (parents, ranks) renumbered."""
+    depth = [0] * len(parents)
+    for c in range(1, len(parents)):
+        depth[c] = depth[parents[c]] + 1
+    keep = [c for c in range(len(parents)) if depth[c] <= max_depth][:max_nodes]
+    new = {old: i for i, old in enumerate(keep)}
+    return [-1] + [new[parents[c]] for c in keep[1:]], [ranks[c] for c in keep]
+
+
+def ancestor_rows(nodes: list[int], grown: Grown, slot: dict[int, int], used: int):
+    """Attention rows (bool) [k, used + k] for scoring `nodes` in scratch slots used..used+k-1: each sees the
+    slots of its expanded ancestors (`slot`: candidate -> scratch slot) and itself. Fills slot[c]."""
+    import torch
+
     rows = torch.zeros(len(nodes), used + len(nodes), dtype=torch.bool)
     for i, c in enumerate(nodes):
         a = grown.parent[c]
@@ -117,3 +122,27 @@ def ancestor_rows(nodes: list[int], grown: Grown, slot: dict[int, int], used: in
         rows[i, used + i] = True
         slot[c] = used + i
     return rows
+
+
+def grow(tree, ctx, expand, max_depth: int = MAX_DYNAMIC_DEPTH):
+    """The torch runtime's step draft: `tree` (a Tree or a DynamicTreeSpec) filled by `expand`."""
+    import torch
+
+    from speccomp.runtime.decode import Draft, truncate
+    from speccomp.runtime.tree import Tree
+
+    root = ctx.tokens[-1]
+    if isinstance(tree, Tree):
+        tree, _ = truncate(tree, ctx.max_depth, ctx.max_nodes)
+        tokens = grow_static(list(tree.parents), list(tree.ranks), root, expand)
+    else:
+        budget = min(tree.budget, ctx.max_nodes - 1)
+        parents, tokens = grow_dynamic(budget, tree.top_k, root, expand, min(max_depth, ctx.max_depth))
+        tree = Tree.from_parents(parents)
+    return Draft(tree, torch.tensor(tokens, dtype=torch.long))
+
+
+def torch_top(logp, k: int, vocab=None):
+    """expand's answer from log-probabilities [n, V] (torch): the top k, best first, ids mapped through `vocab`."""
+    top_p, top = logp.float().topk(k, dim=-1)
+    return top_p.tolist(), (top if vocab is None else vocab[top]).tolist()

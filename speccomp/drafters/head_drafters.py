@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH, Grown, grow
+from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH, Grown, grow, torch_top
 from speccomp.errors import OptionTypeError
 from speccomp.drafters.medusa import HeadsError, MedusaHeads, display_kind, load_medusa
 from speccomp.models import cache_dir
@@ -144,16 +144,16 @@ class HydraDrafter(Drafter):
 
         out = {}  # expanded candidate -> its head's output, the state its children's head reads
 
-        def expand(d: int, nodes: list[int], grown: Grown) -> torch.Tensor:
+        def expand(d: int, nodes: list[int], grown: Grown, k: int):
             states = torch.cat([self.h[None] if c == 0 else out[grown.parent[c]] for c in nodes])
             with torch.no_grad():
                 z = self.heads.step(d, states, torch.tensor([grown.token[c] for c in nodes]))
                 logp = linear(z, self.heads.draft_lm).log_softmax(-1)
             for i, c in enumerate(nodes):
                 out[c] = z[i : i + 1]
-            return logp
+            return torch_top(logp, k, self.heads.draft_vocab)
 
-        return grow(self.tree, ctx, expand, self.heads.draft_vocab, min(MAX_DYNAMIC_DEPTH, self.heads.num_heads))
+        return grow(self.tree, ctx, expand, min(MAX_DYNAMIC_DEPTH, self.heads.num_heads))
 
 
 def check_heads_depth(tree: Tree, num_heads: int, kind: str) -> None:

@@ -5,6 +5,7 @@ torch-free runtime, speccomp/engine/runtime.py, drafts with the same code as dra
     NGramIndex    prompt lookup: where did the last n tokens occur before, and what followed
     fill_template Token Recycling: expand a static tree template from an adjacency table
     recycle       Token Recycling: update the table from every verified node's top-k
+    merge_trees   SpecInfer's token-tree merge of several drafters' trees (speccomp/drafters/merge.py)
 """
 from __future__ import annotations
 
@@ -41,6 +42,11 @@ class Trie:
     def bfs(self, max_depth: int, max_nodes: int) -> tuple[list[int], list[int]]:
         """(parents, tokens) of the trie in BFS order (siblings in insertion order), cut at
         max_depth and max_nodes. BFS order keeps parents before children, so any prefix is a tree."""
+        order, parents = self.bfs_nodes(max_depth, max_nodes)
+        return parents, [self.tokens[u] for u in order]
+
+    def bfs_nodes(self, max_depth: int, max_nodes: int) -> tuple[list[int], list[int]]:
+        """(trie nodes, parents) in the order `bfs` gives."""
         order, parents, depth = [0], [-1], [0]
         i = 0
         while i < len(order) and len(order) < max_nodes:
@@ -52,7 +58,7 @@ class Trie:
                     parents.append(i)
                     depth.append(depth[i] + 1)
             i += 1
-        return parents, [self.tokens[u] for u in order]
+        return order, parents
 
 
 class NGramIndex:
@@ -120,3 +126,35 @@ def recycle(adj: dict[int, list[int]], tokens: list[int], path: list[int], top: 
     on_path = set(path)
     for i in [i for i in range(len(tokens)) if i not in on_path] + list(path):
         adj[tokens[i]] = top[i]
+
+
+def merge_trees(root: int, drafts: list[tuple[list[int], list[int]]], max_depth: int, max_nodes: int):
+    """SpecInfer's token-tree merge: every draft (parents, tokens) from the same root into one trie (equal token
+    paths share a node), cut in BFS order to max_depth / max_nodes. Returns (parents, tokens, where): where[j][i]
+    is the merged node of draft j's node i, None when the cut dropped it (a cut draft stays prefix-closed)."""
+    trie, wheres = Trie(root), []
+    for parents, tokens in drafts:
+        where = [0]
+        for i in range(1, len(parents)):
+            where.append(trie.child(where[parents[i]], tokens[i]))
+        wheres.append(where)
+    order, parents = trie.bfs_nodes(max_depth, max_nodes)
+    index = {node: i for i, node in enumerate(order)}
+    return parents, [trie.tokens[u] for u in order], [[index.get(w) for w in where] for where in wheres]
+
+
+def own_view(where: list, path: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """One draft's part of a verified merged tree: (its kept nodes, their merged nodes, the accepted merged `path`
+    as far as it runs through them, in kept-node positions). Equal sibling tokens share a merged node: the first
+    such node stands for it."""
+    own = [i for i, m in enumerate(where) if m is not None]
+    merged = [where[i] for i in own]
+    index: dict[int, int] = {}
+    for position, m in enumerate(merged):
+        index.setdefault(m, position)
+    own_path = []
+    for m in path:
+        if m not in index:
+            break
+        own_path.append(index[m])
+    return own, merged, own_path

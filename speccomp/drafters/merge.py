@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from speccomp.drafters.lookup import merge_trees, own_view
 from speccomp.errors import OptionError, OptionTypeError
 from speccomp.runtime.decode import READS, Draft, DraftContext, Drafter, restrict
 from speccomp.runtime.tree import Tree
@@ -55,7 +56,7 @@ class MergedDrafter(Drafter):
         self.tree = drafters[0].tree
         self.options = {n: dict(d.options) for n, d in zip(names, drafters)}
         self.target_passes = [p for d in drafters for p in d.target_passes]
-        self._last: list[tuple[Draft, list[int]]] = []  # per drafter: its draft, and its node -> merged node
+        self._last: list[tuple[Draft, list]] = []  # per drafter: its draft, and its node -> merged node (or None)
 
     def begin(self, prompt: list[int]) -> None:
         for d in self.drafters:
@@ -69,52 +70,24 @@ class MergedDrafter(Drafter):
                 d.take_states(states)
 
     def propose(self, ctx: DraftContext) -> Draft:
-        parents, tokens, depth = [-1], [ctx.tokens[-1]], [0]
-        kids: list[dict[int, int]] = [{}]  # merged node -> {token: child}
-        mapped = []
-        for d in self.drafters:
-            draft = d.propose(ctx)
+        drafts = [d.propose(ctx) for d in self.drafters]
+        for d, draft in zip(self.drafters, drafts):
             if draft.probs is not None:  # sampled drafts carry their distributions; a merged node has several
                 raise ValueError(f"{d.name} drafted by sampling; merged trees need deterministic drafts")
-            where = [0]  # node i of this draft -> merged node
-            dtok = draft.tokens.tolist()
-            for i in range(1, draft.tree.size):
-                p, t = where[draft.tree.parents[i]], dtok[i]
-                c = kids[p].get(t)
-                if c is None:
-                    c = len(tokens)
-                    parents.append(p), tokens.append(t), depth.append(depth[p] + 1), kids.append({})
-                    kids[p][t] = c
-                where.append(c)
-            mapped.append((draft, where))
-        # BFS order (by depth, first drafter first within a depth) so the first max_nodes nodes form a tree
-        order = sorted((c for c in range(len(tokens)) if depth[c] <= ctx.max_depth), key=lambda c: (depth[c], c))
-        keep = order[: ctx.max_nodes]  # within the runtime's limits, so it verifies exactly this tree
-        new = {c: i for i, c in enumerate(keep)}
-        tree = Tree.from_parents([-1] + [new[parents[c]] for c in keep[1:]])
-        merged = Draft(tree, torch.tensor([tokens[c] for c in keep], dtype=torch.long))
-        self._last = []
-        for draft, where in mapped:
-            own = [i for i in range(draft.tree.size) if where[i] in new]  # prefix-closed: parents come first
-            sub, _ = restrict(draft.tree, own)
-            self._last.append((Draft(sub, draft.tokens[own]), [new[where[i]] for i in own]))
-        return merged
+        parents, tokens, wheres = merge_trees(ctx.tokens[-1], [(list(x.tree.parents), x.tokens.tolist()) for x in drafts],
+                                              ctx.max_depth, ctx.max_nodes)  # within the loop's limits
+        self._last = list(zip(drafts, wheres))
+        return Draft(Tree.from_parents(parents), torch.tensor(tokens, dtype=torch.long))
 
     def observe(self, draft: Draft, path: list[int], target_logits: torch.Tensor) -> None:
         if draft.tree.size == 1:  # the runtime verified the root alone (last token): so would each drafter
             for d in self.drafters:
                 d.observe(draft, path, target_logits)
             return
-        for d, (own, where) in zip(self.drafters, self._last):
-            index: dict[int, int] = {}
-            for i, m in enumerate(where):  # equal sibling tokens in one draft share a merged node: keep the first
-                index.setdefault(m, i)
-            own_path = []
-            for m in path:  # the accepted path as far as it runs through this drafter's tree
-                if m not in index:
-                    break
-                own_path.append(index[m])
-            d.observe(own, own_path, target_logits[where])
+        for d, (own_draft, where) in zip(self.drafters, self._last):
+            own, merged, own_path = own_view(where, path)
+            sub, _ = restrict(own_draft.tree, own)  # prefix-closed: parents come first
+            d.observe(Draft(sub, own_draft.tokens[own]), own_path, target_logits[merged])
 
 
 def split_names(drafter: str) -> list[str] | None:

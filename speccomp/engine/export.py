@@ -7,7 +7,9 @@
 The target graph exported is the one the compiled model verifies with (TreeAttention applied; for
 plain decoding the pass is applied to a copy here; with Medusa heads, MedusaHeads too, so the graph
 also returns every token's head states). A Medusa engine adds medusa.onnx, the heads' projection to
-the vocabulary with a top-k (tied heads: a copy of the LM head, so the engine grows by its size).
+the vocabulary with a top-k (tied heads: a copy of the LM head, so the engine grows by its size); a
+Hydra engine adds hydra.onnx, one head step for every depth (see _hydra_onnx). A merged drafter
+("hydra+token_recycling") writes one manifest entry per drafter under drafter.drafters.
 With backend="onnxruntime" the ONNX file the backend already exported is copied instead of exported
 again.
 
@@ -33,26 +35,63 @@ from pathlib import Path
 
 import onnx
 
-from speccomp.engine.runtime import ENGINE_DRAFTERS, FORMAT, FORMAT_VERSION, MANIFEST, MEDUSA_FILE, EngineError, sha256
+from speccomp.engine.runtime import (ENGINE_DRAFTERS, FORMAT, FORMAT_VERSION, HYDRA_FILE, HYDRA_OUTPUTS, MANIFEST, MEDUSA_FILE,
+                                     EngineError, sha256)
 from speccomp.models import set_default_mode
 
 
 def drafter_spec(drafter) -> dict:
-    """The manifest's `drafter` entry: the name and every option the torch-free loop needs."""
+    """The manifest's `drafter` entry: the name and every option the torch-free loop needs (merges: one entry per
+    drafter under `drafters`)."""
     if drafter is None:
         return {"name": None, "options": {}}
     name = drafter.name
+    if "+" in name and hasattr(drafter, "drafters"):
+        return {"name": name, "options": {}, "drafters": [drafter_spec(d) for d in drafter.drafters]}
     if name not in ENGINE_DRAFTERS:
         raise EngineError(
             f"drafter {name!r} cannot be exported as an engine yet: the torch-free runtime drafts with "
-            f"{[d for d in ENGINE_DRAFTERS if d]} or decodes plainly; compile with one of those (or drafter=None)"
+            f"{[d for d in ENGINE_DRAFTERS if d]} (alone or merged, e.g. 'hydra+token_recycling') or decodes "
+            "plainly; compile with one of those (or drafter=None)"
         )
-    tree = {} if drafter.tree is None else dict(parents=list(drafter.tree.parents), ranks=list(drafter.tree.ranks))
+    tree = drafter.tree
+    shape = {} if tree is None else dict(parents=list(tree.parents), ranks=list(tree.ranks)) if hasattr(tree, "ranks") \
+        else dict(budget=tree.budget, top_k=tree.top_k)
     if name == "medusa":  # the heads become medusa.onnx; states_output is filled in once the target is exported
-        options = dict(tree, num_heads=drafter.max_tree_depth, top=max(tree["ranks"]) + 1)
+        options = dict(shape, num_heads=drafter.max_tree_depth, top=max(shape["ranks"]) + 1)
         return {"name": name, "options": options, "graph": MEDUSA_FILE}
-    options = dict(drafter.options, **tree)  # ngram: its options; token_recycling: its options and tree
-    return {"name": name, "options": options}
+    if name == "hydra":  # one head step becomes hydra.onnx (with its top-k); the tree grows in the engine
+        from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
+
+        top = max(shape["ranks"]) + 1 if "ranks" in shape else shape["top_k"]
+        heads = drafter.max_tree_depth
+        return {"name": name, "graph": HYDRA_FILE, "options": dict(num_heads=heads, top=top, tree=shape,
+                                                                   max_depth=min(MAX_DYNAMIC_DEPTH, heads))}
+    return {"name": name, "options": dict(drafter.options, **shape)}  # ngram: its options; token_recycling: + tree
+
+
+def _parts(spec: dict) -> list[dict]:
+    """The single drafter entries of a manifest's drafter entry (a merge's parts, else itself)."""
+    return spec.get("drafters") or [spec]
+
+
+def _drafter_graphs(fast, spec: dict, target_outputs: list[str], out: Path) -> dict:
+    """Write the graphs of the drafters that have one (medusa.onnx, hydra.onnx); their manifest entries."""
+    graphs = {}
+    objects = getattr(fast.drafter, "drafters", None) or [fast.drafter]
+    for part, drafter in zip(_parts(spec), objects):
+        if part["name"] == "medusa":
+            if len(target_outputs) != 4:
+                raise EngineError(f"the Medusa target graph should return (logits, new_kv, hidden, head states), got "
+                                  f"{target_outputs}")
+            part["options"]["states_output"] = target_outputs[3]
+            file = _medusa_onnx(drafter, out)
+        elif part["name"] == "hydra":
+            file = _hydra_onnx(drafter, part["options"]["top"], out)
+        else:
+            continue
+        graphs[part["name"]] = _graph_entry(file, onnx.load(str(file), load_external_data=False))
+    return graphs
 
 
 def check_tokenizer(tokenizer, vocab_size: int) -> None:
@@ -108,6 +147,46 @@ def _medusa_onnx(drafter, out: Path) -> Path:
     return path
 
 
+def _hydra_onnx(drafter, top: int, out: Path) -> Path:
+    """hydra.onnx: one Hydra head step for any head: (head [], states [n, H], tokens [n]) -> (next_states [n, H],
+    top_logp [n, top], top_ids [n, top]), the top tokens of the draft vocabulary as token ids, best first. The
+    heads' weights are stacked so one graph (and one copy of the input embedding) serves every depth."""
+    import torch
+
+    from speccomp.backends.onnx_export import OnnxBackendError
+
+    heads = drafter.heads
+
+    class HeadStep(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            stack = torch.stack
+            self.embed_w = stack([lin.weight for lin in heads.embeds]).detach()  # [K, H, H]
+            self.embed_b = stack([lin.bias for lin in heads.embeds]).detach()  # [K, H]
+            self.block_w = stack([stack([b.linear.weight for b in blocks]) for blocks in heads.blocks]).detach()
+            self.block_b = stack([stack([b.linear.bias for b in blocks]) for blocks in heads.blocks]).detach()
+            self.embed, self.draft_lm, self.vocab = heads.embed.detach(), heads.draft_lm.detach(), heads.draft_vocab
+
+        def forward(self, head, states, tokens):  # as HydraHeads.step(head, states, tokens), then the top tokens
+            x = states + self.embed[tokens] @ self.embed_w[head].t() + self.embed_b[head]
+            for j in range(self.block_w.shape[1]):
+                x = x + torch.nn.functional.silu(x @ self.block_w[head, j].t() + self.block_b[head, j])
+            logp, idx = (x @ self.draft_lm.t()).log_softmax(-1).topk(top, dim=-1)
+            return x, logp, self.vocab[idx]
+
+    path = out / HYDRA_FILE
+    n = torch.export.Dim("n", min=1, max=4096)
+    example = (torch.tensor(0), torch.zeros(2, heads.hidden), torch.zeros(2, dtype=torch.long))
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            program = torch.onnx.export(HeadStep().eval(), example, dynamo=True, input_names=["head", "states", "tokens"],
+                                        output_names=HYDRA_OUTPUTS, dynamic_shapes=(None, {0: n}, {0: n}), optimize=True)
+        except Exception as exc:
+            raise OnnxBackendError(f"exporting the Hydra head step failed: {str(exc).splitlines()[0]}") from exc
+    program.save(path)
+    return path
+
+
 def _target_onnx(fast, out: Path) -> Path:
     """target.onnx in `out`: copied from the onnxruntime backend, else exported from the graph."""
     from speccomp.frontend.graph import run_passes
@@ -130,7 +209,7 @@ def _target_onnx(fast, out: Path) -> Path:
     extra = [n for n in sg.applied if n not in ("tree_attention", "medusa_heads")]
     if extra:
         raise EngineError(f"the target graph carries passes {extra} the engine runtime cannot feed; export supports "
-                          "plain, ngram, token_recycling and medusa compilations")
+                          f"plain compilations and the drafters {[d for d in ENGINE_DRAFTERS if d]}")
     args, dynamic = export_args(sg)
     return export_onnx(sg, path, example_args=args, dynamic_shapes=dynamic)
 
@@ -249,13 +328,7 @@ def export_engine(fast, path, tokenizer=None, overwrite: bool = False, model_id:
         target = _target_onnx(fast, tmp)
         proto = onnx.load(str(target), load_external_data=False)
         graphs = {"target": _graph_entry(target, proto)}
-        if drafter["name"] == "medusa":
-            outputs = graphs["target"]["outputs"]
-            if len(outputs) != 4:
-                raise EngineError(f"the Medusa target graph should return (logits, new_kv, hidden, head states), got {outputs}")
-            drafter["options"]["states_output"] = outputs[3]
-            medusa = _medusa_onnx(fast.drafter, tmp)
-            graphs["medusa"] = _graph_entry(medusa, onnx.load(str(medusa), load_external_data=False))
+        graphs.update(_drafter_graphs(fast, drafter, graphs["target"]["outputs"], tmp))
         opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
         kv = fast.kv
         config = getattr(model, "config", None)

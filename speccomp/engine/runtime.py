@@ -12,12 +12,15 @@
                      tree_mask), plain decoding (q = 1) and tree verification (q = tree size)
     tokenizer.json   the Hugging Face fast tokenizer (when export was given one)
     medusa.onnx      (Medusa engines) the heads' projection: head states [K, H] -> top token ids [K, top]
+    hydra.onnx       (Hydra engines) one head step: (head, states [n, H], tokens [n]) -> next states, top
+                     log-probs and token ids [n, top]
 
 The decode loop is speccomp/runtime/decode.py's, restated in numpy: draft a tree (no drafter: the root
 alone), verify it in one session run, walk the tree while the target agrees, keep the KV of the
-accepted path. Drafters here are the model-free ones (prompt lookup, Token Recycling), sharing their
-lookup code with the torch drafters (speccomp/drafters/lookup.py), and Medusa heads, whose residual blocks are
-inside target.onnx (an extra output: head states of every token) and whose projection is medusa.onnx.
+accepted path. Drafters share their torch-free code with the torch drafters: prompt lookup, Token
+Recycling and the merge of several drafters' trees (speccomp/drafters/lookup.py), tree growth for Hydra
+(speccomp/drafters/grow.py). Medusa heads' residual blocks are inside target.onnx (an extra output: head
+states of every token) and their projection is medusa.onnx; Hydra reads the target's `hidden` output.
 Sessions run through IO binding; the KV cache and the contiguous `past_kv` it is fed from are
 allocated once per generate.
 """
@@ -33,13 +36,16 @@ import numpy as np
 
 from speccomp.runtime.calls import MAX_TREE, CallGuard, as_int, generate_args
 from speccomp.errors import SpeccompError
-from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, recycle
+from speccomp.drafters.grow import cut, grow_dynamic, grow_static
+from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, merge_trees, own_view, recycle
 
 FORMAT, FORMAT_VERSION = "speccomp-engine", 1
 MANIFEST = "manifest.json"
 MEDUSA_FILE = "medusa.onnx"
+HYDRA_FILE = "hydra.onnx"
 MANIFEST_KEYS = ("format", "format_version", "speccomp_version", "model", "kv", "graphs", "opset", "max_tree", "drafter")
-ENGINE_DRAFTERS = (None, "ngram", "token_recycling", "medusa")  # drafters the torch-free loop can run
+ENGINE_DRAFTERS = (None, "ngram", "token_recycling", "medusa", "hydra")  # drafters the torch-free loop can run, alone
+# or merged ("hydra+token_recycling": one drafter that reads the model, any number of text drafters)
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
 
 
@@ -124,7 +130,12 @@ _DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free dra
                         "parents": _ints, "ranks": lambda v: _ints(v, 0)},
     "medusa": {"num_heads": lambda v: _is_int(v, 1), "top": lambda v: _is_int(v, 1), "parents": _ints,
                "ranks": lambda v: _ints(v, 0), "states_output": lambda v: isinstance(v, str)},
+    "hydra": {"num_heads": lambda v: _is_int(v, 1), "top": lambda v: _is_int(v, 1), "max_depth": lambda v: _is_int(v, 1),
+              "tree": lambda v: isinstance(v, dict) and (set(v) == {"parents", "ranks"} and _tree_ok(v["parents"], v["ranks"])
+                                                         or set(v) == {"budget", "top_k"} and _is_int(v["budget"], 1)
+                                                         and _is_int(v["top_k"], 1))},
 }
+_GRAPH_FILES = {"medusa": MEDUSA_FILE, "hydra": HYDRA_FILE}  # drafters with a graph of their own
 
 
 def check_schema(m: dict, file: Path, remake: str) -> None:
@@ -158,25 +169,41 @@ def check_schema(m: dict, file: Path, remake: str) -> None:
     need(_is_int(m["max_tree"], 1) and m["max_tree"] <= MAX_TREE, "max_tree", m["max_tree"], f"an int in [1, {MAX_TREE}]")
     need("name" in drafter, "drafter.name", None, "present (null for plain decoding)")
     name = drafter.get("name")
-    need(name in ENGINE_DRAFTERS, "drafter.name", name, f"one of {list(ENGINE_DRAFTERS)}")
-    options = drafter.get("options") or {}
-    need(isinstance(options, dict), "drafter.options", options, "a JSON object")
-    checks = _DRAFTER_OPTIONS[name]
-    for key, value in options.items():
-        need(key in checks and checks[key](value), f"drafter.options.{key}", value, f"a valid {name} option")
-    missing = sorted(set(checks) - set(options))
-    need(not missing, "drafter.options", sorted(options), f"complete (missing {missing})")
-    if "parents" in options:
-        need(len(options["ranks"]) == len(options["parents"]), "drafter.options.ranks", options["ranks"],
-             f"one rank per node of drafter.options.parents={options['parents']!r}")
-        need(_tree_ok(options["parents"], options["ranks"]), "drafter.options.parents", options["parents"],
-             "a tree (root first, every parent before its children)")
-    if name == "medusa":
-        need(drafter.get("graph") == MEDUSA_FILE and "medusa" in graphs, "drafter.graph", drafter.get("graph"),
-             f"{MEDUSA_FILE!r} with a 'medusa' entry in graphs")
+    if isinstance(name, str) and "+" in name:  # a merge: one entry per drafter, in order
+        parts = drafter.get("drafters")
+        need(isinstance(parts, list) and [isinstance(p, dict) and p.get("name") for p in parts] == name.split("+"),
+             "drafter.drafters", parts, f"one entry per drafter of {name!r}, in order")
+        need(sum(p["name"] in _GRAPH_FILES for p in parts) <= 1, "drafter.name", name, "a merge of at most one "
+             "drafter that reads the model")
+        for i, part in enumerate(parts):
+            _check_drafter(part, graphs, f"drafter.drafters[{i}]", need)
+    else:
+        _check_drafter(drafter, graphs, "drafter", need)
     tokenizer = m.get("tokenizer")
     need(tokenizer is None or (isinstance(tokenizer, dict) and _is_file_name(tokenizer.get("file"))), "tokenizer",
          tokenizer, "null or an object naming its file")
+
+
+def _check_drafter(drafter: dict, graphs: dict, field: str, need) -> None:
+    """One (unmerged) drafter entry: a known name and exactly its options, each valid; its graph if it has one."""
+    name = drafter.get("name")
+    need(name in ENGINE_DRAFTERS and (name is not None or field == "drafter"), f"{field}.name", name,
+         f"one of {list(ENGINE_DRAFTERS)}")
+    options = drafter.get("options") or {}
+    need(isinstance(options, dict), f"{field}.options", options, "a JSON object")
+    checks = _DRAFTER_OPTIONS[name]
+    for key, value in options.items():
+        need(key in checks and checks[key](value), f"{field}.options.{key}", value, f"a valid {name} option")
+    missing = sorted(set(checks) - set(options))
+    need(not missing, f"{field}.options", sorted(options), f"complete (missing {missing})")
+    if "parents" in options:
+        need(len(options["ranks"]) == len(options["parents"]), f"{field}.options.ranks", options["ranks"],
+             f"one rank per node of {field}.options.parents={options['parents']!r}")
+        need(_tree_ok(options["parents"], options["ranks"]), f"{field}.options.parents", options["parents"],
+             "a tree (root first, every parent before its children)")
+    if name in _GRAPH_FILES:
+        need(drafter.get("graph") == _GRAPH_FILES[name] and name in graphs, f"{field}.graph", drafter.get("graph"),
+             f"{_GRAPH_FILES[name]!r} with a {name!r} entry in graphs")
 
 
 # --------------------------------------------------------------------------------------
@@ -253,11 +280,13 @@ class BoundSession:
     """An InferenceSession run through one reused IO binding: inputs bound from numpy arrays in place
     (no copies on the CPU provider), only the outputs asked for are fetched. `providers`: what it runs on."""
 
-    def __init__(self, path: Path, providers: list[str], threads: int | None = None):
+    def __init__(self, path: Path, providers: list[str], threads: int | None = None, spin: bool = True):
         ort = onnxruntime_module()
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads
+        if not spin:  # idle pool threads sleep instead of spinning: they would fight the drafter's work between runs
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             self.session = ort.InferenceSession(os.fspath(path), sess_options=options, providers=providers)
         except Exception as exc:  # ORT raises its own Fail / InvalidProtobuf / ... types
@@ -388,15 +417,29 @@ def accept(tokens: list[int], children: list[list[int]], pick) -> tuple[list[int
 
 
 # --------------------------------------------------------------------------------------
-# Drafters (model-free; same lookup code as speccomp/drafters/ngram.py)
+# Drafters: the torch drafters' algorithms on the same torch-free code (speccomp/drafters/lookup.py, grow.py).
+# Each: begin(prompt); take(extras, row), the target's extra outputs at the newest token (drafters that read
+# the model: `outputs` names them); propose(tokens, max_depth, max_nodes) -> (parents, tokens);
+# observe(tokens, path, logits) after each verification.
 # --------------------------------------------------------------------------------------
-class _NGram:
-    outputs: tuple[str, ...] = ()  # extra outputs of the target graph the drafter reads (see _Medusa)
+class _Drafter:
+    outputs: tuple[str, ...] = ()  # the target graph's outputs it reads (none: a text drafter)
 
+    def begin(self, prompt):
+        pass
+
+    def take(self, extras, row):
+        pass
+
+    def observe(self, tokens, path, logits):
+        pass
+
+
+class _NGram(_Drafter):
     def __init__(self, max_ngram=4, min_ngram=1, num_branches=4, max_depth=8):
         self.lookup, self.num_branches, self.max_depth = NGramIndex(max_ngram, min_ngram), num_branches, max_depth
 
-    def begin(self, prompt, extras):
+    def begin(self, prompt):
         self.lookup.begin(prompt)
 
     def propose(self, tokens, max_depth, max_nodes):
@@ -406,20 +449,15 @@ class _NGram:
             self.lookup.add_branches(trie, tokens, self.num_branches, depth)
         return trie.bfs(depth, max_nodes)
 
-    def observe(self, tokens, path, logits, extras):
-        pass
 
-
-class _TokenRecycling:
-    outputs: tuple[str, ...] = ()
-
+class _TokenRecycling(_Drafter):
     def __init__(self, top_k, parents, ranks, ngram_branches, max_ngram, min_ngram, ngram_depth, persist):
         self.top_k, self.parents, self.ranks, self.persist = top_k, parents, ranks, persist
         self.ngram_branches, self.ngram_depth = ngram_branches, ngram_depth
         self.lookup = NGramIndex(max_ngram, min_ngram)
         self.adj: dict[int, list[int]] = {}
 
-    def begin(self, prompt, extras):
+    def begin(self, prompt):
         if not self.persist:
             self.adj = {}
         if self.ngram_branches:
@@ -432,41 +470,103 @@ class _TokenRecycling:
             self.lookup.add_branches(trie, tokens, self.ngram_branches, min(self.ngram_depth, max_depth))
         return trie.bfs(max_depth, max_nodes)
 
-    def observe(self, tokens, path, logits, extras):  # logits [n, V]
-        k = min(self.top_k, logits.shape[-1])
-        part = np.argpartition(-logits, k - 1, axis=-1)[:, :k]  # the top k, unordered
-        order = np.argsort(-np.take_along_axis(logits, part, -1), axis=-1, kind="stable")
-        recycle(self.adj, tokens, path, np.take_along_axis(part, order, -1).tolist())
+    def observe(self, tokens, path, logits):  # logits [n, V]
+        recycle(self.adj, tokens, path, top_ids(logits, self.top_k).tolist())
 
 
-class _Medusa:
+def top_ids(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of each row's k largest scores, largest first."""
+    k = min(k, scores.shape[-1])
+    part = np.argpartition(-scores, k - 1, axis=-1)[..., :k]  # the top k, unordered
+    order = np.argsort(-np.take_along_axis(scores, part, -1), axis=-1, kind="stable")
+    return np.take_along_axis(part, order, -1)
+
+
+class _Medusa(_Drafter):
     """Medusa heads (speccomp/drafters/head_drafters.py's MedusaDrafter in numpy). The target graph returns the
-    head states [1, q, K, H] of every token as the extra output `states_output`; after each step the
-    newest accepted token's [K, H] go through medusa.onnx, which returns each head's top token ids, and
-    the next tree gives a node at depth d with sibling rank r head d-1's rank-r token."""
+    head states [1, q, K, H] of every token as the extra output `states_output`; the newest accepted token's
+    [K, H] go through medusa.onnx, which returns each head's top token ids, and the next tree gives a node at
+    depth d with sibling rank r head d-1's rank-r token."""
 
     def __init__(self, parents, ranks, num_heads, top, states_output, session: BoundSession):
         self.parents, self.ranks, self.num_heads, self.top = parents, ranks, num_heads, top
-        self.depth, _, _ = tree_arrays(parents)
         self.outputs = (states_output,)
         self.session, self.top_ids = session, None
 
-    def _take(self, states: np.ndarray, row: int) -> None:
-        feed = {self.session.inputs[0]: np.ascontiguousarray(states[0, row])}  # [K, H] of one token
+    def take(self, extras, row):
+        feed = {self.session.inputs[0]: np.ascontiguousarray(extras[0][0, row])}  # [K, H] of one token
         self.top_ids = self.session.run(feed, ["top_ids"])[0]  # [K, top]
 
-    def begin(self, prompt, extras):
-        self._take(extras[0], len(prompt) - 1)
+    def propose(self, tokens, max_depth, max_nodes):
+        parents, ranks = cut(self.parents, self.ranks, max_depth, max_nodes)  # as decode.truncate
+        depth, _, _ = tree_arrays(parents)
+        return parents, [tokens[-1]] + [int(self.top_ids[depth[i] - 1, ranks[i]]) for i in range(1, len(parents))]
+
+
+class _Hydra(_Drafter):
+    """Hydra heads (head_drafters.py's HydraDrafter): the tree grows as in speccomp/drafters/grow.py; hydra.onnx is
+    one head step (head index, parent states [n, H], parent tokens [n]) -> (states [n, H], the top `top` log-probs
+    and token ids [n, top]); the root's state is the target's final hidden state at the newest token."""
+
+    outputs = ("hidden",)
+
+    def __init__(self, num_heads, top, max_depth, tree, session: BoundSession):
+        self.tree, self.max_depth, self.session, self.h = tree, max_depth, session, None
+
+    def take(self, extras, row):
+        self.h = extras[0][0, row]  # [H]
 
     def propose(self, tokens, max_depth, max_nodes):
-        keep = [i for i, d in enumerate(self.depth) if d <= max_depth][:max_nodes]  # as speculative.truncate
-        remap = {old: new for new, old in enumerate(keep)}
-        parents = [-1] + [remap[self.parents[i]] for i in keep[1:]]
-        drafted = [tokens[-1]] + [int(self.top_ids[self.depth[i] - 1, self.ranks[i]]) for i in keep[1:]]
-        return parents, drafted
+        out = {}
 
-    def observe(self, tokens, path, logits, extras):
-        self._take(extras[0], path[-1])
+        def expand(d, nodes, grown, k):
+            states = np.stack([self.h if c == 0 else out[grown.parent[c]] for c in nodes])
+            feed = {"head": np.array(d, dtype=np.int64), "states": states,
+                    "tokens": np.array([grown.token[c] for c in nodes], dtype=np.int64)}
+            z, logp, ids = self.session.run(feed, ["next_states", "top_logp", "top_ids"])
+            for i, c in enumerate(nodes):
+                out[c] = z[i]
+            return logp[:, :k].tolist(), ids[:, :k].tolist()
+
+        if "budget" in self.tree:
+            budget = min(self.tree["budget"], max_nodes - 1)
+            return grow_dynamic(budget, self.tree["top_k"], tokens[-1], expand, min(self.max_depth, max_depth))
+        parents, ranks = cut(self.tree["parents"], self.tree["ranks"], max_depth, max_nodes)
+        return parents, grow_static(parents, ranks, tokens[-1], expand)
+
+
+class _Merged(_Drafter):
+    """Merged drafters (speccomp/drafters/merge.py's MergedDrafter): every drafter drafts from the same root, the
+    trees merge into one (lookup.merge_trees), each drafter observes its own part of the verified tree."""
+
+    def __init__(self, drafters: list):
+        self.drafters, self.drafts, self.wheres = drafters, [], []
+        self.outputs = tuple(o for d in drafters for o in d.outputs)
+
+    def begin(self, prompt):
+        for d in self.drafters:
+            d.begin(prompt)
+
+    def take(self, extras, row):
+        at = 0
+        for d in self.drafters:
+            d.take(extras[at : at + len(d.outputs)], row)
+            at += len(d.outputs)
+
+    def propose(self, tokens, max_depth, max_nodes):
+        drafts = [d.propose(tokens, max_depth, max_nodes) for d in self.drafters]
+        parents, merged, self.wheres = merge_trees(tokens[-1], drafts, max_depth, max_nodes)
+        self.drafts = drafts
+        return parents, merged
+
+    def observe(self, tokens, path, logits):
+        if len(tokens) == 1:  # the root alone was verified (the last token): so would each drafter
+            for d in self.drafters:
+                d.observe(tokens, path, logits)
+            return
+        for d, (_, own_tokens), where in zip(self.drafters, self.drafts, self.wheres):
+            own, merged, own_path = own_view(where, path)
+            d.observe([own_tokens[i] for i in own], own_path, logits[merged])
 
 
 def check_medusa(options: dict, session, target_outputs: list[str]) -> None:
@@ -495,13 +595,39 @@ def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | No
     name, options = spec.get("name"), dict(spec.get("options") or {})
     if name is None:
         return None
+    if "+" in name:
+        return _Merged([make_drafter(part, path, providers, threads, target_outputs) for part in spec["drafters"]])
     if name == "ngram":
         return _NGram(**options)
+    if name == "token_recycling":
+        return _TokenRecycling(**options)
+    session = BoundSession(path / spec["graph"], providers, threads, spin=False)
     if name == "medusa":
-        session = BoundSession(path / spec["graph"], providers, threads)
         check_medusa(options, session.session, target_outputs)
         return _Medusa(**options, session=session)
-    return _TokenRecycling(**options)
+    check_hydra(options, session.session)
+    return _Hydra(**options, session=session)
+
+
+def check_hydra(options: dict, session) -> None:
+    """A Hydra engine's options against hydra.onnx (head index, states, tokens -> next states, top log-probs, ids)."""
+    names = [o.name for o in session.get_outputs()]
+    top = session.get_outputs()[2].shape[-1] if len(names) == 3 else None
+    if [i.name for i in session.get_inputs()] != ["head", "states", "tokens"] or names != HYDRA_OUTPUTS:
+        raise EngineError(f"{HYDRA_FILE} takes {[i.name for i in session.get_inputs()]} and returns {names}, not a "
+                          "Hydra head step; the engine is corrupt, re-export it")
+    tree = options["tree"]
+    k = max(tree["ranks"]) + 1 if "ranks" in tree else tree["top_k"]
+    if isinstance(top, int) and (top != options["top"] or k > top):
+        raise EngineError(f"{HYDRA_FILE} returns the top {top} tokens but drafter.options.top={options['top']} and "
+                          f"the tree needs {k}; the engine is corrupt, re-export it")
+    depth = max(tree_arrays(tree["parents"])[0]) if "parents" in tree else options["max_depth"]
+    if depth > options["num_heads"] or options["max_depth"] > options["num_heads"]:
+        raise EngineError(f"drafter.options: a tree {depth} deep for {options['num_heads']} Hydra heads; the engine is "
+                          "corrupt, re-export it")
+
+
+HYDRA_OUTPUTS = ["next_states", "top_logp", "top_ids"]
 
 
 # --------------------------------------------------------------------------------------
@@ -540,7 +666,11 @@ class Engine:
         self.provider = provider
         target = m["graphs"]["target"]
         providers = check_provider(provider)
-        self.session = BoundSession(self.path / target["file"], providers, threads)
+        # a drafter graph (medusa.onnx, hydra.onnx) is a second session: then no session's threads spin between runs.
+        # On 2 cores the target session's spinning pool made hydra+token_recycling slower than plain decoding; a
+        # single session spins (Token Recycling alone ran ~7% faster so): benchmarks/README.md
+        second = draft and any(p.get("graph") for p in m["drafter"].get("drafters") or [m["drafter"]])
+        self.session = BoundSession(self.path / target["file"], providers, threads, spin=not second)
         if self.session.inputs != target["inputs"]:
             raise EngineError(
                 f"{target['file']} takes inputs {self.session.inputs} but the manifest says {target['inputs']}; "
@@ -672,7 +802,8 @@ class Engine:
         steps = 1
         context = prompt + out
         if self.drafter is not None:
-            self.drafter.begin(prompt, extras)
+            self.drafter.begin(prompt)
+            self.drafter.take(extras, n - 1)
         while len(out) < max_new_tokens and out[-1] not in eos:
             room = max_new_tokens - len(out)  # tokens still allowed, the bonus included
             if self.drafter is None or room <= 1:
@@ -684,7 +815,8 @@ class Engine:
             path, bonus = accept(tokens, children, lambda node: pick(logits[node]))
             cache.append(new_kv, keep=path)
             if self.drafter is not None:
-                self.drafter.observe(tokens, path, logits, extras)
+                self.drafter.observe(tokens, path, logits)
+                self.drafter.take(extras, path[-1])
             steps += 1
             for t in [tokens[i] for i in path[1:]] + [bonus]:
                 out.append(t)
