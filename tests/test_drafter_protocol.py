@@ -11,7 +11,7 @@ from speccomp.errors import OptionError
 from speccomp.runtime.decode import READS, TREES, Draft, DraftContext, Drafter
 from speccomp.runtime.tree import DynamicTreeSpec, Tree
 from speccomp.tuning.autotune import AutotuneError, retree
-from tests.tiny_models import tiny_llama
+from tiny_models import tiny_llama
 
 
 def greedy(model, ids, n):

@@ -12,6 +12,8 @@ import torch
 
 import speccomp
 from speccomp.engine.runtime import EngineError, load, read_manifest
+from speccomp.runtime.decode import Draft, Drafter
+from speccomp.runtime.tree import Tree
 from tiny_models import ARCHITECTURES, tiny_llama
 
 pytest.importorskip("onnxruntime")
@@ -171,6 +173,24 @@ def test_hydra_engines_greedy_identical_and_step_like_torch(hydra_model, drafter
     assert spins == ["0", "0"]
 
 
+@pytest.mark.parametrize("drafter, options, tree, backend", [
+    ("early_exit", {"exit_layer": 1}, [[0], [1], [0, 0], [0, 0, 0]], "onnxruntime"),
+    ("layer_skip", {"skip": [2]}, "dynamic:6:2", "onnxruntime"),
+    ("layer_skip", {"skip": [1]}, 3, "eager"),  # the draft graph exported from the SpecGraph, not copied
+    ("early_exit+token_recycling", {"early_exit": {"exit_layer": 2}}, None, "onnxruntime"),
+])
+def test_self_drafter_engines_greedy_identical(llama, drafter, options, tree, backend, tmp_path):
+    """Graph self-drafters in an engine: NAME.onnx (the target graph with layers bypassed) drafts depth by depth over
+    the engine's own cache, its trees grown by grow.py as in the torch runtime: HF's greedy text in as many steps."""
+    fast = speccomp.compile(llama, drafter=drafter, drafter_options=options, tree=tree, backend=backend)
+    engine = speccomp.load(fast.export(tmp_path / "e"))
+    name = drafter.split("+")[0]
+    part = (engine.manifest["drafter"].get("drafters") or [engine.manifest["drafter"]])[0]
+    assert part["graph"] == f"{name}.onnx" and part["options"]["kv_layers"] == fast.drafter.describe()["options"].get(
+        "kv_layers", (fast.drafter.drafters[0] if "+" in drafter else fast.drafter).layer_index.tolist())
+    steps_like_torch(engine, fast, llama)
+
+
 def test_merged_engine_drafts_like_torch(llama, tmp_path):
     """A merge of text drafters: the same merged drafts and accepted paths at every step in both runtimes."""
     fast = speccomp.compile(llama, drafter="token_recycling+ngram", backend="onnxruntime")
@@ -318,8 +338,14 @@ def test_missing_execution_provider_is_named(engine_dir, llama):
 
 
 def test_export_refuses_what_it_cannot_run_or_would_destroy(llama, engine_dir, tmp_path):
-    with pytest.raises(EngineError, match="drafter 'early_exit' cannot be exported .* or decodes plainly"):
-        speccomp.compile(llama, drafter="early_exit", drafter_options={"exit_layer": 1}).export(tmp_path / "x")
+    class Mine(Drafter):  # a drafter of the user's own: the torch-free runtime cannot know its algorithm
+        name = "mine"
+
+        def propose(self, ctx):
+            return Draft(Tree.from_parents([-1]), torch.tensor([ctx.tokens[-1]]))
+
+    with pytest.raises(EngineError, match="drafter 'mine' cannot be exported .* or decodes plainly"):
+        speccomp.compile(llama, drafter=Mine()).export(tmp_path / "x")
     assert not (tmp_path / "x").exists()
     keep = tmp_path / "mine"
     keep.mkdir()

@@ -140,7 +140,8 @@ def test_merged_drafter_bad_input(llama6):
 def test_merge_with_a_drafter_engines_cannot_run_is_not_exported(llama6, tmp_path):
     from speccomp.engine.runtime import EngineError
 
-    fast = speccomp.compile(llama6, drafter="layer_skip+ngram")  # merges of engine drafters: tests/test_engine.py
-    with pytest.raises(EngineError, match="drafter 'layer_skip' cannot be exported as an engine yet"):
+    options = {"eagle": {"heads": random_heads(llama6, "eagle", tmp_path / "eagle")}}
+    fast = speccomp.compile(llama6, drafter="eagle+ngram", drafter_options=options)  # engine merges: test_engine.py
+    with pytest.raises(EngineError, match="drafter 'eagle' cannot be exported as an engine yet"):
         fast.export(tmp_path / "engine")
     assert not (tmp_path / "engine").exists()  # refused before any work

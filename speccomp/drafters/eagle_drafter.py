@@ -106,7 +106,7 @@ class EagleDrafter(Drafter):
         token) at position root + depth - 1; fills slot[c] and out[c]; log-probs [k, Vd]."""
         base, used = self.length, len(slot)
         self._room(base + used + len(nodes) + 1)
-        rows = ancestor_rows(nodes, grown, slot, used)  # the root's entry is committed: not in the scratch
+        rows = torch.tensor(ancestor_rows(nodes, grown, slot, used))  # the root's entry is committed: not in scratch
         mask = torch.cat([torch.ones(len(nodes), base, dtype=torch.bool), rows], 1)
         feats = torch.cat([out[grown.parent[c]] for c in nodes])
         positions = torch.tensor([base + grown.depth[c] - 1 for c in nodes])

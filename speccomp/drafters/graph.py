@@ -22,14 +22,15 @@ class GraphDrafter(Drafter):
     graphs = ("draft",)
     forward_per_level = True
 
-    def __init__(self, step, kv_layers: list[int], tree, name: str, options: dict | None = None):
+    def __init__(self, step, kv_layers: list[int], tree, name: str, options: dict | None = None, graph=None):
         self.step, self.tree, self.name = step, tree, name
         check_tree_kind(self, tree)
         self.layer_index = torch.tensor(kv_layers)
         self.options = dict(options or {})  # what the user, a stored search or the defaults chose
+        self.graph = graph  # the SpecGraph `step` was lowered from (what an engine export writes), if known
 
     def with_tree(self, tree) -> "GraphDrafter":
-        return GraphDrafter(self.step, self.layer_index.tolist(), tree, self.name, self.options)
+        return GraphDrafter(self.step, self.layer_index.tolist(), tree, self.name, self.options, self.graph)
 
     def _forward(self, cache, base: int, used: int, tokens, depth: int, mask):
         """Score `tokens` (all at `depth`) after the prefix and the `used` scratch slots; store their KV."""
@@ -52,7 +53,7 @@ class GraphDrafter(Drafter):
             used = len(slot)
             if used + len(nodes) > ctx.max_nodes:  # the drafter's tree mask must fit where the target's does
                 return None
-            rows = ancestor_rows(nodes, grown, slot, used)
+            rows = torch.tensor(ancestor_rows(nodes, grown, slot, used))
             logits = self._forward(cache, base, used, torch.tensor([grown.token[c] for c in nodes]), d, rows)
             return torch_top(logits.float().log_softmax(-1), k)
 

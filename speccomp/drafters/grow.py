@@ -108,18 +108,16 @@ def cut(parents: list[int], ranks: list[int], max_depth: int, max_nodes: int) ->
     return [-1] + [new[parents[c]] for c in keep[1:]], [ranks[c] for c in keep]
 
 
-def ancestor_rows(nodes: list[int], grown: Grown, slot: dict[int, int], used: int):
-    """Attention rows (bool) [k, used + k] for scoring `nodes` in scratch slots used..used+k-1: each sees the
-    slots of its expanded ancestors (`slot`: candidate -> scratch slot) and itself. Fills slot[c]."""
-    import torch
-
-    rows = torch.zeros(len(nodes), used + len(nodes), dtype=torch.bool)
+def ancestor_rows(nodes: list[int], grown: Grown, slot: dict[int, int], used: int) -> list[list[bool]]:
+    """Attention rows [k][used + k] for scoring `nodes` in scratch slots used..used+k-1: each sees the slots of its
+    expanded ancestors (`slot`: candidate -> scratch slot) and itself. Fills slot[c]."""
+    rows = [[False] * (used + len(nodes)) for _ in nodes]
     for i, c in enumerate(nodes):
         a = grown.parent[c]
         while a >= 0 and a in slot:
-            rows[i, slot[a]] = True
+            rows[i][slot[a]] = True
             a = grown.parent[a]
-        rows[i, used + i] = True
+        rows[i][used + i] = True
         slot[c] = used + i
     return rows
 

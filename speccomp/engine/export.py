@@ -8,7 +8,8 @@ The target graph exported is the one the compiled model verifies with (TreeAtten
 plain decoding the pass is applied to a copy here; with Medusa heads, MedusaHeads too, so the graph
 also returns every token's head states). A Medusa engine adds medusa.onnx, the heads' projection to
 the vocabulary with a top-k (tied heads: a copy of the LM head, so the engine grows by its size); a
-Hydra engine adds hydra.onnx, one head step for every depth (see _hydra_onnx). A merged drafter
+Hydra engine adds hydra.onnx, one head step for every depth (see _hydra_onnx); an early_exit / layer_skip
+engine adds its draft graph (copied from the onnxruntime backend, else exported). A merged drafter
 ("hydra+token_recycling") writes one manifest entry per drafter under drafter.drafters.
 With backend="onnxruntime" the ONNX file the backend already exported is copied instead of exported
 again.
@@ -35,8 +36,8 @@ from pathlib import Path
 
 import onnx
 
-from speccomp.engine.runtime import (ENGINE_DRAFTERS, FORMAT, FORMAT_VERSION, HYDRA_FILE, HYDRA_OUTPUTS, MANIFEST, MEDUSA_FILE,
-                                     EngineError, sha256)
+from speccomp.engine.runtime import (ENGINE_DRAFTERS, FORMAT, FORMAT_VERSION, GRAPH_FILES, HYDRA_FILE, HYDRA_OUTPUTS, MANIFEST,
+                                     MEDUSA_FILE, EngineError, sha256)
 from speccomp.models import set_default_mode
 
 
@@ -67,6 +68,13 @@ def drafter_spec(drafter) -> dict:
         heads = drafter.max_tree_depth
         return {"name": name, "graph": HYDRA_FILE, "options": dict(num_heads=heads, top=top, tree=shape,
                                                                    max_depth=min(MAX_DYNAMIC_DEPTH, heads))}
+    if name in ("early_exit", "layer_skip"):  # the draft graph becomes NAME.onnx; it writes the target's cache
+        from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
+
+        if drafter.graph is None and not hasattr(drafter.step, "path"):
+            raise EngineError(f"this {name} drafter was built without its graph; compile it with speccomp.compile")
+        return {"name": name, "graph": GRAPH_FILES[name], "options": dict(
+            drafter.options, kv_layers=drafter.layer_index.tolist(), tree=shape, max_depth=MAX_DYNAMIC_DEPTH)}
     return {"name": name, "options": dict(drafter.options, **shape)}  # ngram: its options; token_recycling: + tree
 
 
@@ -88,6 +96,8 @@ def _drafter_graphs(fast, spec: dict, target_outputs: list[str], out: Path) -> d
             file = _medusa_onnx(drafter, out)
         elif part["name"] == "hydra":
             file = _hydra_onnx(drafter, part["options"]["top"], out)
+        elif part["name"] in ("early_exit", "layer_skip"):
+            file = _copy_or_export(drafter.step, drafter.graph, out / part["graph"])
         else:
             continue
         graphs[part["name"]] = _graph_entry(file, onnx.load(str(file), load_external_data=False))
@@ -192,17 +202,12 @@ def _target_onnx(fast, out: Path) -> Path:
     from speccomp.frontend.graph import run_passes
     from speccomp.passes.tree_attention import TreeAttention
 
-    from speccomp.backends.onnx_export import OrtStep, export_onnx
-    from speccomp.backends.onnxruntime import export_args
+    from speccomp.backends.onnx_export import OrtStep
 
     path = out / "target.onnx"
     step = fast.step
     if isinstance(step, OrtStep) and "tree_attention" in fast.graph.applied:
-        shutil.copyfile(step.path, path)
-        data = step.path.with_name(step.path.name + ".data")
-        if data.exists():  # weights beyond protobuf's 2 GB live next to the graph
-            shutil.copyfile(data, path.with_name(path.name + ".data"))
-        return path
+        return _copy_or_export(step, None, path)
     sg = fast.graph
     if "tree_attention" not in sg.applied:  # plain decoding: the engine verifies with the same graph always
         sg = run_passes(sg.clone(), [TreeAttention()], dump_input=False)
@@ -210,6 +215,20 @@ def _target_onnx(fast, out: Path) -> Path:
     if extra:
         raise EngineError(f"the target graph carries passes {extra} the engine runtime cannot feed; export supports "
                           f"plain compilations and the drafters {[d for d in ENGINE_DRAFTERS if d]}")
+    return _copy_or_export(None, sg, path)
+
+
+def _copy_or_export(step, sg, path: Path) -> Path:
+    """`path`: the ONNX file an onnxruntime backend's `step` already runs (copied), else `sg` exported."""
+    from speccomp.backends.onnx_export import OrtStep, export_onnx
+    from speccomp.backends.onnxruntime import export_args
+
+    if isinstance(step, OrtStep):
+        shutil.copyfile(step.path, path)
+        data = step.path.with_name(step.path.name + ".data")
+        if data.exists():  # weights beyond protobuf's 2 GB live next to the graph
+            shutil.copyfile(data, path.with_name(path.name + ".data"))
+        return path
     args, dynamic = export_args(sg)
     return export_onnx(sg, path, example_args=args, dynamic_shapes=dynamic)
 

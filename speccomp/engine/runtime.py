@@ -14,12 +14,14 @@
     medusa.onnx      (Medusa engines) the heads' projection: head states [K, H] -> top token ids [K, top]
     hydra.onnx       (Hydra engines) one head step: (head, states [n, H], tokens [n]) -> next states, top
                      log-probs and token ids [n, top]
+    early_exit.onnx, layer_skip.onnx   (self-drafter engines) the target graph with layers bypassed, the
+                     target's convention; it drafts over the engine's cache, its KV in the scratch room
 
 The decode loop is speccomp/runtime/decode.py's, restated in numpy: draft a tree (no drafter: the root
 alone), verify it in one session run, walk the tree while the target agrees, keep the KV of the
 accepted path. Drafters share their torch-free code with the torch drafters: prompt lookup, Token
 Recycling and the merge of several drafters' trees (speccomp/drafters/lookup.py), tree growth for Hydra
-(speccomp/drafters/grow.py). Medusa heads' residual blocks are inside target.onnx (an extra output: head
+and the self-drafters (speccomp/drafters/grow.py). Medusa heads' residual blocks are inside target.onnx (an extra output: head
 states of every token) and their projection is medusa.onnx; Hydra reads the target's `hidden` output.
 Sessions run through IO binding; the KV cache and the contiguous `past_kv` it is fed from are
 allocated once per generate.
@@ -36,7 +38,7 @@ import numpy as np
 
 from speccomp.runtime.calls import MAX_TREE, CallGuard, as_int, generate_args
 from speccomp.errors import SpeccompError
-from speccomp.drafters.grow import cut, grow_dynamic, grow_static
+from speccomp.drafters.grow import ancestor_rows, cut, grow_dynamic, grow_static
 from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, merge_trees, own_view, recycle
 
 FORMAT, FORMAT_VERSION = "speccomp-engine", 1
@@ -44,7 +46,8 @@ MANIFEST = "manifest.json"
 MEDUSA_FILE = "medusa.onnx"
 HYDRA_FILE = "hydra.onnx"
 MANIFEST_KEYS = ("format", "format_version", "speccomp_version", "model", "kv", "graphs", "opset", "max_tree", "drafter")
-ENGINE_DRAFTERS = (None, "ngram", "token_recycling", "medusa", "hydra")  # drafters the torch-free loop can run, alone
+ENGINE_DRAFTERS = (None, "ngram", "token_recycling", "medusa", "hydra", "early_exit", "layer_skip")  # drafters the
+# torch-free loop can run, alone
 # or merged ("hydra+token_recycling": one drafter that reads the model, any number of text drafters)
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
 
@@ -122,6 +125,12 @@ def _tree_ok(parents, ranks) -> bool:
             and all(0 <= p < i for i, p in enumerate(parents) if i))
 
 
+def _grown_tree(v) -> bool:
+    """A grown drafter's tree: static {parents, ranks} or dynamic {budget, top_k}."""
+    return isinstance(v, dict) and (set(v) == {"parents", "ranks"} and _tree_ok(v["parents"], v["ranks"])
+                                    or set(v) == {"budget", "top_k"} and _is_int(v["budget"], 1) and _is_int(v["top_k"], 1))
+
+
 _DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free drafters take
     None: {},
     "ngram": {k: lambda v: _is_int(v, 1) for k in ("max_ngram", "min_ngram", "num_branches", "max_depth")},
@@ -131,11 +140,13 @@ _DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free dra
     "medusa": {"num_heads": lambda v: _is_int(v, 1), "top": lambda v: _is_int(v, 1), "parents": _ints,
                "ranks": lambda v: _ints(v, 0), "states_output": lambda v: isinstance(v, str)},
     "hydra": {"num_heads": lambda v: _is_int(v, 1), "top": lambda v: _is_int(v, 1), "max_depth": lambda v: _is_int(v, 1),
-              "tree": lambda v: isinstance(v, dict) and (set(v) == {"parents", "ranks"} and _tree_ok(v["parents"], v["ranks"])
-                                                         or set(v) == {"budget", "top_k"} and _is_int(v["budget"], 1)
-                                                         and _is_int(v["top_k"], 1))},
+              "tree": _grown_tree},
 }
-_GRAPH_FILES = {"medusa": MEDUSA_FILE, "hydra": HYDRA_FILE}  # drafters with a graph of their own
+_SELF_DRAFT = {"kv_layers": lambda v: _ints(v, 0) and len(v) >= 1, "tree": _grown_tree, "max_depth": lambda v: _is_int(v, 1)}
+_DRAFTER_OPTIONS["early_exit"] = {**_SELF_DRAFT, "exit_layer": lambda v: _is_int(v, 0)}
+_DRAFTER_OPTIONS["layer_skip"] = {**_SELF_DRAFT, "skip": lambda v: _ints(v, 0) and len(v) >= 1}
+GRAPH_FILES = {"medusa": MEDUSA_FILE, "hydra": HYDRA_FILE, "early_exit": "early_exit.onnx",
+               "layer_skip": "layer_skip.onnx"}  # drafters with a graph of their own
 
 
 def check_schema(m: dict, file: Path, remake: str) -> None:
@@ -173,7 +184,7 @@ def check_schema(m: dict, file: Path, remake: str) -> None:
         parts = drafter.get("drafters")
         need(isinstance(parts, list) and [isinstance(p, dict) and p.get("name") for p in parts] == name.split("+"),
              "drafter.drafters", parts, f"one entry per drafter of {name!r}, in order")
-        need(sum(p["name"] in _GRAPH_FILES for p in parts) <= 1, "drafter.name", name, "a merge of at most one "
+        need(sum(p["name"] in GRAPH_FILES for p in parts) <= 1, "drafter.name", name, "a merge of at most one "
              "drafter that reads the model")
         for i, part in enumerate(parts):
             _check_drafter(part, graphs, f"drafter.drafters[{i}]", need)
@@ -201,9 +212,9 @@ def _check_drafter(drafter: dict, graphs: dict, field: str, need) -> None:
              f"one rank per node of {field}.options.parents={options['parents']!r}")
         need(_tree_ok(options["parents"], options["ranks"]), f"{field}.options.parents", options["parents"],
              "a tree (root first, every parent before its children)")
-    if name in _GRAPH_FILES:
-        need(drafter.get("graph") == _GRAPH_FILES[name] and name in graphs, f"{field}.graph", drafter.get("graph"),
-             f"{_GRAPH_FILES[name]!r} with a {name!r} entry in graphs")
+    if name in GRAPH_FILES:
+        need(drafter.get("graph") == GRAPH_FILES[name] and name in graphs, f"{field}.graph", drafter.get("graph"),
+             f"{GRAPH_FILES[name]!r} with a {name!r} entry in graphs")
 
 
 # --------------------------------------------------------------------------------------
@@ -351,10 +362,12 @@ class KVCache:
         self.flat = np.empty(self.data.size, dtype=dtype)
         self.length = 0
 
-    def past(self) -> np.ndarray:
-        shape = self.shape[:4] + (self.length, self.shape[5])
-        out = self.flat[: int(np.prod(shape))].reshape(shape)  # [L, 2, 1, Hkv, length, D], contiguous
-        np.copyto(out, self.data[..., : self.length, :])
+    def past(self, length: int | None = None) -> np.ndarray:
+        """The first `length` positions (default: the valid ones), contiguous: [L, 2, 1, Hkv, length, D]."""
+        length = self.length if length is None else length
+        shape = self.shape[:4] + (length, self.shape[5])
+        out = self.flat[: int(np.prod(shape))].reshape(shape)
+        np.copyto(out, self.data[..., :length, :])
         return out
 
     def append(self, new_kv: np.ndarray, keep=None) -> None:
@@ -425,7 +438,7 @@ def accept(tokens: list[int], children: list[list[int]], pick) -> tuple[list[int
 class _Drafter:
     outputs: tuple[str, ...] = ()  # the target graph's outputs it reads (none: a text drafter)
 
-    def begin(self, prompt):
+    def begin(self, prompt, cache):
         pass
 
     def take(self, extras, row):
@@ -439,7 +452,7 @@ class _NGram(_Drafter):
     def __init__(self, max_ngram=4, min_ngram=1, num_branches=4, max_depth=8):
         self.lookup, self.num_branches, self.max_depth = NGramIndex(max_ngram, min_ngram), num_branches, max_depth
 
-    def begin(self, prompt):
+    def begin(self, prompt, cache):
         self.lookup.begin(prompt)
 
     def propose(self, tokens, max_depth, max_nodes):
@@ -457,7 +470,7 @@ class _TokenRecycling(_Drafter):
         self.lookup = NGramIndex(max_ngram, min_ngram)
         self.adj: dict[int, list[int]] = {}
 
-    def begin(self, prompt):
+    def begin(self, prompt, cache):
         if not self.persist:
             self.adj = {}
         if self.ngram_branches:
@@ -528,11 +541,49 @@ class _Hydra(_Drafter):
                 out[c] = z[i]
             return logp[:, :k].tolist(), ids[:, :k].tolist()
 
-        if "budget" in self.tree:
-            budget = min(self.tree["budget"], max_nodes - 1)
-            return grow_dynamic(budget, self.tree["top_k"], tokens[-1], expand, min(self.max_depth, max_depth))
-        parents, ranks = cut(self.tree["parents"], self.tree["ranks"], max_depth, max_nodes)
-        return parents, grow_static(parents, ranks, tokens[-1], expand)
+        return _grow(self.tree, tokens[-1], expand, min(self.max_depth, max_depth), max_nodes)
+
+
+def _grow(tree: dict, root: int, expand, max_depth: int, max_nodes: int) -> tuple[list[int], list[int]]:
+    """(parents, tokens) of a manifest tree ({parents, ranks} or {budget, top_k}) grown by `expand` (grow.py)."""
+    if "budget" in tree:
+        return grow_dynamic(min(tree["budget"], max_nodes - 1), tree["top_k"], root, expand, max_depth)
+    parents, ranks = cut(tree["parents"], tree["ranks"], max_depth, max_nodes)
+    return parents, grow_static(parents, ranks, root, expand)
+
+
+class _SelfDraft(_Drafter):
+    """early_exit / layer_skip (speccomp/drafters/graph.py's GraphDrafter): NAME.onnx is the target's own graph with
+    layers bypassed, run depth by depth over the target's cache (the expanded nodes of one depth in one run); the
+    draft nodes' KV goes to the scratch room past the cache's length, which the verification overwrites."""
+
+    def __init__(self, kv_layers, tree, max_depth, session: BoundSession, exit_layer=None, skip=None):
+        self.kv_layers, self.tree, self.max_depth, self.session, self.cache = kv_layers, tree, max_depth, session, None
+
+    def begin(self, prompt, cache):
+        self.cache = cache
+
+    def propose(self, tokens, max_depth, max_nodes):
+        cache, base, slot = self.cache, self.cache.length, {}
+
+        def expand(d, nodes, grown, k):
+            used, q = len(slot), len(nodes)
+            if used + q > max_nodes:  # the drafter's tree mask must fit where the target's does
+                return None
+            feeds = {"input_ids": np.array([[grown.token[c] for c in nodes]], dtype=np.int64),
+                     "position_ids": np.full((1, q), base + d, dtype=np.int64),
+                     "attention_mask": np.ones((1, base + used + q), dtype=np.int64),
+                     "past_kv": cache.past(base + used),  # the accepted prefix and the scratch slots filled so far
+                     "tree_mask": np.array(ancestor_rows(nodes, grown, slot, used), dtype=bool)}
+            logits, new_kv = self.session.run(feeds, ["logits", "new_kv"])
+            cache.data[self.kv_layers, ..., base + used : base + used + q, :] = new_kv
+            x = logits[0].astype(np.float32)
+            logp = x - x.max(-1, keepdims=True)
+            logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+            ids = top_ids(logp, k)
+            return np.take_along_axis(logp, ids, -1).tolist(), ids.tolist()
+
+        return _grow(self.tree, tokens[-1], expand, min(self.max_depth, max_depth), max_nodes)
 
 
 class _Merged(_Drafter):
@@ -543,9 +594,9 @@ class _Merged(_Drafter):
         self.drafters, self.drafts, self.wheres = drafters, [], []
         self.outputs = tuple(o for d in drafters for o in d.outputs)
 
-    def begin(self, prompt):
+    def begin(self, prompt, cache):
         for d in self.drafters:
-            d.begin(prompt)
+            d.begin(prompt, cache)
 
     def take(self, extras, row):
         at = 0
@@ -605,8 +656,22 @@ def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | No
     if name == "medusa":
         check_medusa(options, session.session, target_outputs)
         return _Medusa(**options, session=session)
-    check_hydra(options, session.session)
-    return _Hydra(**options, session=session)
+    if name == "hydra":
+        check_hydra(options, session.session)
+        return _Hydra(**options, session=session)
+    check_self_draft(options, session.session, spec["graph"])
+    return _SelfDraft(**options, session=session)
+
+
+def check_self_draft(options: dict, session, file: str) -> None:
+    """A self-drafter's graph takes the target's convention and returns the KV of `kv_layers`."""
+    inputs = [i.name for i in session.get_inputs()]
+    layers = next((o.shape[0] for o in session.get_outputs() if o.name == "new_kv"), None)
+    if inputs != ["input_ids", "position_ids", "attention_mask", "past_kv", "tree_mask"] or layers is None:
+        raise EngineError(f"{file} takes {inputs}, not a self-drafter graph; the engine is corrupt, re-export it")
+    if isinstance(layers, int) and layers != len(options["kv_layers"]):
+        raise EngineError(f"{file} returns the KV of {layers} layers but drafter.options.kv_layers names "
+                          f"{len(options['kv_layers'])}; the engine is corrupt, re-export it")
 
 
 def check_hydra(options: dict, session) -> None:
@@ -802,7 +867,7 @@ class Engine:
         steps = 1
         context = prompt + out
         if self.drafter is not None:
-            self.drafter.begin(prompt)
+            self.drafter.begin(prompt, cache)
             self.drafter.take(extras, n - 1)
         while len(out) < max_new_tokens and out[-1] not in eos:
             room = max_new_tokens - len(out)  # tokens still allowed, the bonus included
