@@ -15,8 +15,6 @@ is the `budget` likeliest candidates).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.nn import functional as F
 
@@ -140,8 +138,8 @@ def make_eagle(base, options: dict, tree) -> EagleDrafter:
 
     from speccomp.runtime.tree import check_tree_width
 
-    given = options.get("heads")
-    head = load_eagle(heads_for(base, options, "eagle"), base.model)
+    path, given = heads_for(base, options, "eagle")
+    head = load_eagle(path, base.model)
     if tree is not None:
         check_tree_width(tree, len(head.draft_vocab), "EAGLE head's draft vocabulary", tree)
-    return EagleDrafter(head, tree if tree is not None else DEFAULT_EAGLE_TREE, given and os.fspath(given))
+    return EagleDrafter(head, tree if tree is not None else DEFAULT_EAGLE_TREE, given)

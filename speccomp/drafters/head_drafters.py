@@ -165,8 +165,9 @@ def check_heads_depth(tree: Tree, num_heads: int, kind: str) -> None:
                           "(one per depth)", f"use a tree at most {num_heads} deep")
 
 
-def heads_for(base, options: dict, kind: str) -> Path:
-    """The head directory a `kind` drafter uses: drafter_options={"heads": DIR} (the only option), else found."""
+def heads_for(base, options: dict, kind: str) -> tuple[Path, str | None]:
+    """The head directory a `kind` drafter uses, and the drafter_options={"heads": DIR} it came from (the only option;
+    None: found in the caches), which the drafter declares as its options."""
     path = options.pop("heads", None)
     if options:
         from speccomp.errors import OptionError
@@ -177,21 +178,20 @@ def heads_for(base, options: dict, kind: str) -> Path:
                               f"{type(path).__name__}", f"e.g. drafter_options={{'heads': 'my-{kind}-heads/'}}")
     if base.model is None:
         raise ValueError(f"the {kind} drafter needs the model (speccomp.compile passes it)")
-    return find_heads(base.model, path, kind)
+    return find_heads(base.model, path, kind), None if path is None else os.fspath(path)
 
 
 def make_hydra(base, options: dict, tree) -> HydraDrafter:
     from speccomp.drafters.hydra import load_hydra
     from speccomp.runtime.tree import DynamicTreeSpec
 
-    given = options.get("heads")
-    heads = load_hydra(heads_for(base, options, "hydra"), base.model)
-    return HydraDrafter(heads, tree if tree is not None else DynamicTreeSpec(16, 4), given and os.fspath(given))
+    path, given = heads_for(base, options, "hydra")
+    return HydraDrafter(load_hydra(path, base.model), tree if tree is not None else DynamicTreeSpec(16, 4), given)
 
 
 def make_medusa(base, options: dict, tree) -> MedusaDrafter:
-    given = options.get("heads")
-    heads = load_medusa(heads_for(base, options, "medusa"), base.model)
+    path, given = heads_for(base, options, "medusa")
+    heads = load_medusa(path, base.model)
     if tree is None:  # the default tree, no deeper than these heads reach
         tree, _ = truncate(Tree.from_choices(DEFAULT_MEDUSA_TREE), heads.num_heads, len(DEFAULT_MEDUSA_TREE) + 1)
-    return MedusaDrafter(heads, tree, given and os.fspath(given))
+    return MedusaDrafter(heads, tree, given)
