@@ -55,9 +55,9 @@ class InductorStep:
     does not recompile step after step.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, input_names: list[str], options: dict):
-        self.input_names = list(input_names)
-        self._dims = [DYNAMIC_DIMS.get(name, ()) for name in self.input_names]
+    def __init__(self, gm: torch.fx.GraphModule, input_names: list[str], options: dict, dims: list[tuple] | None = None):
+        self.input_names = list(input_names)  # `dims`: which dims of each input vary (default: DYNAMIC_DIMS by name)
+        self._dims = dims if dims is not None else [DYNAMIC_DIMS.get(name, ()) for name in self.input_names]
         self.options = dict(options)
         self.compiles = 0
         self.compile_seconds = 0.0

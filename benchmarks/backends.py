@@ -4,8 +4,10 @@ per-step latency (1 token and a 16-node tree).
     python benchmarks/backends.py                          # 4 shared files x 1 prompt, 256 new tokens, 2 threads
     python benchmarks/backends.py --backends eager,onnxruntime,engine --limit 1 --max-new-tokens 64   # quicker
     python benchmarks/backends.py --tree auto     # speculative rows on each backend's autotuned tree
+    python benchmarks/backends.py --drafter token_recycling --drafter 'hydra+token_recycling=[[0],[1],[2],[0,0]]'
+                                                  # several drafters' rows in one run, each with its own tree
 
-Rows (each with plain decoding and with a drafter, default token_recycling):
+Rows (each with plain decoding and with every --drafter, default token_recycling):
     hf_greedy            HF `model.generate(do_sample=False)`, the reference every row is compared with
     eager                the FX graph after the CPU lowering passes (backends/eager.py)
     inductor             torch.compile / TorchInductor of that graph (compiled during the warm-up)
@@ -71,7 +73,7 @@ def run_children(args, backends: list[str], argv) -> int:
     import subprocess
 
     tmp = Path(tempfile.mkdtemp(prefix="speccomp-bench-"))
-    common = ["--drafter", args.drafter, "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
+    common = [x for d in args.drafter for x in ("--drafter", d)] + ["--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
               "--threads", str(args.threads), "--past", str(args.past), "--repeats", str(args.repeats),
               "--files", args.files, "--skip", args.skip]
     common += ["--tree", args.tree] if args.tree else []
@@ -119,7 +121,8 @@ def run_children(args, backends: list[str], argv) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated (default {','.join(BACKENDS)})")
-    ap.add_argument("--drafter", default="token_recycling", help="drafter of the speculative rows (default token_recycling)")
+    ap.add_argument("--drafter", action="append", help="drafter of speculative rows, NAME or NAME=TREE (its own tree); "
+                                                       "repeat for several (default token_recycling)")
     ap.add_argument("--tree", default=None,
                     help="tree of the speculative rows: 'auto' (each backend's stored `speccomp autotune` result) or a "
                          "spec as for compile (default: the drafter's own default tree)")
@@ -136,6 +139,8 @@ def main(argv=None) -> int:
                     help="all backends in this one process (default: one child process per backend, each with its "
                          "own HF baseline; models of other backends resident in the same process slow ONNX Runtime)")
     args = ap.parse_args(argv)
+    args.drafter = args.drafter or ["token_recycling"]
+    drafters = {d.split("=", 1)[0]: d.split("=", 1)[1] if "=" in d else args.tree for d in args.drafter}  # name -> tree
     backends = [b for b in args.backends.split(",") if b]
     if not args.in_process and len(backends) > 1:
         return run_children(args, backends, argv)
@@ -169,12 +174,12 @@ def main(argv=None) -> int:
     ort_models = {}  # drafter -> the onnxruntime rows' compiled models; the engine rows export these
     order = [b for b in backends if b != "engine"] + (["engine"] if "engine" in backends else [])
     for backend in order:
-        for drafter in (None, args.drafter):
+        for drafter in (None, *drafters):
             name = f"{backend}/{drafter or 'plain'}"
             start = time.perf_counter()
             if backend == "engine":
                 fast = ort_models.get(drafter) or speccomp.compile(model, drafter=drafter, backend="onnxruntime",
-                                                                  tree=args.tree if drafter else None)
+                                                                  tree=drafters.get(drafter))
                 engine = speccomp.load(fast.export(tmp / (drafter or "plain"), tokenizer=tok), threads=args.threads)
 
                 def run(ids, engine=engine):
@@ -184,7 +189,7 @@ def main(argv=None) -> int:
                 if drafter is not None:
                     steps["engine"] = engine
             else:
-                fast = speccomp.compile(model, drafter=drafter, backend=backend, tree=args.tree if drafter else None)
+                fast = speccomp.compile(model, drafter=drafter, backend=backend, tree=drafters.get(drafter))
                 if backend == "onnxruntime":
                     ort_models[drafter] = fast
 

@@ -46,15 +46,15 @@ def test_unrolled_training_view_is_the_drafters_computation(model, prompt_known)
         # the entries q < p at take_states (with the prefill), else all of them in the first propose
         drafter.begin(x[0, : p + 1].tolist() if prompt_known else [])
         drafter.take_states((f[0, : p + 1],))
-        assert drafter.length == (p if prompt_known else 0)
-        root = drafter._commit(DraftContext(x[0, : p + 2].tolist(), None, 5, 10))
+        assert drafter.cache.length == (p if prompt_known else 0)
+        expand = drafter.cache.expander(x[0, : p + 2].tolist())
         # candidates: 0 root, 1 = a decoy sibling, 2 = x_{p+2} (true path, second branch), 3 = x_{p+3} under it
         token = [int(x[0, p + 1]), int(x[0, p + 2]) + 1, int(x[0, p + 2]), int(x[0, p + 3])]
         grown = Grown(parent=[-1, 0, 0, 2], token=token, depth=[0, 1, 1, 2])
-        slot, out = {}, {0: root}
-        drafter._expand([1, 2], grown, slot, out)
-        drafter._expand([3], grown, slot, out)
-    torch.testing.assert_close(root[0], outs[0][0, p], atol=1e-5, rtol=1e-5)
+        expand(1, [1, 2], grown, 2)
+        expand(2, [3], grown, 2)
+    out = {c: torch.from_numpy(o) for c, o in drafter.cache.out.items()}
+    torch.testing.assert_close(out[0][0], outs[0][0, p], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[2][0], outs[1][0, p], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[3][0], outs[2][0, p], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(out[1][0], outs[1][0, p])  # the decoy is another token: another guess
@@ -70,6 +70,48 @@ def test_eagle_greedy_identical(model, tmp_path, tree):
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,
                              eos_token_id=2, pad_token_id=2)
         assert torch.equal(fast.generate(ids, max_new_tokens=30, eos_token_id=2), ref)
+
+
+@pytest.mark.parametrize("backend", ["eager", "onnxruntime", "inductor"])
+def test_eagle_layer_step_is_a_lowered_graph(model, tmp_path, backend):
+    """The layer step is EagleStep (its cache in and out) captured by torch.export and lowered by the compile's
+    backend; it computes the head's own entries/attention/finish, and decoding with it is greedy-identical with
+    drafts accepted."""
+    from torch import fx
+
+    from speccomp.backends.inductor import InductorStep
+    from speccomp.backends.onnx_export import OrtStep
+
+    save_eagle(random_eagle(model, vocab=torch.arange(3, 80)), tmp_path / "h")
+    fast = speccomp.compile(model, drafter="eagle", drafter_options={"heads": str(tmp_path / "h")}, tree="dynamic:8:3",
+                            backend=backend)
+    step, head = fast.drafter.step, fast.drafter.head
+    assert isinstance(step, {"eager": fx.GraphModule, "onnxruntime": OrtStep, "inductor": InductorStep}[backend])
+    if backend == "eager":
+        targets = {str(n.target) for n in step.graph.nodes if n.op == "call_function"}
+        assert "mkldnn._linear_pointwise.default" in targets and "aten.scaled_dot_product_attention.default" in targets
+    g = torch.Generator().manual_seed(2)
+    a, d = head.num_heads, head.head_dim
+    feats, tokens, past_k, past_v = torch.randn(2, 32, generator=g), torch.tensor([5, 9]), torch.randn(a, 3, d), torch.randn(a, 3, d)
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool)
+    with torch.no_grad():
+        out, k, v, logp, ids = step(feats, tokens, torch.tensor([3, 4]), past_k, past_v, mask)
+        u, q, k_ref, v_ref = head.entries(feats, tokens, torch.tensor([3, 4]))
+        keys, values = torch.cat([past_k, k_ref.transpose(0, 1)], 1), torch.cat([past_v, v_ref.transpose(0, 1)], 1)
+        scores = (q.transpose(0, 1) @ keys.transpose(1, 2)) / d ** 0.5  # [A, 2, 5]
+        attn = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ values
+        ref = head.finish(u, attn.transpose(0, 1))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(k, k_ref.transpose(0, 1), rtol=1e-4, atol=1e-5)
+    assert torch.equal(ids[:, 0], head.draft_vocab[head.logits(ref).argmax(-1)])
+    steps = new = 0
+    for seed in (5, 6):
+        x = torch.randint(3, 96, (1, 10), generator=torch.Generator().manual_seed(seed))
+        want = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False,
+                              eos_token_id=2, pad_token_id=2)
+        assert torch.equal(fast.generate(x, max_new_tokens=24, eos_token_id=2), want)
+        steps, new = steps + fast.last_stats["steps"], new + fast.last_stats["new_tokens"]
+    assert steps < new  # drafts were accepted
 
 
 def test_eagle_past_the_sliding_window():

@@ -173,6 +173,43 @@ def test_hydra_engines_greedy_identical_and_step_like_torch(hydra_model, drafter
     assert spins == ["0", "0"]
 
 
+@pytest.fixture(scope="module")
+def eagle_model(tmp_path_factory):
+    """A tiny tied Llama and a random EAGLE layer over a draft vocabulary subset (saved in a directory)."""
+    from speccomp.drafters.eagle import save_eagle
+    from test_eagle import random_eagle
+
+    model = tiny_llama(num_hidden_layers=3, initializer_range=0.2, tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("eagle") / "head"
+    save_eagle(random_eagle(model, vocab=torch.arange(3, 80)), path)
+    return model, str(path)
+
+
+@pytest.mark.parametrize("drafter, tree, backend", [
+    ("eagle", [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], "eager"), ("eagle", "dynamic:8:3", "onnxruntime"),
+    ("eagle+token_recycling", None, "onnxruntime"),
+])
+def test_eagle_engines_greedy_identical_and_step_like_torch(eagle_model, drafter, tree, backend, tmp_path):
+    """The EAGLE layer in an engine (eagle.onnx: the layer step with its cache in and out; the cache and the tree's
+    growth are speccomp/drafters/eagle_cache.py's, shared with the torch drafter), alone and merged: HF's greedy
+    text in as many steps as the torch runtime; the onnxruntime backend's file is the one the engine carries."""
+    model, head = eagle_model
+    fast = speccomp.compile(model, drafter=drafter, tree=tree, backend=backend,
+                            drafter_options={"heads": head} if drafter == "eagle" else {"eagle": {"heads": head}})
+    engine = speccomp.load(fast.export(tmp_path / "e"))
+    part = (engine.manifest["drafter"].get("drafters") or [engine.manifest["drafter"]])[0]
+    assert part["name"] == "eagle" and part["graph"] == "eagle.onnx" and part["options"]["head_dim"] == 8
+    if backend == "onnxruntime":
+        step = (fast.drafter.drafters[0] if "+" in drafter else fast.drafter).step
+        assert (tmp_path / "e" / "eagle.onnx").read_bytes() == step.path.read_bytes()
+    steps_like_torch(engine, fast, model)
+    broken = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    (broken["drafter"].get("drafters") or [broken["drafter"]])[0]["options"]["head_dim"] = 4
+    (tmp_path / "e" / "manifest.json").write_text(json.dumps(broken))
+    with pytest.raises(EngineError, match="reads a cache of 4 heads of size 8 but drafter.options say 4 of 4"):
+        speccomp.load(tmp_path / "e")
+
+
 @pytest.mark.parametrize("drafter, options, tree, backend", [
     ("early_exit", {"exit_layer": 1}, [[0], [1], [0, 0], [0, 0, 0]], "onnxruntime"),
     ("layer_skip", {"skip": [2]}, "dynamic:6:2", "onnxruntime"),
@@ -222,7 +259,7 @@ def test_hydra_engine_runs_without_torch_and_checks_its_manifest(hydra_model, tm
         (lambda d: d["drafters"][0]["options"].update(tree={"budget": 0, "top_k": 2}), r"drafter.drafters\[0\].options.tree="),
         (lambda d: d["drafters"].reverse(), "drafter.drafters=.*one entry per drafter"),
         (lambda d: d["drafters"][0].update(graph="target.onnx"), r"drafter.drafters\[0\].graph="),
-        (lambda d: d["drafters"][0]["options"].update(top=1), "returns the top 4 tokens but drafter.options.top=1"),
+        (lambda d: d["drafters"][0]["options"].update(top=1), "returns the top 8 tokens but drafter.options.top=1"),
     ]:
         broken = json.loads(json.dumps(manifest))
         edit(broken["drafter"])

@@ -830,8 +830,6 @@ CLI_ERRORS = [
     ("demo-limit", ["demo", "--limit", "0"], ("limit", "0")),
     ("demo-prompts-missing", ["demo", "--prompts", "/nonexistent/prompts.jsonl"], ("/nonexistent/prompts.jsonl",)),
     ("demo-drafter", ["demo", "--drafter", "nope"], ("drafter", "nope")),
-    ("export-drafter-not-exportable", ["export", "{tmp}/out", "--drafter", "eagle"], ("eagle",)),
-    ("export-merge-not-exportable", ["export", "{tmp}/out", "--drafter", "eagle+ngram"], ("eagle",)),
     ("export-drafter-unknown", ["export", "{tmp}/out", "--drafter", "nope"], ("drafter", "nope")),
     ("export-backend", ["export", "{tmp}/out", "--backend", "nope"], ("backend", "nope")),
     ("export-into-foreign-directory", ["export", "{tmp}/mine"], ("{tmp}/mine",)),

@@ -172,6 +172,42 @@ def test_hydra_greedy_identical(model, tmp_path, tree):
     assert steps < tokens  # even random heads get some drafts accepted (measured: 86 and 85 steps for 90 tokens)
 
 
+@pytest.mark.parametrize("backend", ["eager", "onnxruntime", "inductor"])
+def test_hydra_head_step_is_a_lowered_graph(model, tmp_path, backend):
+    """The head step is HydraStep captured by torch.export and lowered by the compile's backend (packed oneDNN
+    linears on eager, an ONNX Runtime session, an inductor compilation), numerically the heads' own step, and
+    decoding with it stays greedy-identical with drafts accepted."""
+    from torch import fx
+
+    from speccomp.backends.inductor import InductorStep
+    from speccomp.backends.onnx_export import OrtStep
+    from speccomp.drafters.hydra import save_hydra
+
+    heads = random_hydra(model, vocab=torch.arange(3, 80))
+    save_hydra(heads, tmp_path / "h")
+    fast = speccomp.compile(model, drafter="hydra", drafter_options={"heads": str(tmp_path / "h")}, tree="dynamic:8:3",
+                            backend=backend)
+    step = fast.drafter.step
+    assert isinstance(step, {"eager": fx.GraphModule, "onnxruntime": OrtStep, "inductor": InductorStep}[backend])
+    if backend == "eager":
+        targets = {str(n.target) for n in step.graph.nodes if n.op == "call_function"}
+        assert "mkldnn._linear_pointwise.default" in targets and "aten.topk.default" in targets
+    loaded = fast.drafter.heads  # the checkpoint as loaded (float16 on disk)
+    s, tok = torch.randn(3, 32), torch.tensor([4, 9, 30])
+    with torch.no_grad():
+        z, logp, ids = step(torch.tensor(1), s, tok)
+        ref = loaded.step(1, s, tok)
+    torch.testing.assert_close(z, ref, rtol=1e-4, atol=1e-5)
+    assert torch.equal(ids[:, 0], loaded.draft_vocab[loaded.logits(ref).argmax(-1)])
+    steps = tokens = 0
+    for ids in prompts(2, seed=5):
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                              eos_token_id=2, pad_token_id=2)
+        assert torch.equal(fast.generate(ids, max_new_tokens=24, eos_token_id=2), want)
+        steps, tokens = steps + fast.last_stats["steps"], tokens + fast.last_stats["new_tokens"]
+    assert steps < tokens
+
+
 def test_hydra_drafts_follow_the_previous_token(model):
     """The same hidden state with another root token gives other drafts: heads read the token."""
     from speccomp.drafters.head_drafters import HydraDrafter

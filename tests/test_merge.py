@@ -137,11 +137,21 @@ def test_merged_drafter_bad_input(llama6):
         speccomp.compile(llama6, drafter="early_exit+ngram", drafter_options={"early_exit": {"exit_layer": 9}})
 
 
-def test_merge_with_a_drafter_engines_cannot_run_is_not_exported(llama6, tmp_path):
+def test_merge_with_a_drafter_engines_cannot_run_is_not_exported(llama6, tmp_path, monkeypatch):
+    """A drafter registered by the user merges like any other, but an engine cannot know its algorithm: export
+    refuses the merge, naming it, before writing anything."""
+    from speccomp.drafters import registry
+    from speccomp.drafters.ngram import NGramDrafter
     from speccomp.engine.runtime import EngineError
 
-    options = {"eagle": {"heads": random_heads(llama6, "eagle", tmp_path / "eagle")}}
-    fast = speccomp.compile(llama6, drafter="eagle+ngram", drafter_options=options)  # engine merges: test_engine.py
-    with pytest.raises(EngineError, match="drafter 'eagle' cannot be exported as an engine yet"):
+    class Mine(NGramDrafter):
+        name = "mine"
+
+    monkeypatch.setitem(registry.DRAFTERS, "mine", lambda base, options, tree, backend: Mine())
+    monkeypatch.setitem(registry.DECLARED, "mine", Mine)
+    fast = speccomp.compile(llama6, drafter="mine+token_recycling")  # engine merges: test_engine.py
+    ids = repetitive_prompt(96, 1)
+    assert torch.equal(fast.generate(ids, max_new_tokens=20, eos_token_id=2), hf_greedy(llama6, ids, 20, eos=2))
+    with pytest.raises(EngineError, match="drafter 'mine' cannot be exported as an engine yet"):
         fast.export(tmp_path / "engine")
     assert not (tmp_path / "engine").exists()  # refused before any work

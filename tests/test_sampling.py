@@ -229,6 +229,8 @@ ENGINE_CASES = {
     # Hydra's head step in hydra.onnx, the tree grown in numpy, merged with Token Recycling's
     "hydra+token_recycling": (lambda h: dict(drafter="hydra+token_recycling", tree=WIDE, drafter_options={
         "hydra": {"heads": h["hydra"]}, "token_recycling": {"tree": [[0], [1], [0, 0]], "top_k": 3}}), 1.0),
+    # the EAGLE layer step in eagle.onnx over the layer's own cache (eagle_cache.py, shared with the torch drafter)
+    "eagle": (lambda h: dict(drafter="eagle", drafter_options={"heads": h["eagle"]}, tree=WIDE), 0.8),
 }
 
 

@@ -117,15 +117,7 @@ class EagleHead(nn.Module):
 
     @staticmethod
     def _lin(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        """layer(x); when drafting (no grad, CPU float32) through oneDNN on the weight packed once, which is
-        about twice as fast for the few rows a draft step has (passes/prepack_linear.py). Packed once per weight
-        tensor: weights changed in place after drafting need a fresh `load_eagle`."""
-        if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32:
-            return layer(x)
-        from speccomp.passes.prepack_linear import linear
-
-        y = linear(x.reshape(-1, x.shape[-1]), layer.weight).reshape(*x.shape[:-1], -1)
-        return y if layer.bias is None else y + layer.bias
+        return layer(x)  # drafting runs EagleStep's lowered graph, whose linears the backend packs
 
     def unrolled(self, feats: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training view, `steps` chained drafts from every anchor at once. feats [B, T, H] (f_0..f_{T-1}), tokens
@@ -156,6 +148,51 @@ class EagleHead(nn.Module):
                 attn = attn + p[..., t + j : t + j + 1] * vv.transpose(1, 2)
             outs.append(self.finish(u, attn.transpose(1, 2)))
         return outs
+
+
+class EagleStep(nn.Module):
+    """One run of the EAGLE layer over its own cache, the graph EAGLE drafts with on every backend and in engines
+    (eagle.onnx); the cache is explicit, in and out, as the target graph's is:
+
+        feats [q, H], tokens [q], positions [q]        q entries (feature f_p, next token x_{p+1}) at positions p
+        past_k, past_v [A, P, D]                       the cache entries these entries may read
+        mask [q, P + q] (bool)                         which of those (then of the q new ones) each entry reads
+     -> out [q, H]                                     each entry's predicted next feature
+        new_k, new_v [A, q, D]                         the entries' keys and values, for the caller to store
+        top_logp, top_ids [q, 8]                       the best MAX_SIBLINGS next tokens per entry, best first
+
+    The draft-vocabulary projection is a plain linear, packed for oneDNN by the eager lowering like the target's."""
+
+    def __init__(self, head: EagleHead):
+        super().__init__()
+        from speccomp.drafters.hydra import MAX_SIBLINGS
+
+        self.head = head
+        self.register_buffer("draft_lm", head.draft_lm.detach(), persistent=False)
+        self.register_buffer("vocab", head.draft_vocab, persistent=False)
+        self.top = min(MAX_SIBLINGS, len(head.draft_vocab))
+
+    def forward(self, feats, tokens, positions, past_k, past_v, mask):
+        u, q, k, v = self.head.entries(feats, tokens, positions)  # q, k, v: [q, A, D]
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], torch.cat([past_k, k], 1)[None],
+                                              torch.cat([past_v, v], 1)[None], attn_mask=mask)  # [1, A, q, D]
+        out = self.head.finish(u, attn[0].transpose(0, 1))
+        logp, idx = F.linear(out, self.draft_lm).log_softmax(-1).topk(self.top, dim=-1)
+        return out, k, v, logp, self.vocab[idx]
+
+    def graph_spec(self):
+        from torch.export import Dim
+
+        from speccomp.backends.drafter_graph import DrafterGraphSpec
+        from speccomp.engine.runtime import EAGLE_INPUTS, EAGLE_OUTPUTS
+
+        h, a, d = self.head.hidden, self.head.num_heads, self.head.head_dim
+        q, past = Dim("q", min=1, max=4096), Dim("past", min=0)
+        example = (torch.zeros(3, h), torch.zeros(3, dtype=torch.long), torch.arange(5, 8), torch.zeros(a, 5, d),
+                   torch.zeros(a, 5, d), torch.ones(3, 8, dtype=torch.bool))
+        dynamic = ({0: q}, {0: q}, {0: q}, {1: past}, {1: past}, {0: q, 1: Dim.AUTO})
+        return DrafterGraphSpec("eagle", EAGLE_INPUTS, EAGLE_OUTPUTS, example, dynamic)
 
 
 def new_eagle(model, draft_vocab, num_heads: int | None = None, intermediate: int | None = None,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH, Grown, grow, torch_top
+from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH, Grown, grow
 from speccomp.errors import OptionTypeError
 from speccomp.drafters.medusa import HeadsError, MedusaHeads, display_kind, load_medusa
 from speccomp.models import cache_dir
@@ -117,41 +117,49 @@ class MedusaDrafter(Drafter):
 class HydraDrafter(Drafter):
     """Grow the tree depth by depth (speccomp/drafters/grow.py): head d reads each depth-d node's state and
     token and scores its children; the root's state is the target's final hidden state at the newest token.
-    Static trees are at most K (the number of heads) deep; dynamic ones stop there."""
+    Static trees are at most K (the number of heads) deep; dynamic ones stop there. The head step is a graph
+    (hydra.py's HydraStep), lowered by the compile's backend; an engine carries it as hydra.onnx."""
 
     name = "hydra"
     reads = ("states",)
     trees = ("static", "dynamic")
+    graphs = ("head_step",)
 
-    def __init__(self, heads, tree, heads_path: str | None = None):
+    def __init__(self, heads, tree, heads_path: str | None = None, backend: str = "eager", lowered=None):
+        from speccomp.drafters.hydra import HydraStep
+
         check_tree_kind(self, tree)
         if isinstance(tree, Tree):
             check_heads_depth(tree, heads.num_heads, "Hydra")
-        check_tree_width(tree, len(heads.draft_vocab), "Hydra heads' draft vocabulary", tree)
-        self.heads, self.tree, self.heads_path = heads, tree, heads_path
+        self.module = HydraStep(heads) if lowered is None else lowered[0]
+        self.max_siblings = self.module.top
+        check_tree_width(tree, self.max_siblings, "Hydra head step's top tokens", tree)
+        self.heads, self.tree, self.heads_path, self.backend = heads, tree, heads_path, backend
         self.h = None
         self.max_tree_depth = heads.num_heads
         self.options = {} if heads_path is None else {"heads": heads_path}
+        if lowered is None:
+            from speccomp.backends.drafter_graph import lower_module
+
+            lowered = self.module, lower_module(self.module, self.module.graph_spec(), backend)
+        self.step = lowered[1]  # the lowered head step (an OrtStep on the ONNX Runtime backends: what export copies)
 
     def with_tree(self, tree) -> "HydraDrafter":
-        return HydraDrafter(self.heads, tree, self.heads_path)
+        return HydraDrafter(self.heads, tree, self.heads_path, self.backend, (self.module, self.step))
 
     def take_states(self, states) -> None:
         self.h = states[0]  # the target's final hidden state [H] at the newest token
 
     def propose(self, ctx: DraftContext) -> Draft:
-        from speccomp.passes.prepack_linear import linear
-
         out = {}  # expanded candidate -> its head's output, the state its children's head reads
 
         def expand(d: int, nodes: list[int], grown: Grown, k: int):
             states = torch.cat([self.h[None] if c == 0 else out[grown.parent[c]] for c in nodes])
             with torch.no_grad():
-                z = self.heads.step(d, states, torch.tensor([grown.token[c] for c in nodes]))
-                logp = linear(z, self.heads.draft_lm).log_softmax(-1)
+                z, logp, ids = self.step(torch.tensor(d), states, torch.tensor([grown.token[c] for c in nodes]))
             for i, c in enumerate(nodes):
                 out[c] = z[i : i + 1]
-            return torch_top(logp, k, self.heads.draft_vocab)
+            return logp[:, :k].tolist(), ids[:, :k].tolist()
 
         return grow(self.tree, ctx, expand, min(MAX_DYNAMIC_DEPTH, self.heads.num_heads))
 
@@ -181,12 +189,12 @@ def heads_for(base, options: dict, kind: str) -> tuple[Path, str | None]:
     return find_heads(base.model, path, kind), None if path is None else os.fspath(path)
 
 
-def make_hydra(base, options: dict, tree) -> HydraDrafter:
+def make_hydra(base, options: dict, tree, backend: str = "eager") -> HydraDrafter:
     from speccomp.drafters.hydra import load_hydra
     from speccomp.runtime.tree import DynamicTreeSpec
 
     path, given = heads_for(base, options, "hydra")
-    return HydraDrafter(load_hydra(path, base.model), tree if tree is not None else DynamicTreeSpec(16, 4), given)
+    return HydraDrafter(load_hydra(path, base.model), tree if tree is not None else DynamicTreeSpec(16, 4), given, backend)
 
 
 def make_medusa(base, options: dict, tree) -> MedusaDrafter:

@@ -99,6 +99,49 @@ class HydraHeads(nn.Module):
         return self.logits(torch.stack(out, dim=1))
 
 
+MAX_SIBLINGS = 8  # the step graph returns each state's 8 best next tokens: trees rank siblings 0..7
+
+
+class HydraStep(nn.Module):
+    """One head step for any head, the graph Hydra drafts with on every backend and in engines (hydra.onnx):
+
+        (head [], states [n, H], tokens [n]) -> (next_states [n, H], top_logp [n, 8], top_ids [n, 8])
+
+    = HydraHeads.step(head, states, tokens), then the log-softmax over the draft vocabulary and its top
+    MAX_SIBLINGS as token ids, best first. The heads' weights are stacked [K, ...] and indexed by `head`, so one
+    graph (and one copy of the input embedding) serves every depth; the draft-vocabulary projection is a plain
+    linear, which the eager lowering packs for oneDNN like the target's."""
+
+    def __init__(self, heads: HydraHeads):
+        super().__init__()
+        stack = torch.stack
+        weights = {
+            "embed_w": stack([lin.weight for lin in heads.embeds]),  # [K, H, H]
+            "embed_b": stack([lin.bias for lin in heads.embeds]),  # [K, H]
+            "block_w": stack([stack([b.linear.weight for b in blocks]) for blocks in heads.blocks]),  # [K, L, H, H]
+            "block_b": stack([stack([b.linear.bias for b in blocks]) for blocks in heads.blocks]),  # [K, L, H]
+            "embed": heads.embed, "draft_lm": heads.draft_lm, "vocab": heads.draft_vocab,
+        }
+        for name, tensor in weights.items():
+            self.register_buffer(name, tensor.detach(), persistent=False)
+        self.top = min(MAX_SIBLINGS, len(heads.draft_vocab))
+
+    def forward(self, head, states, tokens):
+        x = states + self.embed[tokens] @ self.embed_w[head].t() + self.embed_b[head]
+        for j in range(self.block_w.shape[1]):
+            x = x + nn.functional.silu(x @ self.block_w[head, j].t() + self.block_b[head, j])
+        logp, idx = nn.functional.linear(x, self.draft_lm).log_softmax(-1).topk(self.top, dim=-1)
+        return x, logp, self.vocab[idx]
+
+    def graph_spec(self):
+        from speccomp.backends.drafter_graph import DrafterGraphSpec
+        from speccomp.engine.runtime import HYDRA_OUTPUTS  # the engine's names for this graph's outputs
+
+        n = torch.export.Dim("n", min=1, max=4096)
+        example = (torch.tensor(0), torch.zeros(2, self.embed.shape[1]), torch.zeros(2, dtype=torch.long))
+        return DrafterGraphSpec("hydra", ["head", "states", "tokens"], HYDRA_OUTPUTS, example, (None, {0: n}, {0: n}))
+
+
 def new_hydra(model, draft_vocab, num_heads: int = 4, num_layers: int = 1) -> HydraHeads:
     lm = _lm_head_weight(model)
     return HydraHeads(num_heads, lm.shape[1], lm.shape[0], num_layers, lm, _input_embedding(model), draft_vocab)

@@ -143,9 +143,9 @@ def _medusa(base: SpecGraph, options: dict, tree, backend: str):
 
 @register("hydra", HydraDrafter)
 def _hydra(base: SpecGraph, options: dict, tree, backend: str):
-    return make_hydra(base, options, _default_tree(tree, None, "hydra"))
+    return make_hydra(base, options, _default_tree(tree, None, "hydra"), backend)
 
 
 @register("eagle", EagleDrafter)
 def _eagle(base: SpecGraph, options: dict, tree, backend: str):
-    return make_eagle(base, options, _default_tree(tree, None, "eagle"))
+    return make_eagle(base, options, _default_tree(tree, None, "eagle"), backend)

@@ -8,8 +8,10 @@ The target graph exported is the one the compiled model verifies with (TreeAtten
 plain decoding the pass is applied to a copy here; with Medusa heads, MedusaHeads too, so the graph
 also returns every token's head states). A Medusa engine adds medusa.onnx, the heads' projection to
 the vocabulary with a top-k (tied heads: a copy of the LM head, so the engine grows by its size); a
-Hydra engine adds hydra.onnx, one head step for every depth (see _hydra_onnx); an early_exit / layer_skip
-engine adds its draft graph (copied from the onnxruntime backend, else exported). A merged drafter
+Hydra engine adds hydra.onnx, one head step for every depth (speccomp/drafters/hydra.py's HydraStep); an EAGLE
+engine eagle.onnx, the layer step with its cache in and out (eagle.py's EagleStep); an early_exit / layer_skip
+engine its draft graph. Each is the graph the compiled model's backend lowered: copied from the onnxruntime
+backend, else exported here. A merged drafter
 ("hydra+token_recycling") writes one manifest entry per drafter under drafter.drafters.
 With backend="onnxruntime" the ONNX file the backend already exported is copied instead of exported
 again.
@@ -36,7 +38,7 @@ from pathlib import Path
 
 import onnx
 
-from speccomp.engine.runtime import (ENGINE_DRAFTERS, FORMAT, FORMAT_VERSION, GRAPH_FILES, HYDRA_FILE, HYDRA_OUTPUTS, MANIFEST,
+from speccomp.engine.runtime import (ENGINE_DRAFTERS, FORMAT, FORMAT_VERSION, GRAPH_FILES, HYDRA_FILE, MANIFEST,
                                      MEDUSA_FILE, EngineError, sha256)
 from speccomp.models import set_default_mode
 
@@ -64,10 +66,14 @@ def drafter_spec(drafter) -> dict:
     if name == "hydra":  # one head step becomes hydra.onnx (with its top-k); the tree grows in the engine
         from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
 
-        top = max(shape["ranks"]) + 1 if "ranks" in shape else shape["top_k"]
         heads = drafter.max_tree_depth
-        return {"name": name, "graph": HYDRA_FILE, "options": dict(num_heads=heads, top=top, tree=shape,
+        return {"name": name, "graph": HYDRA_FILE, "options": dict(num_heads=heads, top=drafter.max_siblings, tree=shape,
                                                                    max_depth=min(MAX_DYNAMIC_DEPTH, heads))}
+    if name == "eagle":  # the layer step becomes eagle.onnx; its cache and the tree's growth are the engine's
+        head = drafter.head
+        return {"name": name, "graph": GRAPH_FILES[name], "options": dict(
+            num_heads=head.num_heads, head_dim=head.head_dim, top=drafter.max_siblings, tree=shape,
+            max_depth=drafter.max_depth)}
     if name in ("early_exit", "layer_skip"):  # the draft graph becomes NAME.onnx; it writes the target's cache
         from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
 
@@ -94,8 +100,8 @@ def _drafter_graphs(fast, spec: dict, target_outputs: list[str], out: Path) -> d
                                   f"{target_outputs}")
             part["options"]["states_output"] = target_outputs[3]
             file = _medusa_onnx(drafter, out)
-        elif part["name"] == "hydra":
-            file = _hydra_onnx(drafter, part["options"]["top"], out)
+        elif part["name"] in ("hydra", "eagle"):
+            file = _module_onnx(drafter, out / part["graph"])
         elif part["name"] in ("early_exit", "layer_skip"):
             file = _copy_or_export(drafter.step, drafter.graph, out / part["graph"])
         else:
@@ -157,44 +163,16 @@ def _medusa_onnx(drafter, out: Path) -> Path:
     return path
 
 
-def _hydra_onnx(drafter, top: int, out: Path) -> Path:
-    """hydra.onnx: one Hydra head step for any head: (head [], states [n, H], tokens [n]) -> (next_states [n, H],
-    top_logp [n, top], top_ids [n, top]), the top tokens of the draft vocabulary as token ids, best first. The
-    heads' weights are stacked so one graph (and one copy of the input embedding) serves every depth."""
-    import torch
+def _module_onnx(drafter, path: Path) -> Path:
+    """A drafter's module graph (Hydra's head step, EAGLE's layer step): the ONNX file its onnxruntime lowering runs (copied), else
+    exported now by the same function."""
+    from speccomp.backends.drafter_graph import export_module_onnx
+    from speccomp.backends.onnx_export import OrtStep
 
-    from speccomp.backends.onnx_export import OnnxBackendError
-
-    heads = drafter.heads
-
-    class HeadStep(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            stack = torch.stack
-            self.embed_w = stack([lin.weight for lin in heads.embeds]).detach()  # [K, H, H]
-            self.embed_b = stack([lin.bias for lin in heads.embeds]).detach()  # [K, H]
-            self.block_w = stack([stack([b.linear.weight for b in blocks]) for blocks in heads.blocks]).detach()
-            self.block_b = stack([stack([b.linear.bias for b in blocks]) for blocks in heads.blocks]).detach()
-            self.embed, self.draft_lm, self.vocab = heads.embed.detach(), heads.draft_lm.detach(), heads.draft_vocab
-
-        def forward(self, head, states, tokens):  # as HydraHeads.step(head, states, tokens), then the top tokens
-            x = states + self.embed[tokens] @ self.embed_w[head].t() + self.embed_b[head]
-            for j in range(self.block_w.shape[1]):
-                x = x + torch.nn.functional.silu(x @ self.block_w[head, j].t() + self.block_b[head, j])
-            logp, idx = (x @ self.draft_lm.t()).log_softmax(-1).topk(top, dim=-1)
-            return x, logp, self.vocab[idx]
-
-    path = out / HYDRA_FILE
-    n = torch.export.Dim("n", min=1, max=4096)
-    example = (torch.tensor(0), torch.zeros(2, heads.hidden), torch.zeros(2, dtype=torch.long))
-    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            program = torch.onnx.export(HeadStep().eval(), example, dynamo=True, input_names=["head", "states", "tokens"],
-                                        output_names=HYDRA_OUTPUTS, dynamic_shapes=(None, {0: n}, {0: n}), optimize=True)
-        except Exception as exc:
-            raise OnnxBackendError(f"exporting the Hydra head step failed: {str(exc).splitlines()[0]}") from exc
-    program.save(path)
-    return path
+    if isinstance(drafter.step, OrtStep):
+        shutil.copyfile(drafter.step.path, path)
+        return path
+    return export_module_onnx(drafter.module, drafter.module.graph_spec(), path)
 
 
 def _target_onnx(fast, out: Path) -> Path:

@@ -14,15 +14,18 @@
     medusa.onnx      (Medusa engines) the heads' projection: head states [K, H] -> top token ids [K, top]
     hydra.onnx       (Hydra engines) one head step: (head, states [n, H], tokens [n]) -> next states, top
                      log-probs and token ids [n, top]
+    eagle.onnx       (EAGLE engines) the layer step: entries, their positions, the layer's cache and a mask
+                     -> outputs, the entries' keys and values, top log-probs and token ids
     early_exit.onnx, layer_skip.onnx   (self-drafter engines) the target graph with layers bypassed, the
                      target's convention; it drafts over the engine's cache, its KV in the scratch room
 
 The decode loop is speccomp/runtime/decode.py's, restated in numpy: draft a tree (no drafter: the root
 alone), verify it in one session run, walk the tree while the target agrees, keep the KV of the
 accepted path. Drafters share their torch-free code with the torch drafters: prompt lookup, Token
-Recycling and the merge of several drafters' trees (speccomp/drafters/lookup.py), tree growth for Hydra
-and the self-drafters (speccomp/drafters/grow.py). Medusa heads' residual blocks are inside target.onnx (an extra output: head
-states of every token) and their projection is medusa.onnx; Hydra reads the target's `hidden` output.
+Recycling and the merge of several drafters' trees (speccomp/drafters/lookup.py), tree growth for Hydra,
+EAGLE and the self-drafters (speccomp/drafters/grow.py), the EAGLE layer's cache (eagle_cache.py). Medusa heads' residual blocks are inside target.onnx (an extra output: head
+states of every token) and their projection is medusa.onnx; Hydra reads the target's `hidden` output at the
+newest token, EAGLE at every accepted one.
 Sessions run through IO binding; the KV cache and the contiguous `past_kv` it is fed from are
 allocated once per generate.
 """
@@ -38,6 +41,7 @@ import numpy as np
 
 from speccomp.runtime.calls import MAX_TREE, CallGuard, as_int, generate_args
 from speccomp.errors import SpeccompError
+from speccomp.drafters.eagle_cache import EagleCache
 from speccomp.drafters.grow import ancestor_rows, cut, grow_dynamic, grow_static
 from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, merge_trees, own_view, recycle
 
@@ -45,10 +49,10 @@ FORMAT, FORMAT_VERSION = "speccomp-engine", 1
 MANIFEST = "manifest.json"
 MEDUSA_FILE = "medusa.onnx"
 HYDRA_FILE = "hydra.onnx"
+EAGLE_FILE = "eagle.onnx"
 MANIFEST_KEYS = ("format", "format_version", "speccomp_version", "model", "kv", "graphs", "opset", "max_tree", "drafter")
-ENGINE_DRAFTERS = (None, "ngram", "token_recycling", "medusa", "hydra", "early_exit", "layer_skip")  # drafters the
-# torch-free loop can run, alone
-# or merged ("hydra+token_recycling": one drafter that reads the model, any number of text drafters)
+ENGINE_DRAFTERS = (None, "ngram", "token_recycling", "medusa", "hydra", "eagle", "early_exit", "layer_skip")  # drafters
+# the torch-free loop can run, alone or merged ("hydra+token_recycling": one drafter that reads the model, any number of text drafters)
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
 
 
@@ -141,11 +145,13 @@ _DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free dra
                "ranks": lambda v: _ints(v, 0), "states_output": lambda v: isinstance(v, str)},
     "hydra": {"num_heads": lambda v: _is_int(v, 1), "top": lambda v: _is_int(v, 1), "max_depth": lambda v: _is_int(v, 1),
               "tree": _grown_tree},
+    "eagle": {"num_heads": lambda v: _is_int(v, 1), "head_dim": lambda v: _is_int(v, 1), "top": lambda v: _is_int(v, 1),
+              "max_depth": lambda v: _is_int(v, 1), "tree": _grown_tree},
 }
 _SELF_DRAFT = {"kv_layers": lambda v: _ints(v, 0) and len(v) >= 1, "tree": _grown_tree, "max_depth": lambda v: _is_int(v, 1)}
 _DRAFTER_OPTIONS["early_exit"] = {**_SELF_DRAFT, "exit_layer": lambda v: _is_int(v, 0)}
 _DRAFTER_OPTIONS["layer_skip"] = {**_SELF_DRAFT, "skip": lambda v: _ints(v, 0) and len(v) >= 1}
-GRAPH_FILES = {"medusa": MEDUSA_FILE, "hydra": HYDRA_FILE, "early_exit": "early_exit.onnx",
+GRAPH_FILES = {"medusa": MEDUSA_FILE, "hydra": HYDRA_FILE, "eagle": EAGLE_FILE, "early_exit": "early_exit.onnx",
                "layer_skip": "layer_skip.onnx"}  # drafters with a graph of their own
 
 
@@ -441,7 +447,7 @@ class _Drafter:
     def begin(self, prompt, cache):
         pass
 
-    def take(self, extras, row):
+    def take(self, extras, rows):  # rows of the target's extra outputs newly accepted (the newest last)
         pass
 
     def observe(self, tokens, path, logits):
@@ -506,8 +512,8 @@ class _Medusa(_Drafter):
         self.outputs = (states_output,)
         self.session, self.top_ids = session, None
 
-    def take(self, extras, row):
-        feed = {self.session.inputs[0]: np.ascontiguousarray(extras[0][0, row])}  # [K, H] of one token
+    def take(self, extras, rows):
+        feed = {self.session.inputs[0]: np.ascontiguousarray(extras[0][0, rows[-1]])}  # [K, H] of the newest token
         self.top_ids = self.session.run(feed, ["top_ids"])[0]  # [K, top]
 
     def propose(self, tokens, max_depth, max_nodes):
@@ -526,8 +532,8 @@ class _Hydra(_Drafter):
     def __init__(self, num_heads, top, max_depth, tree, session: BoundSession):
         self.tree, self.max_depth, self.session, self.h = tree, max_depth, session, None
 
-    def take(self, extras, row):
-        self.h = extras[0][0, row]  # [H]
+    def take(self, extras, rows):
+        self.h = extras[0][0, rows[-1]]  # [H]
 
     def propose(self, tokens, max_depth, max_nodes):
         out = {}
@@ -542,6 +548,27 @@ class _Hydra(_Drafter):
             return logp[:, :k].tolist(), ids[:, :k].tolist()
 
         return _grow(self.tree, tokens[-1], expand, min(self.max_depth, max_depth), max_nodes)
+
+
+class _Eagle(_Drafter):
+    """The EAGLE layer (eagle_drafter.py's EagleDrafter): its cache and entries are speccomp/drafters/eagle_cache.py's,
+    shared with the torch runtime; eagle.onnx is the layer step; it reads the target's final hidden state at every
+    newly accepted position."""
+
+    outputs = ("hidden",)
+
+    def __init__(self, num_heads, head_dim, top, max_depth, tree, session: BoundSession):
+        self.tree, self.max_depth = tree, max_depth
+        self.cache = EagleCache(lambda *a: session.run(dict(zip(EAGLE_INPUTS, a)), EAGLE_OUTPUTS), num_heads, head_dim)
+
+    def begin(self, prompt, cache):
+        self.cache.begin(prompt)
+
+    def take(self, extras, rows):
+        self.cache.take(extras[0][0, rows])
+
+    def propose(self, tokens, max_depth, max_nodes):
+        return _grow(self.tree, tokens[-1], self.cache.expander(tokens), min(self.max_depth, max_depth), max_nodes)
 
 
 def _grow(tree: dict, root: int, expand, max_depth: int, max_nodes: int) -> tuple[list[int], list[int]]:
@@ -598,10 +625,10 @@ class _Merged(_Drafter):
         for d in self.drafters:
             d.begin(prompt, cache)
 
-    def take(self, extras, row):
+    def take(self, extras, rows):
         at = 0
         for d in self.drafters:
-            d.take(extras[at : at + len(d.outputs)], row)
+            d.take(extras[at : at + len(d.outputs)], rows)
             at += len(d.outputs)
 
     def propose(self, tokens, max_depth, max_nodes):
@@ -656,9 +683,9 @@ def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | No
     if name == "medusa":
         check_medusa(options, session.session, target_outputs)
         return _Medusa(**options, session=session)
-    if name == "hydra":
-        check_hydra(options, session.session)
-        return _Hydra(**options, session=session)
+    if name in ("hydra", "eagle"):
+        check_head_step(name, options, session.session)
+        return (_Hydra if name == "hydra" else _Eagle)(**options, session=session)
     check_self_draft(options, session.session, spec["graph"])
     return _SelfDraft(**options, session=session)
 
@@ -674,18 +701,27 @@ def check_self_draft(options: dict, session, file: str) -> None:
                           f"{len(options['kv_layers'])}; the engine is corrupt, re-export it")
 
 
-def check_hydra(options: dict, session) -> None:
-    """A Hydra engine's options against hydra.onnx (head index, states, tokens -> next states, top log-probs, ids)."""
+def check_head_step(name: str, options: dict, session) -> None:
+    """A Hydra or EAGLE engine's options against its step graph (hydra.onnx: head index, states, tokens -> next
+    states, top log-probs, ids; eagle.onnx: EagleStep's convention)."""
+    file, inputs, outputs = {"hydra": (HYDRA_FILE, ["head", "states", "tokens"], HYDRA_OUTPUTS),
+                             "eagle": (EAGLE_FILE, EAGLE_INPUTS, EAGLE_OUTPUTS)}[name]
     names = [o.name for o in session.get_outputs()]
-    top = session.get_outputs()[2].shape[-1] if len(names) == 3 else None
-    if [i.name for i in session.get_inputs()] != ["head", "states", "tokens"] or names != HYDRA_OUTPUTS:
-        raise EngineError(f"{HYDRA_FILE} takes {[i.name for i in session.get_inputs()]} and returns {names}, not a "
-                          "Hydra head step; the engine is corrupt, re-export it")
+    if [i.name for i in session.get_inputs()] != inputs or names != outputs:
+        raise EngineError(f"{file} takes {[i.name for i in session.get_inputs()]} and returns {names}, not the "
+                          f"{name} step graph; the engine is corrupt, re-export it")
+    top = session.get_outputs()[-1].shape[-1]
     tree = options["tree"]
     k = max(tree["ranks"]) + 1 if "ranks" in tree else tree["top_k"]
     if isinstance(top, int) and (top != options["top"] or k > top):
-        raise EngineError(f"{HYDRA_FILE} returns the top {top} tokens but drafter.options.top={options['top']} and "
+        raise EngineError(f"{file} returns the top {top} tokens but drafter.options.top={options['top']} and "
                           f"the tree needs {k}; the engine is corrupt, re-export it")
+    if name == "eagle":
+        shape = session.get_inputs()[3].shape  # past_k [A, P, D]
+        if shape[0] != options["num_heads"] or shape[2] != options["head_dim"]:
+            raise EngineError(f"{file} reads a cache of {shape[0]} heads of size {shape[2]} but drafter.options say "
+                              f"{options['num_heads']} of {options['head_dim']}; the engine is corrupt, re-export it")
+        return
     depth = max(tree_arrays(tree["parents"])[0]) if "parents" in tree else options["max_depth"]
     if depth > options["num_heads"] or options["max_depth"] > options["num_heads"]:
         raise EngineError(f"drafter.options: a tree {depth} deep for {options['num_heads']} Hydra heads; the engine is "
@@ -693,6 +729,8 @@ def check_hydra(options: dict, session) -> None:
 
 
 HYDRA_OUTPUTS = ["next_states", "top_logp", "top_ids"]
+EAGLE_INPUTS = ["feats", "tokens", "positions", "past_k", "past_v", "mask"]
+EAGLE_OUTPUTS = ["out", "new_k", "new_v", "top_logp", "top_ids"]
 
 
 # --------------------------------------------------------------------------------------
@@ -868,7 +906,7 @@ class Engine:
         context = prompt + out
         if self.drafter is not None:
             self.drafter.begin(prompt, cache)
-            self.drafter.take(extras, n - 1)
+            self.drafter.take(extras, list(range(n)))
         while len(out) < max_new_tokens and out[-1] not in eos:
             room = max_new_tokens - len(out)  # tokens still allowed, the bonus included
             if self.drafter is None or room <= 1:
@@ -881,7 +919,7 @@ class Engine:
             cache.append(new_kv, keep=path)
             if self.drafter is not None:
                 self.drafter.observe(tokens, path, logits)
-                self.drafter.take(extras, path[-1])
+                self.drafter.take(extras, path)
             steps += 1
             for t in [tokens[i] for i in path[1:]] + [bonus]:
                 out.append(t)
