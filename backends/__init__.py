@@ -25,10 +25,10 @@ def lower_inductor(sg):
 
 
 def _onnxruntime(provider: str):
-    def lower_on(sg):
+    def lower_on(sg, spin: bool = True):
         from speccomp.backends.onnxruntime import lower_onnxruntime as lower  # imports onnx / onnxruntime only when chosen
 
-        return lower(sg, provider)
+        return lower(sg, provider, spin)
 
     return lower_on
 
@@ -66,7 +66,16 @@ def check(backend: str) -> None:
         check_available("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def lower(sg, backend: str):
+def lower(sg, backend: str, spin: bool = True):
+    """`spin=False`: one of several ONNX Runtime sessions of a compiled model (a drafter graph beside the target):
+    idle pool threads then sleep between runs instead of spinning against each other and the host-side work (the
+    engine's rule: speccomp/engine/runtime.py). Other backends have no pools to set."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; accepted values: {sorted(BACKENDS)}")
+    if is_onnxruntime(backend):
+        return BACKENDS[backend](sg, spin)
     return BACKENDS[backend](sg)
+
+
+def is_onnxruntime(backend: str) -> bool:
+    return backend.startswith("onnxruntime") or backend == "tensorrt"

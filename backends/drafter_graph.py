@@ -33,7 +33,7 @@ class DrafterGraphSpec:
     inputs: list[str]
     outputs: list[str]
     example: tuple  # example inputs, sizes distinct from 0 and 1 on every varying dim
-    dynamic: tuple  # per input: {dim: torch.export.Dim} (or None), as for torch.export
+    dynamic: tuple | None  # per input: {dim: torch.export.Dim} (or None), as for torch.export; None: all static
 
 
 def capture_module(module: torch.nn.Module, spec: DrafterGraphSpec) -> torch.fx.GraphModule:
@@ -65,18 +65,21 @@ def lower_module(module: torch.nn.Module, spec: DrafterGraphSpec, backend: str):
     from speccomp.backends import check
 
     check(backend)
-    if backend.startswith("onnxruntime") or backend == "tensorrt":
+    from speccomp.backends import is_onnxruntime
+
+    if is_onnxruntime(backend):  # a second session beside the target's: it does not spin (backends.lower)
         from speccomp.backends.onnx_export import OrtStep
         from speccomp.backends.onnxruntime import _export_dir
         from speccomp.engine.runtime import check_provider
 
         providers = check_provider({"onnxruntime": "cpu", "onnxruntime:cuda": "cuda"}.get(backend, backend))
-        return OrtStep(export_module_onnx(module, spec, _export_dir(spec.name) / f"{spec.name}.onnx"), providers=providers)
+        path = export_module_onnx(module, spec, _export_dir(spec.name) / f"{spec.name}.onnx")
+        return OrtStep(path, providers=providers, spin=False)
     gm = capture_module(module, spec)
     if backend == "inductor":
         from speccomp.backends.inductor import InductorStep
 
-        dims = [tuple(d) if d else () for d in spec.dynamic]
+        dims = [tuple(d) if d else () for d in (spec.dynamic or [None] * len(spec.inputs))]
         return InductorStep(gm, spec.inputs, {"freezing": True}, dims=dims)
     from speccomp.passes.prepack_linear import PrepackLinear
 

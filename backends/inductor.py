@@ -56,8 +56,11 @@ class InductorStep:
     """
 
     def __init__(self, gm: torch.fx.GraphModule, input_names: list[str], options: dict, dims: list[tuple] | None = None):
-        self.input_names = list(input_names)  # `dims`: which dims of each input vary (default: DYNAMIC_DIMS by name)
+        self.input_names = list(input_names)
+        # `dims`: which dims of each input vary (a drafter graph's, backends/drafter_graph.py); marked "maybe" dynamic,
+        # since some of them take sizes 0 and 1 that dynamo specialises (an EAGLE mask [1, 1] after a 1-token prompt)
         self._dims = dims if dims is not None else [DYNAMIC_DIMS.get(name, ()) for name in self.input_names]
+        self._mark = torch._dynamo.mark_dynamic if dims is None else torch._dynamo.maybe_mark_dynamic
         self.options = dict(options)
         self.compiles = 0
         self.compile_seconds = 0.0
@@ -79,7 +82,7 @@ class InductorStep:
             raise TypeError(f"the compiled graph takes {len(self._dims)} inputs {self.input_names}, got {len(inputs)}")
         for x, dims in zip(inputs, self._dims):
             for d in dims:
-                torch._dynamo.mark_dynamic(x, d)
+                self._mark(x, d)
         with torch.no_grad():
             try:
                 return self._compiled(*inputs)

@@ -253,7 +253,7 @@ class OrtStep:
     with ONNX Runtime's numpy outputs). Usable as the `step` of speccomp.runtime.decode's loops.
     """
 
-    def __init__(self, path, providers=None, session_options=None, intra_op_threads: int | None = None):
+    def __init__(self, path, providers=None, session_options=None, intra_op_threads: int | None = None, spin: bool = True):
         ort = _onnxruntime()
         self.path = Path(path)
         if not self.path.exists():
@@ -264,6 +264,8 @@ class OrtStep:
             intra_op_threads = torch.get_num_threads()
         if intra_op_threads:
             options.intra_op_num_threads = intra_op_threads
+        if not spin:  # idle pool threads sleep between runs (backends.lower's `spin`)
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         start = time.perf_counter()
         self.session = ort.InferenceSession(os.fspath(self.path), sess_options=options, providers=self.providers)
         self.load_seconds = time.perf_counter() - start

@@ -55,12 +55,12 @@ def export_args(sg):
     return tuple(args), tuple(dynamic)
 
 
-def lower_onnxruntime(sg, provider: str = "cpu"):
-    """An OrtStep running `sg` exported to ONNX on `provider` ("cpu", "cuda", "tensorrt")."""
+def lower_onnxruntime(sg, provider: str = "cpu", spin: bool = True):
+    """An OrtStep running `sg` exported to ONNX on `provider` ("cpu", "cuda", "tensorrt"); `spin`: see lower()."""
     from speccomp.engine.runtime import check_provider
 
     providers = check_provider(provider)  # before the export: a missing provider fails in a second, not a minute
     name = "-".join(sg.applied) or "plain"  # e.g. "tree_attention", "skip_layers-tree_attention"
     args, dynamic = export_args(sg)
     path = export_onnx(sg, _export_dir(name) / f"{name}.onnx", example_args=args, dynamic_shapes=dynamic)
-    return OrtStep(path, providers=providers)
+    return OrtStep(path, providers=providers, spin=spin)

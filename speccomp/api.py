@@ -159,6 +159,7 @@ def _compile_drafter(base: SpecGraph, model, drafter, tree, backend: str, drafte
         drafter_obj = DRAFTERS[drafter](base, dict(options or {}), tree, backend)
     # a drafter may need the target graph to compute more (Medusa: head states on every token)
     target = run_passes(base.clone(), list(drafter_obj.target_passes) + [TreeAttention()])
-    return SpecModel(target, lower(target, backend), backend, drafter=drafter_obj, model=model)
+    # a drafter with graphs of its own runs them as more sessions: then none spins (backends.lower)
+    return SpecModel(target, lower(target, backend, spin=not drafter_obj.graphs), backend, drafter=drafter_obj, model=model)
 
 

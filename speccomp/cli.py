@@ -65,7 +65,7 @@ def _compile_options(args) -> None:
 
 
 def _drafter_among(drafter, usable, problem: str) -> None:
-    """The --drafter of a command that can use only some of the known drafters (export, search, autotune)."""
+    """The --drafter of a command that can use only some of the known drafters (search, autotune)."""
     if drafter not in usable:
         raise OptionError("drafter", drafter, problem, f"accepted values: {[d or 'plain' for d in usable]}")
 

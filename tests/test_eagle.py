@@ -105,8 +105,8 @@ def test_eagle_layer_step_is_a_lowered_graph(model, tmp_path, backend):
     torch.testing.assert_close(k, k_ref.transpose(0, 1), rtol=1e-4, atol=1e-5)
     assert torch.equal(ids[:, 0], head.draft_vocab[head.logits(ref).argmax(-1)])
     steps = new = 0
-    for seed in (5, 6):
-        x = torch.randint(3, 96, (1, 10), generator=torch.Generator().manual_seed(seed))
+    for seed, n in ((5, 10), (6, 1)):  # a 1-token prompt: the layer's cache starts empty, its mask is [1, 1]
+        x = torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(seed))
         want = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False,
                               eos_token_id=2, pad_token_id=2)
         assert torch.equal(fast.generate(x, max_new_tokens=24, eos_token_id=2), want)

@@ -259,7 +259,7 @@ def test_hydra_engine_runs_without_torch_and_checks_its_manifest(hydra_model, tm
         (lambda d: d["drafters"][0]["options"].update(tree={"budget": 0, "top_k": 2}), r"drafter.drafters\[0\].options.tree="),
         (lambda d: d["drafters"].reverse(), "drafter.drafters=.*one entry per drafter"),
         (lambda d: d["drafters"][0].update(graph="target.onnx"), r"drafter.drafters\[0\].graph="),
-        (lambda d: d["drafters"][0]["options"].update(top=1), "returns the top 8 tokens but drafter.options.top=1"),
+        (lambda d: d["drafters"][0]["options"].update(top=1), "returns the top 10 tokens but drafter.options.top=1"),
     ]:
         broken = json.loads(json.dumps(manifest))
         edit(broken["drafter"])

@@ -105,19 +105,15 @@ class EagleHead(nn.Module):
     def entries(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
         """Layer inputs of entries (feature f_p, next token x_{p+1}) at `positions`: feats [..., n, H], tokens and
         positions [..., n] -> u [..., n, H] (the residual stream) and q, k, v [..., n, A, D] (RoPE applied)."""
-        u = self._lin(torch.cat([feats, self.embed[tokens]], -1), self.fc)
-        q, k, v = self._lin(self.norm1(u), self.qkv).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
+        u = self.fc(torch.cat([feats, self.embed[tokens]], -1))
+        q, k, v = self.qkv(self.norm1(u)).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
         return u, _rotate(q, positions, self.rope_theta), _rotate(k, positions, self.rope_theta), v
 
     def finish(self, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual stream u [..., n, H] + attention output attn [..., n, A, D] -> the predicted next feature."""
-        x = u + self._lin(attn.flatten(-2), self.o)
-        gate, up = self._lin(self.norm2(x), self.gate_up).chunk(2, -1)
-        return x + self._lin(F.silu(gate) * up, self.down)
-
-    @staticmethod
-    def _lin(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        return layer(x)  # drafting runs EagleStep's lowered graph, whose linears the backend packs
+        x = u + self.o(attn.flatten(-2))
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, -1)
+        return x + self.down(F.silu(gate) * up)
 
     def unrolled(self, feats: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training view, `steps` chained drafts from every anchor at once. feats [B, T, H] (f_0..f_{T-1}), tokens
@@ -159,7 +155,8 @@ class EagleStep(nn.Module):
         mask [q, P + q] (bool)                         which of those (then of the q new ones) each entry reads
      -> out [q, H]                                     each entry's predicted next feature
         new_k, new_v [A, q, D]                         the entries' keys and values, for the caller to store
-        top_logp, top_ids [q, 8]                       the best MAX_SIBLINGS next tokens per entry, best first
+        top_logp, top_ids [q, top]                     the `top` best next tokens per entry, best first
+                                                       (top = min(MAX_SIBLINGS, draft vocabulary), as Hydra's)
 
     The draft-vocabulary projection is a plain linear, packed for oneDNN by the eager lowering like the target's."""
 

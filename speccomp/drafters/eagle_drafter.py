@@ -28,12 +28,14 @@ class EagleDrafter(Drafter):
 
     def __init__(self, head, tree, heads_path: str | None = None, backend: str = "eager", lowered=None):
         from speccomp.drafters.eagle import EagleStep
+        from speccomp.drafters.hydra import MAX_SIBLINGS
 
         self.head, self.tree, self.heads_path, self.backend = head, tree, heads_path, backend
         check_tree_kind(self, tree)
         self.module = EagleStep(head) if lowered is None else lowered[0]
         self.max_siblings = self.module.top
-        check_tree_width(tree, self.max_siblings, "EAGLE layer step's top tokens", tree)
+        check_tree_width(tree, self.max_siblings, f"EAGLE layer step (its top min({MAX_SIBLINGS}, draft vocabulary "
+                         f"{len(head.draft_vocab)}) tokens)", tree)
         self.options = {} if heads_path is None else {"heads": heads_path}
         if lowered is None:
             from speccomp.backends.drafter_graph import lower_module

@@ -122,6 +122,24 @@ def ancestor_rows(nodes: list[int], grown: Grown, slot: dict[int, int], used: in
     return rows
 
 
+def state_expander(run, root_state):
+    """`expand` for a drafter whose step maps (depth d, parent states [n, H], parent tokens [n]) to (states [n, H],
+    top log-probs [n, top], top ids [n, top]), numpy in and out (Hydra's head step, on either runtime): a candidate's
+    state is the output of its parent's step; the root's is `root_state` (the target's hidden state)."""
+    import numpy as np
+
+    out = {}
+
+    def expand(d: int, nodes: list[int], grown: Grown, k: int):
+        states = np.stack([root_state if c == 0 else out[grown.parent[c]] for c in nodes])
+        z, logp, ids = run(d, states, np.array([grown.token[c] for c in nodes], dtype=np.int64))
+        for i, c in enumerate(nodes):
+            out[c] = z[i]
+        return logp[:, :k].tolist(), ids[:, :k].tolist()
+
+    return expand
+
+
 def grow(tree, ctx, expand, max_depth: int = MAX_DYNAMIC_DEPTH):
     """The torch runtime's step draft: `tree` (a Tree or a DynamicTreeSpec) filled by `expand`."""
     import torch

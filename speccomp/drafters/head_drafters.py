@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH, Grown, grow
+from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH, grow, state_expander
 from speccomp.errors import OptionTypeError
 from speccomp.drafters.medusa import HeadsError, MedusaHeads, display_kind, load_medusa
 from speccomp.models import cache_dir
@@ -126,14 +126,15 @@ class HydraDrafter(Drafter):
     graphs = ("head_step",)
 
     def __init__(self, heads, tree, heads_path: str | None = None, backend: str = "eager", lowered=None):
-        from speccomp.drafters.hydra import HydraStep
+        from speccomp.drafters.hydra import MAX_SIBLINGS, HydraStep
 
         check_tree_kind(self, tree)
         if isinstance(tree, Tree):
             check_heads_depth(tree, heads.num_heads, "Hydra")
         self.module = HydraStep(heads) if lowered is None else lowered[0]
         self.max_siblings = self.module.top
-        check_tree_width(tree, self.max_siblings, "Hydra head step's top tokens", tree)
+        check_tree_width(tree, self.max_siblings, f"Hydra head step (its top min({MAX_SIBLINGS}, draft vocabulary "
+                         f"{len(heads.draft_vocab)}) tokens)", tree)
         self.heads, self.tree, self.heads_path, self.backend = heads, tree, heads_path, backend
         self.h = None
         self.max_tree_depth = heads.num_heads
@@ -150,17 +151,12 @@ class HydraDrafter(Drafter):
     def take_states(self, states) -> None:
         self.h = states[0]  # the target's final hidden state [H] at the newest token
 
+    def _run(self, d: int, states, tokens):
+        with torch.no_grad():
+            return [t.numpy() for t in self.step(torch.tensor(d), torch.from_numpy(states), torch.from_numpy(tokens))]
+
     def propose(self, ctx: DraftContext) -> Draft:
-        out = {}  # expanded candidate -> its head's output, the state its children's head reads
-
-        def expand(d: int, nodes: list[int], grown: Grown, k: int):
-            states = torch.cat([self.h[None] if c == 0 else out[grown.parent[c]] for c in nodes])
-            with torch.no_grad():
-                z, logp, ids = self.step(torch.tensor(d), states, torch.tensor([grown.token[c] for c in nodes]))
-            for i, c in enumerate(nodes):
-                out[c] = z[i : i + 1]
-            return logp[:, :k].tolist(), ids[:, :k].tolist()
-
+        expand = state_expander(self._run, self.h.float().numpy())  # grow.py's, shared with the engine
         return grow(self.tree, ctx, expand, min(MAX_DYNAMIC_DEPTH, self.heads.num_heads))
 
 

@@ -99,18 +99,19 @@ class HydraHeads(nn.Module):
         return self.logits(torch.stack(out, dim=1))
 
 
-MAX_SIBLINGS = 8  # the step graph returns each state's 8 best next tokens: trees rank siblings 0..7
+MAX_SIBLINGS = 10  # the step graphs return each state's 10 best next tokens (EAGLE-2's top_k): sibling ranks 0..9
 
 
 class HydraStep(nn.Module):
     """One head step for any head, the graph Hydra drafts with on every backend and in engines (hydra.onnx):
 
-        (head [], states [n, H], tokens [n]) -> (next_states [n, H], top_logp [n, 8], top_ids [n, 8])
+        (head [], states [n, H], tokens [n]) -> (next_states [n, H], top_logp [n, top], top_ids [n, top])
 
-    = HydraHeads.step(head, states, tokens), then the log-softmax over the draft vocabulary and its top
-    MAX_SIBLINGS as token ids, best first. The heads' weights are stacked [K, ...] and indexed by `head`, so one
-    graph (and one copy of the input embedding) serves every depth; the draft-vocabulary projection is a plain
-    linear, which the eager lowering packs for oneDNN like the target's."""
+    = HydraHeads.step(head, states, tokens), then the log-softmax over the draft vocabulary and its `top` best as
+    token ids, best first (top = min(MAX_SIBLINGS, draft vocabulary): trees rank siblings below it). The heads'
+    weights are stacked [K, ...] and indexed by `head`, so one graph (and one copy of the input embedding) serves
+    every depth; the draft-vocabulary projection is a plain linear, which the eager lowering packs for oneDNN like
+    the target's."""
 
     def __init__(self, heads: HydraHeads):
         super().__init__()

@@ -77,7 +77,7 @@ def _graph_drafter(passes_for, default_name):
         spec = _default_tree(tree, DynamicTreeSpec(16, 4), default_name)
         check_tree_width(spec, base.captured.vocab_size, "model", tree)
         sg = run_passes(base.clone(), passes + [TreeAttention()])
-        return GraphDrafter(lower(sg, backend), sg.kv_layers, spec, default_name, passes[0].options(), sg)
+        return GraphDrafter(lower(sg, backend, spin=False), sg.kv_layers, spec, default_name, passes[0].options(), sg)
 
     return factory
 

@@ -27,8 +27,6 @@ the two renames leaves the old engine in `.NAME-old-XXXX/engine` beside the dest
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -90,7 +88,8 @@ def _parts(spec: dict) -> list[dict]:
 
 
 def _drafter_graphs(fast, spec: dict, target_outputs: list[str], out: Path) -> dict:
-    """Write the graphs of the drafters that have one (medusa.onnx, hydra.onnx); their manifest entries."""
+    """Write the graphs of the drafters that have one (GRAPH_FILES: medusa.onnx, hydra.onnx, eagle.onnx, the
+    self-drafters'); their manifest entries."""
     graphs = {}
     objects = getattr(fast.drafter, "drafters", None) or [fast.drafter]
     for part, drafter in zip(_parts(spec), objects):
@@ -99,7 +98,7 @@ def _drafter_graphs(fast, spec: dict, target_outputs: list[str], out: Path) -> d
                 raise EngineError(f"the Medusa target graph should return (logits, new_kv, hidden, head states), got "
                                   f"{target_outputs}")
             part["options"]["states_output"] = target_outputs[3]
-            file = _medusa_onnx(drafter, out)
+            file = _medusa_onnx(drafter, out / MEDUSA_FILE)
         elif part["name"] in ("hydra", "eagle"):
             file = _module_onnx(drafter, out / part["graph"])
         elif part["name"] in ("early_exit", "layer_skip"):
@@ -139,11 +138,11 @@ def _tokenizer_entry(tokenizer, out: Path) -> dict | None:
     }
 
 
-def _medusa_onnx(drafter, out: Path) -> Path:
+def _medusa_onnx(drafter, path: Path) -> Path:
     """medusa.onnx: head states [K, H] (one token's) -> each head's top token ids [K, top], best first."""
     import torch
 
-    from speccomp.backends.onnx_export import OnnxBackendError
+    from speccomp.backends.drafter_graph import DrafterGraphSpec, export_module_onnx
 
     heads, top = drafter.heads, drafter.top
 
@@ -151,28 +150,28 @@ def _medusa_onnx(drafter, out: Path) -> Path:
         def forward(self, medusa_states):  # [K, H]
             return heads.project(medusa_states).topk(top, dim=-1).indices  # [K, V] -> [K, top]
 
-    path = out / MEDUSA_FILE
-    example = torch.zeros(heads.num_heads, heads.hidden)
-    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            program = torch.onnx.export(HeadsTopK().eval(), (example,), dynamo=True, input_names=["medusa_states"],
-                                        output_names=["top_ids"], optimize=True)
-        except Exception as exc:
-            raise OnnxBackendError(f"exporting the Medusa heads' projection failed: {str(exc).splitlines()[0]}") from exc
-    program.save(path)
-    return path
+    example = (torch.zeros(heads.num_heads, heads.hidden),)
+    return export_module_onnx(HeadsTopK(), DrafterGraphSpec("medusa", ["medusa_states"], ["top_ids"], example, None), path)
 
 
 def _module_onnx(drafter, path: Path) -> Path:
-    """A drafter's module graph (Hydra's head step, EAGLE's layer step): the ONNX file its onnxruntime lowering runs (copied), else
-    exported now by the same function."""
+    """A drafter's module graph (Hydra's head step, EAGLE's layer step): the ONNX file its onnxruntime lowering runs
+    (copied), else exported now by the same function."""
     from speccomp.backends.drafter_graph import export_module_onnx
     from speccomp.backends.onnx_export import OrtStep
 
     if isinstance(drafter.step, OrtStep):
-        shutil.copyfile(drafter.step.path, path)
-        return path
+        return _copy_onnx(drafter.step.path, path)
     return export_module_onnx(drafter.module, drafter.module.graph_spec(), path)
+
+
+def _copy_onnx(src: Path, path: Path) -> Path:
+    """An ONNX file copied to `path`, with its external weights (NAME.data: beyond protobuf's 2 GB) if it has them."""
+    shutil.copyfile(src, path)
+    data = src.with_name(src.name + ".data")
+    if data.exists():
+        shutil.copyfile(data, path.with_name(path.name + ".data"))
+    return path
 
 
 def _target_onnx(fast, out: Path) -> Path:
@@ -202,11 +201,7 @@ def _copy_or_export(step, sg, path: Path) -> Path:
     from speccomp.backends.onnxruntime import export_args
 
     if isinstance(step, OrtStep):
-        shutil.copyfile(step.path, path)
-        data = step.path.with_name(step.path.name + ".data")
-        if data.exists():  # weights beyond protobuf's 2 GB live next to the graph
-            shutil.copyfile(data, path.with_name(path.name + ".data"))
-        return path
+        return _copy_onnx(step.path, path)
     args, dynamic = export_args(sg)
     return export_onnx(sg, path, example_args=args, dynamic_shapes=dynamic)
 

@@ -42,7 +42,7 @@ import numpy as np
 from speccomp.runtime.calls import MAX_TREE, CallGuard, as_int, generate_args
 from speccomp.errors import SpeccompError
 from speccomp.drafters.eagle_cache import EagleCache
-from speccomp.drafters.grow import ancestor_rows, cut, grow_dynamic, grow_static
+from speccomp.drafters.grow import ancestor_rows, cut, grow_dynamic, grow_static, state_expander
 from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, merge_trees, own_view, recycle
 
 FORMAT, FORMAT_VERSION = "speccomp-engine", 1
@@ -437,8 +437,8 @@ def accept(tokens: list[int], children: list[list[int]], pick) -> tuple[list[int
 
 # --------------------------------------------------------------------------------------
 # Drafters: the torch drafters' algorithms on the same torch-free code (speccomp/drafters/lookup.py, grow.py).
-# Each: begin(prompt); take(extras, row), the target's extra outputs at the newest token (drafters that read
-# the model: `outputs` names them); propose(tokens, max_depth, max_nodes) -> (parents, tokens);
+# Each: begin(prompt, cache); take(extras, rows), the target's extra outputs at the newly accepted rows, the newest
+# last (drafters that read the model: `outputs` names them); propose(tokens, max_depth, max_nodes) -> (parents, tokens);
 # observe(tokens, path, logits) after each verification.
 # --------------------------------------------------------------------------------------
 class _Drafter:
@@ -535,18 +535,11 @@ class _Hydra(_Drafter):
     def take(self, extras, rows):
         self.h = extras[0][0, rows[-1]]  # [H]
 
+    def _run(self, d, states, tokens):
+        return self.session.run({"head": np.array(d, dtype=np.int64), "states": states, "tokens": tokens}, HYDRA_OUTPUTS)
+
     def propose(self, tokens, max_depth, max_nodes):
-        out = {}
-
-        def expand(d, nodes, grown, k):
-            states = np.stack([self.h if c == 0 else out[grown.parent[c]] for c in nodes])
-            feed = {"head": np.array(d, dtype=np.int64), "states": states,
-                    "tokens": np.array([grown.token[c] for c in nodes], dtype=np.int64)}
-            z, logp, ids = self.session.run(feed, ["next_states", "top_logp", "top_ids"])
-            for i, c in enumerate(nodes):
-                out[c] = z[i]
-            return logp[:, :k].tolist(), ids[:, :k].tolist()
-
+        expand = state_expander(self._run, self.h)  # grow.py's, shared with the torch drafter
         return _grow(self.tree, tokens[-1], expand, min(self.max_depth, max_depth), max_nodes)
 
 

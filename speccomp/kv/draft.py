@@ -175,10 +175,10 @@ def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options
     passes = _layer_passes(base, dict(drafter_options or {}))
     passes += [TreeAttention()] + ([AttentionScores()] if policy.needs_attention else [])
     draft_graph = run_passes(base.clone(), passes)
-    drafter = CompressedKVDrafter(lower(draft_graph, backend), base.captured.kv, policy, spec,
+    drafter = CompressedKVDrafter(lower(draft_graph, backend, spin=False), base.captured.kv, policy, spec,
                                   kv_layers=draft_graph.kv_layers, options=drafter_options)
     target = run_passes(base.clone(), [TreeAttention()])
-    return CompressedKVModel(target, lower(target, backend), backend, drafter=drafter)
+    return CompressedKVModel(target, lower(target, backend, spin=False), backend, drafter=drafter)
 
 
 def _layer_passes(base, options: dict) -> list:

@@ -189,7 +189,8 @@ def compile_kv_target(base, policy: KVPolicy, backend: str) -> LossyKVModel:
     target = run_passes(base.clone(), [])
     reader = scored = None
     if policy.needs_attention:
-        scored = lower(run_passes(base.clone(), [AttentionScores()]), backend)
+        scored = lower(run_passes(base.clone(), [AttentionScores()]), backend, spin=False)
     if policy.kind == "kivi":
-        reader = lower(run_passes(base.clone(), [KiviCacheRead(policy.bits, policy.group, value_group(kv.head_dim))]), backend)
-    return LossyKVModel(target, lower(target, backend), backend, policy, reader, scored)
+        reader = lower(run_passes(base.clone(), [KiviCacheRead(policy.bits, policy.group, value_group(kv.head_dim))]),
+                       backend, spin=False)
+    return LossyKVModel(target, lower(target, backend, spin=False), backend, policy, reader, scored)

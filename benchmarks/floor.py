@@ -1,0 +1,174 @@
+"""How far a plain decode step is from this machine's memory floor, and how it grows with the context.
+
+    python benchmarks/floor.py                               # SmolLM2-135M, 2 threads, contexts 128 ... 8192
+    python benchmarks/floor.py --contexts 128,1024 --repeats 5
+
+A decode step of a small LM on a CPU is bound by reading the weights (and the cache) once. This script
+measures, in one process and one run:
+
+    bandwidth   GB/s of a sum over a 1 GiB float32 tensor with --threads threads (what one read of memory costs)
+    floor       (weight bytes + cache bytes at that context) / bandwidth: no step can take less
+    step        one forward of one token (q = 1) after `context` cached tokens, median of --repeats, for
+                  hf         the HF model with a DynamicCache (model(input_ids, past_key_values=...))
+                  eager      speccomp's eager lowering of the verify graph (TreeAttention, GQA, packed linears)
+                  onnxruntime  the same graph exported to ONNX, ONNX Runtime's CPU provider (an OrtStep)
+                  engine     the exported engine's own session call (IO binding, numpy; its cache copy included)
+                and each step as a fraction of the floor (floor / step: 1.0 would be reading memory only).
+
+Writes a table to stdout, every number to --json (default benchmarks/results_floor.json) and a plot of step
+time against context to --plot (default benchmarks/floor.png). Run it on an otherwise idle machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROWS = ("hf", "eager", "onnxruntime", "engine")
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def bandwidth_gbs(repeats: int) -> float:
+    """Read bandwidth: the best of `repeats` sums over 1 GiB (the sum reads every byte once)."""
+    x = torch.ones(2**28)  # 1 GiB of float32
+    best = min(median_ms(lambda: x.sum(), 1) for _ in range(repeats))
+    return x.nbytes / (best / 1e3) / 1e9
+
+
+def hf_step(model, context: int):
+    from transformers import DynamicCache
+
+    ids = torch.randint(10, 1000, (1, context), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = model(ids, past_key_values=DynamicCache(), use_cache=True).past_key_values
+    token = torch.tensor([[42]])
+
+    def step():
+        with torch.no_grad():
+            model(token, past_key_values=cache, use_cache=True)
+        cache.crop(-1)  # back to `context` tokens: every call scores the same step
+
+    return step
+
+
+def graph_step(fast, context: int):
+    """One token after `context` cached tokens through the compiled model's verify step (root-only tree)."""
+    from speccomp.frontend.convention import example_inputs
+
+    sg = fast.graph
+    ids, _, mask, past = example_inputs(sg.captured.kv, 1, context, vocab_size=sg.captured.vocab_size)
+    args = (ids, torch.tensor([[context]]), mask, past, torch.ones(1, 1, dtype=torch.bool))
+
+    def step():
+        with torch.no_grad():
+            fast.step(*args)
+
+    return step
+
+
+def engine_step(engine, context: int):
+    import numpy as np
+
+    from speccomp.engine.runtime import KVCache
+
+    cache = KVCache(engine.kv, context + 1, engine.dtype)
+    cache.length = context
+    return lambda: engine._forward(cache, [42], np.array([context], dtype=np.int64), np.ones((1, 1), dtype=bool))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="128,512,1024,2048,4096,8000", help="cached tokens per row, comma-separated")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated (default {','.join(ROWS)})")
+    ap.add_argument("--repeats", type=int, default=10, help="timed steps per cell (default 10)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=str(HERE / "results_floor.json"))
+    ap.add_argument("--plot", default=str(HERE / "floor.png"))
+    args = ap.parse_args(argv)
+
+    import speccomp
+
+    torch.set_num_threads(args.threads)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    rows = args.rows.split(",")
+    model, tok = speccomp.load_default_model()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    gbs = bandwidth_gbs(5)
+    steps, kv = {}, None
+    if "hf" in rows:
+        steps["hf"] = lambda c: hf_step(model, c)
+    if "eager" in rows:
+        eager = speccomp.compile(model)
+        kv = eager.kv
+        steps["eager"] = lambda c: graph_step(eager, c)
+    if "onnxruntime" in rows or "engine" in rows:
+        ort = speccomp.compile(model, backend="onnxruntime")
+        kv = ort.kv
+        if "onnxruntime" in rows:
+            steps["onnxruntime"] = lambda c: graph_step(ort, c)
+        if "engine" in rows:
+            engine = speccomp.load(ort.export(Path(tempfile.mkdtemp(prefix="speccomp-floor-")) / "e"), threads=args.threads)
+            steps["engine"] = lambda c: engine_step(engine, c)
+    kv = kv or speccomp.capture(model).kv
+    cells = []
+    for context in contexts:
+        floor_ms = (weights + kv.bytes_per_token() * context) / (gbs * 1e9) * 1e3
+        for row, make in steps.items():
+            ms = median_ms(make(context), args.repeats)
+            cells.append({"row": row, "context": context, "ms": ms, "floor_ms": floor_ms, "of_floor": floor_ms / ms})
+            print(json.dumps(cells[-1]), file=sys.stderr, flush=True)
+
+    print(f"\nSmolLM2-135M, {args.threads} threads: read bandwidth {gbs:.1f} GB/s, weights {weights / 1e6:.0f} MB, "
+          f"cache {kv.bytes_per_token() / 1e3:.1f} kB per token")
+    print("| context | floor ms | " + " | ".join(f"{r} ms (of floor)" for r in steps) + " |")
+    print("|---:|---:|" + "---:|" * len(steps))
+    for context in contexts:
+        row = [c for c in cells if c["context"] == context]
+        print(f"| {context} | {row[0]['floor_ms']:.1f} | " + " | ".join(f"{c['ms']:.1f} ({c['of_floor']:.0%})" for c in row) + " |")
+    for row in steps:
+        at = {c["context"]: c["ms"] for c in cells if c["row"] == row}
+        if 4096 in at or 8000 in at:
+            long = 4096 if 4096 in at else 8000
+            print(f"{row}: step at {long} / step at {contexts[0]} tokens of context = {at[long] / at[contexts[0]]:.2f}")
+    command = " ".join(["python", "benchmarks/floor.py", *(argv if argv is not None else sys.argv[1:])])
+    report = {"command": command, "settings": vars(args), "bandwidth_gbs": gbs, "weight_bytes": weights,
+              "kv_bytes_per_token": kv.bytes_per_token(), "load": os.getloadavg(), "cells": cells}
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for row in steps:
+            ax.plot(contexts, [c["ms"] for c in cells if c["row"] == row], marker="o", label=row)
+        ax.plot(contexts, [c["floor_ms"] for c in cells if c["row"] == next(iter(steps))], "k--", label="memory floor")
+        ax.set(xscale="log", xlabel="cached tokens", ylabel="ms per decode step (q = 1)",
+               title=f"SmolLM2-135M plain decode step, {args.threads} threads")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
