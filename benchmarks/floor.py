@@ -23,26 +23,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from step_cost import median_ms  # noqa: E402  (one warm-up call, then the median in ms)
+
 ROWS = ("hf", "eager", "onnxruntime", "engine")
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def bandwidth_gbs(repeats: int) -> float:
