@@ -39,12 +39,11 @@ def lower_triton(sg):
     return lower(sg)
 
 
+ORT_PROVIDERS = {"onnxruntime": "cpu", "onnxruntime:cuda": "cuda", "tensorrt": "tensorrt"}  # backend -> ORT provider
 BACKENDS = {
     "eager": lower_eager,
     "inductor": lower_inductor,
-    "onnxruntime": _onnxruntime("cpu"),
-    "onnxruntime:cuda": _onnxruntime("cuda"),
-    "tensorrt": _onnxruntime("tensorrt"),
+    **{backend: _onnxruntime(provider) for backend, provider in ORT_PROVIDERS.items()},
     "triton": lower_triton,
 }
 
@@ -54,10 +53,10 @@ def check(backend: str) -> None:
     from speccomp.runtime.calls import choice
 
     choice("backend", backend, BACKENDS)
-    if backend in ("onnxruntime:cuda", "tensorrt"):
+    if ORT_PROVIDERS.get(backend, "cpu") != "cpu":
         from speccomp.engine.runtime import check_provider
 
-        check_provider("cuda" if backend == "onnxruntime:cuda" else "tensorrt")
+        check_provider(ORT_PROVIDERS[backend])
     if backend == "triton":  # no GPU and no interpreter: say so before the capture (and before a CLI loads a model)
         import torch
 
@@ -78,4 +77,4 @@ def lower(sg, backend: str, spin: bool = True):
 
 
 def is_onnxruntime(backend: str) -> bool:
-    return backend.startswith("onnxruntime") or backend == "tensorrt"
+    return backend in ORT_PROVIDERS

@@ -62,17 +62,15 @@ def export_module_onnx(module: torch.nn.Module, spec: DrafterGraphSpec, path: Pa
 
 def lower_module(module: torch.nn.Module, spec: DrafterGraphSpec, backend: str):
     """A callable running `module`'s graph on `backend` (see the module docstring)."""
-    from speccomp.backends import check
+    from speccomp.backends import ORT_PROVIDERS, check
 
     check(backend)
-    from speccomp.backends import is_onnxruntime
-
-    if is_onnxruntime(backend):  # a second session beside the target's: it does not spin (backends.lower)
+    if backend in ORT_PROVIDERS:  # a second session beside the target's: it does not spin (backends.lower)
         from speccomp.backends.onnx_export import OrtStep
         from speccomp.backends.onnxruntime import _export_dir
         from speccomp.engine.runtime import check_provider
 
-        providers = check_provider({"onnxruntime": "cpu", "onnxruntime:cuda": "cuda"}.get(backend, backend))
+        providers = check_provider(ORT_PROVIDERS[backend])
         path = export_module_onnx(module, spec, _export_dir(spec.name) / f"{spec.name}.onnx")
         return OrtStep(path, providers=providers, spin=False)
     gm = capture_module(module, spec)
