@@ -32,6 +32,7 @@ Run it on an otherwise idle machine.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -181,6 +182,8 @@ def main(argv=None) -> int:
                 fast = ort_models.get(drafter) or speccomp.compile(model, drafter=drafter, backend="onnxruntime",
                                                                   tree=drafters.get(drafter))
                 engine = speccomp.load(fast.export(tmp / (drafter or "plain"), tokenizer=tok), threads=args.threads)
+                del fast  # compiled only to export: its ONNX Runtime sessions (and weights) leave the process
+                gc.collect()
 
                 def run(ids, engine=engine):
                     out = engine.generate(ids.numpy(), max_new_tokens=args.max_new_tokens, eos_token_id=eos)

@@ -52,6 +52,8 @@ def test_manifest_describes_the_engine(engine_dir, llama):
     target = m["graphs"]["target"]
     assert target["inputs"] == ["input_ids", "position_ids", "attention_mask", "past_kv", "tree_mask"]
     assert target["outputs"][:2] == ["logits", "new_kv"]
+    # Token Recycling's top-k is a TopK inside the target graph, which the engine's drafter reads
+    assert target["outputs"][-1] == "top_ids" and speccomp.load(engine_dir).drafter.outputs == ("top_ids",)
     assert m["kv"]["num_layers"] == 4 and m["model"]["vocab_size"] == llama.config.vocab_size
     assert isinstance(m["opset"], int) and m["opset"] >= 17
     assert sorted(p.name for p in engine_dir.iterdir()) == ["manifest.json", "target.onnx"]
@@ -226,6 +228,32 @@ def test_self_drafter_engines_greedy_identical(llama, drafter, options, tree, ba
     graph_drafter = fast.drafter.drafters[0] if "+" in drafter else fast.drafter
     assert part["graph"] == f"{name}.onnx" and part["options"]["kv_layers"] == graph_drafter.layer_index.tolist()
     steps_like_torch(engine, fast, llama)
+
+
+@pytest.mark.parametrize("kv_cache, options, tree, backend", [
+    ("sink:16", None, None, "onnxruntime"),
+    ("snapkv:16", None, [[0], [1], [0, 0]], "onnxruntime"),  # votes from the graph's attention output
+    ("h2o:16", {"skip": [1]}, "dynamic:6:2", "eager"),  # + the root's attention each step; fewer layers too
+    ("kivi4:8:8", None, 3, "onnxruntime"),
+])
+def test_compressed_kv_engines_greedy_identical_and_step_like_torch(llama, kv_cache, options, tree, backend,
+                                                                     tmp_path):
+    """kv_mode="draft": compressed_kv.onnx drafts over a compressed copy of the engine's cache, kept by the torch
+    runtime's own numpy cache (speccomp/kv/cache.py): HF's greedy text in as many steps as the torch runtime, with
+    the cache really compressed (18-token prompts + 30 new tokens against budgets of 16 / KIVI groups of 8)."""
+    fast = speccomp.compile(llama, kv_cache=kv_cache, drafter_options=options, tree=tree, backend=backend)
+    engine = speccomp.load(fast.export(tmp_path / "e"))
+    part = engine.manifest["drafter"]
+    assert part["name"] == "compressed_kv" and part["graph"] == "compressed_kv.onnx"
+    assert part["options"]["kv_cache"] == kv_cache and part["options"]["kv_layers"] == fast.drafter.layer_index.tolist()
+    ids = steps_like_torch(engine, fast, llama)
+    assert fast.last_stats["kv_tokens_draft"] < fast.last_stats["kv_tokens_full"] or kv_cache.startswith("kivi")
+    assert engine.drafter.compressed.nbytes() == fast.drafter.cache.nbytes() < engine.drafter.cache.nbytes()
+    if kv_cache == "h2o:16":  # and without torch in the process
+        child = subprocess.run([sys.executable, "-c", TORCH_FREE_CHILD, str(tmp_path / "e"), json.dumps([ids[0].tolist()]),
+                                "30"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert child.returncode == 0, child.stderr[-3000:]
+        assert json.loads(child.stdout.strip().splitlines()[-1]) == [hf_greedy(llama, ids, 30).tolist()]
 
 
 def test_merged_engine_drafts_like_torch(llama, tmp_path):

@@ -1,5 +1,6 @@
 """KV-cache compression (issue 7): policy specs, the compression math, compressed caches (bytes, rollback),
 the AttentionScores pass, and mode (a): a lossless self-drafter over the compressed cache."""
+import numpy as np
 import pytest
 import torch
 
@@ -28,6 +29,7 @@ from speccomp.kv.policies import (
     unpack_codes,
     value_group,
 )
+from speccomp.kv.target import _reads
 from speccomp.passes.kv_compress import KIVI_INPUTS, AttentionScores, KiviCacheRead
 from speccomp.passes.tree_attention import TreeAttention
 from tiny_models import ARCHITECTURES, tiny_llama
@@ -36,12 +38,13 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 POLICIES = ["sink:16", "snapkv:16", "h2o:16", "kivi4:8:8", "kivi2:8:8", "kivi8:8:8"]
 
 
-def random_kv(spec: KVSpec, length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(*spec.shape(length), generator=torch.Generator().manual_seed(seed))
+def random_kv(spec: KVSpec, length: int, seed: int = 0) -> np.ndarray:
+    """Keys/values as the compressed caches (numpy, shared with the engine) hold them."""
+    return torch.randn(*spec.shape(length), generator=torch.Generator().manual_seed(seed)).numpy()
 
 
-def random_votes(spec: KVSpec, length: int, seed: int = 1) -> torch.Tensor:
-    return torch.rand(spec.num_layers, spec.num_kv_heads, length, generator=torch.Generator().manual_seed(seed))
+def random_votes(spec: KVSpec, length: int, seed: int = 1) -> np.ndarray:
+    return torch.rand(spec.num_layers, spec.num_kv_heads, length, generator=torch.Generator().manual_seed(seed)).numpy()
 
 
 # --------------------------------------------------------------------------------------
@@ -111,85 +114,86 @@ def test_policy_checks_context_window_and_packing():
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_packing_round_trips_and_really_shrinks(bits):
-    codes = torch.randint(0, 2**bits, (3, 5, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    codes = np.random.default_rng(bits).integers(0, 2**bits, (3, 5, 16), dtype=np.uint8)
     packed = pack_codes(codes, bits)
-    assert packed.dtype == torch.uint8 and packed.shape == (3, 5, 16 * bits // 8)
-    assert packed.untyped_storage().nbytes() == codes.nbytes * bits // 8  # storage, not just a view
-    assert torch.equal(unpack_codes(packed, bits), codes)
+    assert packed.dtype == np.uint8 and packed.shape == (3, 5, 16 * bits // 8)
+    assert packed.nbytes == codes.nbytes * bits // 8 and (packed.flags.owndata or bits == 8)  # storage, not a view
+    assert np.array_equal(unpack_codes(packed, bits), codes)
     if bits == 4:  # low nibble first: codes (1, 2) -> 0x21
-        assert pack_codes(torch.tensor([[1, 2]], dtype=torch.uint8), 4).item() == 0x21
+        assert pack_codes(np.array([[1, 2]], dtype=np.uint8), 4).item() == 0x21
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_kivi_error_bounds_keys_per_channel_values_per_token(bits):
-    g = torch.Generator().manual_seed(0)
-    k = torch.randn(2, 3, 64, 16, generator=g)  # [..., T, D]
+    g = np.random.default_rng(0)
+    k = g.standard_normal((2, 3, 64, 16), dtype=np.float32)  # [..., T, D]
     k[..., 5] *= 50  # an outlier channel, as real keys have
     qk = quantize_keys(k, bits, group=16)
     assert qk.scale.shape == (2, 3, 4, 16)  # one (scale, min) per (group of 16 tokens, channel)
-    err = (dequantize_keys(qk, 16) - k).abs()
-    bound = qk.scale.repeat_interleave(16, dim=-2) / 2  # [..., T, D]
+    err = np.abs(dequantize_keys(qk, 16) - k)
+    bound = qk.scale.repeat(16, axis=-2) / 2  # [..., T, D]
     assert (err <= bound * (1 + 1e-5) + 1e-6).all()
     # per channel: the outlier channel's range does not coarsen the others
     assert err[..., 5].max() > 10 * err[..., [c for c in range(16) if c != 5]].max()
 
-    v = torch.randn(2, 3, 64, 16, generator=g)
+    v = g.standard_normal((2, 3, 64, 16), dtype=np.float32)
     v[..., 7, :] *= 50  # an outlier token
     qv = quantize_values(v, bits, group=8)
     assert qv.scale.shape == (2, 3, 64, 2)  # one (scale, min) per (token, 8 channels)
-    err = (dequantize_values(qv, 8) - v).abs()
-    assert (err <= qv.scale.repeat_interleave(8, dim=-1) / 2 * (1 + 1e-5) + 1e-6).all()
+    err = np.abs(dequantize_values(qv, 8) - v)
+    assert (err <= qv.scale.repeat(8, axis=-1) / 2 * (1 + 1e-5) + 1e-6).all()
     assert err[..., 7, :].max() > 10 * err[..., [t for t in range(64) if t != 7], :].max()
 
 
 def test_more_bits_less_error():
-    x = torch.randn(1, 1, 64, 16, generator=torch.Generator().manual_seed(2))
-    errors = [(dequantize_keys(quantize_keys(x, b, 32), 32) - x).abs().mean().item() for b in (2, 4, 8)]
+    x = np.random.default_rng(2).standard_normal((1, 1, 64, 16), dtype=np.float32)
+    errors = [float(np.abs(dequantize_keys(quantize_keys(x, b, 32), 32) - x).mean()) for b in (2, 4, 8)]
     assert errors[0] > 3 * errors[1] > 9 * errors[2] > 0
 
 
 def test_constant_group_quantises_exactly():
-    x = torch.full((1, 1, 8, 8), 0.3)
-    assert torch.equal(dequantize_keys(quantize_keys(x, 2, 8), 8), x)
-    assert torch.equal(dequantize_values(quantize_values(x, 2, 8), 8), x)
+    x = np.full((1, 1, 8, 8), 0.3, dtype=np.float32)
+    assert np.array_equal(dequantize_keys(quantize_keys(x, 2, 8), 8), x)
+    assert np.array_equal(dequantize_values(quantize_values(x, 2, 8), 8), x)
 
 
 def test_sink_and_topk_selection():
     assert sink_keep(10, 2, 6).tolist() == [0, 1, 6, 7, 8, 9]
     assert sink_keep(5, 2, 6).tolist() == [0, 1, 2, 3, 4]
-    scores = torch.zeros(1, 2, 10)
+    scores = np.zeros((1, 2, 10), dtype=np.float32)
     scores[0, 0, 3] = scores[0, 1, 5] = 1.0  # heavy hitters differ per KV head
     scores[0, :, 8:] = 9.0  # recent tokens win by position, not by score
     keep = topk_keep(scores, recent=3, budget=4)  # 3 recent + 1 heavy hitter per KV head
     assert keep.tolist() == [[[3, 7, 8, 9], [5, 7, 8, 9]]]
-    assert torch.equal(keep, keep.sort(-1).values)  # position order is kept
+    assert np.array_equal(keep, np.sort(keep, -1))  # position order is kept
 
 
 def test_votes_pooled_per_kv_head_and_over_neighbours():
-    probs = torch.zeros(1, 4, 2, 6)  # [L, H=4 query heads, q, T], 2 KV heads
+    probs = np.zeros((1, 4, 2, 6), dtype=np.float32)  # [L, H=4 query heads, q, T], 2 KV heads
     probs[0, 0, :, 1] = 1.0  # only query head 0 (KV head 0) looks at token 1
     pooled = pooled_attention(probs, num_kv_heads=2)  # [L, Hkv, q, T]
     assert pooled.shape == (1, 2, 2, 6)
-    assert pooled[0, 0, :, 1].tolist() == [0.5, 0.5] and pooled[0, 1].abs().sum() == 0
-    votes = torch.zeros(1, 1, 9)
+    assert pooled[0, 0, :, 1].tolist() == [0.5, 0.5] and np.abs(pooled[0, 1]).sum() == 0
+    votes = np.zeros((1, 1, 9), dtype=np.float32)
     votes[0, 0, 4] = 7.0
     smoothed = pool_votes(votes, kernel=3)
-    assert smoothed[0, 0].nonzero().flatten().tolist() == [3, 4, 5]  # a voted token lends its neighbours votes
+    assert np.nonzero(smoothed[0, 0])[0].tolist() == [3, 4, 5]  # a voted token lends its neighbours votes
+    assert np.allclose(smoothed[0, 0, 3:6], 7 / 3)  # each the mean over its window of 3
 
 
 def test_gather_tokens_per_head():
     kv = random_kv(SPEC, 6)
-    keep = torch.tensor([[[0, 2], [1, 5]], [[3, 4], [0, 1]]])  # [L, Hkv, 2]
+    keep = np.array([[[0, 2], [1, 5]], [[3, 4], [0, 1]]])  # [L, Hkv, 2]
     out = gather_tokens(kv, keep)
     assert out.shape == SPEC.shape(2)
-    assert torch.equal(out[1, :, 0, 0], kv[1, :, 0, 0, [3, 4]])
-    assert torch.equal(out[0, :, 0, 1], kv[0, :, 0, 1, [1, 5]])
+    assert np.array_equal(out[1, :, 0, 0], kv[1, :, 0, 0][:, [3, 4]])
+    assert np.array_equal(out[0, :, 0, 1], kv[0, :, 0, 1][:, [1, 5]])
 
 
 # --------------------------------------------------------------------------------------
 # Compressed caches: zero compression, bytes, rollback, the recent window
 # --------------------------------------------------------------------------------------
-def filled(policy_spec: str, full: torch.Tensor, prompt: int, spec: KVSpec = SPEC):
+def filled(policy_spec: str, full: np.ndarray, prompt: int, spec: KVSpec = SPEC):
     """A cache fed like the drafter feeds it: the prompt (compacted with votes), then one token at a time."""
     policy = parse_kv_cache(policy_spec)
     cache = make_cache(spec, policy)
@@ -205,8 +209,8 @@ def filled(policy_spec: str, full: torch.Tensor, prompt: int, spec: KVSpec = SPE
 def test_zero_compression_is_the_full_cache_bitwise(spec):
     full = random_kv(SPEC, 60)
     cache = filled(spec, full, prompt=40)
-    assert torch.equal(cache.dense(), full)
-    assert torch.equal(cache.workspace(5)[..., :60, :], full)
+    assert np.array_equal(cache.dense(), full)
+    assert np.array_equal(cache.workspace(5)[..., :60, :], full)
     assert cache.nbytes() == full.nbytes == full_bytes(SPEC, 60)
 
 
@@ -231,8 +235,8 @@ def test_bytes_held_equal_the_closed_form(spec):
         quantised, tail = kivi_split(90, 8, 8)
         assert (quantised, tail) == (80, 10) and cache.tail_len == tail
         codes = cache.keys.packed
-        assert codes.dtype == torch.uint8 and codes.untyped_storage().nbytes() == codes.numel()
-        assert codes.numel() == 2 * 2 * quantised * 8 * policy.bits // 8
+        assert codes.dtype == np.uint8 and codes.flags.owndata and codes.nbytes == codes.size
+        assert codes.size == 2 * 2 * quantised * 8 * policy.bits // 8
 
 
 def test_kivi_memory_on_a_real_sized_head():
@@ -244,8 +248,8 @@ def test_kivi_memory_on_a_real_sized_head():
         cache = filled(text, full, prompt=1000, spec=spec)
         held = cache.nbytes()
         assert held == policy_bytes(spec, parse_kv_cache(text), 1024) < ratio * full.nbytes, (text, held / full.nbytes)
-        err = (cache.dense() - full).abs()
-        assert torch.equal(cache.dense()[..., -128:, :], full[..., -128:, :])  # the residual window is exact
+        err = np.abs(cache.dense() - full)
+        assert np.array_equal(cache.dense()[..., -128:, :], full[..., -128:, :])  # the residual window is exact
         assert 0 < err.max() < (1.0 if text == "kivi4" else 3.0)
 
 
@@ -256,31 +260,31 @@ def test_recent_window_is_never_compressed(spec):
     w = cache.policy.window
     dense = cache.dense()
     if cache.policy.kind == "kivi":
-        assert cache.tail_len >= w and torch.equal(dense[..., -w:, :], full[..., -w:, :])
+        assert cache.tail_len >= w and np.array_equal(dense[..., -w:, :], full[..., -w:, :])
     else:  # every KV head holds the newest w positions, in full precision, last
-        newest = torch.arange(80 - w, 80)
-        assert torch.equal(cache.positions()[..., -w:], newest.expand(2, 2, w))
-        assert torch.equal(dense[..., -w:, :], full[..., -w:, :])
+        newest = np.arange(80 - w, 80)
+        assert np.array_equal(cache.positions()[..., -w:], np.broadcast_to(newest, (2, 2, w)))
+        assert np.array_equal(dense[..., -w:, :], full[..., -w:, :])
         # and every slot holds exactly the token at its position
-        assert torch.equal(dense, gather_tokens(full, cache.positions()))
+        assert np.array_equal(dense, gather_tokens(full, cache.positions()))
 
 
 @pytest.mark.parametrize("spec", POLICIES)
 def test_rollback_is_exact(spec):
     full = random_kv(SPEC, 70)
     cache = filled(spec, full, prompt=40)
-    before = (cache.dense().clone(), cache.nbytes(), cache.length, cache.slots)
+    before = (cache.dense().copy(), cache.nbytes(), cache.length, cache.slots)
     k = cache.policy.window  # a whole rejected draft path of the deepest tree the window allows
     cache.append(random_kv(SPEC, k, seed=9))
     assert cache.length == 70 + k
     cache.rollback(k)
-    assert torch.equal(cache.dense(), before[0]) and (cache.nbytes(), cache.length, cache.slots) == before[1:]
+    assert np.array_equal(cache.dense(), before[0]) and (cache.nbytes(), cache.length, cache.slots) == before[1:]
     # rolled back after a compaction, the dropped tokens are exactly the newest ones
     cache.append(full[..., 60:62, :])
     cache.compact()
     cache.rollback(2)
     assert cache.length == 70
-    assert torch.equal(cache.dense()[..., -3:, :], full[..., 67:70, :])
+    assert np.array_equal(cache.dense()[..., -3:, :], full[..., 67:70, :])
 
 
 @pytest.mark.parametrize("spec", ["sink:16", "h2o:16", "kivi4:8:8"])
@@ -294,19 +298,19 @@ def test_h2o_evicts_the_least_attended():
     policy = parse_kv_cache("h2o:8")  # the 4 most recent + 4 heavy hitters
     cache = make_cache(SPEC, policy)
     cache.append(random_kv(SPEC, 8))
-    probs = torch.zeros(2, 2, 8)
-    probs[:, 0, :6] = torch.tensor([0.5, 3, 2, 0.1, 0.2, 1])  # KV head 0: tokens 3, 4 least attended
-    probs[:, 1, :6] = torch.tensor([0, 0.3, 0.2, 4, 5, 0.1])  # KV head 1: tokens 0, 5
+    probs = np.zeros((2, 2, 8), dtype=np.float32)
+    probs[:, 0, :6] = [0.5, 3, 2, 0.1, 0.2, 1]  # KV head 0: tokens 3, 4 least attended
+    probs[:, 1, :6] = [0, 0.3, 0.2, 4, 5, 0.1]  # KV head 1: tokens 0, 5
     probs[:, :, 6:] = 0.0  # recent tokens stay whatever their score
     cache.accumulate(probs)
     cache.accumulate(probs)  # scores accumulate over steps
-    assert torch.equal(cache.score[..., :8], 2 * probs)
+    assert np.array_equal(cache.score[..., :8], 2 * probs)
     cache.append(random_kv(SPEC, 2, seed=3))  # positions 8, 9: two tokens must go
     cache.compact()
     pos = cache.positions()
     assert pos[0, 0].tolist() == [0, 1, 2, 5, 6, 7, 8, 9]
     assert pos[1, 1].tolist() == [1, 2, 3, 4, 6, 7, 8, 9]
-    assert torch.equal(cache.score[0, 0, :8], torch.tensor([1.0, 6, 4, 2, 0, 0, 0, 0]))  # scores move with tokens
+    assert cache.score[0, 0, :8].tolist() == [1.0, 6, 4, 2, 0, 0, 0, 0]  # scores move with tokens
 
 
 # --------------------------------------------------------------------------------------
@@ -392,12 +396,12 @@ def test_zero_compression_gives_bitwise_identical_logits(llama, llama_step, spec
         full = step(ids, torch.arange(50)[None], torch.ones(1, 50, dtype=torch.long), torch.zeros(step_kv(llama).shape(0)))[1]
     policy = parse_kv_cache(spec)
     cache = make_cache(step_kv(llama), policy)
-    cache.append(full)
+    cache.append(full.numpy())
     cache.compact(random_votes(step_kv(llama), 50) if policy.needs_attention else None)
     token, pos, mask = torch.tensor([[7]]), torch.tensor([[50]]), torch.ones(1, 51, dtype=torch.long)
     with torch.no_grad():
         a = step(token, pos, mask, full)
-        b = step(token, pos, mask, cache.dense())
+        b = step(token, pos, mask, torch.from_numpy(cache.dense()))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -554,13 +558,13 @@ def test_kivi_cache_read_pass(llama, llama_base, llama_step, spec):
     with torch.no_grad():
         full = llama_step(ids, torch.arange(50)[None], torch.ones(1, 50, dtype=torch.long), torch.zeros(kv.shape(0)))[1]
     cache = make_cache(kv, parse_kv_cache(spec))
-    cache.append(full)
+    cache.append(full.numpy())
     cache.compact()
-    held = cache.graph_inputs()
+    held = _reads(cache, kv)  # past_kv, then the numpy cache's arrays as tensors
     assert held[0].stride() == (0,) * 6 and held[0].shape == kv.shape(50)
     tokens, pos, mask = torch.tensor([[5, 6]]), torch.tensor([[50, 51]]), torch.ones(1, 52, dtype=torch.long)
     with torch.no_grad():
-        dense = llama_step(tokens, pos, mask, cache.dense())
+        dense = llama_step(tokens, pos, mask, torch.from_numpy(cache.dense()))
         packed = reader(tokens, pos, mask, *held)
     assert torch.equal(dense[0], packed[0]) and torch.equal(dense[1], packed[1])
     if spec != "kivi4:64:8":

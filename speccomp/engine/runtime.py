@@ -18,12 +18,15 @@
                      -> outputs, the entries' keys and values, top log-probs and token ids
     early_exit.onnx, layer_skip.onnx   (self-drafter engines) the target graph with layers bypassed, the
                      target's convention; it drafts over the engine's cache, its KV in the scratch room
+    compressed_kv.onnx   (kv_mode="draft") the self-drafter's graph (+ attention probabilities for SnapKV / H2O);
+                     it drafts over a compressed copy of the cache (speccomp/kv/cache.py, shared with torch)
 
 The decode loop is speccomp/runtime/decode.py's, restated in numpy: draft a tree (no drafter: the root
 alone), verify it in one session run, walk the tree while the target agrees, keep the KV of the
 accepted path. Drafters share their torch-free code with the torch drafters: prompt lookup, Token
 Recycling and the merge of several drafters' trees (speccomp/drafters/lookup.py), tree growth for Hydra,
-EAGLE and the self-drafters (speccomp/drafters/grow.py), the EAGLE layer's cache (eagle_cache.py). Medusa heads' residual blocks are inside target.onnx (an extra output: head
+EAGLE and the self-drafters (speccomp/drafters/grow.py), the EAGLE layer's cache (eagle_cache.py), the compressed
+KV caches (speccomp/kv/cache.py). Medusa heads' residual blocks are inside target.onnx (an extra output: head
 states of every token) and their projection is medusa.onnx; Hydra reads the target's `hidden` output at the
 newest token, EAGLE at every accepted one.
 Sessions run through IO binding; the KV cache and the contiguous `past_kv` it is fed from are
@@ -44,6 +47,8 @@ from speccomp.errors import SpeccompError
 from speccomp.drafters.eagle_cache import EagleCache
 from speccomp.drafters.grow import ancestor_rows, cut, grow_dynamic, grow_static, state_expander
 from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, merge_trees, own_view, recycle
+from speccomp.kv.cache import all_layers, make_cache, needs_votes
+from speccomp.kv.policies import KVPolicyError, parse_kv_cache, snapkv_window
 
 FORMAT, FORMAT_VERSION = "speccomp-engine", 1
 MANIFEST = "manifest.json"
@@ -51,7 +56,8 @@ MEDUSA_FILE = "medusa.onnx"
 HYDRA_FILE = "hydra.onnx"
 EAGLE_FILE = "eagle.onnx"
 MANIFEST_KEYS = ("format", "format_version", "speccomp_version", "model", "kv", "graphs", "opset", "max_tree", "drafter")
-ENGINE_DRAFTERS = (None, "ngram", "token_recycling", "medusa", "hydra", "eagle", "early_exit", "layer_skip")  # drafters
+ENGINE_DRAFTERS = (None, "ngram", "token_recycling", "medusa", "hydra", "eagle", "early_exit", "layer_skip",
+                   "compressed_kv")  # drafters
 # the torch-free loop can run, alone or merged ("hydra+token_recycling": one drafter that reads the model, any number of text drafters)
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
 
@@ -151,8 +157,16 @@ _DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free dra
 _SELF_DRAFT = {"kv_layers": lambda v: _ints(v, 0) and len(v) >= 1, "tree": _grown_tree, "max_depth": lambda v: _is_int(v, 1)}
 _DRAFTER_OPTIONS["early_exit"] = {**_SELF_DRAFT, "exit_layer": lambda v: _is_int(v, 0)}
 _DRAFTER_OPTIONS["layer_skip"] = {**_SELF_DRAFT, "skip": lambda v: _ints(v, 0) and len(v) >= 1}
+_DRAFTER_OPTIONS["compressed_kv"] = {**_SELF_DRAFT, "kv_cache": lambda v: _kv_policy_ok(v)}  # kv_mode="draft"
 GRAPH_FILES = {"medusa": MEDUSA_FILE, "hydra": HYDRA_FILE, "eagle": EAGLE_FILE, "early_exit": "early_exit.onnx",
-               "layer_skip": "layer_skip.onnx"}  # drafters with a graph of their own
+               "layer_skip": "layer_skip.onnx", "compressed_kv": "compressed_kv.onnx"}  # drafters with a graph
+
+
+def _kv_policy_ok(spec) -> bool:
+    try:
+        return isinstance(spec, str) and parse_kv_cache(spec) is not None
+    except KVPolicyError:
+        return False
 
 
 def check_schema(m: dict, file: Path, remake: str) -> None:
@@ -439,7 +453,7 @@ def accept(tokens: list[int], children: list[list[int]], pick) -> tuple[list[int
 # Drafters: the torch drafters' algorithms on the same torch-free code (speccomp/drafters/lookup.py, grow.py).
 # Each: begin(prompt, cache); take(extras, rows), the target's extra outputs at the newly accepted rows, the newest
 # last (drafters that read the model: `outputs` names them); propose(tokens, max_depth, max_nodes) -> (parents, tokens);
-# observe(tokens, path, logits) after each verification.
+# observe(tokens, path, logits, extras) after each verification (extras: its outputs at every verified node).
 # --------------------------------------------------------------------------------------
 class _Drafter:
     outputs: tuple[str, ...] = ()  # the target graph's outputs it reads (none: a text drafter)
@@ -450,7 +464,7 @@ class _Drafter:
     def take(self, extras, rows):  # rows of the target's extra outputs newly accepted (the newest last)
         pass
 
-    def observe(self, tokens, path, logits):
+    def observe(self, tokens, path, logits, extras):
         pass
 
 
@@ -470,8 +484,13 @@ class _NGram(_Drafter):
 
 
 class _TokenRecycling(_Drafter):
-    def __init__(self, top_k, parents, ranks, ngram_branches, max_ngram, min_ngram, ngram_depth, persist):
+    """Token Recycling (speccomp/drafters/ngram.py). An engine exported with it has a TopK in its target graph
+    (output TOP_IDS_OUTPUT: every node's top_k token ids), so no numpy top-k over the vocabulary runs per step."""
+
+    def __init__(self, top_k, parents, ranks, ngram_branches, max_ngram, min_ngram, ngram_depth, persist,
+                 target_outputs=()):
         self.top_k, self.parents, self.ranks, self.persist = top_k, parents, ranks, persist
+        self.outputs = (TOP_IDS_OUTPUT,) if TOP_IDS_OUTPUT in target_outputs else ()
         self.ngram_branches, self.ngram_depth = ngram_branches, ngram_depth
         self.lookup = NGramIndex(max_ngram, min_ngram)
         self.adj: dict[int, list[int]] = {}
@@ -489,8 +508,9 @@ class _TokenRecycling(_Drafter):
             self.lookup.add_branches(trie, tokens, self.ngram_branches, min(self.ngram_depth, max_depth))
         return trie.bfs(max_depth, max_nodes)
 
-    def observe(self, tokens, path, logits):  # logits [n, V]
-        recycle(self.adj, tokens, path, top_ids(logits, self.top_k).tolist())
+    def observe(self, tokens, path, logits, extras):  # logits [n, V]; extras: ([1, n, >= top_k] ids,) or ()
+        top = extras[0][0, :, : self.top_k] if extras else top_ids(logits, self.top_k)
+        recycle(self.adj, tokens, path, top.tolist())
 
 
 def top_ids(scores: np.ndarray, k: int) -> np.ndarray:
@@ -583,20 +603,29 @@ class _SelfDraft(_Drafter):
     def begin(self, prompt, cache):
         self.cache = cache
 
+    def _room(self, tokens, max_nodes):
+        """(buffer [L, 2, 1, Hkv, >= base + max_nodes, D] the drafts read and write, base: its valid slots, the
+        position of the root's children, past(n): the buffer's first n slots, contiguous)."""
+        return self.cache.data, self.cache.length, self.cache.length, self.cache.past
+
+    def _run(self, feeds, used):
+        return self.session.run(feeds, ["logits", "new_kv"])
+
     def propose(self, tokens, max_depth, max_nodes):
-        cache, base, slot = self.cache, self.cache.length, {}
+        data, base, position, past = self._room(tokens, max_nodes)
+        slot = {}
 
         def expand(d, nodes, grown, k):
             used, q = len(slot), len(nodes)
             if used + q > max_nodes:  # the drafter's tree mask must fit where the target's does
                 return None
             feeds = {"input_ids": np.array([[grown.token[c] for c in nodes]], dtype=np.int64),
-                     "position_ids": np.full((1, q), base + d, dtype=np.int64),
+                     "position_ids": np.full((1, q), position + d, dtype=np.int64),
                      "attention_mask": np.ones((1, base + used + q), dtype=np.int64),
-                     "past_kv": cache.past(base + used),  # the accepted prefix and the scratch slots filled so far
+                     "past_kv": past(base + used),  # the accepted prefix and the scratch slots filled so far
                      "tree_mask": np.array(ancestor_rows(nodes, grown, slot, used), dtype=bool)}
-            logits, new_kv = self.session.run(feeds, ["logits", "new_kv"])
-            cache.data[self.kv_layers, ..., base + used : base + used + q, :] = new_kv
+            logits, new_kv = self._run(feeds, used)
+            data[self.kv_layers, ..., base + used : base + used + q, :] = new_kv
             x = logits[0].astype(np.float32)
             logp = x - x.max(-1, keepdims=True)
             logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
@@ -604,6 +633,68 @@ class _SelfDraft(_Drafter):
             return np.take_along_axis(logp, ids, -1).tolist(), ids.tolist()
 
         return _grow(self.tree, tokens[-1], expand, min(self.max_depth, max_depth), max_nodes)
+
+
+class _CompressedKV(_SelfDraft):
+    """kv_mode="draft" (speccomp/kv/draft.py's CompressedKVDrafter): the self-drafter's graph over a compressed copy
+    of the target's cache, kept by speccomp/kv/cache.py (the torch runtime's own, numpy). Before each draft the newly
+    accepted tokens' exact KV joins it and it compacts; draft positions count from the target's length. SnapKV and
+    H2O read the graph's attention output (AttentionScores, its last): the observation window's votes once after the
+    prompt, and (H2O) the root's attention at every step."""
+
+    def __init__(self, kv_cache, kv_layers, tree, max_depth, session: BoundSession, kv: dict, dtype):
+        super().__init__(kv_layers, tree, max_depth, session)
+        self.policy = parse_kv_cache(kv_cache)
+        self.layout = _Layout(kv["num_layers"], kv["num_kv_heads"], kv["head_dim"], np.dtype(dtype))
+        depth = max(tree_arrays(tree["parents"])[0]) if "parents" in tree else min(max_depth, tree["budget"])
+        self.min_window = int(depth) + 1
+        try:  # a hand-edited manifest fails at load, not at the first generate
+            self.policy.check(self.layout, min_window=self.min_window)
+        except KVPolicyError as exc:
+            raise EngineError(f"drafter.options.kv_cache: {exc}; the engine is corrupt, re-export it") from None
+        self.scores = session.session.get_outputs()[-1].name if self.policy.needs_attention else None
+        self.compressed, self.h2o_root = None, False
+
+    def begin(self, prompt, cache):
+        self.cache = cache
+        self.compressed = make_cache(self.layout, self.policy, self.min_window, self.layout.dtype)
+
+    def _observe(self, tokens) -> np.ndarray:
+        """Votes [L, Hkv, n] of the last w prompt tokens' queries over the n cached prompt tokens."""
+        n = self.cache.length
+        w = min(snapkv_window(self.policy.budget), n)
+        feeds = {"input_ids": np.array([tokens[n - w : n]], dtype=np.int64),
+                 "position_ids": np.arange(n - w, n, dtype=np.int64)[None],
+                 "attention_mask": np.ones((1, n), dtype=np.int64), "past_kv": self.cache.past(n - w),
+                 "tree_mask": np.tril(np.ones((w, w), dtype=bool))}
+        scores = self.session.run(feeds, [self.scores])[0]  # [L', 1, Hkv, w, n]
+        return all_layers(scores[:, 0].sum(2), self.kv_layers, self.layout.num_layers)
+
+    def _room(self, tokens, max_nodes):
+        target, cache = self.cache, self.compressed
+        votes = self._observe(tokens) if needs_votes(cache, target.length) else None
+        cache.append(target.data[..., cache.length : target.length, :])
+        cache.compact(votes)
+        self.h2o_root = self.policy.kind == "h2o"
+        data = cache.workspace(max_nodes)
+        return data, cache.slots, target.length, lambda n: np.ascontiguousarray(data[..., :n, :])
+
+    def _run(self, feeds, used):
+        if self.scores is None:
+            return super()._run(feeds, used)
+        logits, new_kv, scores = self.session.run(feeds, ["logits", "new_kv", self.scores])
+        if self.h2o_root and used == 0:  # the root's row: a real token's attention over the cache
+            base = self.compressed.slots
+            self.compressed.accumulate(all_layers(scores[:, 0, :, 0, :base], self.kv_layers, self.layout.num_layers))
+            self.h2o_root = False
+        return logits, new_kv
+
+
+class _Layout:
+    """An engine's KV layout as speccomp/kv/cache.py reads it (the torch runtime hands it a KVSpec)."""
+
+    def __init__(self, num_layers, num_kv_heads, head_dim, dtype):
+        self.num_layers, self.num_kv_heads, self.head_dim, self.dtype = num_layers, num_kv_heads, head_dim, dtype
 
 
 class _Merged(_Drafter):
@@ -618,11 +709,16 @@ class _Merged(_Drafter):
         for d in self.drafters:
             d.begin(prompt, cache)
 
-    def take(self, extras, rows):
+    def _split(self, extras):
+        """Each drafter with its own slice of the extra outputs."""
         at = 0
         for d in self.drafters:
-            d.take(extras[at : at + len(d.outputs)], rows)
+            yield d, extras[at : at + len(d.outputs)]
             at += len(d.outputs)
+
+    def take(self, extras, rows):
+        for d, own in self._split(extras):
+            d.take(own, rows)
 
     def propose(self, tokens, max_depth, max_nodes):
         drafts = [d.propose(tokens, max_depth, max_nodes) for d in self.drafters]
@@ -630,14 +726,14 @@ class _Merged(_Drafter):
         self.drafts = drafts
         return parents, merged
 
-    def observe(self, tokens, path, logits):
+    def observe(self, tokens, path, logits, extras):
         if len(tokens) == 1:  # the root alone was verified (the last token): so would each drafter
-            for d in self.drafters:
-                d.observe(tokens, path, logits)
+            for d, own_extras in self._split(extras):
+                d.observe(tokens, path, logits, own_extras)
             return
-        for d, (_, own_tokens), where in zip(self.drafters, self.drafts, self.wheres):
+        for (d, own_extras), (_, own_tokens), where in zip(self._split(extras), self.drafts, self.wheres):
             own, merged, own_path = own_view(where, path)
-            d.observe([own_tokens[i] for i in own], own_path, logits[merged])
+            d.observe([own_tokens[i] for i in own], own_path, logits[merged], [e[:, merged] for e in own_extras])
 
 
 def check_medusa(options: dict, session, target_outputs: list[str]) -> None:
@@ -657,21 +753,23 @@ def check_medusa(options: dict, session, target_outputs: list[str]) -> None:
     depth, _, _ = tree_arrays(options["parents"])
     if int(depth.max()) > options["num_heads"]:
         bad("parents", options["parents"], f"make a tree {int(depth.max())} deep for {options['num_heads']} heads")
-    if len(target_outputs) != 4 or options["states_output"] != target_outputs[3]:
+    if len(target_outputs) < 4 or options["states_output"] != target_outputs[3]:
         bad("states_output", options["states_output"], f"is not the target graph's head-state output "
             f"(its outputs: {target_outputs})")
 
 
-def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | None, target_outputs: list[str]):
+def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | None, target_outputs: list[str],
+                 kv: dict, dtype):
     name, options = spec.get("name"), dict(spec.get("options") or {})
     if name is None:
         return None
     if "+" in name:
-        return _Merged([make_drafter(part, path, providers, threads, target_outputs) for part in spec["drafters"]])
+        return _Merged([make_drafter(part, path, providers, threads, target_outputs, kv, dtype)
+                        for part in spec["drafters"]])
     if name == "ngram":
         return _NGram(**options)
     if name == "token_recycling":
-        return _TokenRecycling(**options)
+        return _TokenRecycling(**options, target_outputs=target_outputs)
     session = BoundSession(path / spec["graph"], providers, threads, spin=False)
     if name == "medusa":
         check_medusa(options, session.session, target_outputs)
@@ -680,6 +778,8 @@ def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | No
         check_head_step(name, options, session.session)
         return (_Hydra if name == "hydra" else _Eagle)(**options, session=session)
     check_self_draft(options, session.session, spec["graph"])
+    if name == "compressed_kv":
+        return _CompressedKV(**options, session=session, kv=kv, dtype=dtype)
     return _SelfDraft(**options, session=session)
 
 
@@ -721,6 +821,7 @@ def check_head_step(name: str, options: dict, session) -> None:
                           "corrupt, re-export it")
 
 
+TOP_IDS_OUTPUT = "top_ids"  # the target graph's TopK of the logits, added at export for Token Recycling
 HYDRA_OUTPUTS = ["next_states", "top_logp", "top_ids"]
 EAGLE_INPUTS = ["feats", "tokens", "positions", "past_k", "past_v", "mask"]
 EAGLE_OUTPUTS = ["out", "new_k", "new_v", "top_logp", "top_ids"]
@@ -775,7 +876,8 @@ class Engine:
         check_kv_layout(self.session.session, self.kv, self.dtype, target["file"])
         check_target_outputs(self.session.session, m, target["file"])
         # draft=False: plain decoding on the same target graph (extra outputs a drafter would read go unused)
-        self.drafter = make_drafter(m["drafter"], self.path, providers, threads, target["outputs"]) if draft else None
+        self.drafter = make_drafter(m["drafter"], self.path, providers, threads, target["outputs"], self.kv,
+                                    self.dtype) if draft else None
         self.tokenizer = self._load_tokenizer()  # a missing or corrupt tokenizer.json is named now, not at first use
         self._template = self._chat_template()
         self._calls = CallGuard()
@@ -911,7 +1013,7 @@ class Engine:
             path, bonus = accept(tokens, children, lambda node: pick(logits[node]))
             cache.append(new_kv, keep=path)
             if self.drafter is not None:
-                self.drafter.observe(tokens, path, logits)
+                self.drafter.observe(tokens, path, logits, extras)
                 self.drafter.take(extras, path)
             steps += 1
             for t in [tokens[i] for i in path[1:]] + [bonus]:

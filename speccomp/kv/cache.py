@@ -1,6 +1,8 @@
-"""Compressed KV caches with exact byte accounting and exact rollback.
+"""Compressed KV caches with exact byte accounting and exact rollback, in numpy.
 
-Both kinds speak the runtime's layout ([L, 2, 1, Hkv, T, D], see capture.py) and one protocol:
+One copy for both runtimes: the torch runtime hands them numpy views of its tensors (no copy on the CPU),
+the torch-free engine its own arrays. Both kinds speak the runtime's layout ([L, 2, 1, Hkv, T, D], see
+frontend/convention.py) and one protocol:
 
     cache.append(new_kv, keep=None)   new tokens, in full precision; nothing is compressed yet
     cache.compact(votes=None)         apply the policy to tokens older than the recent window W
@@ -22,16 +24,15 @@ SnapKV and H2O keep different tokens (same count). Attention over the cache does
 slot a key sits in (keys carry their rotary position, and every cached key is visible), so
 evicting is a gather of the kept slots.
 
-KiviCache: the oldest tokens as packed codes in whole groups (kv_policies.quantize_keys /
+KiviCache: the oldest tokens as packed codes in whole groups (policies.quantize_keys /
 quantize_values), the newest in a full-precision tail. `workspace` keeps a dequantised mirror for a
 graph that reads dense float caches (each group is dequantised once); the mirror is scratch, not
 what the cache holds, and is reported by `workspace_bytes`.
 """
 from __future__ import annotations
 
-import torch
+import numpy as np
 
-from speccomp.frontend.convention import KVSpec
 from speccomp.kv.policies import (
     KVPolicy,
     Quantized,
@@ -48,32 +49,52 @@ from speccomp.kv.policies import (
 )
 
 
-def make_cache(kv: KVSpec, policy: KVPolicy, device="cpu", min_window: int = 1):
-    """A compressed cache for `policy` (checked against the model's KV layout and the tree depth)."""
+def make_cache(kv, policy: KVPolicy, min_window: int = 1, dtype=np.float32):
+    """A compressed cache for `policy` (checked against the model's KV layout and the tree depth). `kv`: a KVSpec
+    or any layout with num_layers, num_kv_heads, head_dim; `dtype`: the numpy dtype of the keys/values held."""
     policy.check(kv, min_window=min_window)
-    if policy.kind == "kivi":
-        return KiviCache(kv, policy, device)
-    return EvictingCache(kv, policy, device)
+    return (KiviCache if policy.kind == "kivi" else EvictingCache)(kv, policy, dtype)
 
 
-def _grow(buffer: torch.Tensor, dim: int, used: int, needed: int) -> torch.Tensor:
-    """`buffer` with capacity >= needed along `dim` (doubling, so appends are amortised O(1))."""
-    if buffer.shape[dim] >= needed:
+def needs_votes(cache, target_length: int) -> bool:
+    """SnapKV / H2O, before the first sync of a prompt longer than the budget: the observation window's votes
+    (the attention of the last w prompt tokens over the prompt) choose what the prompt keeps."""
+    return cache.length == 0 and cache.policy.needs_attention and target_length > cache.policy.budget
+
+
+def all_layers(per_kept: np.ndarray, layer_index, num_layers: int) -> np.ndarray:
+    """Scores of a draft graph's layers [L', ...] (`layer_index` of the model's) in a zero [L, ...] table: a
+    drafter that skips layers has no votes from them."""
+    if len(layer_index) == num_layers:
+        return per_kept
+    full = np.zeros((num_layers, *per_kept.shape[1:]), dtype=per_kept.dtype)
+    full[np.asarray(layer_index)] = per_kept
+    return full
+
+
+def _shape(kv, length: int) -> tuple[int, ...]:
+    return (kv.num_layers, 2, 1, kv.num_kv_heads, length, kv.head_dim)
+
+
+def _grow(buffer: np.ndarray, axis: int, used: int, needed: int) -> np.ndarray:
+    """`buffer` with capacity >= needed along `axis` (doubling, so appends are amortised O(1))."""
+    if buffer.shape[axis] >= needed:
         return buffer
     shape = list(buffer.shape)
-    shape[dim] = max(needed, 2 * shape[dim], 16)
-    new = buffer.new_zeros(shape)
-    new.narrow(dim, 0, used).copy_(buffer.narrow(dim, 0, used))
+    shape[axis] = max(needed, 2 * shape[axis], 16)
+    new = np.zeros(shape, dtype=buffer.dtype)
+    index = (slice(None),) * axis + (slice(0, used),)
+    new[index] = buffer[index]
     return new
 
 
 class EvictingCache:
-    def __init__(self, kv: KVSpec, policy: KVPolicy, device="cpu"):
+    def __init__(self, kv, policy: KVPolicy, dtype=np.float32):
         self.kv, self.policy = kv, policy
-        self.data = torch.zeros(kv.shape(0), dtype=kv.dtype, device=device)  # [L, 2, 1, Hkv, capacity, D]
+        self.data = np.zeros(_shape(kv, 0), dtype=dtype)  # [L, 2, 1, Hkv, capacity, D]
         L, H = kv.num_layers, kv.num_kv_heads
-        self.pos = torch.zeros(L, H, 0, dtype=torch.long, device=device)  # sequence position of each slot
-        self.score = torch.zeros(L, H, 0, dtype=torch.float32, device=device)  # H2O accumulated attention
+        self.pos = np.zeros((L, H, 0), dtype=np.int64)  # sequence position of each slot
+        self.score = np.zeros((L, H, 0), dtype=np.float32)  # H2O accumulated attention
         self.slots = 0
         self.length = 0
         self.selected = False  # SnapKV selects once, after the prompt
@@ -83,14 +104,14 @@ class EvictingCache:
         self.pos = _grow(self.pos, 2, self.slots, needed)
         self.score = _grow(self.score, 2, self.slots, needed)
 
-    def append(self, new_kv: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+    def append(self, new_kv: np.ndarray, keep=None) -> None:
         if keep is not None:
-            new_kv = new_kv.index_select(4, keep)
+            new_kv = np.take(new_kv, keep, axis=4)
         n = new_kv.shape[4]
         self._reserve(self.slots + n)
         s = self.slots
         self.data[..., s : s + n, :] = new_kv
-        self.pos[..., s : s + n] = torch.arange(self.length, self.length + n, device=self.pos.device)
+        self.pos[..., s : s + n] = np.arange(self.length, self.length + n)
         self.score[..., s : s + n] = 0
         self.slots += n
         self.length += n
@@ -98,15 +119,14 @@ class EvictingCache:
     def rollback(self, n: int) -> None:
         if n < 0 or n > self.slots:
             raise ValueError(f"cannot roll back {n} tokens from a cache of {self.slots}")
-        newest = torch.arange(self.length - n, self.length, device=self.pos.device)
-        if not torch.equal(self.pos[..., self.slots - n : self.slots], newest.expand(*self.pos.shape[:2], n)):
+        if not (self.pos[..., self.slots - n : self.slots] == np.arange(self.length - n, self.length)).all():
             raise ValueError(
                 f"cannot roll back {n} tokens: only the {self.policy.window} most recent are guaranteed uncompressed"
             )
         self.slots -= n
         self.length -= n
 
-    def compact(self, votes: torch.Tensor | None = None) -> None:
+    def compact(self, votes: np.ndarray | None = None) -> None:
         """Evict down to the budget. votes [L, Hkv, slots]: SnapKV's window votes (required for its one
         selection when the prompt exceeds the budget); for H2O, attention to add to the scores first."""
         p, s = self.policy, self.slots
@@ -120,34 +140,34 @@ class EvictingCache:
                 return
             if votes is None:
                 raise ValueError("SnapKV selection needs the observation window's votes [L, Hkv, slots]")
-            keep = topk_keep(pool_votes(votes[..., :s].float()), p.window, p.budget)
+            keep = topk_keep(pool_votes(votes[..., :s].astype(np.float32)), p.window, p.budget)
         elif s <= p.budget:
             return
         elif p.kind == "sink":
-            keep = sink_keep(s, p.sinks, p.budget).to(self.data.device)
+            keep = sink_keep(s, p.sinks, p.budget)
         else:  # h2o
             keep = topk_keep(self.score[..., :s], p.window, p.budget)
         self._keep(keep)
 
-    def _keep(self, keep: torch.Tensor) -> None:
+    def _keep(self, keep: np.ndarray) -> None:
         n = keep.shape[-1]
-        self.data[..., :n, :] = gather_tokens(self.data[..., : self.slots, :], keep)
+        self.data[..., :n, :] = gather_tokens(self.data[..., : self.slots, :], keep)  # gathers copy: no overlap
         self.pos[..., :n] = gather_slots(self.pos[..., : self.slots], keep)
         self.score[..., :n] = gather_slots(self.score[..., : self.slots], keep)
         self.slots = n
 
-    def accumulate(self, probs: torch.Tensor) -> None:
+    def accumulate(self, probs: np.ndarray) -> None:
         """Add attention probabilities [L, Hkv, >= slots] (pooled per KV head) to the slots' scores."""
-        self.score[..., : self.slots] += probs[..., : self.slots].float()
+        self.score[..., : self.slots] += probs[..., : self.slots].astype(np.float32)
 
-    def positions(self) -> torch.Tensor:
+    def positions(self) -> np.ndarray:
         """Sequence position held in each slot, [L, Hkv, slots]."""
         return self.pos[..., : self.slots]
 
-    def dense(self) -> torch.Tensor:
+    def dense(self) -> np.ndarray:
         return self.data[..., : self.slots, :]
 
-    def workspace(self, room: int) -> torch.Tensor:
+    def workspace(self, room: int) -> np.ndarray:
         self._reserve(self.slots + room)
         return self.data[..., : self.slots + room, :]
 
@@ -163,15 +183,15 @@ class EvictingCache:
 
 
 class KiviCache:
-    def __init__(self, kv: KVSpec, policy: KVPolicy, device="cpu"):
+    def __init__(self, kv, policy: KVPolicy, dtype=np.float32):
         self.kv, self.policy = kv, policy
         self.group, self.vgroup = policy.group, value_group(kv.head_dim)
         self.keys: Quantized | None = None  # packed [L, 1, Hkv, quantised, D*bits/8], per (group, channel) params
         self.values: Quantized | None = None  # packed [L, 1, Hkv, quantised, D*bits/8], per (token, channel group)
         self.quantised = 0
-        self.tail = torch.zeros(kv.shape(0), dtype=kv.dtype, device=device)  # full precision [L, 2, 1, Hkv, cap, D]
+        self.tail = np.zeros(_shape(kv, 0), dtype=dtype)  # full precision [L, 2, 1, Hkv, cap, D]
         self.tail_len = 0
-        self.mirror: torch.Tensor | None = None  # dequantised [0, quantised) + tail copy + room (workspace)
+        self.mirror: np.ndarray | None = None  # dequantised [0, quantised) + tail copy + room (workspace)
 
     @property
     def length(self) -> int:
@@ -181,9 +201,9 @@ class KiviCache:
     def slots(self) -> int:
         return self.length
 
-    def append(self, new_kv: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+    def append(self, new_kv: np.ndarray, keep=None) -> None:
         if keep is not None:
-            new_kv = new_kv.index_select(4, keep)
+            new_kv = np.take(new_kv, keep, axis=4)
         n = new_kv.shape[4]
         self.tail = _grow(self.tail, 4, self.tail_len, self.tail_len + n)
         self.tail[..., self.tail_len : self.tail_len + n, :] = new_kv
@@ -197,7 +217,7 @@ class KiviCache:
             )
         self.tail_len -= n
 
-    def compact(self, votes: torch.Tensor | None = None) -> None:
+    def compact(self, votes: np.ndarray | None = None) -> None:
         """Quantise whole groups of the oldest full-precision tokens while the tail exceeds the window."""
         p, g = self.policy, self.group
         n = (self.tail_len - p.residual) // g * g  # tokens to quantise (whole groups, oldest first)
@@ -215,44 +235,41 @@ class KiviCache:
         self.values = values if self.values is None else _cat(self.values, values)
         self.quantised += n
         rest = self.tail_len - n
-        self.tail[..., :rest, :] = self.tail[..., n : self.tail_len, :].clone()  # shift left; clone: overlap
+        self.tail[..., :rest, :] = self.tail[..., n : self.tail_len, :].copy()  # shift left; copy: overlap
         self.tail_len = rest
 
-    def accumulate(self, probs: torch.Tensor) -> None:
+    def accumulate(self, probs: np.ndarray) -> None:
         pass  # KIVI keeps every token; attention does not choose
 
-    def _dequantised(self) -> torch.Tensor:
+    def _dequantised(self) -> np.ndarray:
         """[L, 2, 1, Hkv, quantised, D]."""
         if self.keys is None:
             return self.tail[..., :0, :]
-        return torch.stack([dequantize_keys(self.keys, self.group), dequantize_values(self.values, self.vgroup)], 1)
+        return np.stack([dequantize_keys(self.keys, self.group), dequantize_values(self.values, self.vgroup)], 1)
 
-    def dense(self) -> torch.Tensor:
-        return torch.cat([self._dequantised(), self.tail[..., : self.tail_len, :]], dim=4)
+    def dense(self) -> np.ndarray:
+        return np.concatenate([self._dequantised(), self.tail[..., : self.tail_len, :]], axis=4)
 
-    def workspace(self, room: int) -> torch.Tensor:
+    def workspace(self, room: int) -> np.ndarray:
         needed = self.length + room
         if self.mirror is None or self.mirror.shape[4] < needed:
-            mirror = torch.zeros(self.kv.shape(max(needed, 2 * self.length)), dtype=self.kv.dtype, device=self.tail.device)
+            mirror = np.zeros(_shape(self.kv, max(needed, 2 * self.length)), dtype=self.tail.dtype)
             mirror[..., : self.quantised, :] = self._dequantised()
             self.mirror = mirror
         self.mirror[..., self.quantised : self.length, :] = self.tail[..., : self.tail_len, :]
         return self.mirror[..., :needed, :]
 
     def graph_inputs(self) -> tuple:
-        """past_kv (a stride-0 view: only its shape is read) and the held tensors, for a graph rewritten by
-        passes/kv_compress.py KiviCacheRead: (past_kv, tail, key codes, key scale, key min, value codes,
-        value scale, value min)."""
-        kv, dtype, device = self.kv, self.kv.dtype, self.tail.device
-        past = torch.zeros((), dtype=dtype, device=device).expand(kv.shape(self.length))
-        if self.keys is None:  # nothing quantised yet: empty tensors of the right ranks
-            L, H, D = kv.num_layers, kv.num_kv_heads, kv.head_dim
-            codes = torch.zeros(L, 1, H, 0, D * self.policy.bits // 8, dtype=torch.uint8, device=device)
-            kparam = torch.zeros(L, 1, H, 0, D, dtype=dtype, device=device)
-            vparam = torch.zeros(L, 1, H, 0, D // self.vgroup, dtype=dtype, device=device)
-            return past, self.tail[..., : self.tail_len, :], codes, kparam, kparam, codes, vparam, vparam
+        """What a graph rewritten by passes/kv_compress.py KiviCacheRead reads after past_kv (KIVI_INPUTS: the tail,
+        key codes, key scale, key min, value codes, value scale, value min)."""
+        if self.keys is None:  # nothing quantised yet: empty arrays of the right ranks
+            L, H, D, dtype = self.kv.num_layers, self.kv.num_kv_heads, self.kv.head_dim, self.tail.dtype
+            codes = np.zeros((L, 1, H, 0, D * self.policy.bits // 8), dtype=np.uint8)
+            kparam = np.zeros((L, 1, H, 0, D), dtype=dtype)
+            vparam = np.zeros((L, 1, H, 0, D // self.vgroup), dtype=dtype)
+            return self.tail[..., : self.tail_len, :], codes, kparam, kparam, codes, vparam, vparam
         k, v = self.keys, self.values
-        return past, self.tail[..., : self.tail_len, :], k.packed, k.scale, k.minimum, v.packed, v.scale, v.minimum
+        return self.tail[..., : self.tail_len, :], k.packed, k.scale, k.minimum, v.packed, v.scale, v.minimum
 
     def nbytes(self) -> int:
         held = self.tail[..., : self.tail_len, :].nbytes
@@ -269,7 +286,6 @@ class KiviCache:
 
 def _cat(a: Quantized, b: Quantized) -> Quantized:
     """Quantized tokens a then b. Exact-size storage, so the packed bytes held are the bytes used; codes and
-    parameters (per key group, per value token) all run along dim -2."""
-    return Quantized(
-        torch.cat([a.packed, b.packed], -2), torch.cat([a.scale, b.scale], -2), torch.cat([a.minimum, b.minimum], -2), a.bits
-    )
+    parameters (per key group, per value token) all run along axis -2."""
+    return Quantized(np.concatenate([a.packed, b.packed], -2), np.concatenate([a.scale, b.scale], -2),
+                     np.concatenate([a.minimum, b.minimum], -2), a.bits)

@@ -27,11 +27,12 @@ token's attention at every draft step (the root is always a real token).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from speccomp.runtime.model import SpecModel
 from speccomp.frontend.convention import KVSpec
-from speccomp.kv.cache import make_cache
+from speccomp.kv.cache import all_layers, make_cache, needs_votes
 from speccomp.drafters.graph import GraphDrafter
 from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
 from speccomp.kv.policies import KVPolicy, policy_bytes, snapkv_window
@@ -48,6 +49,23 @@ class _Slots:
         self.data, self.length = data, length
 
 
+def numpy_dtype(dtype: torch.dtype):
+    """The numpy dtype a compressed cache (speccomp/kv/cache.py, numpy) holds a torch dtype's keys/values in
+    (bfloat16, which numpy lacks: float32)."""
+    return np.float32 if dtype == torch.bfloat16 else torch.empty((), dtype=dtype).numpy().dtype
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor for the numpy cache: a view on the CPU (no copy), else a host copy."""
+    t = t.detach()
+    return (t.float() if t.dtype == torch.bfloat16 else t).cpu().numpy()
+
+
+def as_torch(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """A numpy cache array for a graph: shares its memory when `like` is a CPU tensor of the same dtype."""
+    return torch.from_numpy(a).to(like.device, like.dtype)
+
+
 def tree_depth(tree) -> int:
     """Deepest draft the tree spec can produce (a dynamic tree is capped by GraphDrafter)."""
     if isinstance(tree, DynamicTreeSpec):
@@ -61,9 +79,9 @@ class CompressedKVDrafter(GraphDrafter):
     reads = ("target_cache", "own_cache")  # the accepted tokens' exact KV from the target, kept compressed
 
     def __init__(self, step, kv: KVSpec, policy: KVPolicy, tree, name: str = "compressed_kv", kv_layers=None,
-                 options: dict | None = None):
+                 options: dict | None = None, graph=None):
         super().__init__(step, list(range(kv.num_layers)) if kv_layers is None else list(kv_layers), tree, name,
-                         options)
+                         options, graph)
         self.kv, self.policy = kv, policy
         self.min_window = tree_depth(tree) + 1
         policy.check(kv, min_window=self.min_window)
@@ -75,15 +93,15 @@ class CompressedKVDrafter(GraphDrafter):
 
     def with_tree(self, tree) -> "CompressedKVDrafter":
         return CompressedKVDrafter(self.step, self.kv, self.policy, tree, self.name, self.layer_index.tolist(),
-                                   self.options)
+                                   self.options, self.graph)
 
     def begin(self, prompt: list[int]) -> None:
-        self.cache = make_cache(self.kv, self.policy, min_window=self.min_window)
+        self.cache = make_cache(self.kv, self.policy, self.min_window, numpy_dtype(self.kv.dtype))
         self.prompt_length = len(prompt)
         self.measured = {}
 
     # ---- keeping the compressed copy in step with the target --------------------------------
-    def _observe(self, target: KVCache, tokens: list[int]) -> torch.Tensor:
+    def _observe(self, target: KVCache, tokens: list[int]) -> np.ndarray:
         """Votes [L, Hkv, n] of the last w prompt tokens' queries over the n cached prompt tokens."""
         n = target.length
         w = min(snapkv_window(self.policy.budget), n)
@@ -95,24 +113,14 @@ class CompressedKVDrafter(GraphDrafter):
                 target.data[..., : n - w, :],
                 torch.ones(w, w, dtype=torch.bool).tril(),
             )
-        return self._all_layers(outs[-1][:, 0].sum(2))  # [L', 1, Hkv, w, n] -> [L, Hkv, n]
-
-    def _all_layers(self, per_kept: torch.Tensor) -> torch.Tensor:
-        """Scores of the graph's layers [L', ...] placed in a zero [L, ...] table (skipped layers: no votes)."""
-        if len(self.layer_index) == self.kv.num_layers:
-            return per_kept
-        full = per_kept.new_zeros(self.kv.num_layers, *per_kept.shape[1:])
-        full[self.layer_index] = per_kept
-        return full
+        return all_layers(as_numpy(outs[-1][:, 0].sum(2)), self.layer_index.numpy(), self.kv.num_layers)
 
     def _sync(self, target: KVCache, tokens: list[int]) -> None:
         start = self.cache.length
         if target.length < start:
             raise RuntimeError(f"the target cache shrank from {start} to {target.length} tokens")
-        votes = None
-        if start == 0 and self.policy.needs_attention and target.length > self.policy.budget:
-            votes = self._observe(target, tokens)
-        self.cache.append(target.data[..., start : target.length, :])
+        votes = self._observe(target, tokens) if needs_votes(self.cache, target.length) else None
+        self.cache.append(as_numpy(target.data[..., start : target.length, :]))
         self.cache.compact(votes)
         self.measured = {
             "kv_bytes_full": target.past().nbytes,
@@ -127,7 +135,7 @@ class CompressedKVDrafter(GraphDrafter):
         self._sync(ctx.cache, ctx.tokens)
         self._position_base = ctx.cache.length
         self._scores_pending = self.policy.kind == "h2o"
-        view = _Slots(self.cache.workspace(ctx.max_nodes), self.cache.slots)
+        view = _Slots(as_torch(self.cache.workspace(ctx.max_nodes), ctx.cache.data), self.cache.slots)
         draft = super().propose(DraftContext(ctx.tokens, view, ctx.max_depth, ctx.max_nodes))
         self.measured["kv_workspace_bytes"] = self.cache.workspace_bytes()
         return draft
@@ -145,7 +153,8 @@ class CompressedKVDrafter(GraphDrafter):
             )
         cache.data[self.layer_index, :, :, :, base + used : base + used + k, :] = outs[1]
         if self._scores_pending and used == 0:  # the root's row: a real token's attention over the cache
-            self.cache.accumulate(self._all_layers(outs[-1][:, 0, :, 0, :base]))
+            self.cache.accumulate(all_layers(as_numpy(outs[-1][:, 0, :, 0, :base]), self.layer_index.numpy(),
+                                             self.kv.num_layers))
             self._scores_pending = False
         return outs[0][0]
 
@@ -176,7 +185,7 @@ def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options
     passes += [TreeAttention()] + ([AttentionScores()] if policy.needs_attention else [])
     draft_graph = run_passes(base.clone(), passes)
     drafter = CompressedKVDrafter(lower(draft_graph, backend, spin=False), base.captured.kv, policy, spec,
-                                  kv_layers=draft_graph.kv_layers, options=drafter_options)
+                                  kv_layers=draft_graph.kv_layers, options=drafter_options, graph=draft_graph)
     target = run_passes(base.clone(), [TreeAttention()])
     return CompressedKVModel(target, lower(target, backend, spin=False), backend, drafter=drafter)
 

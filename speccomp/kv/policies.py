@@ -1,8 +1,9 @@
-"""KV-cache compression policies: the `kv_cache=` spec, and the math as pure tensor functions.
+"""KV-cache compression policies: the `kv_cache=` spec, and the math as pure numpy functions.
 
-Nothing here keeps state (speccomp/kv/cache.py does). Functions work on the runtime's
-cache layout [L, 2, 1, Hkv, T, D] (keys at index 0, values at 1), on per-slot tables [L, Hkv, T]
-(votes, accumulated attention, positions), or on one half of the cache [..., T, D].
+Nothing here keeps state (speccomp/kv/cache.py does) and nothing imports torch: the torch runtime and the
+torch-free engine compress with this one copy. Functions work on the runtime's cache layout
+[L, 2, 1, Hkv, T, D] (keys at index 0, values at 1), on per-slot tables [L, Hkv, T] (votes, accumulated
+attention, positions), or on one half of the cache [..., T, D].
 
 Policies. Each keeps a recent full-precision window of W tokens that is never evicted or
 quantised, so the newest W tokens can always be rolled back exactly:
@@ -30,9 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from speccomp.frontend.convention import KVSpec
+import numpy as np
 
 POLICIES = ("sink", "snapkv", "h2o", "kivi")
 KIVI_BITS = (2, 4, 8)
@@ -79,8 +78,9 @@ class KVPolicy:
         """SnapKV and H2O choose tokens by attention probabilities; the graph must output them."""
         return self.kind in ("snapkv", "h2o")
 
-    def check(self, kv: KVSpec, max_positions: int | None = None, min_window: int = 1) -> "KVPolicy":
-        """Raise KVPolicyError unless the policy fits this model and a token tree of depth min_window - 1."""
+    def check(self, kv, max_positions: int | None = None, min_window: int = 1) -> "KVPolicy":
+        """Raise KVPolicyError unless the policy fits this model's KV layout `kv` (a KVSpec, or anything with
+        head_dim) and a token tree of depth min_window - 1."""
         if max_positions is not None:
             size = self.budget if self.budget is not None else self.residual
             if size > max_positions:
@@ -159,56 +159,53 @@ def snapkv_window(budget: int) -> int:
     return min(SNAPKV_WINDOW, budget // 2)
 
 
-def sink_keep(length: int, sinks: int, budget: int) -> torch.Tensor:
+def sink_keep(length: int, sinks: int, budget: int) -> np.ndarray:
     """Slots kept by StreamingLLM out of `length` in position order: [0, sinks) and the newest budget - sinks."""
     if length <= budget:
-        return torch.arange(length)
-    return torch.cat([torch.arange(sinks), torch.arange(length - (budget - sinks), length)])
+        return np.arange(length)
+    return np.concatenate([np.arange(sinks), np.arange(length - (budget - sinks), length)])
 
 
-def pool_votes(votes: torch.Tensor, kernel: int = SNAPKV_KERNEL) -> torch.Tensor:
+def pool_votes(votes: np.ndarray, kernel: int = SNAPKV_KERNEL) -> np.ndarray:
     """Average each token's votes with its neighbours' (SnapKV keeps whole phrases, not lone tokens).
 
-    votes [L, Hkv, T] -> [L, Hkv, T]; edges average over the tokens that exist.
+    votes [L, Hkv, T] -> [L, Hkv, T]; edges average over the tokens that exist (a window sum from a cumsum).
     """
-    L, H, T = votes.shape
-    pooled = torch.nn.functional.avg_pool1d(
-        votes.reshape(L * H, 1, T).float(), kernel, stride=1, padding=kernel // 2, count_include_pad=False
-    )  # [L*H, 1, T]
-    return pooled.reshape(L, H, T).to(votes.dtype)
+    T, r = votes.shape[-1], kernel // 2
+    total = np.concatenate([np.zeros((*votes.shape[:-1], 1)), np.cumsum(votes, -1, dtype=np.float64)], -1)
+    lo, hi = np.clip(np.arange(T) - r, 0, T), np.clip(np.arange(T) + r + 1, 0, T)
+    return ((total[..., hi] - total[..., lo]) / (hi - lo)).astype(votes.dtype)
 
 
-def topk_keep(scores: torch.Tensor, recent: int, budget: int) -> torch.Tensor:
+def topk_keep(scores: np.ndarray, recent: int, budget: int) -> np.ndarray:
     """Per KV head, the `budget` slots to keep: the `recent` newest and the highest-scoring older ones.
 
-    scores [L, Hkv, T] (slots in position order) -> long [L, Hkv, min(T, budget)], ascending.
+    scores [L, Hkv, T] (slots in position order) -> int64 [L, Hkv, min(T, budget)], ascending.
     """
     L, H, T = scores.shape
     if T <= budget:
-        return torch.arange(T).expand(L, H, T)
-    older = T - recent
-    heavy = scores[..., :older].topk(budget - recent, dim=-1).indices  # [L, Hkv, budget - recent]
-    newest = torch.arange(older, T).expand(L, H, recent)
-    return torch.cat([heavy.sort(dim=-1).values, newest], dim=-1)
+        return np.broadcast_to(np.arange(T), (L, H, T))
+    older, k = T - recent, budget - recent
+    heavy = np.argpartition(-scores[..., :older], k - 1, axis=-1)[..., :k]  # [L, Hkv, budget - recent], unordered
+    newest = np.broadcast_to(np.arange(older, T), (L, H, recent))
+    return np.concatenate([np.sort(heavy, -1), newest], -1)
 
 
-def gather_tokens(kv: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def gather_tokens(kv: np.ndarray, keep: np.ndarray) -> np.ndarray:
     """kv [L, 2, 1, Hkv, T, D] with slots `keep` [L, Hkv, B] (per KV head) or [B] (all heads) -> [L, 2, 1, Hkv, B, D]."""
-    if keep.dim() == 1:
-        return kv.index_select(4, keep)
-    L, two, b, H, _, D = kv.shape
-    index = keep[:, None, None, :, :, None].expand(L, two, b, H, keep.shape[-1], D)
-    return kv.gather(4, index)
+    if keep.ndim == 1:
+        return np.take(kv, keep, axis=4)
+    return np.take_along_axis(kv, keep[:, None, None, :, :, None], axis=4)
 
 
-def gather_slots(table: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def gather_slots(table: np.ndarray, keep: np.ndarray) -> np.ndarray:
     """A per-slot table [L, Hkv, T] at `keep` [L, Hkv, B] or [B] -> [L, Hkv, B]."""
-    if keep.dim() == 1:
-        return table.index_select(2, keep)
-    return table.gather(2, keep)
+    if keep.ndim == 1:
+        return np.take(table, keep, axis=2)
+    return np.take_along_axis(table, keep, axis=2)
 
 
-def pooled_attention(probs: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+def pooled_attention(probs, num_kv_heads: int):
     """Attention probabilities per query head [L, H, q, T] -> per KV head [L, Hkv, q, T] (mean over its group)."""
     L, H, q, T = probs.shape
     return probs.reshape(L, num_kv_heads, H // num_kv_heads, q, T).mean(2)
@@ -221,53 +218,52 @@ def pooled_attention(probs: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 class Quantized:
     """Packed codes plus the affine parameters that map them back: x ~= code * scale + minimum."""
 
-    packed: torch.Tensor  # uint8 [..., T, D * bits // 8]
-    scale: torch.Tensor  # float, broadcastable to [..., T, D] after the group reshape
-    minimum: torch.Tensor
+    packed: np.ndarray  # uint8 [..., T, D * bits // 8]
+    scale: np.ndarray  # float, broadcastable to [..., T, D] after the group reshape
+    minimum: np.ndarray
     bits: int
 
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scale.nbytes + self.minimum.nbytes
 
 
-def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max quantisation of `x`, one (scale, minimum) per slice along `dim`.
+def quantize(x: np.ndarray, bits: int, axis: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric min/max quantisation of `x`, one (scale, minimum) per slice along `axis`.
 
-    Returns codes (uint8, values in [0, 2^bits - 1], shape of x) and scale, minimum (keepdim).
+    Returns codes (uint8, values in [0, 2^bits - 1], shape of x) and scale, minimum (keepdims).
     |dequantize(...) - x| <= scale / 2 up to float rounding.
     """
     levels = 2**bits - 1
-    lo = x.amin(dim, keepdim=True)
-    hi = x.amax(dim, keepdim=True)
-    scale = (hi - lo) / levels
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant slice: codes 0, exact
-    codes = ((x - lo) / scale).round_().clamp_(0, levels).to(torch.uint8)
+    lo = x.min(axis, keepdims=True)
+    scale = (x.max(axis, keepdims=True) - lo) / np.asarray(levels, x.dtype)
+    scale = np.where(scale > 0, scale, np.ones_like(scale))  # constant slice: codes 0, exact
+    codes = np.clip(np.rint((x - lo) / scale), 0, levels).astype(np.uint8)
     return codes, scale, lo
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    return codes.to(scale.dtype) * scale + minimum
+def dequantize(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> np.ndarray:
+    return codes.astype(scale.dtype) * scale + minimum
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     """uint8 codes [..., D] of `bits` bits -> uint8 [..., D * bits // 8]: 8 // bits codes per byte, low bits first."""
     per = 8 // bits
     if per == 1:
-        return codes.contiguous()
+        return np.ascontiguousarray(codes)
     grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per)  # [..., D/per, per]
-    packed = grouped[..., 0].clone()
+    packed = grouped[..., 0].copy()
     for i in range(1, per):
-        packed |= grouped[..., i] << (bits * i)
+        packed |= grouped[..., i] << np.uint8(bits * i)
     return packed
 
 
-def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
     """Inverse of pack_codes: uint8 [..., P] -> uint8 codes [..., P * 8 // bits]."""
     per = 8 // bits
     if per == 1:
         return packed
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)  # [per]
-    codes = (packed[..., None] >> shifts) & (2**bits - 1)  # [..., P, per]
+    shifts = np.arange(0, 8, bits, dtype=np.uint8)  # [per]
+    codes = (packed[..., None] >> shifts) & np.uint8(2**bits - 1)  # [..., P, per]
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)
 
 
@@ -276,36 +272,36 @@ def value_group(head_dim: int) -> int:
     return DEFAULT_KIVI_GROUP if head_dim % DEFAULT_KIVI_GROUP == 0 else head_dim
 
 
-def quantize_keys(k: torch.Tensor, bits: int, group: int) -> Quantized:
+def quantize_keys(k: np.ndarray, bits: int, group: int) -> Quantized:
     """Keys [..., T, D], T a multiple of `group`: per channel over each group of `group` tokens
     (key outliers live in a few channels; a per-channel range keeps them from flattening the rest)."""
     *lead, T, D = k.shape
     grouped = k.reshape(*lead, T // group, group, D)  # [..., T/G, G, D]
-    codes, scale, lo = quantize(grouped, bits, dim=-2)  # scale, lo [..., T/G, 1, D]
+    codes, scale, lo = quantize(grouped, bits, axis=-2)  # scale, lo [..., T/G, 1, D]
     return Quantized(pack_codes(codes.reshape(*lead, T, D), bits), scale.squeeze(-2), lo.squeeze(-2), bits)
 
 
-def dequantize_keys(q: Quantized, group: int) -> torch.Tensor:
+def dequantize_keys(q: Quantized, group: int) -> np.ndarray:
     codes = unpack_codes(q.packed, q.bits)  # [..., T, D]
     *lead, T, D = codes.shape
     grouped = codes.reshape(*lead, T // group, group, D)
-    return dequantize(grouped, q.scale.unsqueeze(-2), q.minimum.unsqueeze(-2)).reshape(*lead, T, D)
+    return dequantize(grouped, q.scale[..., None, :], q.minimum[..., None, :]).reshape(*lead, T, D)
 
 
-def quantize_values(v: torch.Tensor, bits: int, group: int) -> Quantized:
+def quantize_values(v: np.ndarray, bits: int, group: int) -> Quantized:
     """Values [..., T, D]: per token over groups of `group` channels (each token's output mix is
     a weighted sum of whole value rows, so per-token ranges bound each row's error)."""
     *lead, T, D = v.shape
     grouped = v.reshape(*lead, T, D // group, group)  # [..., T, D/g, g]
-    codes, scale, lo = quantize(grouped, bits, dim=-1)  # scale, lo [..., T, D/g, 1]
+    codes, scale, lo = quantize(grouped, bits, axis=-1)  # scale, lo [..., T, D/g, 1]
     return Quantized(pack_codes(codes.reshape(*lead, T, D), bits), scale.squeeze(-1), lo.squeeze(-1), bits)
 
 
-def dequantize_values(q: Quantized, group: int) -> torch.Tensor:
+def dequantize_values(q: Quantized, group: int) -> np.ndarray:
     codes = unpack_codes(q.packed, q.bits)  # [..., T, D]
     *lead, T, D = codes.shape
     grouped = codes.reshape(*lead, T, D // group, group)
-    return dequantize(grouped, q.scale.unsqueeze(-1), q.minimum.unsqueeze(-1)).reshape(*lead, T, D)
+    return dequantize(grouped, q.scale[..., None], q.minimum[..., None]).reshape(*lead, T, D)
 
 
 def kivi_split(length: int, residual: int, group: int) -> tuple[int, int]:
@@ -319,18 +315,19 @@ def kivi_split(length: int, residual: int, group: int) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------------------
-# Closed-form sizes
+# Closed-form sizes (kv: a KVSpec or any layout with num_layers, num_kv_heads, head_dim and a torch or numpy dtype)
 # --------------------------------------------------------------------------------------
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def itemsize(dtype) -> int:
+    size = getattr(dtype, "itemsize", None)  # torch.dtype and np.dtype have it
+    return size if isinstance(size, int) else np.dtype(dtype).itemsize
 
 
-def full_bytes(kv: KVSpec, length: int) -> int:
+def full_bytes(kv, length: int) -> int:
     """Bytes of `length` tokens of the uncompressed cache [L, 2, 1, Hkv, length, D]."""
     return length * kv.num_layers * 2 * kv.num_kv_heads * kv.head_dim * itemsize(kv.dtype)
 
 
-def kivi_bytes(kv: KVSpec, policy: KVPolicy, length: int) -> int:
+def kivi_bytes(kv, policy: KVPolicy, length: int) -> int:
     """Packed codes + per-group scale and minimum + the full-precision tail."""
     quantised, tail = kivi_split(length, policy.residual, policy.group)
     L, H, D, item = kv.num_layers, kv.num_kv_heads, kv.head_dim, itemsize(kv.dtype)
@@ -340,7 +337,7 @@ def kivi_bytes(kv: KVSpec, policy: KVPolicy, length: int) -> int:
     return L * H * (codes + key_params + value_params) + full_bytes(kv, tail)
 
 
-def policy_bytes(kv: KVSpec, policy: KVPolicy, length: int, prompt_length: int | None = None) -> int:
+def policy_bytes(kv, policy: KVPolicy, length: int, prompt_length: int | None = None) -> int:
     """Bytes a compressed cache holds after `length` tokens (`prompt_length` of them the prompt, for SnapKV)."""
     if policy.kind == "kivi":
         return kivi_bytes(kv, policy, length)

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from speccomp.runtime.model import SpecModel
 from speccomp.frontend.convention import KVSpec
 from speccomp.kv.cache import make_cache
+from speccomp.kv.draft import as_numpy, as_torch, numpy_dtype
 from speccomp.kv.policies import KVPolicy, full_bytes, policy_bytes, snapkv_window
 from speccomp.runtime.decode import KVCache, RootOnly, decode
 
@@ -39,26 +41,30 @@ def _run(step, tokens: torch.Tensor, start: int, past: torch.Tensor, *held):
         return step(tokens, torch.arange(start, start + q)[None], mask, past, *held)
 
 
-def _reads(cache) -> tuple:
-    """What the compressed-cache graph takes after the mask: the dense cache, or KIVI's packed tensors."""
-    return cache.graph_inputs() if hasattr(cache, "graph_inputs") else (cache.dense(),)
+def _reads(cache, kv: KVSpec) -> tuple:
+    """What the compressed-cache graph takes after the mask: the dense cache, or past_kv (a stride-0 view: only its
+    shape is read) and KIVI's packed arrays; the numpy cache's arrays as tensors (no copies on the CPU)."""
+    if not hasattr(cache, "graph_inputs"):
+        return (torch.from_numpy(cache.dense()).to(kv.dtype),)
+    past = torch.zeros((), dtype=kv.dtype).expand(kv.shape(cache.length))
+    return (past, *(torch.from_numpy(a) if a.dtype == np.uint8 else as_torch(a, past) for a in cache.graph_inputs()))
 
 
-def _votes(scored, policy: KVPolicy, prompt: torch.Tensor, full_kv: torch.Tensor) -> torch.Tensor | None:
+def _votes(scored, policy: KVPolicy, prompt: torch.Tensor, full_kv: torch.Tensor) -> np.ndarray | None:
     """SnapKV / H2O votes [L, Hkv, n]: attention of the last w prompt tokens over the whole prompt."""
     n = prompt.shape[1]
     if not policy.needs_attention or n <= policy.budget:
         return None
     w = min(snapkv_window(policy.budget), n)
     outs = _run(scored, prompt[:, n - w :], n - w, full_kv[..., : n - w, :])
-    return outs[-1][:, 0].sum(2)  # [L, 1, Hkv, w, n] -> [L, Hkv, n]
+    return as_numpy(outs[-1][:, 0].sum(2))  # [L, 1, Hkv, w, n] -> [L, Hkv, n]
 
 
 def prefill(step, scored, kv: KVSpec, policy: KVPolicy, prompt: torch.Tensor):
     """(logits of the prompt, compressed cache holding it)."""
-    cache = make_cache(kv, policy)
+    cache = make_cache(kv, policy, dtype=numpy_dtype(kv.dtype))
     outs = _run(step, prompt, 0, torch.zeros(kv.shape(0), dtype=kv.dtype))
-    cache.append(outs[1])
+    cache.append(as_numpy(outs[1]))
     cache.compact(_votes(scored, policy, prompt, outs[1]))
     return outs[0], cache
 
@@ -66,10 +72,10 @@ def prefill(step, scored, kv: KVSpec, policy: KVPolicy, prompt: torch.Tensor):
 def step_token(reader, scored, cache, policy: KVPolicy, token: int, position: int) -> torch.Tensor:
     """One token through the graph over the compressed cache; its KV joins the cache. Returns logits [V].
     `reader` reads the cache as held (KIVI: KiviCacheRead graph); H2O reads through `scored`."""
-    outs = _run(scored if policy.kind == "h2o" else reader, torch.tensor([[token]]), position, *_reads(cache))
+    outs = _run(scored if policy.kind == "h2o" else reader, torch.tensor([[token]]), position, *_reads(cache, cache.kv))
     if policy.kind == "h2o":
-        cache.accumulate(outs[-1][:, 0, :, 0])  # this token's attention over the slots it read
-    cache.append(outs[1])
+        cache.accumulate(as_numpy(outs[-1][:, 0, :, 0]))  # this token's attention over the slots it read
+    cache.append(as_numpy(outs[1]))
     cache.compact()
     return outs[0][0, -1]
 

@@ -105,8 +105,8 @@ class SpecModel:
 
     def export(self, path, tokenizer=None, overwrite: bool = False):
         """Write an engine directory (ONNX graph + manifest.json [+ tokenizer.json]) that `speccomp.load`
-        runs with ONNX Runtime and numpy only. Plain decoding and every named drafter (and merges) export; the
-        compressed-KV drafter (kv_cache=) does not yet.
+        runs with ONNX Runtime and numpy only. Plain decoding, every named drafter (and merges) and the
+        compressed-KV drafter (kv_cache=, kv_mode="draft") export; the LOSSY kv_mode="target" does not.
         `path` must be a new or empty directory, or with overwrite=True an engine export wrote (nothing of
         anyone else's is ever deleted: speccomp/engine/export.py's `check_destination`)."""
         from speccomp.engine.export import export_engine
