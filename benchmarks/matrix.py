@@ -33,6 +33,7 @@ DRAFTERS = {  # name -> drafter_options (explicit layers: what `speccomp search`
     "plain": None, "ngram": None, "token_recycling": None, "early_exit": {"exit_layer": 25},
     "layer_skip": {"skip": list(range(11, 19))}, "medusa": None, "hydra": None, "eagle": None,
     "hydra+token_recycling": {"token_recycling": {"tree": [[0], [1], [0, 0]]}},
+    "kv_cache=h2o:128": {"skip": list(range(11, 19))},  # kv_mode="draft": layer_skip over an H2O cache of 128
 }
 RUNTIMES = ("eager", "onnxruntime", "engine")
 
@@ -82,16 +83,17 @@ def main(argv=None) -> int:
     runtimes = args.runtimes.split(",")
     cells, tmp = [], Path(tempfile.mkdtemp(prefix="speccomp-matrix-"))
     for name in args.drafters.split(","):
-        drafter = None if name == "plain" else name
+        drafter = None if name == "plain" or name.startswith("kv_cache=") else name
+        kv_cache = name.split("=", 1)[1] if name.startswith("kv_cache=") else None
         fast = None
         for runtime in runtimes:
             start, cell = time.perf_counter(), {"drafter": name, "runtime": runtime}
             try:
                 if runtime != "engine" or fast is None or fast.backend != "onnxruntime":
-                    fast = speccomp.compile(model, drafter=drafter, drafter_options=DRAFTERS[name],
+                    fast = speccomp.compile(model, drafter=drafter, drafter_options=DRAFTERS[name], kv_cache=kv_cache,
                                             backend="eager" if runtime == "eager" else "onnxruntime")
                 if runtime == "engine":
-                    rows = run_engine(fast.export(tmp / name.replace("+", "_")), [ids[0].tolist() for ids in prompts.values()], n)
+                    rows = run_engine(fast.export(tmp / name.replace("+", "_").replace("=", "_").replace(":", "_")), [ids[0].tolist() for ids in prompts.values()], n)
                 else:
                     rows = []
                     for ids in prompts.values():

@@ -125,8 +125,8 @@ def _compile_kv(captured, model, kv_cache, kv_mode, tree, backend: str, drafter_
 
 
 def _resolve_auto(model, drafter, tree, backend: str, drafter_options):
-    """tree="auto": the tree (and options) `speccomp autotune` stored for this model, drafter, backend and machine;
-    for a merge, the first drafter's."""
+    """tree="auto": the tree (and options) `speccomp autotune` stored for this model, drafter, backend and machine
+    (tuned now, on first use, when none is stored); for a merge, the first drafter's."""
     from speccomp.tuning.autotune import is_auto, resolve_auto
     from speccomp.drafters.merge import split_names
 

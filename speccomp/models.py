@@ -159,6 +159,20 @@ def load_default_model(attn_implementation: str = "sdpa"):
     return model.eval(), tokenizer
 
 
+def local_tokenizer(model):
+    """The tokenizer saved beside a model loaded from a local directory (`config._name_or_path`; the default model
+    is one), or None: a plain module, a hub id with nothing on disk, or no tokenizer files there. Never downloads."""
+    path = getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not path or not Path(path).is_dir():
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, ImportError):  # no tokenizer files there, or one transformers cannot read
+        return None
+
+
 def chat_ids(tokenizer, prompt: str):
     """Token ids [1, n] of `prompt` as a user turn in the model's chat template."""
     import torch

@@ -26,6 +26,7 @@ from speccomp.tuning.autotune import (
 from speccomp.runtime.decode import Draft, Drafter
 from speccomp.runtime.tree import DynamicTreeSpec, Tree, greedy_accept
 from speccomp.tuning.tree_dp import best_within, expected_accepted, optimal_trees
+from speccomp.drafters.ngram import DEFAULT_RECYCLING_TREE
 from tiny_models import tiny_llama
 
 
@@ -312,8 +313,8 @@ def prompts():
 
 def test_autotune_layer_skip_then_compile_auto_equals_hf(cache):
     model = tiny_llama(num_hidden_layers=6, initializer_range=0.2)
-    with pytest.raises(AutotuneError, match="speccomp autotune --drafter layer_skip"):
-        speccomp.compile(model, drafter="layer_skip", tree="auto")  # nothing stored yet
+    with pytest.raises(AutotuneError, match="no tokenizer beside the model's weights"):
+        speccomp.compile(model, drafter="layer_skip", tree="auto")  # nothing stored, nothing to tune on
     result = speccomp.autotune(model, "layer_skip", prompts(), max_new_tokens=24, repeats=2, dynamic_budgets=(4, 8), max_nodes=16)
     # measurement: a probe of 6 depths x 8 ranks; probabilities, rows of disjoint events
     p = result.acceptance["p"]
@@ -355,7 +356,7 @@ def test_autotune_layer_skip_then_compile_auto_equals_hf(cache):
     assert torch.equal(merged.generate(ids, max_new_tokens=20, eos_token_id=2), hf_greedy(model, ids, 20))
     with pytest.raises(AutotuneError, match="backend 'onnxruntime'"):
         speccomp.compile(model, drafter="layer_skip", tree="auto", backend="onnxruntime")
-    with pytest.raises(AutotuneError, match="speccomp autotune --drafter early_exit"):
+    with pytest.raises(AutotuneError, match=r"speccomp.autotune\(model, 'early_exit', prompts"):
         speccomp.compile(model, drafter="early_exit", tree="auto")
     other = tiny_llama(num_hidden_layers=6, initializer_range=0.21)  # another model: another fingerprint
     with pytest.raises(AutotuneError, match="no autotuned tree"):
@@ -427,3 +428,38 @@ def test_level_by_level_drafters_pay_per_draft_depth():
     assert draft_seconds(timing, [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]) == pytest.approx(0.04)
     del timing["propose_per_level_s"]  # others (Medusa: one matmul for every depth) pay the probe's time
     assert draft_seconds(timing, [[0]]) == pytest.approx(0.06)
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer of the tiny models' 96 ids (printable ASCII), with no chat template."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{chr(c): c - 31 for c in range(32, 127)}}  # ids 1..95
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<unk>")
+
+
+def test_tree_auto_tunes_on_first_use_and_keeps_what_held_back_prompts_prefer(cache, tmp_path, capsys):
+    """compile(tree="auto") with nothing stored tunes on the shipped prompts in the model's own tokenizer (found beside
+    its weights), holding back a third of them: the stored tree is the tuned one only if it decoded those faster than
+    the drafter's default tree; then compile uses it, and the output is HF greedy's."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_llama(num_hidden_layers=4, initializer_range=0.2, max_position_embeddings=1024).save_pretrained(tmp_path / "m")
+    char_tokenizer().save_pretrained(tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    assert load_result(model, "token_recycling") is None
+    fast = speccomp.compile(model, drafter="token_recycling", tree="auto")
+    assert "tuning it now on 8 shipped prompts" in capsys.readouterr().err
+    stored = load_result(model, "token_recycling")
+    c = stored.check
+    default = [list(x) for x in Tree.from_choices(DEFAULT_RECYCLING_TREE).choices]
+    assert c["prompts"] == 2 and c["default"] == default and c["tuned"] != default
+    assert c["kept"] == ("tuned" if c["tuned_tokens_per_s"] > c["default_tokens_per_s"] else "default")
+    assert stored.tree == (c["tuned"] if c["kept"] == "tuned" else c["default"])
+    assert (stored.mode == "default") == (c["kept"] == "default") and "held-back check" in stored.summary()
+    assert fast.drafter.tree == stored.tree_spec()
+    ids = torch.tensor([[ord(ch) - 31 for ch in "The quick brown fox jumps over the lazy dog. The quick brown"]])
+    assert torch.equal(fast.generate(ids, max_new_tokens=30, eos_token_id=2), hf_greedy(model, ids, 30))

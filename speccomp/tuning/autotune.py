@@ -38,9 +38,13 @@
    predicts its speed, and the best budget competes with the best static tree.
 3. Check and cache: the chosen tree (and, on request, trees of other sizes) decodes the
    calibration prompts; the measured decode speed is kept next to the prediction, and the output
-   must equal plain greedy decoding. The result is stored as JSON in the user cache under
+   must equal plain greedy decoding. Then the held-back prompts (the last third of `prompts`, or
+   `check_prompts`), which no measurement above saw, decode with the chosen tree and with the
+   drafter's default tree: the default is stored instead (mode "default") unless the tuned tree is
+   faster there, so predictions that miss cannot make tree="auto" worse than no tuning. The result is stored as JSON in the user cache under
    `autotune/`, keyed by (model fingerprint, drafter, backend, device, dtype, threads, CPU);
-   `speccomp.compile(..., tree="auto")` reads it back (`resolve_auto`).
+   `speccomp.compile(..., tree="auto")` reads it back (`resolve_auto`), and with nothing stored tunes
+   on first use, on the shipped prompts in the model's own tokenizer (`first_use_prompts`).
 
 Drafters: early_exit, layer_skip, token_recycling, medusa, hydra, eagle. `ngram` builds its tree from
 the matches it finds and takes no tree, so it cannot be tuned (a clear error says so). Token
@@ -57,6 +61,7 @@ import json
 import math
 import platform
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -75,6 +80,7 @@ DEFAULT_MAX_NODES = 64
 DYNAMIC_BUDGETS = (4, 8, 12, 16, 24, 32)
 TIMED_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64)
 REPORT_SIZES = (2, 4, 8, 16, 32, 64)  # sizes decoded for the report's "measured" points
+FIRST_USE_PROMPTS = 2  # per shipped prompt file, when tree="auto" tunes on first use
 def untunable(drafter: str) -> str | None:
     """Why the named drafter has no tree to tune (it declares no tree kinds), or None."""
     from speccomp.drafters.registry import DECLARED
@@ -148,16 +154,7 @@ def resolve_auto(model, drafter, backend: str, drafter_options: dict | None):
         )
     if untunable(drafter):
         raise AutotuneError(f"tree='auto': {untunable(drafter)}; drop tree= (or use token_recycling, which takes a tuned tree)")
-    result = load_result(model, drafter, backend)
-    if result is None:
-        key = cache_key(model, drafter, backend)
-        raise AutotuneError(
-            f"tree='auto': no autotuned tree for drafter {drafter!r} on backend {backend!r} for this model and machine "
-            f"(fingerprint {key['fingerprint']}, {key['device']}, {key['dtype']}, {key['threads']} threads). "
-            f"Run `speccomp autotune --drafter {drafter} --backend {backend}` (default model, same thread count) or, "
-            f"in Python, `speccomp.autotune(model, {drafter!r}, prompts, backend={backend!r})` first; "
-            "or pass an explicit tree (a choice list, an int k, 'dynamic:B:K')"
-        )
+    result = load_result(model, drafter, backend) or _tune_on_first_use(model, drafter, backend, drafter_options)
     stored = result.drafter_options
     differ = {k: v for k, v in (drafter_options or {}).items() if k not in stored or stored[k] != v}
     if differ:  # the stored options are complete (every option the drafter declares); the user's win
@@ -168,6 +165,43 @@ def resolve_auto(model, drafter, backend: str, drafter_options: dict | None):
         )
         return result.tree, {**result.drafter_options, **drafter_options}
     return result.tree, dict(result.drafter_options)
+
+
+def first_use_prompts(model, per_file: int = FIRST_USE_PROMPTS):
+    """(calibration prompts as token ids, eos id) from the prompts shipped with speccomp in the model's own
+    tokenizer, found beside its weights (a model loaded from a local directory, e.g. the default model), or None."""
+    from speccomp.models import chat_ids, local_tokenizer
+    from speccomp.prompts import SETS, load_prompts
+
+    tok = local_tokenizer(model)
+    if tok is None:
+        return None
+    texts = [p.text for f in SETS for p in load_prompts(f, limit=per_file)]
+    if tok.chat_template:
+        ids = [chat_ids(tok, t) for t in texts]
+    else:
+        ids = [torch.tensor([tok(t).input_ids]) for t in texts]
+    return ids, tok.eos_token_id
+
+
+def _tune_on_first_use(model, drafter: str, backend: str, drafter_options: dict | None) -> "AutotuneResult":
+    """tree="auto" with nothing stored: tune now (progress bar on stderr), store, and use the result."""
+    found = first_use_prompts(model)
+    if found is None:
+        key = cache_key(model, drafter, backend)
+        raise AutotuneError(
+            f"tree='auto': no autotuned tree for drafter {drafter!r} on backend {backend!r} for this model and machine "
+            f"(fingerprint {key['fingerprint']}, {key['device']}, {key['dtype']}, {key['threads']} threads), and no "
+            "tokenizer beside the model's weights to tune it on first use with. Run "
+            f"`speccomp.autotune(model, {drafter!r}, prompts, backend={backend!r})` with your prompts as token ids "
+            "(or `speccomp autotune` for the default model) first; or pass an explicit tree (a choice list, an int k, "
+            "'dynamic:B:K')"
+        )
+    prompts, eos = found
+    print(f"tree='auto': no tree tuned for {drafter!r} on {backend!r} on this machine yet; tuning it now on "
+          f"{len(prompts)} shipped prompts (once: the result is stored for the next compile)", file=sys.stderr)
+    return autotune(model, drafter, prompts, backend=backend, drafter_options=drafter_options, eos_token_id=eos,
+                    progress=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -436,7 +470,7 @@ class AutotuneResult:
     backend: str
     key: dict
     drafter_options: dict
-    mode: str  # "static" | "dynamic": which kind of tree won
+    mode: str  # "static" | "dynamic": which kind of tree won; "default": the drafter's own tree held up better
     tree: object  # choice list (static) or "dynamic:BUDGET:TOPK"
     predicted_tokens_per_s: float
     measured_tokens_per_s: float  # decode speed of the chosen tree on the calibration prompts (prefill excluded)
@@ -447,6 +481,7 @@ class AutotuneResult:
     dynamic: list = field(default_factory=list)  # per budget: expected, mean size, prediction, measurement
     measured: list = field(default_factory=list)  # decoded configurations: predicted vs measured tokens/s
     plain_tokens_per_s: float = float("nan")  # the same target graph, one token per step
+    check: dict = field(default_factory=dict)  # held-back prompts: the tuned and the default tree's decode speed
     path: str | None = None
     schema: int = SCHEMA
 
@@ -466,7 +501,7 @@ class AutotuneResult:
         lines = [
             f"autotune {self.drafter} on {self.backend} ({self.key['device']}, {self.key['dtype']}, "
             f"{self.key['threads']} threads, {self.key['cpu']}), options {self.drafter_options}",
-            f"chosen: {self.mode} tree {self.tree if self.mode == 'dynamic' else json.dumps(self.tree)}",
+            f"chosen: {self.mode} tree {json.dumps(self.tree)}",
             f"  predicted {self.predicted_tokens_per_s:.1f} tok/s, measured {self.measured_tokens_per_s:.1f} tok/s "
             f"(decode, calibration prompts); no drafts (1 token per step) {self.plain_tokens_per_s:.1f} tok/s",
             "acceptance p[depth][rank] (probe " + f"{self.acceptance['probe_depth']}x{self.acceptance['probe_ranks']}):",
@@ -509,6 +544,11 @@ class AutotuneResult:
                 f"note: even the best tree is predicted slower than decoding without drafts "
                 f"({self.plain_tokens_per_s:.1f} tok/s): this drafter does not pay on this machine"
             )
+        c = self.check
+        if c:
+            lines.append(f"held-back check ({c['prompts']} prompts no measurement saw): tuned tree {json.dumps(c['tuned'])} "
+                         f"{c['tuned_tokens_per_s']:.1f} tok/s, default tree {json.dumps(c['default'])} "
+                         f"{c['default_tokens_per_s']:.1f} tok/s: kept the {c['kept']} tree")
         if self.path:
             lines.append(f"stored in {self.path}")
         return "\n".join(lines)
@@ -656,6 +696,7 @@ def autotune(
     eos_token_id=None,
     repeats: int = 5,
     measure_sizes=None,
+    check_prompts=None,
     save: bool = True,
     progress: bool = False,
 ) -> AutotuneResult:
@@ -668,6 +709,8 @@ def autotune(
                    "auto" (both where the drafter supports dynamic trees; the faster prediction wins)
     dynamic_budgets    budgets tried in dynamic mode (draft nodes, root not counted), with `dynamic_top_k`
     measure_sizes  static tree sizes to decode for predicted-vs-measured rows besides the chosen one
+    check_prompts  prompts the tuned tree must beat the drafter's default tree on (else the default is stored);
+                   None: the last third of `prompts` when there are 3 or more (they are then not calibrated on)
     save           store the result where compile(tree="auto") finds it
     Every decoded configuration is compared with plain greedy decoding; a mismatch raises (a bug).
     """
@@ -696,6 +739,10 @@ def autotune(
     prompts = [p if p.dim() == 2 else p[None] for p in prompts]
     if not prompts:
         raise AutotuneError("autotune needs at least one calibration prompt (token ids)")
+    if check_prompts is None:
+        held = len(prompts) // 3
+        prompts, check_prompts = prompts[: len(prompts) - held], prompts[len(prompts) - held :]
+    check_prompts = [p if p.dim() == 2 else p[None] for p in check_prompts]
 
     options = _default_options(model, drafter, drafter_options)
     sm = speccomp.compile(model, drafter=drafter, drafter_options=None if options is None else dict(options), backend=backend)
@@ -732,6 +779,7 @@ def autotune(
 
     n_p = len(prompts)
     total = n_p + n_p + repeats + len(budgets) * n_p + (1 + len(extra_sizes)) * n_p * do_static
+    total += 3 * len(check_prompts)
     bar = tqdm(total=total, desc=f"autotune {drafter}", disable=not progress, unit="run")
     plain = sm.with_drafter(RootOnly())  # the reference: greedy decoding through the same lowered target graph
     bar.set_postfix_str("greedy decoding without drafts (reference)")
@@ -833,6 +881,9 @@ def autotune(
             "measured_tokens_per_s": row["measured_tokens_per_s"], "measured_tokens_per_step": row["measured_tokens_per_step"],
             "identical": row["identical"],
         })
+    check = _check_against_default(sm, tree, check_prompts, max_new_tokens, eos_token_id, bar)
+    if check.get("kept") == "default":  # measured: the default tree's speed on the held-back prompts
+        chosen_mode, tree, measured_rate = "default", check["default"], check["default_tokens_per_s"]
     bar.close()
 
     result = AutotuneResult(
@@ -841,7 +892,7 @@ def autotune(
         context_len=context_len,
         acceptance={"p": acc.p, "p_raw": acc.p_raw, "hits": acc.hits, "visits": acc.visits, "probe_depth": depth, "probe_ranks": ranks},
         timing=timing, static=static_rows, dynamic=dynamic_rows, measured=measured_rows,
-        plain_tokens_per_s=ref["tokens_per_s"],
+        plain_tokens_per_s=ref["tokens_per_s"], check=check,
     )
     if save:
         from speccomp.models import write_atomically
@@ -850,6 +901,28 @@ def autotune(
         result.path = str(path)
         write_atomically(path, json.dumps(result.to_dict(), indent=1, default=float))
     return result
+
+
+def _tree_value(spec):
+    """A tree as a stored result holds it: a choice list, or "dynamic:B:K"."""
+    return str(spec) if isinstance(spec, DynamicTreeSpec) else [list(c) for c in spec.choices]
+
+
+def _check_against_default(sm, tree, prompts, max_new_tokens: int, eos, bar) -> dict:
+    """Decode the held-back `prompts` with the tuned `tree` and with the drafter's default tree (`sm`'s own),
+    each output checked against plain greedy decoding; which one to keep (the default unless the tuned one is
+    faster). {} without prompts, or when the tuned tree is the default."""
+    default = _tree_value(sm.drafter.tree)
+    if not prompts or default == tree:
+        return {}
+    refs = _run(sm.with_drafter(RootOnly()), prompts, max_new_tokens, eos, bar=bar)["outputs"]
+    tuned = _run(with_tree(sm, parse_tree_spec(tree)), prompts, max_new_tokens, eos, refs, bar=bar)
+    base = _run(sm, prompts, max_new_tokens, eos, refs, bar=bar)
+    if not (tuned["identical"] and base["identical"]):
+        raise RuntimeError(f"{sm.drafter.name} changed the greedy output on the held-back prompts; please report this")
+    return {"prompts": len(prompts), "tuned": tree, "default": default, "tuned_tokens_per_s": tuned["tokens_per_s"],
+            "default_tokens_per_s": base["tokens_per_s"],
+            "kept": "tuned" if tuned["tokens_per_s"] > base["tokens_per_s"] else "default"}
 
 
 # --------------------------------------------------------------------------------------------
