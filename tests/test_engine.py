@@ -246,6 +246,8 @@ def test_compressed_kv_engines_greedy_identical_and_step_like_torch(llama, kv_ca
     part = engine.manifest["drafter"]
     assert part["name"] == "compressed_kv" and part["graph"] == "compressed_kv.onnx"
     assert part["options"]["kv_cache"] == kv_cache and part["options"]["kv_layers"] == fast.drafter.layer_index.tolist()
+    # the manifest names the source model and its end-of-sequence token (an engine run without eos_token_id stops there)
+    assert engine.eos_token_id == llama.generation_config.eos_token_id and engine.manifest["model"]["fingerprint"]
     ids = steps_like_torch(engine, fast, llama)
     assert fast.last_stats["kv_tokens_draft"] < fast.last_stats["kv_tokens_full"] or kv_cache.startswith("kivi")
     assert engine.drafter.compressed.nbytes() == fast.drafter.cache.nbytes() < engine.drafter.cache.nbytes()

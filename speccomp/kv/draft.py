@@ -187,7 +187,8 @@ def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options
     drafter = CompressedKVDrafter(lower(draft_graph, backend, spin=False), base.captured.kv, policy, spec,
                                   kv_layers=draft_graph.kv_layers, options=drafter_options, graph=draft_graph)
     target = run_passes(base.clone(), [TreeAttention()])
-    return CompressedKVModel(target, lower(target, backend, spin=False), backend, drafter=drafter)
+    return CompressedKVModel(target, lower(target, backend, spin=False), backend, drafter=drafter,
+                             model=getattr(base, "model", None))  # the source model: an export's manifest names it
 
 
 def _layer_passes(base, options: dict) -> list:
