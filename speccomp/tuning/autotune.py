@@ -978,7 +978,8 @@ def plot_report(result: AutotuneResult, path) -> Path:
         ax.axhline(result.plain_tokens_per_s, color="gray", ls=":", label="no drafts (1 token per step)")
     ax.set_xlabel("tree size n (nodes, root included)")
     ax.set_ylabel("decode tokens/s")
-    chosen = result.tree if result.mode == "dynamic" else f"{len(result.tree) + 1} nodes"
+    chosen = result.tree if isinstance(result.tree, str) else f"{len(result.tree) + 1} nodes"
+    chosen += " (the default tree)" if result.mode == "default" else ""
     ax.set_title(f"{result.drafter}: chosen {chosen}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
