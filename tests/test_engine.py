@@ -433,3 +433,24 @@ def test_import_speccomp_does_not_import_torch():
     code = "import sys, speccomp, speccomp.engine; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_quantized_drafter_is_lossless_and_exports(llama, tmp_path):
+    """QuantSpec's self-drafter: the target's graph with 4-bit MatMulNBits weights drafts, the float graph verifies:
+    HF's greedy text, drafts accepted, and the engine (quantized.onnx) steps like the torch runtime."""
+    import onnx
+
+    fast = speccomp.compile(llama, drafter="quantized", backend="onnxruntime")
+    proto = onnx.load(str(fast.drafter.step.path))
+    weights = {i.name for i in proto.graph.initializer}
+    assert any(n.op_type == "MatMulNBits" for n in proto.graph.node)
+    assert not [n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in weights]  # every weight is 4-bit
+    engine = speccomp.load(fast.export(tmp_path / "e"))
+    part = engine.manifest["drafter"]
+    assert part["graph"] == "quantized.onnx" and part["options"]["block_size"] == 32
+    steps_like_torch(engine, fast, llama)
+    assert fast.last_stats["acceptance_by_depth"][0] > 0.5  # the 4-bit model mostly agrees with the float one
+    with pytest.raises(speccomp.OptionError, match="backend='eager'.*MatMulNBits"):
+        speccomp.compile(llama, drafter="quantized")
+    with pytest.raises(speccomp.OptionError, match="block_size=24: must be a power of two"):
+        speccomp.compile(llama, drafter="quantized", drafter_options={"block_size": 24}, backend="onnxruntime")

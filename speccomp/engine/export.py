@@ -72,7 +72,7 @@ def drafter_spec(drafter) -> dict:
         return {"name": name, "graph": GRAPH_FILES[name], "options": dict(
             num_heads=head.num_heads, head_dim=head.head_dim, top=drafter.max_siblings, tree=shape,
             max_depth=drafter.max_depth)}
-    if name in ("early_exit", "layer_skip", "compressed_kv"):  # the draft graph becomes NAME.onnx
+    if name in ("early_exit", "layer_skip", "quantized", "compressed_kv"):  # the draft graph becomes NAME.onnx
         from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
 
         if drafter.graph is None and not hasattr(drafter.step, "path"):
@@ -103,7 +103,7 @@ def _drafter_graphs(fast, spec: dict, target_outputs: list[str], out: Path) -> d
             file = _medusa_onnx(drafter, out / MEDUSA_FILE)
         elif part["name"] in ("hydra", "eagle"):
             file = _module_onnx(drafter, out / part["graph"])
-        elif part["name"] in ("early_exit", "layer_skip", "compressed_kv"):
+        elif part["name"] in ("early_exit", "layer_skip", "quantized", "compressed_kv"):
             file = _copy_or_export(drafter.step, drafter.graph, out / part["graph"])
         else:
             continue

@@ -18,6 +18,7 @@
                      -> outputs, the entries' keys and values, top log-probs and token ids
     early_exit.onnx, layer_skip.onnx   (self-drafter engines) the target graph with layers bypassed, the
                      target's convention; it drafts over the engine's cache, its KV in the scratch room
+    quantized.onnx   (quantized engines) the target graph with 4-bit MatMulNBits weights, drafting the same way
     compressed_kv.onnx   (kv_mode="draft") the self-drafter's graph (+ attention probabilities for SnapKV / H2O);
                      it drafts over a compressed copy of the cache (speccomp/kv/cache.py, shared with torch)
 
@@ -57,7 +58,7 @@ HYDRA_FILE = "hydra.onnx"
 EAGLE_FILE = "eagle.onnx"
 MANIFEST_KEYS = ("format", "format_version", "speccomp_version", "model", "kv", "graphs", "opset", "max_tree", "drafter")
 ENGINE_DRAFTERS = (None, "ngram", "token_recycling", "medusa", "hydra", "eagle", "early_exit", "layer_skip",
-                   "compressed_kv")  # drafters
+                   "quantized", "compressed_kv")  # drafters
 # the torch-free loop can run, alone or merged ("hydra+token_recycling": one drafter that reads the model, any number of text drafters)
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
 
@@ -157,9 +158,11 @@ _DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free dra
 _SELF_DRAFT = {"kv_layers": lambda v: _ints(v, 0) and len(v) >= 1, "tree": _grown_tree, "max_depth": lambda v: _is_int(v, 1)}
 _DRAFTER_OPTIONS["early_exit"] = {**_SELF_DRAFT, "exit_layer": lambda v: _is_int(v, 0)}
 _DRAFTER_OPTIONS["layer_skip"] = {**_SELF_DRAFT, "skip": lambda v: _ints(v, 0) and len(v) >= 1}
+_DRAFTER_OPTIONS["quantized"] = {**_SELF_DRAFT, "block_size": lambda v: _is_int(v, 16)}  # 4-bit weights
 _DRAFTER_OPTIONS["compressed_kv"] = {**_SELF_DRAFT, "kv_cache": lambda v: _kv_policy_ok(v)}  # kv_mode="draft"
 GRAPH_FILES = {"medusa": MEDUSA_FILE, "hydra": HYDRA_FILE, "eagle": EAGLE_FILE, "early_exit": "early_exit.onnx",
-               "layer_skip": "layer_skip.onnx", "compressed_kv": "compressed_kv.onnx"}  # drafters with a graph
+               "layer_skip": "layer_skip.onnx", "quantized": "quantized.onnx",
+               "compressed_kv": "compressed_kv.onnx"}  # drafters with a graph
 
 
 def _kv_policy_ok(spec) -> bool:
@@ -593,11 +596,11 @@ def _grow(tree: dict, root: int, expand, max_depth: int, max_nodes: int) -> tupl
 
 
 class _SelfDraft(_Drafter):
-    """early_exit / layer_skip (speccomp/drafters/graph.py's GraphDrafter): NAME.onnx is the target's own graph with
+    """early_exit / layer_skip / quantized (speccomp/drafters/graph.py's GraphDrafter): NAME.onnx is the target's own graph with
     layers bypassed, run depth by depth over the target's cache (the expanded nodes of one depth in one run); the
     draft nodes' KV goes to the scratch room past the cache's length, which the verification overwrites."""
 
-    def __init__(self, kv_layers, tree, max_depth, session: BoundSession, exit_layer=None, skip=None):
+    def __init__(self, kv_layers, tree, max_depth, session: BoundSession, exit_layer=None, skip=None, block_size=None):
         self.kv_layers, self.tree, self.max_depth, self.session, self.cache = kv_layers, tree, max_depth, session, None
 
     def begin(self, prompt, cache):
