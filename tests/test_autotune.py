@@ -451,6 +451,8 @@ def test_tree_auto_tunes_on_first_use_and_keeps_what_held_back_prompts_prefer(ca
     char_tokenizer().save_pretrained(tmp_path / "m")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
     assert load_result(model, "token_recycling") is None
+    with pytest.raises(AutotuneError, match="check_prompts must be token id tensors"):
+        speccomp.autotune(model, "token_recycling", [torch.tensor([[5, 6, 7]])], check_prompts=["hello"])
     fast = speccomp.compile(model, drafter="token_recycling", tree="auto")
     assert "tuning it now on 8 shipped prompts" in capsys.readouterr().err
     stored = load_result(model, "token_recycling")

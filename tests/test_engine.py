@@ -454,3 +454,5 @@ def test_quantized_drafter_is_lossless_and_exports(llama, tmp_path):
         speccomp.compile(llama, drafter="quantized")
     with pytest.raises(speccomp.OptionError, match="block_size=24: must be a power of two"):
         speccomp.compile(llama, drafter="quantized", drafter_options={"block_size": 24}, backend="onnxruntime")
+    with pytest.raises(speccomp.OptionError, match=r"unknown quantized options \['bits'\]"):
+        speccomp.compile(llama, drafter="quantized", drafter_options={"bits": 8}, backend="onnxruntime")

@@ -208,7 +208,7 @@ def _copy_or_export(step, sg, path: Path) -> Path:
     return export_onnx(sg, path, example_args=args, dynamic_shapes=dynamic)
 
 
-def _add_top_ids(path: Path, k: int) -> None:
+def _add_top_ids(path: Path, k: int):
     """Token Recycling observes every verified node's top-k tokens: a TopK on the logits inside the target graph
     (output TOP_IDS_OUTPUT [1, q, k]) instead of a numpy top-k over the vocabulary per node in the loop (numpy's
     argpartition took ~4% of a hydra+token_recycling engine's time; ONNX Runtime's TopK reads the logits once).
@@ -227,6 +227,7 @@ def _add_top_ids(path: Path, k: int) -> None:
                                        largest=1, sorted=1, name="top_ids"))
     graph.output.append(helper.make_tensor_value_info(TOP_IDS_OUTPUT, TensorProto.INT64, [1, "q", k]))
     onnx.save(proto, str(path))
+    return proto  # what export reads next: the graph is not loaded twice (its weights are inline, ~540 MB)
 
 
 def _graph_entry(path: Path, proto) -> dict:
@@ -342,9 +343,8 @@ def export_engine(fast, path, tokenizer=None, overwrite: bool = False, model_id:
     try:
         target = _target_onnx(fast, tmp)
         recycling = [p["options"]["top_k"] for p in _parts(drafter) if p["name"] == "token_recycling"]
-        if recycling:
-            _add_top_ids(target, max(recycling))
-        proto = onnx.load(str(target), load_external_data=False)
+        proto = (_add_top_ids(target, max(recycling)) if recycling
+                 else onnx.load(str(target), load_external_data=False))
         graphs = {"target": _graph_entry(target, proto)}
         graphs.update(_drafter_graphs(fast, drafter, graphs["target"]["outputs"], tmp))
         opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)

@@ -167,7 +167,7 @@ GRAPH_FILES = {"medusa": MEDUSA_FILE, "hydra": HYDRA_FILE, "eagle": EAGLE_FILE, 
 
 def _kv_policy_ok(spec) -> bool:
     try:
-        return isinstance(spec, str) and parse_kv_cache(spec) is not None
+        return isinstance(spec, str) and bool(parse_kv_cache(spec))
     except KVPolicyError:
         return False
 

@@ -742,6 +742,8 @@ def autotune(
     if check_prompts is None:
         held = len(prompts) // 3
         prompts, check_prompts = prompts[: len(prompts) - held], prompts[len(prompts) - held :]
+    if not all(isinstance(p, torch.Tensor) and p.dim() in (1, 2) for p in check_prompts):
+        raise AutotuneError(f"check_prompts must be token id tensors [1, n] or [n], got {check_prompts!r:.200}")
     check_prompts = [p if p.dim() == 2 else p[None] for p in check_prompts]
 
     options = _default_options(model, drafter, drafter_options)
