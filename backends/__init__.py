@@ -15,36 +15,26 @@ with a message naming it. GPU-only choices fail at compile time on a machine wit
 """
 from __future__ import annotations
 
+from importlib import import_module
+
 from speccomp.backends.eager import lower_eager
 
 
-def lower_inductor(sg):
-    from speccomp.backends.inductor import lower_inductor as lower  # torch._inductor is heavy to import
-
-    return lower(sg)
-
-
-def _onnxruntime(provider: str):
-    def lower_on(sg, spin: bool = True):
-        from speccomp.backends.onnxruntime import lower_onnxruntime as lower  # imports onnx / onnxruntime only when chosen
-
-        return lower(sg, provider, spin)
+def _lazy(module: str, *bound):
+    """speccomp.backends.<module>.lower_<module>(sg, *bound, ...), imported at the first call: torch._inductor is
+    heavy to import, and onnx / onnxruntime / triton are optional."""
+    def lower_on(sg, *args):
+        return getattr(import_module(f"speccomp.backends.{module}"), f"lower_{module}")(sg, *bound, *args)
 
     return lower_on
-
-
-def lower_triton(sg):
-    from speccomp.backends.triton import lower_triton as lower  # imports triton only when chosen
-
-    return lower(sg)
 
 
 ORT_PROVIDERS = {"onnxruntime": "cpu", "onnxruntime:cuda": "cuda", "tensorrt": "tensorrt"}  # backend -> ORT provider
 BACKENDS = {
     "eager": lower_eager,
-    "inductor": lower_inductor,
-    **{backend: _onnxruntime(provider) for backend, provider in ORT_PROVIDERS.items()},
-    "triton": lower_triton,
+    "inductor": _lazy("inductor"),
+    **{backend: _lazy("onnxruntime", provider) for backend, provider in ORT_PROVIDERS.items()},
+    "triton": _lazy("triton"),
 }
 
 

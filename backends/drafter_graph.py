@@ -17,9 +17,6 @@ Every lowering returns a callable taking and returning torch tensors in the spec
 """
 from __future__ import annotations
 
-import contextlib
-import io
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,15 +44,10 @@ def capture_module(module: torch.nn.Module, spec: DrafterGraphSpec) -> torch.fx.
 
 def export_module_onnx(module: torch.nn.Module, spec: DrafterGraphSpec, path: Path) -> Path:
     """`module` exported to the ONNX file `path` with the spec's names and dynamic dims."""
-    from speccomp.backends.onnx_export import OnnxBackendError
+    from speccomp.backends.onnx_export import onnx_program
 
-    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="# The axis name")  # inputs sharing one Dim: named once
-        try:
-            program = torch.onnx.export(module.eval(), spec.example, dynamo=True, input_names=spec.inputs,
-                                        output_names=spec.outputs, dynamic_shapes=spec.dynamic, optimize=True)
-        except Exception as exc:
-            raise OnnxBackendError(f"exporting the {spec.name} drafter graph failed: {str(exc).splitlines()[0]}") from exc
+    program = onnx_program(module.eval(), spec.example, f"exporting the {spec.name} drafter graph failed",
+                           input_names=spec.inputs, output_names=spec.outputs, dynamic_shapes=spec.dynamic)
     program.save(path)
     return path
 

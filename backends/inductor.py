@@ -26,7 +26,6 @@ import time
 
 import torch
 
-from speccomp.frontend.convention import INPUT_NAMES
 from speccomp.errors import SpeccompError
 from speccomp.frontend.graph import run_passes
 from speccomp.passes.grouped_query_attention import GroupedQueryAttention
@@ -34,14 +33,8 @@ from speccomp.passes.tree_attention import TREE_MASK
 
 from speccomp.backends.onnx_export import export_copy
 
-# which dims of each input vary from call to call (see the calling convention in capture.py)
-DYNAMIC_DIMS = {
-    "input_ids": (1,),
-    "position_ids": (1,),
-    "attention_mask": (1,),
-    "past_kv": (4,),
-    TREE_MASK: (0, 1),
-}
+# which dims of each input vary from call to call (see the calling convention, speccomp/frontend/convention.py)
+DYNAMIC_DIMS = {"input_ids": (1,), "position_ids": (1,), "attention_mask": (1,), "past_kv": (4,), TREE_MASK: (0, 1)}
 
 
 class InductorBackendError(SpeccompError, RuntimeError):
@@ -49,10 +42,8 @@ class InductorBackendError(SpeccompError, RuntimeError):
 
 
 class InductorStep:
-    """A graph compiled by TorchInductor, with the captured graph's calling convention.
-
-    Counts what it compiled (`compiles`, `compile_seconds`) so callers can check that decoding
-    does not recompile step after step.
+    """A graph compiled by TorchInductor, with the captured graph's calling convention. Counts what it
+    compiled (`compiles`, `compile_seconds`) so callers can check that decoding does not recompile step after step.
     """
 
     def __init__(self, gm: torch.fx.GraphModule, input_names: list[str], options: dict, dims: list[tuple] | None = None):
@@ -86,15 +77,14 @@ class InductorStep:
         with torch.no_grad():
             try:
                 return self._compiled(*inputs)
-            except SpeccompError:
-                raise
             except Exception as exc:
-                if type(exc).__module__.startswith(("torch._dynamo", "torch._inductor")):
-                    raise InductorBackendError(
-                        f"torch.compile (inductor) failed on the graph: {str(exc).splitlines()[0] if str(exc) else exc!r}; "
-                        "inductor needs a C++ compiler (g++) on CPU; backend='eager' runs the same graph uncompiled"
-                    ) from exc
-                raise
+                compiler = type(exc).__module__.startswith(("torch._dynamo", "torch._inductor"))
+                if isinstance(exc, SpeccompError) or not compiler:
+                    raise
+                raise InductorBackendError(
+                    f"torch.compile (inductor) failed on the graph: {str(exc).splitlines()[0] if str(exc) else exc!r}; "
+                    "inductor needs a C++ compiler (g++) on CPU; backend='eager' runs the same graph uncompiled"
+                ) from exc
 
     def __repr__(self) -> str:
         return f"InductorStep(inputs={self.input_names}, compiles={self.compiles}, options={self.options})"
@@ -110,7 +100,7 @@ def lower_inductor(sg, *, freezing: bool = True, prepack: bool = False):
         if PrepackLinear.applies(sg):
             passes.append(PrepackLinear())
     run_passes(sg, passes, dump_input=False)
-    unknown = [n for n in sg.input_names() if n not in INPUT_NAMES and n != TREE_MASK]
+    unknown = [n for n in sg.input_names() if n not in DYNAMIC_DIMS]
     if unknown:
         raise ValueError(f"the inductor backend does not know which dims of graph inputs {unknown} vary")
     return InductorStep(export_copy(sg.gm), sg.input_names(), {"freezing": freezing})

@@ -4,7 +4,7 @@
     step = OrtStep(path)                                     # CPU execution provider by default
     logits, new_kv, hidden = step(input_ids, position_ids, attention_mask, past_kv)
 
-The ONNX model keeps the captured graph's calling convention (see speccomp/frontend/hf.py): inputs
+The ONNX model keeps the captured graph's calling convention (speccomp/frontend/convention.py): inputs
 `input_ids, position_ids, attention_mask, past_kv`, outputs `logits, new_kv, hidden`, with the
 dynamic axes
 
@@ -43,14 +43,9 @@ class OnnxBackendError(SpeccompError, RuntimeError):
     """ONNX export or ONNX Runtime is unavailable or failed; the message names the fix."""
 
 
-# --------------------------------------------------------------------------------------
-# Export
-# --------------------------------------------------------------------------------------
 def _unpack(obj, kv_spec: KVSpec | None):
     """(GraphModule, KVSpec, vocab size) from a SpecGraph, a CapturedModel or a bare GraphModule."""
-    captured = getattr(obj, "captured", None)  # SpecGraph
-    if isinstance(obj, CapturedModel):
-        captured = obj
+    captured = obj if isinstance(obj, CapturedModel) else getattr(obj, "captured", None)  # a SpecGraph's
     if captured is not None:
         return captured.graph_module, kv_spec or captured.kv, captured.vocab_size
     if isinstance(obj, fx.GraphModule):
@@ -70,26 +65,18 @@ def export_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """
     graph = copy.deepcopy(gm.graph)
     for node in list(graph.nodes):
-        if node.users:
-            continue
-        if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
-            graph.erase_node(node)
-        elif node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+        guards = node.op == "call_module" and str(node.target).startswith("_guards_fn")
+        if not node.users and (guards or node.target is torch.ops.aten._assert_tensor_metadata.default):
             graph.erase_node(node)
     graph.lint()
-    out = fx.GraphModule(gm, graph)  # copies only the attributes the graph references (weights shared)
-    out.eval()
-    return out
+    return fx.GraphModule(gm, graph).eval()  # copies only the attributes the graph references (weights shared)
 
 
 def _dynamic_shapes(names: list[str]):
-    q, past = Dim("q", min=1), Dim("past", min=0)
-    known = {
-        "input_ids": {1: q},
-        "position_ids": {1: q},
-        "attention_mask": {1: Dim.AUTO},  # = past + q; export derives it (an independent Dim would conflict)
-        "past_kv": {4: past},
-    }
+    q = Dim("q", min=1)
+    # attention_mask = past + q: Dim.AUTO, so export derives it (an independent Dim would conflict)
+    known = {"input_ids": {1: q}, "position_ids": {1: q}, "attention_mask": {1: Dim.AUTO},
+             "past_kv": {4: Dim("past", min=0)}}
     return tuple(known[n] for n in names)
 
 
@@ -140,29 +127,17 @@ def _input_names(gm, given: bool) -> list[str]:
     return names
 
 
-def export_onnx(
-    graph_module_or_specgraph,
-    path,
-    *,
-    kv_spec: KVSpec | None = None,
-    opset: int | None = None,
-    external_data: bool | None = None,
-    example_args: tuple | None = None,
-    dynamic_shapes: tuple | None = None,
-    size_oblivious: bool = True,
-    verbose: bool = False,
-) -> Path:
-    """Export the graph to an ONNX file at `path` with `torch.onnx.export(..., dynamo=True)`.
+def export_onnx(graph_module_or_specgraph, path, *, kv_spec: KVSpec | None = None, opset: int | None = None,
+                external_data: bool | None = None, example_args: tuple | None = None,
+                dynamic_shapes: tuple | None = None, size_oblivious: bool = True, verbose: bool = False) -> Path:
+    """Export the graph to an ONNX file at `path` with `torch.onnx.export(..., dynamo=True)`; returns `path`.
 
-    `graph_module_or_specgraph`: a SpecGraph, a CapturedModel, or the flat GraphModule itself
-    (then `kv_spec` is required). `opset`: ONNX opset (None = torch's default). `external_data`:
-    None keeps the weights inside the .onnx unless they exceed protobuf's 2 GB limit, True writes
-    them to `<name>.onnx.data` next to it. The onnxscript optimiser runs on the result.
-
-    Graphs with inputs beyond the four of the calling convention (added by passes) need
-    `example_args` and `dynamic_shapes` (a tuple in input order, as for `torch.export`).
-    `size_oblivious` re-exports under `backed_size_oblivious` as capture does, so no size is
-    specialised to 0 or 1. Returns the path written.
+    `graph_module_or_specgraph`: a SpecGraph, a CapturedModel, or the flat GraphModule itself (then `kv_spec`
+    is required). `opset`: ONNX opset (None = torch's default). `external_data`: None keeps the weights inside
+    the .onnx unless they exceed protobuf's 2 GB limit, True writes them to `<name>.onnx.data` next to it.
+    The onnxscript optimiser runs on the result. Graphs with inputs beyond the four of the calling convention
+    (added by passes) need `example_args` and `dynamic_shapes` (a tuple in input order, as for `torch.export`).
+    `size_oblivious` re-exports under `backed_size_oblivious` as capture does, so no size is specialised to 0 or 1.
     """
     try:
         import onnxscript  # noqa: F401  (torch.onnx's dynamo exporter is built on it)
@@ -177,70 +152,39 @@ def export_onnx(
         dynamic_shapes = _dynamic_shapes(names)
     n_out = len(gm.graph.output_node().args[0])
     output_names = list(OUTPUT_NAMES[:n_out]) + [f"output_{i}" for i in range(len(OUTPUT_NAMES), n_out)]
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
-    with quiet, warnings.catch_warnings(), _without_slow_rewrites(), fx_config.patch(backed_size_oblivious=size_oblivious), \
-            torch.no_grad():
-        # input_ids and position_ids share the Dim `q` on purpose; torch.onnx warns that it names it once
-        warnings.filterwarnings("ignore", message="# The axis name")
-        warnings.filterwarnings("ignore", message="Exporting a model while it is in training mode")
-        try:
-            program = torch.onnx.export(
-                gm,
-                tuple(example_args),
-                dynamo=True,
-                dynamic_shapes=dynamic_shapes,
-                input_names=names,
-                output_names=output_names,
-                opset_version=opset,
-                optimize=True,
-                verbose=verbose,
-            )
-        except Exception as exc:
-            raise OnnxBackendError(f"torch.onnx.export failed on the captured graph: {str(exc).splitlines()[0]}") from exc
+    with _without_slow_rewrites(), fx_config.patch(backed_size_oblivious=size_oblivious):
+        program = onnx_program(gm, example_args, "torch.onnx.export failed on the captured graph", verbose=verbose,
+                               dynamic_shapes=dynamic_shapes, input_names=names, output_names=output_names,
+                               opset_version=opset)
     _name_mask_axis(program, names)
     program.save(path, external_data=external_data)
     return path
 
 
-# --------------------------------------------------------------------------------------
-# ONNX Runtime
-# --------------------------------------------------------------------------------------
-def _onnxruntime():
-    from speccomp.engine.runtime import onnxruntime_module
-
-    return onnxruntime_module(error=OnnxBackendError)
-
-
-def _check_providers(ort, providers) -> list:
-    from speccomp.engine.runtime import missing_provider
-
-    for provider in providers:
-        message = missing_provider(ort, provider[0] if isinstance(provider, (tuple, list)) else provider)
-        if message:
-            raise OnnxBackendError(message)
-    return list(providers)
+def onnx_program(module, example_args, failure: str, **options):
+    """`torch.onnx.export(module, example_args, dynamo=True, optimize=True, **options)`, quiet unless
+    options["verbose"]; an OnnxBackendError starting with `failure` if it fails."""
+    quiet = contextlib.nullcontext() if options.get("verbose") else contextlib.redirect_stdout(io.StringIO())
+    with quiet, warnings.catch_warnings(), torch.no_grad():
+        # inputs share a Dim on purpose (input_ids, position_ids: `q`); torch.onnx warns that it names it once
+        warnings.filterwarnings("ignore", message="# The axis name")
+        warnings.filterwarnings("ignore", message="Exporting a model while it is in training mode")
+        try:
+            return torch.onnx.export(module, tuple(example_args), dynamo=True, optimize=True, **options)
+        except Exception as exc:
+            raise OnnxBackendError(f"{failure}: {str(exc).splitlines()[0]}") from exc
 
 
 def _as_numpy(x, dtype) -> np.ndarray:
     if isinstance(x, torch.Tensor):
-        x = x.detach()
-        if x.device.type != "cpu":
-            x = x.cpu()
-        x = x.numpy()
+        x = x.detach().cpu().numpy()  # .cpu() of a CPU tensor is the tensor itself: no copy
     return np.ascontiguousarray(x, dtype=dtype)
 
 
-_ORT_TYPES = {
-    "tensor(int64)": np.int64,
-    "tensor(int32)": np.int32,
-    "tensor(float)": np.float32,
-    "tensor(double)": np.float64,
-    "tensor(float16)": np.float16,
-    "tensor(bool)": np.bool_,
-}
+_ORT_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
+              "tensor(double)": np.float64, "tensor(float16)": np.float16, "tensor(bool)": np.bool_}
 
 
 def quantize_weights_int4(path, block_size: int = 32) -> Path:
@@ -282,11 +226,17 @@ class OrtStep:
     """
 
     def __init__(self, path, providers=None, session_options=None, intra_op_threads: int | None = None, spin: bool = True):
-        ort = _onnxruntime()
+        from speccomp.engine.runtime import check_session_providers, missing_provider, onnxruntime_module
+
+        ort = onnxruntime_module(error=OnnxBackendError)
         self.path = Path(path)
         if not self.path.exists():
             raise FileNotFoundError(f"no ONNX model at {self.path}; create it with export_onnx")
-        self.providers = _check_providers(ort, providers or ["CPUExecutionProvider"])
+        self.providers = list(providers or ["CPUExecutionProvider"])
+        for provider in self.providers:
+            message = missing_provider(ort, provider[0] if isinstance(provider, (tuple, list)) else provider)
+            if message:
+                raise OnnxBackendError(message)
         options = session_options or ort.SessionOptions()
         if intra_op_threads is None and session_options is None:
             intra_op_threads = torch.get_num_threads()
@@ -297,13 +247,16 @@ class OrtStep:
         start = time.perf_counter()
         self.session = ort.InferenceSession(os.fspath(self.path), sess_options=options, providers=self.providers)
         self.load_seconds = time.perf_counter() - start
-        from speccomp.engine.runtime import check_session_providers
-
+        self.spin = spin
         # what the session really runs on: ONNX Runtime falls back to CPU without a word when a GPU provider fails
         self.providers = check_session_providers(self.session, self.providers, self.path.name, OnnxBackendError)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.input_types = [_ORT_TYPES.get(i.type) for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def at(self, path) -> "OrtStep":
+        """The same kind of step over another file of this graph (its 4-bit twin, say)."""
+        return OrtStep(path, providers=self.providers, spin=self.spin)
 
     def __call__(self, *inputs):
         if len(inputs) != len(self.input_names):

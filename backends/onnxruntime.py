@@ -24,9 +24,8 @@ from torch.export import Dim
 from speccomp.frontend.convention import INPUT_NAMES, example_inputs
 from speccomp.passes.tree_attention import TREE_MASK
 
-from speccomp.backends.onnx_export import OrtStep, _dynamic_shapes, export_onnx
-
-_EXAMPLE_Q, _EXAMPLE_PAST = 3, 7
+from speccomp.backends.onnx_export import _EXAMPLE_PAST, _EXAMPLE_Q, OrtStep, _dynamic_shapes, export_onnx
+from speccomp.backends.onnx_kv import lower_in_place
 
 
 def _export_dir(name: str) -> Path:
@@ -46,8 +45,7 @@ def export_args(sg):
     unknown = [n for n in names if n not in INPUT_NAMES and n != TREE_MASK]
     if unknown:
         raise ValueError(f"the onnxruntime backend cannot feed graph inputs {unknown}")
-    kv = sg.captured.kv
-    args = list(example_inputs(kv, _EXAMPLE_Q, _EXAMPLE_PAST, vocab_size=sg.captured.vocab_size))
+    args = list(example_inputs(sg.captured.kv, _EXAMPLE_Q, _EXAMPLE_PAST, vocab_size=sg.captured.vocab_size))
     dynamic = list(_dynamic_shapes([n for n in names if n in INPUT_NAMES]))
     if TREE_MASK in names:
         args.append(torch.ones(_EXAMPLE_Q, _EXAMPLE_Q + 2, dtype=torch.bool).tril(2))  # [q, T], T >= q
@@ -56,11 +54,15 @@ def export_args(sg):
 
 
 def lower_onnxruntime(sg, provider: str = "cpu", spin: bool = True):
-    """An OrtStep running `sg` exported to ONNX on `provider` ("cpu", "cuda", "tensorrt"); `spin`: see lower()."""
+    """An OrtStep running `sg` exported to ONNX on `provider` ("cpu", "cuda", "tensorrt"); `spin`: see lower().
+    On the CPU, graphs whose attention OrtAttention fuses write the cache in place (backends/onnx_kv.py)."""
     from speccomp.engine.runtime import check_provider
 
     providers = check_provider(provider)  # before the export: a missing provider fails in a second, not a minute
     name = "-".join(sg.applied) or "plain"  # e.g. "tree_attention", "skip_layers-tree_attention"
+    step = lower_in_place(sg, _export_dir(name) / f"{name}.onnx", providers, spin)
+    if step is not None:
+        return step
     args, dynamic = export_args(sg)
     path = export_onnx(sg, _export_dir(name) / f"{name}.onnx", example_args=args, dynamic_shapes=dynamic)
     return OrtStep(path, providers=providers, spin=spin)

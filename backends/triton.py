@@ -18,6 +18,7 @@ from eager only in attention. On CUDA weights the pass does not apply and linear
 """
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import torch
@@ -31,11 +32,8 @@ from speccomp.backends.triton_attention import TritonBackendError, check_availab
 
 
 def _device(gm: torch.nn.Module) -> torch.device:
-    for t in gm.parameters():
-        return t.device
-    for t in gm.buffers():
-        return t.device
-    return torch.device("cpu")
+    first = next(itertools.chain(gm.parameters(), gm.buffers()), None)
+    return torch.device("cpu") if first is None else first.device
 
 
 def check_attention(sg) -> None:

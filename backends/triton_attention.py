@@ -92,9 +92,7 @@ def check_available(device: torch.device | str) -> None:
     )
 
 
-# --------------------------------------------------------------------------------------
-# The kernel (a plain function, wrapped at first launch for the mode triton was imported in: _kernel)
-# --------------------------------------------------------------------------------------
+# The kernel: a plain function, wrapped at first launch for the mode triton was imported in (_kernel)
 def _tree_attention_kernel(
     Q, K, V, Mask, Out, scale,
     sqb, sqh, sqm, sqd,
@@ -175,10 +173,6 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _check(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"tree_attention takes 4-D q, k, v [B, H, S, D], got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
@@ -214,7 +208,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = 
     if out.numel() == 0:
         return out
     block_m = min(64, max(16, _next_pow2(G * M)))  # tl.dot wants every tile dim >= 16
-    grid = (_cdiv(G * M, block_m), B * Hkv)
+    grid = (-(-G * M // block_m), B * Hkv)  # ceil(G * M / block_m) row blocks
     _kernel(interpreting())[grid](
         q, k, v, mask, out, scale,
         *q.stride(), *k.stride(), *v.stride(), *mask.stride(), *out.stride(),
@@ -225,9 +219,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = 
     return out
 
 
-# --------------------------------------------------------------------------------------
 # The custom op FX graphs hold (passes/triton_attention.py puts it in place of SDPA)
-# --------------------------------------------------------------------------------------
 @torch.library.custom_op("speccomp::tree_attention", mutates_args=())
 def tree_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None) -> Tensor:
     """SDPA(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True) computed by the Triton kernel."""

@@ -10,9 +10,12 @@ measures, in one process and one run:
     floor       (weight bytes + cache bytes at that context) / bandwidth: no step can take less
     step        one forward of one token (q = 1) after `context` cached tokens, median of --repeats, for
                   hf         the HF model with a DynamicCache (model(input_ids, past_key_values=...))
-                  eager      speccomp's eager lowering of the verify graph (TreeAttention, GQA, packed linears)
-                  onnxruntime  the same graph exported to ONNX, ONNX Runtime's CPU provider (an OrtStep)
-                  engine     the exported engine's own session call (IO binding, numpy; its cache copy included)
+                  eager      speccomp's eager lowering of the verify graph (TreeAttention, GQA, packed linears,
+                             the cache written in place)
+                  onnxruntime  the same graph exported to ONNX (fused GroupQueryAttention, the cache bound in
+                             place), ONNX Runtime's CPU provider
+                  engine     the exported engine's own session call (IO binding, numpy)
+                and, with --tree N, verifying a chain of N nodes at 300 tokens of context against the plain step
                 and each step as a fraction of the floor (floor / step: 1.0 would be reading memory only).
 
 Writes a table to stdout, every number to --json (default benchmarks/results_floor.json) and a plot of step
@@ -43,50 +46,65 @@ def bandwidth_gbs(repeats: int) -> float:
     return x.nbytes / (best / 1e3) / 1e9
 
 
-def hf_step(model, context: int):
+def hf_step(model, context: int, q: int = 1):
     from transformers import DynamicCache
 
     ids = torch.randint(10, 1000, (1, context), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         cache = model(ids, past_key_values=DynamicCache(), use_cache=True).past_key_values
-    token = torch.tensor([[42]])
+    tokens = torch.full((1, q), 42)  # q > 1: a causal chain of q tokens (HF has no tree input; same cost)
 
     def step():
         with torch.no_grad():
-            model(token, past_key_values=cache, use_cache=True)
-        cache.crop(-1)  # back to `context` tokens: every call scores the same step
+            model(tokens, past_key_values=cache, use_cache=True)
+        cache.crop(-q)  # back to `context` tokens: every call scores the same step
 
     return step
 
 
-def graph_step(fast, context: int):
-    """One token after `context` cached tokens through the compiled model's verify step (root-only tree)."""
-    from speccomp.frontend.convention import example_inputs
+def graph_step(fast, context: int, q: int = 1):
+    """q tokens (a chain: the root and q - 1 drafts) after `context` cached tokens through the compiled model's
+    verify step, over the runtime's own preallocated cache (what decoding hands it: a graph may write in place)."""
+    from speccomp.runtime.decode import KVCache
 
-    sg = fast.graph
-    ids, _, mask, past = example_inputs(sg.captured.kv, 1, context, vocab_size=sg.captured.vocab_size)
-    args = (ids, torch.tensor([[context]]), mask, past, torch.ones(1, 1, dtype=torch.bool))
+    cache = KVCache(fast.kv, context + q)
+    cache.data.normal_()
+    cache.length = context
+    tree = chain(q)
+    args = (torch.full((1, q), 42), tree.positions(context), torch.ones(1, context + q, dtype=torch.long))
 
     def step():
         with torch.no_grad():
-            fast.step(*args)
+            fast.step(*args, cache.past(), tree.mask)
 
     return step
 
 
-def engine_step(engine, context: int):
+def chain(q: int):
+    from speccomp.runtime.decode import ROOT_ONLY
+    from speccomp.runtime.tree import Tree
+
+    return Tree.from_choices([[0] * d for d in range(1, q)]) if q > 1 else ROOT_ONLY
+
+
+def engine_step(engine, context: int, q: int = 1):
     import numpy as np
 
     from speccomp.engine.runtime import KVCache
 
-    cache = KVCache(engine.kv, context + 1, engine.dtype)
+    cache = KVCache(engine.kv, context + q, engine.dtype)
     cache.length = context
-    return lambda: engine._forward(cache, [42], np.array([context], dtype=np.int64), np.ones((1, 1), dtype=bool))
+    tree = chain(q)
+    positions = tree.positions(context)[0].numpy()
+    return lambda: engine._forward(cache, [42] * q, positions, tree.mask.numpy())
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--contexts", default="128,512,1024,2048,4096,8000", help="cached tokens per row, comma-separated")
+    ap.add_argument("--contexts", default="128,300,512,1024,2048,4096,8000",
+                    help="cached tokens per row, comma-separated")
+    ap.add_argument("--tree", type=int, default=8, help="also time verifying a chain of this many nodes at 300 tokens "
+                    "of context, against the plain step there (0: skip)")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated (default {','.join(ROWS)})")
     ap.add_argument("--repeats", type=int, default=10, help="timed steps per cell (default 10)")
     ap.add_argument("--threads", type=int, default=2)
@@ -104,19 +122,19 @@ def main(argv=None) -> int:
     gbs = bandwidth_gbs(5)
     steps, kv = {}, None
     if "hf" in rows:
-        steps["hf"] = lambda c: hf_step(model, c)
+        steps["hf"] = lambda c, q=1: hf_step(model, c, q)
     if "eager" in rows:
         eager = speccomp.compile(model)
         kv = eager.kv
-        steps["eager"] = lambda c: graph_step(eager, c)
+        steps["eager"] = lambda c, q=1: graph_step(eager, c, q)
     if "onnxruntime" in rows or "engine" in rows:
         ort = speccomp.compile(model, backend="onnxruntime")
         kv = ort.kv
         if "onnxruntime" in rows:
-            steps["onnxruntime"] = lambda c: graph_step(ort, c)
+            steps["onnxruntime"] = lambda c, q=1: graph_step(ort, c, q)
         if "engine" in rows:
             engine = speccomp.load(ort.export(Path(tempfile.mkdtemp(prefix="speccomp-floor-")) / "e"), threads=args.threads)
-            steps["engine"] = lambda c: engine_step(engine, c)
+            steps["engine"] = lambda c, q=1: engine_step(engine, c, q)
     kv = kv or speccomp.capture(model).kv
     cells = []
     for context in contexts:
@@ -126,18 +144,28 @@ def main(argv=None) -> int:
             cells.append({"row": row, "context": context, "ms": ms, "floor_ms": floor_ms, "of_floor": floor_ms / ms})
             print(json.dumps(cells[-1]), file=sys.stderr, flush=True)
 
+    for row, make in steps.items() if args.tree > 1 else ():
+        ms = median_ms(make(300, args.tree), args.repeats)
+        cells.append({"row": row, "context": 300, "q": args.tree, "ms": ms})
+        print(json.dumps(cells[-1]), file=sys.stderr, flush=True)
+
     print(f"\nSmolLM2-135M, {args.threads} threads: read bandwidth {gbs:.1f} GB/s, weights {weights / 1e6:.0f} MB, "
           f"cache {kv.bytes_per_token() / 1e3:.1f} kB per token")
     print("| context | floor ms | " + " | ".join(f"{r} ms (of floor)" for r in steps) + " |")
     print("|---:|---:|" + "---:|" * len(steps))
+    plain = [c for c in cells if "q" not in c]
     for context in contexts:
-        row = [c for c in cells if c["context"] == context]
+        row = [c for c in plain if c["context"] == context]
         print(f"| {context} | {row[0]['floor_ms']:.1f} | " + " | ".join(f"{c['ms']:.1f} ({c['of_floor']:.0%})" for c in row) + " |")
     for row in steps:
-        at = {c["context"]: c["ms"] for c in cells if c["row"] == row}
+        at = {c["context"]: c["ms"] for c in plain if c["row"] == row}
+        short = 300 if 300 in at else contexts[0]
         if 4096 in at or 8000 in at:
             long = 4096 if 4096 in at else 8000
-            print(f"{row}: step at {long} / step at {contexts[0]} tokens of context = {at[long] / at[contexts[0]]:.2f}")
+            print(f"{row}: step at {long} / step at {short} tokens of context = {at[long] / at[short]:.2f}")
+        tree = [c["ms"] for c in cells if c["row"] == row and c.get("q")]
+        if tree and 300 in at:
+            print(f"{row}: verifying a chain of {args.tree} / a plain step, at 300 tokens = {tree[0] / at[300]:.2f}")
     command = " ".join(["python", "benchmarks/floor.py", *(argv if argv is not None else sys.argv[1:])])
     report = {"command": command, "settings": vars(args), "bandwidth_gbs": gbs, "weight_bytes": weights,
               "kv_bytes_per_token": kv.bytes_per_token(), "load": os.getloadavg(), "cells": cells}
@@ -150,8 +178,8 @@ def main(argv=None) -> int:
 
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for row in steps:
-            ax.plot(contexts, [c["ms"] for c in cells if c["row"] == row], marker="o", label=row)
-        ax.plot(contexts, [c["floor_ms"] for c in cells if c["row"] == next(iter(steps))], "k--", label="memory floor")
+            ax.plot(contexts, [c["ms"] for c in plain if c["row"] == row], marker="o", label=row)
+        ax.plot(contexts, [c["floor_ms"] for c in plain if c["row"] == next(iter(steps))], "k--", label="memory floor")
         ax.set(xscale="log", xlabel="cached tokens", ylabel="ms per decode step (q = 1)",
                title=f"SmolLM2-135M plain decode step, {args.threads} threads")
         ax.legend()

@@ -2,6 +2,8 @@
 verifies) against plain decoding on the onnxruntime backend, SmolLM2-135M, for a few trees.
 
     python benchmarks/quantized_drafter.py              # prompts 3-4 of gsm8k and vicuna_bench, 128 new tokens
+    python benchmarks/quantized_drafter.py --context 4096   # one prompt of 4096 tokens: every shipped prompt's text
+                                                            # run together (a long-context continuation)
 
 Rows run back to back in one process after one warm-up each; every output is compared with plain decoding's.
 Prints tokens/s, tau and the acceptance by depth of the first prompt; writes --json. Run it on an idle machine.
@@ -20,6 +22,7 @@ TREES = ("dynamic:16:4", "4", "[[0], [0, 0]]")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--context", type=int, default=0, help="one long prompt of this many tokens instead (0: chat)")
     ap.add_argument("--json", default=str(HERE / "results_quantized_drafter.json"))
     args = ap.parse_args(argv)
 
@@ -27,12 +30,18 @@ def main(argv=None) -> int:
 
     import speccomp
     from speccomp.models import chat_ids
-    from speccomp.prompts import load_prompts
+    from speccomp.prompts import SETS, load_prompts
     from speccomp.runtime.tree import parse_tree_spec
 
     torch.set_num_threads(2)
     model, tok = speccomp.load_default_model()
     prompts = [chat_ids(tok, p.text) for f in ("gsm8k", "vicuna_bench") for p in load_prompts(f, limit=4)[2:4]]
+    if args.context:
+        text = "\n\n".join(p.text for f in SETS for p in load_prompts(f))
+        ids = tok(text, return_tensors="pt").input_ids
+        if ids.shape[1] < args.context:
+            raise SystemExit(f"the shipped prompts hold {ids.shape[1]} tokens, fewer than --context {args.context}")
+        prompts = [ids[:, : args.context]]
     plain = speccomp.compile(model, backend="onnxruntime")
     drafted = speccomp.compile(model, drafter="quantized", backend="onnxruntime")
     rows, refs = [], []
@@ -53,7 +62,8 @@ def main(argv=None) -> int:
         rows.append({"tree": label, "tokens_per_s": tokens / seconds, "tau": tokens / steps, "identical": identical,
                      "acceptance_by_depth_first_prompt": acceptance})
         print(json.dumps(rows[-1]), file=sys.stderr)
-    print(f"\nSmolLM2-135M, onnxruntime backend, {len(prompts)} prompts x {args.max_new_tokens} new tokens, 2 threads")
+    what = f"one {args.context}-token prompt" if args.context else f"{len(prompts)} prompts"
+    print(f"\nSmolLM2-135M, onnxruntime backend, {what} x {args.max_new_tokens} new tokens, 2 threads")
     print("| row | tok/s | vs plain | tau | identical | acceptance by depth (first prompt) |")
     print("|---|---:|---:|---:|---|---|")
     for r in rows:

@@ -13,12 +13,10 @@ They run in this order on a `PlainGraph` (the graph plus what the passes learned
     ExplicitPositions      arange(seq) (or buffer[:seq]) -> position_ids
     ConventionOutputs      output (logits,) -> (logits, new_kv, hidden)
 
-Each is a `speccomp.frontend.graph.Pass`: `check` says what it expects and raises
-`UnsupportedModelError` naming what it could not find, `rewrite` edits the graph, and the base
-class removes dead nodes and lints the graph after every pass. New nodes copy the provenance of
-the nodes they replace (`speccomp.frontend.graph.copy_meta`), so `speccomp.frontend.graph.annotate` finds the
-user's module paths on them. Nodes are found by op patterns and shapes, never module names.
-`speccomp.frontend.module` fills the fake values (`meta["val"]`) of the new nodes afterwards.
+Each is a `speccomp.frontend.graph.Pass` whose `check` raises `UnsupportedModelError` naming what it
+could not find. Nodes are found by op patterns and shapes, never module names. New nodes copy the
+provenance of the nodes they replace, so `annotate` finds the user's module paths on them;
+`speccomp.frontend.module` fills their fake values (`meta["val"]`) afterwards.
 """
 from __future__ import annotations
 
@@ -28,39 +26,22 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 from torch import fx
-from torch.fx.operator_schemas import normalize_function
 
-from speccomp.frontend.convention import INPUT_NAMES
 from speccomp.errors import GraphStructureError, UnsupportedModelError
-from speccomp.frontend.graph import MATMUL_OPS, SDPA_OPS, SOFTMAX_OPS, Pass, copy_meta, module_path
+from speccomp.frontend.convention import INPUT_NAMES
+from speccomp.frontend.graph import MATMUL_OPS, SDPA_OPS, SOFTMAX_OPS, Pass, ancestors, copy_meta, module_path
+from speccomp.frontend.graph import shape as tshape
+from speccomp.passes import SDPA, replace_node, sdpa_arguments
 
 aten = torch.ops.aten
-SDPA = aten.scaled_dot_product_attention.default
 ARANGE_OPS = {aten.arange.default, aten.arange.start, aten.arange.start_step}
-# Ops that only repeat KV heads for grouped-query attention (or copy / reshape along the way).
-HEAD_EXPAND_OPS = {
-    aten.unsqueeze.default,
-    aten.expand.default,
-    aten.clone.default,
-    aten.contiguous.default,
-    aten.alias.default,
-    aten.reshape.default,
-    aten.view.default,
-    aten._unsafe_view.default,
-    aten.repeat.default,
-    aten.repeat_interleave.self_int,
-}
 # Ops between the LM head matmul and the logits, or between the final hidden state and the matmul.
-PASS_THROUGH_OPS = {
-    aten.view.default,
-    aten.reshape.default,
-    aten._unsafe_view.default,
-    aten.clone.default,
-    aten.contiguous.default,
-    aten.to.dtype,
-    aten._to_copy.default,
-    aten.alias.default,
-}
+PASS_THROUGH_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+                    aten.contiguous.default, aten.to.dtype, aten._to_copy.default, aten.alias.default}
+# Ops that only repeat KV heads for grouped-query attention (or copy / reshape along the way).
+HEAD_EXPAND_OPS = {aten.unsqueeze.default, aten.expand.default, aten.contiguous.default, aten.alias.default,
+                   aten.clone.default, aten.reshape.default, aten.view.default, aten._unsafe_view.default,
+                   aten.repeat.default, aten.repeat_interleave.self_int}
 ADDED = "speccomp_added"  # meta key: the pass that created a node
 
 
@@ -84,21 +65,13 @@ class PlainGraph:
     inputs: dict[str, fx.Node] = field(default_factory=dict)
     slots: list[KVSlot] = field(default_factory=list)
     kv_layout: tuple[int, int, torch.dtype] | None = None  # (Hkv, D, dtype) of the cached K/V
-    position_sources: list[str] = field(default_factory=list)  # what ExplicitPositions replaced
     position_tables: list[int] = field(default_factory=list)  # rows of tables indexed by position
-    hidden: fx.Node | None = None
 
     @property
     def graph(self) -> fx.Graph:
         return self.gm.graph
 
-    def order(self) -> dict[fx.Node, int]:
-        return {n: i for i, n in enumerate(self.graph.nodes)}
 
-
-# --------------------------------------------------------------------------------------
-# Helpers
-# --------------------------------------------------------------------------------------
 def val(node):
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
@@ -110,58 +83,21 @@ def is_seq(size, seq: sympy.Expr) -> bool:
     return isinstance(size, torch.SymInt) and size.node.expr == seq
 
 
-def tshape(node) -> tuple | None:
-    v = val(node)
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
-
-
-def upstream(node: fx.Node, values_only: bool = False) -> set[fx.Node]:
-    """Every node `node` is computed from; with values_only, reads of shapes (sym_size) do not count."""
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if values_only and n.target is aten.sym_size.int:
-            continue
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                todo.append(a)
-    return seen
-
-
 def depends_on(node: fx.Node, source: fx.Node) -> bool:
     """Whether the values of `source` flow into `node` (not just its shape)."""
-    return node is source or source in upstream(node, values_only=True)
-
-
-def _root_stack(node: fx.Node) -> dict:
-    """The outermost entry of a node's module stack: the exported holder, i.e. top level (path '')."""
-    stack = node.meta.get("nn_module_stack") or {}
-    return dict(list(stack.items())[:1])
+    return node is source or source in ancestors(node)
 
 
 def _mark(node: fx.Node, pass_name: str, like: fx.Node | None = None, root_of: fx.Node | None = None) -> fx.Node:
+    """Tag a new node with its pass, and the provenance of `like` or the top level of `root_of`'s module stack."""
     if like is not None:
         copy_meta(node, like)
-    elif root_of is not None:
-        node.meta["nn_module_stack"] = _root_stack(root_of)
+    elif root_of is not None:  # the stack's outermost entry: the exported holder, i.e. top level (path '')
+        node.meta["nn_module_stack"] = dict(list((root_of.meta.get("nn_module_stack") or {}).items())[:1])
     node.meta[ADDED] = pass_name
     return node
 
 
-def sdpa_arguments(node: fx.Node) -> dict:
-    """All arguments of an aten.scaled_dot_product_attention call by name (defaults filled in)."""
-    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-    if normalized is None:
-        raise GraphStructureError(f"cannot read the arguments of {node.name}")
-    kwargs = dict(normalized.kwargs)
-    defaults = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-    return {**defaults, **kwargs}
-
-
-# --------------------------------------------------------------------------------------
-# 1. Inputs
-# --------------------------------------------------------------------------------------
 class AddConventionInputs(Pass):
     """Add the three inputs the convention has and a plain module does not.
 
@@ -202,9 +138,6 @@ class AddConventionInputs(Pass):
             pg.inputs[name] = last
 
 
-# --------------------------------------------------------------------------------------
-# 2. Attention
-# --------------------------------------------------------------------------------------
 @dataclass
 class _Source:
     """Where the new keys (or values) are before any head repetition."""
@@ -212,22 +145,8 @@ class _Source:
     top: fx.Node  # [1, Hkv, q, D] ("bhsd") or [1, q, Hkv, D] ("bshd", cached transposed)
     layout: str
     expand: list[fx.Node]  # ops from `top` (exclusive) down to the sdpa operand, in graph order
-
-    @property
-    def heads(self) -> int:
-        return tshape(self.top)[1 if self.layout == "bhsd" else 2]
-
-    @property
-    def head_dim(self) -> int:
-        return tshape(self.top)[3]
-
-
-@dataclass
-class _SitePlan:
-    sdpa: fx.Node
-    args: dict
-    key: _Source
-    value: _Source
+    heads: int  # Hkv
+    head_dim: int
 
 
 class CachedAttention(Pass):
@@ -297,8 +216,8 @@ class CachedAttention(Pass):
                     )
             key = _unexpanded(args["key"], pg.seq, where, "key")
             value = _unexpanded(args["value"], pg.seq, where, "value")
-            self.plans.append(_SitePlan(node, args, key, value))
-        layouts = {(p.key.heads, p.key.head_dim, p.value.heads, p.value.head_dim) for p in self.plans}
+            self.plans.append((node, args, key, value))
+        layouts = {(k.heads, k.head_dim, v.heads, v.head_dim) for _, _, k, v in self.plans}
         if len(layouts) != 1:
             raise UnsupportedModelError(f"attention layers cache K/V of different shapes {sorted(layouts)}; speccomp needs one")
         ((hk, dk, hv, dv),) = layouts
@@ -306,28 +225,20 @@ class CachedAttention(Pass):
             raise UnsupportedModelError(f"keys [*, {hk}, *, {dk}] and values [*, {hv}, *, {dv}] differ in shape")
 
     def rewrite(self, pg: PlainGraph) -> None:
-        graph = pg.graph
-        past_kv, attention_mask = pg.inputs["past_kv"], pg.inputs["attention_mask"]
-        input_ids = pg.inputs["input_ids"]
-        mask = self._build_mask(pg, input_ids, attention_mask, anchor=self.plans[0].sdpa)
-        first = self.plans[0].key
+        graph, past_kv = pg.graph, pg.inputs["past_kv"]
+        mask = self._build_mask(graph, pg.inputs["input_ids"], pg.inputs["attention_mask"], anchor=self.plans[0][0])
+        first = self.plans[0][2]
         pg.kv_layout = (first.heads, first.head_dim, val(first.top).dtype)
         pg.slots = []
-        for layer, plan in enumerate(self.plans):
-            node = plan.sdpa
+        for layer, (node, args, key, value) in enumerate(self.plans):
             with graph.inserting_before(node):
-                k_new, k_all = self._cached(graph, past_kv, layer, 0, plan.key, pg.seq)
-                v_new, v_all = self._cached(graph, past_kv, layer, 1, plan.value, pg.seq)
+                k_new, k_all = self._cached(graph, past_kv, layer, 0, key, pg.seq)
+                v_new, v_all = self._cached(graph, past_kv, layer, 1, value, pg.seq)
                 kwargs = {"dropout_p": 0.0, "is_causal": False}
-                if plan.args["scale"] is not None:
-                    kwargs["scale"] = plan.args["scale"]
-                if plan.args["enable_gqa"]:
-                    kwargs["enable_gqa"] = True
-                new = graph.call_function(SDPA, (plan.args["query"], k_all, v_all, mask), kwargs)
-            _mark(new, self.name, like=node)
-            new.meta["val"] = node.meta.get("val")  # same shape: [1, H, q, D]
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
+                kwargs.update({k: args[k] for k in ("scale", "enable_gqa")  # where given, not the default
+                               if args[k] is not None and args[k] is not False})
+                new = graph.call_function(SDPA, (args["query"], k_all, v_all, mask), kwargs)
+            replace_node(node, _mark(new, self.name))  # same output: [1, H, q, D]
             pg.slots.append(KVSlot(layer, new, k_new, v_new))
 
     def _cached(self, graph, past_kv, layer, kv, source: _Source, seq) -> tuple[fx.Node, fx.Node]:
@@ -356,8 +267,7 @@ class CachedAttention(Pass):
                             self.name, like=op)
         return new, env[source.expand[-1]]
 
-    def _build_mask(self, pg, input_ids, attention_mask, anchor):
-        graph = pg.graph
+    def _build_mask(self, graph, input_ids, attention_mask, anchor):
         first_use = next(n for n in graph.nodes if n.op == "call_function")  # right after the inputs
         with graph.inserting_before(first_use):
             def add(target, *args, **kwargs):
@@ -409,18 +319,21 @@ def _unexpanded(operand: fx.Node, seq, where: str, what: str) -> _Source:
             candidates.append((s[2], i, "bshd"))
     if not candidates:
         raise UnsupportedModelError(f"attention {where}: cannot find the {what} tensor [1, heads, seq, head_dim] to cache")
-    fewest = min(h for h, _, _ in candidates)
-    _, best, layout = min(c for c in candidates if c[0] == fewest)
-    return _Source(chain[best], layout, list(reversed(chain[:best])))
+    heads, best, layout = min(candidates)  # fewest heads, then closest to the sdpa
+    return _Source(chain[best], layout, list(reversed(chain[:best])), heads, d)
 
 
 def _is_causal_mask(gm: fx.GraphModule, mask: fx.Node, input_ids: fx.Node) -> bool:
     """Evaluate the mask's subgraph for a few lengths: is it exactly the causal mask, and only a function of length?"""
+    nodes, todo = {mask}, [mask]  # everything the mask is computed from, shape reads included
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a not in nodes:
+                nodes.add(a)
+                todo.append(a)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    nodes = sorted(upstream(mask) | {mask}, key=order.get)
-    sub = fx.Graph()
-    env = {}
-    for node in nodes:
+    sub, env = fx.Graph(), {}
+    for node in sorted(nodes, key=order.get):
         if node.op == "placeholder":
             if node is not input_ids:
                 return False
@@ -443,22 +356,16 @@ def _is_causal_mask(gm: fx.GraphModule, mask: fx.Node, input_ids: fx.Node) -> bo
             return False
         if m.dim() < 2 or m.shape[-2:] != (n, n):
             return False
-        m = m.reshape(-1, n, n)
-        tril = torch.ones(n, n, dtype=torch.bool).tril()
+        m, tril = m.reshape(-1, n, n), torch.ones(n, n, dtype=torch.bool).tril()
         if m.dtype == torch.bool:
-            if not bool((m == tril).all()):
-                return False
-        elif m.is_floating_point():
-            if not bool(((m == 0) == tril).all() and (m[:, ~tril] <= -1e4).all()):
-                return False
-        else:
+            causal = bool((m == tril).all())
+        else:  # additive: 0 where visible, very negative elsewhere
+            causal = m.is_floating_point() and bool(((m == 0) == tril).all() and (m[:, ~tril] <= -1e4).all())
+        if not causal:
             return False
     return True
 
 
-# --------------------------------------------------------------------------------------
-# 3. Positions
-# --------------------------------------------------------------------------------------
 class ExplicitPositions(Pass):
     """Positions 0..seq-1 computed in the graph -> the position_ids input.
 
@@ -498,30 +405,20 @@ class ExplicitPositions(Pass):
         shape = tshape(node)
         if shape is None or len(shape) != 1 or not is_seq(shape[0], seq):
             return False
-        args = list(node.args)
         if node.target is aten.arange.default:
             return True
-        start = args[0]
-        step = args[2] if len(args) > 2 else node.kwargs.get("step", 1)
-        return start == 0 and step == 1
+        step = node.args[2] if len(node.args) > 2 else node.kwargs.get("step", 1)
+        return node.args[0] == 0 and step == 1
 
     @staticmethod
     def _is_table_slice(node, seq) -> bool:
-        args = list(node.args) + [None] * (5 - len(node.args))
-        table, dim, start, end, step = args[:5]
-        return (
-            isinstance(table, fx.Node)
-            and table.op == "get_attr"
-            and dim == 0
-            and start in (None, 0)
-            and step in (None, 1)
-            and end is not None
-            and is_seq(end, seq)
-        )
+        table, dim, start, end, step = (list(node.args) + [None] * 5)[:5]
+        return (isinstance(table, fx.Node) and table.op == "get_attr" and dim == 0 and start in (None, 0)
+                and step in (None, 1) and is_seq(end, seq))
 
     def rewrite(self, pg: PlainGraph) -> None:
         graph = pg.graph
-        order = pg.order()
+        order = {n: i for i, n in enumerate(graph.nodes)}
         first = min(self.aranges + self.slices, key=order.get)
         with graph.inserting_before(first):  # one [q] view of position_ids for every use
             pos = _mark(graph.call_function(aten.select.int, (pg.inputs["position_ids"], 0, 0)), self.name, like=first)
@@ -536,20 +433,15 @@ class ExplicitPositions(Pass):
                     pg.position_tables.append(tshape(user.args[0])[0])  # a learned position table bounds the context
             node.replace_all_uses_with(new)
             graph.erase_node(node)
-            pg.position_sources.append(f"arange(seq) -> position_ids ({dtype})")
         for node in self.slices:
             table = node.args[0]
             with graph.inserting_before(node):
                 rows = _mark(graph.call_function(aten.index_select.default, (table, 0, pos)), self.name, like=node)
             node.replace_all_uses_with(rows)
             graph.erase_node(node)
-            pg.position_sources.append(f"{table.target}[:seq] -> {table.target}[position_ids]")
             pg.position_tables.append(tshape(table)[0])
 
 
-# --------------------------------------------------------------------------------------
-# 4. Outputs
-# --------------------------------------------------------------------------------------
 class ConventionOutputs(Pass):
     """Output (logits,) -> (logits, new_kv, hidden).
 
@@ -565,11 +457,8 @@ class ConventionOutputs(Pass):
     name = "convention_outputs"
 
     def check(self, pg: PlainGraph) -> None:
-        out = pg.graph.output_node()
-        flat = out.args[0]
-        if isinstance(flat, fx.Node):
-            flat = (flat,)
-        tensors = [a for a in flat if isinstance(a, fx.Node)]
+        flat = pg.graph.output_node().args[0]
+        tensors = [a for a in ((flat,) if isinstance(flat, fx.Node) else flat) if isinstance(a, fx.Node)]
         if len(tensors) != 1:
             raise UnsupportedModelError(
                 f"the module returns {len(tensors)} tensors; a plain causal LM must return the logits "
@@ -599,7 +488,6 @@ class ConventionOutputs(Pass):
                 layers.append(_mark(pair, self.name, root_of=slot.sdpa))
             new_kv = _mark(graph.call_function(aten.stack.default, (layers, 0)), self.name, root_of=pg.slots[0].sdpa)
         out.args = ((self.logits, new_kv, self.hidden),)
-        pg.hidden = self.hidden
 
 
 def _lm_head_input(logits: fx.Node, input_ids: fx.Node, seq) -> fx.Node:

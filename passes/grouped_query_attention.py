@@ -19,27 +19,23 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from speccomp.frontend.graph import Pass, SpecGraph, copy_meta
+from speccomp.frontend.graph import Pass, SpecGraph
+from speccomp.passes import SDPA, replace_attention
 
 aten = torch.ops.aten
-SDPA = aten.scaled_dot_product_attention.default
 
 
 def _unrepeat(node: fx.Node) -> fx.Node | None:
     """The [b, Hkv, s, D] source of a repeat_kv chain ending at `node`, or None."""
     if node.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
         return None
-    clone = node.args[0]
-    if clone.target is aten.clone.default:
-        expand = clone.args[0]
-    else:
-        expand = clone  # reshape of an expand (no explicit clone)
+    expand = node.args[0]
+    if expand.target is aten.clone.default:  # else a reshape of an expand (no explicit clone)
+        expand = expand.args[0]
     if expand.target is not aten.expand.default:
         return None
     unsq = expand.args[0]
-    if unsq.target is not aten.unsqueeze.default or unsq.args[1] != 2:
-        return None
-    return unsq.args[0]
+    return unsq.args[0] if unsq.target is aten.unsqueeze.default and unsq.args[1] == 2 else None
 
 
 class GroupedQueryAttention(Pass):
@@ -50,11 +46,10 @@ class GroupedQueryAttention(Pass):
         for node in sg.gm.graph.nodes:
             if node.target is not SDPA or node.kwargs.get("enable_gqa"):
                 continue
-            q, k, v = node.args[:3]
-            k0, v0 = _unrepeat(k), _unrepeat(v)
+            k0, v0 = _unrepeat(node.args[1]), _unrepeat(node.args[2])
             if k0 is None or v0 is None:
                 continue
-            qv, kv = q.meta.get("val"), k0.meta.get("val")
+            qv, kv = node.args[0].meta.get("val"), k0.meta.get("val")
             if qv is None or kv is None or qv.dim() != 4 or kv.dim() != 4:
                 continue
             out.append((node, k0, v0))
@@ -66,13 +61,5 @@ class GroupedQueryAttention(Pass):
             args[1], args[2] = k0, v0
             with sg.gm.graph.inserting_after(node):
                 new = sg.gm.graph.call_function(SDPA, tuple(args), {**node.kwargs, "enable_gqa": True})
-            copy_meta(new, node)
-            new.meta["val"] = node.meta.get("val")
-            node.replace_all_uses_with(new)
-            sg.gm.graph.erase_node(node)
-            for site in sg.structure.attention:  # keep the annotation pointing at live nodes
-                if site.node is node:
-                    site.node = new
-                if site.mask_user is node:
-                    site.mask_user = new
+            replace_attention(sg, node, new)
         # the repeat chains are now dead; Pass.__call__ removes them

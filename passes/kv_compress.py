@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from speccomp.errors import GraphStructureError
-from speccomp.frontend.graph import Pass, SpecGraph, copy_meta
+from speccomp.frontend.graph import Pass, SpecGraph, _cache_slot, copy_meta
 
 aten = torch.ops.aten
 ATTN_SCORES = "attn_scores"
@@ -39,9 +39,7 @@ _BOOL_OPS = {aten.logical_and.default, aten.logical_or.default, aten.logical_not
 def _is_bool_mask(mask: fx.Node) -> bool:
     """SDPA masks are boolean (keep) or additive float; passes may leave no metadata on new masks."""
     val = mask.meta.get("val")
-    if val is not None:
-        return val.dtype == torch.bool
-    return mask.target in _BOOL_OPS
+    return val.dtype == torch.bool if val is not None else mask.target in _BOOL_OPS
 
 
 class AttentionScores(Pass):
@@ -60,11 +58,10 @@ class AttentionScores(Pass):
         hkv = sg.captured.kv.num_kv_heads
         pooled = []
         kept = set(sg.kv_layers)  # SkipLayers may have removed some layers' attention
-        for site in sorted((s for s in sg.structure.attention if s.layer in kept), key=lambda s: s.layer):
-            with graph.inserting_before(out):
+        with graph.inserting_before(out):
+            for site in sorted((s for s in sg.structure.attention if s.layer in kept), key=lambda s: s.layer):
                 probs = self._sdpa_probs(graph, site, hkv) if site.kind == "sdpa" else self._eager_probs(graph, site, hkv)
                 pooled.append(copy_meta(graph.call_function(aten.mean.dim, (probs, [2])), site.node))  # [1, Hkv, q, kv]
-        with graph.inserting_before(out):
             stacked = graph.call_function(aten.stack.default, (pooled, 0))  # [L, 1, Hkv, q, kv]
         stacked.meta["speccomp_output"] = ATTN_SCORES
         out.args = (tuple(out.args[0]) + (stacked,),)
@@ -98,9 +95,6 @@ class AttentionScores(Pass):
         return graph.call_function(aten._to_copy.default, (probs,), {"dtype": torch.float32})
 
 
-# --------------------------------------------------------------------------------------
-# KiviCacheRead: attention reads KIVI's packed cache, one layer dequantised at a time
-# --------------------------------------------------------------------------------------
 KIVI_INPUTS = ("kv_tail", "kv_key_codes", "kv_key_scale", "kv_key_min", "kv_value_codes", "kv_value_scale",
                "kv_value_min")
 
@@ -142,7 +136,7 @@ class KiviCacheRead(Pass):
             raise GraphStructureError("KiviCacheRead was already applied to this graph")
         for site in sg.structure.attention:
             for cat in (site.key_cat, site.value_cat):
-                if _past_read(cat, sg.structure.inputs["past_kv"]) is None:
+                if _cache_slot(cat, sg.structure.inputs["past_kv"]) is None:
                     raise GraphStructureError(f"attention {site.module} does not read cat([past_kv[l, kv], new])")
 
     def rewrite(self, sg: SpecGraph) -> None:
@@ -158,11 +152,8 @@ class KiviCacheRead(Pass):
             for cat, kv_index in ((site.key_cat, 0), (site.value_cat, 1)):
                 old = cat.args[0][0]
                 with graph.inserting_before(cat):
-                    if kv_index == 0:
-                        dequant = self._keys(graph, new_inputs, site.layer)
-                    else:
-                        dequant = self._values(graph, new_inputs, site.layer)
-                    tail = _select(graph, new_inputs["kv_tail"], site.layer, kv_index)  # [1, Hkv, tail, D]
+                    dequant = self._dequantised(graph, new_inputs, site.layer, kv_index)
+                    tail = _layer(graph, _layer(graph, new_inputs["kv_tail"], site.layer), kv_index)  # [1, Hkv, t, D]
                 cat.args = ([dequant, tail] + list(cat.args[0][1:]),) + tuple(cat.args[1:])
                 _erase_if_dead(graph, old)
         readers = [u for u in past.users if u.target is not aten.sym_size.int and u.op != "call_module"]
@@ -178,48 +169,23 @@ class KiviCacheRead(Pass):
             codes = call(aten.flatten.using_ints, (call(aten.bitwise_and.Scalar, (spread, 2**self.bits - 1)), -2, -1))
         return call(aten._to_copy.default, (codes,), {"dtype": torch.float32})
 
-    def _keys(self, graph: fx.Graph, inputs: dict, layer: int) -> fx.Node:
+    def _dequantised(self, graph: fx.Graph, inputs: dict, layer: int, kv_index: int) -> fx.Node:
+        """Layer `layer`'s keys (kv_index 0: groups of G tokens, dim d = 2) or values (1: groups of g channels,
+        d = 3) as float [1, Hkv, Tq, D]: codes unflattened at d into [groups, group size] * scale + min."""
         call = graph.call_function
-        codes = self._unpacked(graph, _layer(graph, inputs["kv_key_codes"], layer))  # [1, Hkv, Tq, D]
-        scale = _layer(graph, inputs["kv_key_scale"], layer)  # [1, Hkv, Tq/G, D]
-        minimum = _layer(graph, inputs["kv_key_min"], layer)
-        groups = call(aten.sym_size.int, (scale, 2))
-        grouped = call(aten.unflatten.int, (codes, 2, [groups, self.group]))  # [1, Hkv, Tq/G, G, D]
-        x = call(aten.add.Tensor, (call(aten.mul.Tensor, (grouped, call(aten.unsqueeze.default, (scale, 3)))),
-                                   call(aten.unsqueeze.default, (minimum, 3))))
-        return call(aten.flatten.using_ints, (x, 2, 3))  # [1, Hkv, Tq, D]
-
-    def _values(self, graph: fx.Graph, inputs: dict, layer: int) -> fx.Node:
-        call = graph.call_function
-        codes = self._unpacked(graph, _layer(graph, inputs["kv_value_codes"], layer))  # [1, Hkv, Tq, D]
-        scale = _layer(graph, inputs["kv_value_scale"], layer)  # [1, Hkv, Tq, D/g]
-        minimum = _layer(graph, inputs["kv_value_min"], layer)
-        head_dim_groups = call(aten.sym_size.int, (scale, 3))
-        grouped = call(aten.unflatten.int, (codes, -1, [head_dim_groups, self.value_group]))  # [1, Hkv, Tq, D/g, g]
-        x = call(aten.add.Tensor, (call(aten.mul.Tensor, (grouped, call(aten.unsqueeze.default, (scale, -1)))),
-                                   call(aten.unsqueeze.default, (minimum, -1))))
-        return call(aten.flatten.using_ints, (x, -2, -1))  # [1, Hkv, Tq, D]
+        kind, d, size = ("key", 2, self.group) if kv_index == 0 else ("value", 3, self.value_group)
+        codes = self._unpacked(graph, _layer(graph, inputs[f"kv_{kind}_codes"], layer))  # [1, Hkv, Tq, D]
+        scale = _layer(graph, inputs[f"kv_{kind}_scale"], layer)  # keys [1, Hkv, Tq/G, D], values [1, Hkv, Tq, D/g]
+        minimum = _layer(graph, inputs[f"kv_{kind}_min"], layer)
+        grouped = call(aten.unflatten.int, (codes, d, [call(aten.sym_size.int, (scale, d)), size]))
+        x = call(aten.add.Tensor, (call(aten.mul.Tensor, (grouped, call(aten.unsqueeze.default, (scale, d + 1)))),
+                                   call(aten.unsqueeze.default, (minimum, d + 1))))
+        return call(aten.flatten.using_ints, (x, d, d + 1))
 
 
 def _layer(graph: fx.Graph, node: fx.Node, layer: int) -> fx.Node:
-    """node[layer]: [L, 1, Hkv, ...] -> [1, Hkv, ...]."""
+    """node[layer]: [L, ...] -> [...]."""
     return graph.call_function(aten.select.int, (node, 0, layer))
-
-
-def _select(graph: fx.Graph, node: fx.Node, layer: int, index: int) -> fx.Node:
-    """node[layer, index]."""
-    first = graph.call_function(aten.select.int, (node, 0, layer))
-    return graph.call_function(aten.select.int, (first, 0, index))
-
-
-def _past_read(cat: fx.Node, past: fx.Node) -> fx.Node | None:
-    """The past_kv[l, kv] select chain that is cat's first operand, if it is one."""
-    if cat.target is not aten.cat.default:
-        return None
-    node = cat.args[0][0]
-    while isinstance(node, fx.Node) and node.target is aten.select.int:
-        node = node.args[0]
-    return cat.args[0][0] if node is past else None
 
 
 def _erase_if_dead(graph: fx.Graph, node: fx.Node) -> None:

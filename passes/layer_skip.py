@@ -76,8 +76,7 @@ class SkipLayers(Pass):
 
         skipped = [p for p, layer in enumerate(layers) if layer.index in self.skip]  # positions in new_kv
         bypassed = set()  # every node of the skipped blocks
-        for p in skipped:
-            layer = layers[p]
+        for layer in (layers[p] for p in skipped):
             members = {n for n in sg.gm.graph.nodes if sg.layer_of(n) == layer.module}
             bypassed |= members
             source = resolve(layer.entry)
@@ -100,9 +99,7 @@ class SkipLayers(Pass):
         # exits) are dead code now, and later passes (TreeAttention) must only see what is still there
         kept_cache = {sg.kv_layers[p] for p in kept}
         structure.attention = [s for s in structure.attention if s.layer in kept_cache]
-        structure.layers = [
-            dataclasses.replace(layers[p], entry=resolve(layers[p].entry), exit=layers[p].exit) for p in kept
-        ]
+        structure.layers = [dataclasses.replace(layers[p], entry=resolve(layers[p].entry)) for p in kept]
         sg.kv_layers = [sg.kv_layers[p] for p in kept]
 
 
@@ -155,26 +152,17 @@ def _remove_dead(graph: fx.Graph, bypassed: set) -> None:
     only if a live node reads what it writes, or what it writes comes from outside the skipped blocks."""
     live = set()
 
-    def mark(node):
-        todo = [node]
+    def mark(todo: list) -> None:  # the nodes in `todo` and everything they are computed from
         while todo:
             n = todo.pop()
             if n not in live:
                 live.add(n)
                 todo.extend(n.all_input_nodes)
 
-    for n in graph.nodes:
-        if n.op in ("placeholder", "output") or (n not in bypassed and _is_impure(n)):
-            mark(n)
-    while True:
-        grow = [
-            n for n in bypassed
-            if n not in live and any(r in live or r not in bypassed for r in _written_roots(n))
-        ]
-        if not grow:
-            break
-        for n in grow:
-            mark(n)
+    mark([n for n in graph.nodes if n.op in ("placeholder", "output") or (n not in bypassed and _is_impure(n))])
+    while grow := [n for n in bypassed
+                   if n not in live and any(r in live or r not in bypassed for r in _written_roots(n))]:
+        mark(grow)
     for n in reversed(list(graph.nodes)):
         if n not in live:
             graph.erase_node(n)

@@ -60,5 +60,4 @@ class MedusaHeadsPass(Pass):
                 states.append(x)
             stacked = graph.call_function(aten.stack.default, (states, -2))  # [1, q, K, H]
         copy_meta(stacked, h)
-        outs = tuple(output.args[0]) + (stacked,)
-        output.args = (outs,)
+        output.args = (tuple(output.args[0]) + (stacked,),)

@@ -23,12 +23,14 @@ of the linear weights in memory.
 """
 from __future__ import annotations
 
+import operator
 import weakref
 
 import torch
 
 from speccomp.errors import GraphStructureError
-from speccomp.frontend.graph import Pass, SpecGraph, copy_meta
+from speccomp.frontend.graph import Pass, SpecGraph
+from speccomp.passes import replace_node
 
 aten = torch.ops.aten
 _PACKED: dict[int, torch.Tensor] = {}  # id(weight) -> packed copy, dropped when the weight dies
@@ -57,13 +59,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
 
 
-def _attr(gm: torch.fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 class PrepackLinear(Pass):
     name = "prepack_linear"
 
@@ -86,7 +81,7 @@ class PrepackLinear(Pass):
             w = node.args[1]
             if w.op != "get_attr":
                 raise GraphStructureError(f"{node.name}: weight {w.name} is computed in the graph, not a stored tensor")
-            t = _attr(sg.gm, w.target)
+            t = operator.attrgetter(w.target)(sg.gm)
             if t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 2:
                 raise GraphStructureError(
                     f"{node.name}: PrepackLinear lowers float32 CPU weights, got {t.dtype} on {t.device} with shape "
@@ -101,14 +96,11 @@ class PrepackLinear(Pass):
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
             if w.target not in names:
                 name = "_packed_" + w.target.replace(".", "_")
-                sg.gm.register_buffer(name, packed(_attr(sg.gm, w.target)), persistent=False)
+                sg.gm.register_buffer(name, packed(operator.attrgetter(w.target)(sg.gm)), persistent=False)
                 names[w.target] = name
             with graph.inserting_before(node):
                 pw = graph.get_attr(names[w.target])
                 new = graph.call_function(
                     torch.ops.mkldnn._linear_pointwise.default, (node.args[0], pw, bias, "none", [], "")
                 )
-            copy_meta(new, node)
-            new.meta["val"] = node.meta.get("val")
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
+            replace_node(node, new)

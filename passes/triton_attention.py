@@ -13,10 +13,9 @@ Rewrite (per site):
     before:  Q, K, V, M ──► aten.scaled_dot_product_attention(Q, K, V, M, scale=s, enable_gqa=True) ──►
     after:   Q, K, V, M ──► speccomp.tree_attention(Q, K, V, M, s) ──►
 
-Same inputs, same output [b, Hq, q, Dv], node metadata kept (module stack, `val`), the Structure
-annotation moved to the new node. The custom op (backends/triton_attention.py) is SDPA with
-enable_gqa semantics: query head h reads KV head h // G, scale None means 1/sqrt(D), and the mask M
-alone decides who sees whom (causal prefix, tree, sliding windows are all in M already).
+The custom op (backends/triton_attention.py) is SDPA with enable_gqa semantics: query head h reads
+KV head h // G, scale None means 1/sqrt(D), and the mask M alone decides who sees whom (causal
+prefix, tree, sliding windows are all in M already).
 
 Refused with GraphStructureError, never lowered to something that computes differently: dropout,
 is_causal=True (causality would have to be in M), no mask, non-float32 attention, and the fused SDPA
@@ -32,15 +31,7 @@ from torch import fx
 from speccomp.backends.triton_attention import TREE_ATTENTION
 from speccomp.errors import GraphStructureError
 from speccomp.frontend.graph import SDPA_OPS, Pass, SpecGraph
-
-SDPA = torch.ops.aten.scaled_dot_product_attention.default
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
-_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-
-
-def sdpa_arguments(node: fx.Node) -> dict:
-    """The SDPA call's arguments by name, defaults filled in (positional or keyword alike)."""
-    return {**_SDPA_DEFAULTS, **dict(zip(_SDPA_ARGS, node.args)), **node.kwargs}
+from speccomp.passes import SDPA, replace_attention, sdpa_arguments
 
 
 class TritonAttention(Pass):
@@ -74,12 +65,11 @@ class TritonAttention(Pass):
             if q is None or k is None or v is None:
                 raise GraphStructureError(f"{where}: query/key/value carry no shape metadata (meta['val'])")
             if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-                dims = f"{q.dim()}-D, {k.dim()}-D, {v.dim()}-D"
-                raise GraphStructureError(f"{where}: expected 4-D [b, heads, seq, dim] query/key/value, got {dims}")
+                raise GraphStructureError(f"{where}: expected 4-D [b, heads, seq, dim] query/key/value, got "
+                                          f"{q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
             if {q.dtype, k.dtype, v.dtype} != {torch.float32}:
-                raise GraphStructureError(
-                    f"{where}: the Triton kernel computes in float32, got {q.dtype}/{k.dtype}/{v.dtype}"
-                )
+                raise GraphStructureError(f"{where}: the Triton kernel computes in float32, got "
+                                          f"{q.dtype}/{k.dtype}/{v.dtype}")
             hq, hkv = q.shape[1], k.shape[1]
             if isinstance(hq, int) and isinstance(hkv, int) and hq % hkv:
                 raise GraphStructureError(f"{where}: {hq} query heads is not a multiple of {hkv} KV heads")
@@ -87,16 +77,8 @@ class TritonAttention(Pass):
     def rewrite(self, sg: SpecGraph) -> None:
         graph = sg.gm.graph
         for node in self.sites(sg):
-            a = sdpa_arguments(node)
+            args = [sdpa_arguments(node)[n] for n in ("query", "key", "value", "attn_mask", "scale")]
             with graph.inserting_after(node):
-                new = graph.call_function(
-                    TREE_ATTENTION, (a["query"], a["key"], a["value"], a["attn_mask"], a["scale"])
-                )
+                new = graph.call_function(TREE_ATTENTION, tuple(args))
             new.meta.update(node.meta)  # module stack, stack trace, val: the output is the same tensor
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
-            for site in sg.structure.attention:  # keep the annotation pointing at live nodes
-                if site.node is node:
-                    site.node = new
-                if site.mask_user is node:
-                    site.mask_user = new
+            replace_attention(sg, node, new)

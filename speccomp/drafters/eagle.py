@@ -35,8 +35,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from speccomp.drafters.hydra import HydraHeads, _input_embedding
-from speccomp.drafters.medusa import HeadsError, _lm_head_weight, write_head_files
+from speccomp.drafters.hydra import MAX_SIBLINGS, HydraHeads, _input_embedding, save_draft_heads
+from speccomp.drafters.medusa import CONFIG, HeadsError, _lm_head_weight, check_dimensions, config_int, read_head_files
 
 WEIGHTS = "eagle_head.safetensors"
 
@@ -89,9 +89,8 @@ class EagleHead(nn.Module):
         with torch.no_grad():  # start as the identity on the feature: o_p = f_p (the blocks' outputs begin at zero)
             self.fc.weight.zero_()
             self.fc.weight[:, :hidden] = torch.eye(hidden)
-            self.fc.bias.zero_()
-            self.o.weight.zero_()
-            self.down.weight.zero_()
+            for zero in (self.fc.bias, self.o.weight, self.down.weight):
+                zero.zero_()
         self.embed = embed  # [V, H] frozen, not saved
         self.set_draft_vocab(lm_head, draft_vocab)
 
@@ -162,8 +161,6 @@ class EagleStep(nn.Module):
 
     def __init__(self, head: EagleHead):
         super().__init__()
-        from speccomp.drafters.hydra import MAX_SIBLINGS
-
         self.head = head
         self.register_buffer("draft_lm", head.draft_lm.detach(), persistent=False)
         self.register_buffer("vocab", head.draft_vocab, persistent=False)
@@ -215,29 +212,14 @@ _PARAMS = ("fc.weight", "fc.bias", "norm1.weight", "qkv.weight", "o.weight", "no
 
 def save_eagle(head: EagleHead, directory, *, base_model: str = "") -> Path:
     state = head.state_dict()
-    tensors = {name: state[name].detach().half().contiguous() for name in _PARAMS}
-    tensors["draft_vocab"] = head.draft_vocab.contiguous()
-    config = {
-        "head_type": "eagle",
-        "eagle_num_heads": head.num_heads,
-        "eagle_num_layers": 1,
-        "hidden_size": head.hidden,
-        "vocab_size": head.vocab,
-        "draft_vocab_size": len(head.draft_vocab),
-        "intermediate_size": head.intermediate,
-        "rope_theta": head.rope_theta,
-        **({"train_steps": head.train_steps} if head.train_steps else {}),
-        "base_model_name_or_path": base_model,
-        "tied_lm_head": True,
-        "dtype": "float16",
-    }
-    return write_head_files(directory, WEIGHTS, tensors, config)
+    steps = {"train_steps": head.train_steps} if head.train_steps else {}
+    return save_draft_heads(head, directory, WEIGHTS, {name: state[name] for name in _PARAMS}, base_model,
+                            head_type="eagle", eagle_num_heads=head.num_heads, eagle_num_layers=1,
+                            intermediate_size=head.intermediate, rope_theta=head.rope_theta, **steps)
 
 
 def load_eagle(directory, model) -> EagleHead:
     """A head from a directory written by `save_eagle`, checked against `model`."""
-    from speccomp.drafters.medusa import CONFIG, check_dimensions, config_int, read_head_files
-
     directory = Path(directory)
     lm = _lm_head_weight(model)
     vocab, hidden = lm.shape
@@ -256,6 +238,5 @@ def load_eagle(directory, model) -> EagleHead:
     head = EagleHead(hidden, vocab, num_heads, config["intermediate_size"], lm, _input_embedding(model),
                      tensors["draft_vocab"], float(theta))
     head.load_state_dict({n: tensors[n].float() for n in _PARAMS})
-    train_steps = config.get("train_steps")
-    head.train_steps = config_int(config, "train_steps", directory / CONFIG) if train_steps else None
+    head.train_steps = config_int(config, "train_steps", directory / CONFIG) if config.get("train_steps") else None
     return head.eval()

@@ -9,12 +9,14 @@ the top_k likeliest frontier nodes expand each depth; the step's tree is the `bu
 """
 from __future__ import annotations
 
-import torch
+from functools import partial
 
+from speccomp.drafters.eagle import EagleStep, load_eagle
 from speccomp.drafters.eagle_cache import EagleCache
 from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH, grow
+from speccomp.drafters.head_drafters import heads_for, lower_step, run_step
 from speccomp.runtime.decode import Draft, DraftContext, Drafter, check_tree_kind
-from speccomp.runtime.tree import DynamicTreeSpec, check_tree_width
+from speccomp.runtime.tree import DynamicTreeSpec
 
 DEFAULT_EAGLE_TREE = DynamicTreeSpec(16, 4)
 
@@ -27,28 +29,13 @@ class EagleDrafter(Drafter):
     forward_per_level = True
 
     def __init__(self, head, tree, heads_path: str | None = None, backend: str = "eager", lowered=None):
-        from speccomp.drafters.eagle import EagleStep
-        from speccomp.drafters.hydra import MAX_SIBLINGS
-
         self.head, self.tree, self.heads_path, self.backend = head, tree, heads_path, backend
         check_tree_kind(self, tree)
-        self.module = EagleStep(head) if lowered is None else lowered[0]
-        self.max_siblings = self.module.top
-        check_tree_width(tree, self.max_siblings, f"EAGLE layer step (its top min({MAX_SIBLINGS}, draft vocabulary "
-                         f"{len(head.draft_vocab)}) tokens)", tree)
+        lower_step(self, EagleStep, head, tree, lowered, backend, "EAGLE layer step")
         self.options = {} if heads_path is None else {"heads": heads_path}
-        if lowered is None:
-            from speccomp.backends.drafter_graph import lower_module
-
-            lowered = self.module, lower_module(self.module, self.module.graph_spec(), backend)
-        self.step = lowered[1]  # the lowered layer step (an OrtStep on the ONNX Runtime backends: what export copies)
-        self.cache = EagleCache(self._run, head.num_heads, head.head_dim)
+        self.cache = EagleCache(partial(run_step, self.step), head.num_heads, head.head_dim)
         # no deeper than the head was trained to draft: its guesses past that are rarely accepted
         self.max_depth = min(MAX_DYNAMIC_DEPTH, head.train_steps or MAX_DYNAMIC_DEPTH)
-
-    def _run(self, *arrays):
-        with torch.no_grad():
-            return [t.numpy() for t in self.step(*(torch.from_numpy(a) for a in arrays))]
 
     def with_tree(self, tree) -> "EagleDrafter":
         return EagleDrafter(self.head, tree, self.heads_path, self.backend, (self.module, self.step))
@@ -64,9 +51,5 @@ class EagleDrafter(Drafter):
 
 
 def make_eagle(base, options: dict, tree, backend: str = "eager") -> EagleDrafter:
-    from speccomp.drafters.head_drafters import heads_for
-    from speccomp.drafters.eagle import load_eagle
-
-
     path, given = heads_for(base, options, "eagle")
     return EagleDrafter(load_eagle(path, base.model), tree if tree is not None else DEFAULT_EAGLE_TREE, given, backend)

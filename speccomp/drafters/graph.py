@@ -32,19 +32,20 @@ class GraphDrafter(Drafter):
     def with_tree(self, tree) -> "GraphDrafter":
         return GraphDrafter(self.step, self.layer_index.tolist(), tree, self.name, self.options, self.graph)
 
-    def _forward(self, cache, base: int, used: int, tokens, depth: int, mask):
-        """Score `tokens` (all at `depth`) after the prefix and the `used` scratch slots; store their KV."""
+    def _run(self, cache, base: int, used: int, tokens, position: int, mask) -> tuple:
+        """Run `tokens` (all at `position`) after the prefix and the `used` scratch slots; store their KV. The step's
+        outputs (logits [1, k, V] first)."""
         k = len(tokens)
         with torch.no_grad():
-            logits, new_kv, _ = self.step(
-                tokens[None],
-                torch.full((1, k), base + depth, dtype=torch.long),
-                torch.ones(1, base + used + k, dtype=torch.long),
-                cache.data[..., : base + used, :],  # accepted prefix + scratch slots filled so far
-                mask,  # [k, used + k] over the scratch slots and these nodes
-            )
-        cache.data[self.layer_index, :, :, :, base + used : base + used + k, :] = new_kv
-        return logits[0]
+            # past: the accepted prefix + scratch slots filled so far; mask [k, used + k] over those slots and nodes
+            outs = self.step(tokens[None], torch.full((1, k), position, dtype=torch.long),
+                             torch.ones(1, base + used + k, dtype=torch.long), cache.data[..., : base + used, :], mask)
+        cache.data[self.layer_index, :, :, :, base + used : base + used + k, :] = outs[1]
+        return outs
+
+    def _forward(self, cache, base: int, used: int, tokens, depth: int, mask):
+        """Logits [k, V] of `tokens` (all at `depth`) after the prefix and the `used` scratch slots."""
+        return self._run(cache, base, used, tokens, base + depth, mask)[0][0]
 
     def propose(self, ctx: DraftContext) -> Draft:
         cache, base, slot = ctx.cache, ctx.cache.length, {}  # slot: candidate -> its scratch slot past `base`

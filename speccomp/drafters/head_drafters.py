@@ -19,17 +19,19 @@ name predates Hydra) and `hydra` for Hydra.
 from __future__ import annotations
 
 import os
+from functools import partial
 from importlib import resources
 from pathlib import Path
 
 import torch
 
 from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH, grow, state_expander
-from speccomp.errors import OptionTypeError
+from speccomp.errors import OptionError, OptionTypeError
+from speccomp.drafters.hydra import MAX_SIBLINGS, HydraStep, load_hydra
 from speccomp.drafters.medusa import HeadsError, MedusaHeads, display_kind, load_medusa
-from speccomp.models import cache_dir
+from speccomp.models import cache_dir, fingerprint
 from speccomp.runtime.decode import Draft, DraftContext, Drafter, check_tree_kind, truncate
-from speccomp.runtime.tree import Tree, check_tree_width
+from speccomp.runtime.tree import DynamicTreeSpec, Tree, check_tree_width
 
 # 16 drafts, depth <= 4: Medusa's sparse-tree idea (wide where the first head is sure), CPU-sized
 DEFAULT_MEDUSA_TREE = [
@@ -45,14 +47,10 @@ HEAD_KINDS = {"medusa": "heads", "hydra": "hydra", "eagle": "eagle"}  # kind -> 
 
 def heads_dir(model, kind: str = "medusa") -> Path:
     """Where `speccomp train-heads` stores heads of `kind` for `model` (the user cache)."""
-    from speccomp.models import fingerprint
-
     return cache_dir() / HEAD_KINDS[kind] / fingerprint(model)
 
 
 def shipped_heads_dir(model, kind: str = "medusa") -> Path | None:
-    from speccomp.models import fingerprint
-
     path = resources.files("speccomp").joinpath(f"data/{HEAD_KINDS[kind]}/{fingerprint(model)}")
     return Path(str(path)) if path.is_dir() else None
 
@@ -64,11 +62,10 @@ def find_heads(model, path=None, kind: str = "medusa") -> Path:
         if candidate is not None and (candidate / "config.json").exists():
             return candidate
     layout = " (FasterDecoding/Medusa's layout)" if kind == "medusa" else ""
-    raise HeadsError(
-        f"no {display_kind(kind)[2:].strip()} heads for this model: train them with `speccomp train-heads --kind {kind}` "
-        f"(default model), or `speccomp.train_heads(model, prompts, out=DIR, kind={kind!r})` in Python, "
-        f"or pass drafter_options={{'heads': DIR}} for heads saved elsewhere{layout}"
-    )
+    raise HeadsError(f"no {display_kind(kind)[2:].strip()} heads for this model: train them with `speccomp train-heads "
+                     f"--kind {kind}` (default model), or `speccomp.train_heads(model, prompts, out=DIR, "
+                     f"kind={kind!r})` in Python, or pass drafter_options={{'heads': DIR}} for heads saved "
+                     f"elsewhere{layout}")
 
 
 class MedusaDrafter(Drafter):
@@ -106,12 +103,8 @@ class MedusaDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> Draft:
         tree, _ = truncate(self.tree, ctx.max_depth, ctx.max_nodes)
         top = self._head_logits().topk(self.top, dim=-1).indices  # [K, top]
-        depth = tree.depth.tolist()
-        tokens = torch.empty(tree.size, dtype=torch.long)
-        tokens[0] = ctx.tokens[-1]
-        for c in range(1, tree.size):
-            tokens[c] = top[depth[c] - 1, tree.ranks[c]]
-        return Draft(tree, tokens)
+        children = top[tree.depth[1:] - 1, torch.tensor(tree.ranks[1:], dtype=torch.long)]  # head d-1's rank-r token
+        return Draft(tree, torch.cat([torch.tensor([ctx.tokens[-1]], dtype=torch.long), children]))
 
 
 class HydraDrafter(Drafter):
@@ -126,24 +119,14 @@ class HydraDrafter(Drafter):
     graphs = ("head_step",)
 
     def __init__(self, heads, tree, heads_path: str | None = None, backend: str = "eager", lowered=None):
-        from speccomp.drafters.hydra import MAX_SIBLINGS, HydraStep
-
         check_tree_kind(self, tree)
         if isinstance(tree, Tree):
             check_heads_depth(tree, heads.num_heads, "Hydra")
-        self.module = HydraStep(heads) if lowered is None else lowered[0]
-        self.max_siblings = self.module.top
-        check_tree_width(tree, self.max_siblings, f"Hydra head step (its top min({MAX_SIBLINGS}, draft vocabulary "
-                         f"{len(heads.draft_vocab)}) tokens)", tree)
+        lower_step(self, HydraStep, heads, tree, lowered, backend, "Hydra head step")
         self.heads, self.tree, self.heads_path, self.backend = heads, tree, heads_path, backend
         self.h = None
         self.max_tree_depth = heads.num_heads
         self.options = {} if heads_path is None else {"heads": heads_path}
-        if lowered is None:
-            from speccomp.backends.drafter_graph import lower_module
-
-            lowered = self.module, lower_module(self.module, self.module.graph_spec(), backend)
-        self.step = lowered[1]  # the lowered head step (an OrtStep on the ONNX Runtime backends: what export copies)
 
     def with_tree(self, tree) -> "HydraDrafter":
         return HydraDrafter(self.heads, tree, self.heads_path, self.backend, (self.module, self.step))
@@ -151,20 +134,36 @@ class HydraDrafter(Drafter):
     def take_states(self, states) -> None:
         self.h = states[0]  # the target's final hidden state [H] at the newest token
 
-    def _run(self, d: int, states, tokens):
-        with torch.no_grad():
-            return [t.numpy() for t in self.step(torch.tensor(d), torch.from_numpy(states), torch.from_numpy(tokens))]
-
     def propose(self, ctx: DraftContext) -> Draft:
-        expand = state_expander(self._run, self.h.float().numpy())  # grow.py's, shared with the engine
+        # grow.py's expander, shared with the engine
+        expand = state_expander(partial(run_step, self.step), self.h.float().numpy())
         return grow(self.tree, ctx, expand, min(MAX_DYNAMIC_DEPTH, self.heads.num_heads))
+
+
+def lower_step(drafter, module_cls, heads, tree, lowered, backend: str, what: str) -> None:
+    """Set `drafter.module` (the step graph `module_cls(heads)`) and `drafter.step`, its lowering for `backend` (an
+    OrtStep on the ONNX Runtime backends: what export copies); `lowered`: both, reused (with_tree). Checks the
+    tree's sibling ranks against the step's top tokens."""
+    module = module_cls(heads) if lowered is None else lowered[0]
+    drafter.max_siblings = module.top
+    check_tree_width(tree, module.top, f"{what} (its top min({MAX_SIBLINGS}, draft vocabulary "
+                     f"{len(heads.draft_vocab)}) tokens)", tree)
+    if lowered is None:
+        from speccomp.backends.drafter_graph import lower_module
+
+        lowered = module, lower_module(module, module.graph_spec(), backend)
+    drafter.module, drafter.step = lowered
+
+
+def run_step(step, *arrays) -> list:
+    """A lowered step on numpy arrays (and ints: 0-d tensors), numpy out."""
+    with torch.no_grad():
+        return [t.numpy() for t in step(*(torch.as_tensor(a) for a in arrays))]
 
 
 def check_heads_depth(tree: Tree, num_heads: int, kind: str) -> None:
     """Head k drafts depth k + 1: a tree deeper than the heads cannot be filled."""
     if tree.max_depth > num_heads:
-        from speccomp.errors import OptionError
-
         raise OptionError("tree", tree.choices, f"is {tree.max_depth} deep but there are {num_heads} {kind} heads "
                           "(one per depth)", f"use a tree at most {num_heads} deep")
 
@@ -174,8 +173,6 @@ def heads_for(base, options: dict, kind: str) -> tuple[Path, str | None]:
     None: found in the caches), which the drafter declares as its options."""
     path = options.pop("heads", None)
     if options:
-        from speccomp.errors import OptionError
-
         raise OptionError("drafter_options", options, f"unknown {kind} options {sorted(options)}", "accepted: ['heads']")
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise OptionTypeError("heads", path, f"must be a path to {display_kind(kind)} head directory, got "
@@ -186,14 +183,11 @@ def heads_for(base, options: dict, kind: str) -> tuple[Path, str | None]:
 
 
 def make_hydra(base, options: dict, tree, backend: str = "eager") -> HydraDrafter:
-    from speccomp.drafters.hydra import load_hydra
-    from speccomp.runtime.tree import DynamicTreeSpec
-
     path, given = heads_for(base, options, "hydra")
     return HydraDrafter(load_hydra(path, base.model), tree if tree is not None else DynamicTreeSpec(16, 4), given, backend)
 
 
-def make_medusa(base, options: dict, tree) -> MedusaDrafter:
+def make_medusa(base, options: dict, tree, backend: str = "eager") -> MedusaDrafter:
     path, given = heads_for(base, options, "medusa")
     heads = load_medusa(path, base.model)
     if tree is None:  # the default tree, no deeper than these heads reach

@@ -31,26 +31,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from speccomp.drafters.medusa import (
-    CONFIG,
-    HeadsError,
-    ResBlock,
-    _lm_head_weight,
-    check_dimensions,
-    config_int,
-    count_check,
-    read_head_files,
-    write_head_files,
-)
+from speccomp.drafters.medusa import (CONFIG, HeadsError, ResBlock, _lm_head_weight, _model_weight, block_names,
+                                      check_dimensions, config_int, count_check, read_head_files, write_head_files)
 
 WEIGHTS = "hydra_heads.safetensors"
 
 
 def _input_embedding(model) -> torch.Tensor:
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if emb is None or not hasattr(emb, "weight"):
-        raise HeadsError(f"{type(model).__name__} has no input embedding for Hydra heads to read")
-    return emb.weight.detach()
+    return _model_weight(model, "get_input_embeddings", "input embedding for Hydra heads to read")
+
+
+def _names(num_heads: int, num_layers: int, hidden: int) -> dict[str, tuple[str, tuple]]:
+    """File tensor name -> (state-dict name, shape) of the heads' weights (the draft vocabulary aside)."""
+    names = {f"hydra_head.{k}.embed.{p}": (f"embeds.{k}.{p}", shape) for k in range(num_heads)
+             for p, shape in (("weight", (hidden, hidden)), ("bias", (hidden,)))}
+    return {**names, **block_names("hydra_head", num_heads, num_layers, hidden)}
 
 
 class HydraHeads(nn.Module):
@@ -149,25 +144,21 @@ def new_hydra(model, draft_vocab, num_heads: int = 4, num_layers: int = 1) -> Hy
 
 
 def save_hydra(heads: HydraHeads, directory, *, base_model: str = "") -> Path:
-    tensors = {"draft_vocab": heads.draft_vocab.contiguous()}
-    for k in range(heads.num_heads):
-        tensors[f"hydra_head.{k}.embed.weight"] = heads.embeds[k].weight.detach().half().contiguous()
-        tensors[f"hydra_head.{k}.embed.bias"] = heads.embeds[k].bias.detach().half().contiguous()
-        for j, block in enumerate(heads.blocks[k]):
-            tensors[f"hydra_head.{k}.{j}.linear.weight"] = block.linear.weight.detach().half().contiguous()
-            tensors[f"hydra_head.{k}.{j}.linear.bias"] = block.linear.bias.detach().half().contiguous()
-    config = {
-        "head_type": "hydra",
-        "hydra_num_heads": heads.num_heads,
-        "hydra_num_layers": heads.num_layers,
-        "hidden_size": heads.hidden,
-        "vocab_size": heads.vocab,
-        "draft_vocab_size": len(heads.draft_vocab),
-        "base_model_name_or_path": base_model,
-        "tied_lm_head": True,
-        "dtype": "float16",
-    }
-    return write_head_files(directory, WEIGHTS, tensors, config)
+    state = heads.state_dict()
+    tensors = {name: state[own] for name, (own, _) in _names(heads.num_heads, heads.num_layers, heads.hidden).items()}
+    return save_draft_heads(heads, directory, WEIGHTS, tensors, base_model, head_type="hydra",
+                            hydra_num_heads=heads.num_heads, hydra_num_layers=heads.num_layers)
+
+
+def save_draft_heads(heads, directory, weights: str, tensors: dict, base_model: str, **fields) -> Path:
+    """Write a head kind tied to the frozen LM head on a draft vocabulary (Hydra, EAGLE): `tensors` as float16 plus
+    draft_vocab, and config.json with `fields` and the model's sizes."""
+    tensors = {name: t.detach().half().contiguous() for name, t in tensors.items()}
+    tensors["draft_vocab"] = heads.draft_vocab.contiguous()
+    config = {**fields, "hidden_size": heads.hidden, "vocab_size": heads.vocab,
+              "draft_vocab_size": len(heads.draft_vocab), "base_model_name_or_path": base_model,
+              "tied_lm_head": True, "dtype": "float16"}
+    return write_head_files(directory, weights, tensors, config)
 
 
 def load_hydra(directory, model) -> HydraHeads:
@@ -182,20 +173,11 @@ def load_hydra(directory, model) -> HydraHeads:
         k_heads = config_int(config, "hydra_num_heads", directory / CONFIG)
         layers = config_int(config, "hydra_num_layers", directory / CONFIG, default=1)
         count_check(directory / WEIGHTS, f"{k_heads} heads x {layers} layers", k_heads * (2 + 2 * layers) + 1, header)
-        shape.update(heads=k_heads, layers=layers)
-        want = {"draft_vocab": (config.get("draft_vocab_size"),)}
-        for k in range(k_heads):
-            want[f"hydra_head.{k}.embed.weight"], want[f"hydra_head.{k}.embed.bias"] = (hidden, hidden), (hidden,)
-            for j in range(layers):
-                want[f"hydra_head.{k}.{j}.linear.weight"], want[f"hydra_head.{k}.{j}.linear.bias"] = (hidden, hidden), (hidden,)
-        return want
+        shape.update(names=_names(k_heads, layers, hidden), heads=k_heads, layers=layers)
+        want = {name: size for name, (_, size) in shape["names"].items()}
+        return {"draft_vocab": (config.get("draft_vocab_size"),), **want}
 
     _, tensors = read_head_files(directory, "hydra", WEIGHTS, layout)
     heads = HydraHeads(shape["heads"], hidden, vocab, shape["layers"], lm, _input_embedding(model), tensors["draft_vocab"])
-    state = {}
-    for k in range(shape["heads"]):
-        state.update({f"embeds.{k}.{p}": tensors[f"hydra_head.{k}.embed.{p}"].float() for p in ("weight", "bias")})
-        state.update({f"blocks.{k}.{j}.linear.{p}": tensors[f"hydra_head.{k}.{j}.linear.{p}"].float()
-                      for j in range(shape["layers"]) for p in ("weight", "bias")})
-    heads.load_state_dict(state)
+    heads.load_state_dict({own: tensors[name].float() for name, (own, _) in shape["names"].items()})
     return heads.eval()

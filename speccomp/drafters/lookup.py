@@ -10,6 +10,7 @@ torch-free runtime, speccomp/engine/runtime.py, drafts with the same code as dra
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import takewhile
 
 # Occurrences of one n-gram looked at per step. Frequent short n-grams ("the") can occur thousands
 # of times; the most recent few are the useful ones, and this keeps a step O(1) in the text length.
@@ -152,9 +153,4 @@ def own_view(where: list, path: list[int]) -> tuple[list[int], list[int], list[i
     index: dict[int, int] = {}
     for position, m in enumerate(merged):
         index.setdefault(m, position)
-    own_path = []
-    for m in path:
-        if m not in index:
-            break
-        own_path.append(index[m])
-    return own, merged, own_path
+    return own, merged, [index[m] for m in takewhile(index.__contains__, path)]

@@ -58,9 +58,8 @@ class MedusaHeads(nn.Module):
         self.blocks = nn.ModuleList(nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)]) for _ in range(num_heads))
         # tied: the frozen LM head weight [V, H], kept as a plain attribute (not saved, not trained)
         self.lm_head = lm_head
-        self.proj = None if lm_head is not None else nn.ParameterList(
-            nn.Parameter(torch.zeros(vocab, hidden)) for _ in range(num_heads)
-        )
+        self.proj = None if lm_head is not None else nn.ParameterList(nn.Parameter(torch.zeros(vocab, hidden))
+                                                                      for _ in range(num_heads))
 
     @property
     def tied(self) -> bool:
@@ -79,11 +78,23 @@ class MedusaHeads(nn.Module):
         return self.project(self.states(h))
 
 
+def _model_weight(model, getter: str, what: str) -> torch.Tensor:
+    """The frozen weight of `model.<getter>()` (an embedding or the LM head), or a HeadsError naming `what`."""
+    module = getattr(model, getter)() if hasattr(model, getter) else None
+    if module is None or not hasattr(module, "weight"):
+        raise HeadsError(f"{type(model).__name__} has no {what}")
+    return module.weight.detach()
+
+
 def _lm_head_weight(model) -> torch.Tensor:
-    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if out is None or not hasattr(out, "weight"):
-        raise HeadsError(f"{type(model).__name__} has no output embedding (LM head) to tie Medusa heads to")
-    return out.weight.detach()
+    return _model_weight(model, "get_output_embeddings", "output embedding (LM head) to tie Medusa heads to")
+
+
+def block_names(prefix: str, num_heads: int, num_layers: int, hidden: int) -> dict[str, tuple[str, tuple]]:
+    """File tensor name -> (state-dict name, shape) of the heads' ResBlocks, `{prefix}.{k}.{j}.linear.{p}`."""
+    shapes = {"weight": (hidden, hidden), "bias": (hidden,)}
+    return {f"{prefix}.{k}.{j}.linear.{p}": (f"blocks.{k}.{j}.linear.{p}", shapes[p])
+            for k in range(num_heads) for j in range(num_layers) for p in shapes}
 
 
 def new_heads(model, num_heads: int = 4, num_layers: int = 1) -> MedusaHeads:
@@ -94,24 +105,16 @@ def new_heads(model, num_heads: int = 4, num_layers: int = 1) -> MedusaHeads:
 
 def save_medusa(heads: MedusaHeads, directory, *, base_model: str = "", medusa_layout: bool = False) -> Path:
     """Write config.json + medusa_lm_head.safetensors; `medusa_layout` also writes tied projections."""
-    tensors = {}
-    for k, blocks in enumerate(heads.blocks):
-        for j, block in enumerate(blocks):
-            tensors[f"medusa_head.{k}.{j}.linear.weight"] = block.linear.weight.detach().contiguous()
-            tensors[f"medusa_head.{k}.{j}.linear.bias"] = block.linear.bias.detach().contiguous()
-        if not heads.tied:
-            tensors[f"medusa_head.{k}.{heads.num_layers}.weight"] = heads.proj[k].detach().contiguous()
-        elif medusa_layout:
-            tensors[f"medusa_head.{k}.{heads.num_layers}.weight"] = heads.lm_head.detach().clone().contiguous()
-    tied_out = heads.tied and not medusa_layout
-    config = {
-        "medusa_num_heads": heads.num_heads,
-        "medusa_num_layers": heads.num_layers,
-        "hidden_size": heads.hidden,
-        "vocab_size": heads.vocab,
-        "base_model_name_or_path": base_model,
-        "tied_lm_head": tied_out,
-    }
+    state = heads.state_dict()
+    names = block_names("medusa_head", heads.num_heads, heads.num_layers, heads.hidden)
+    tensors = {name: state[own].contiguous() for name, (own, _) in names.items()}
+    for k in range(heads.num_heads):
+        if not heads.tied or medusa_layout:
+            proj = heads.lm_head.detach().clone() if heads.tied else heads.proj[k].detach()
+            tensors[f"medusa_head.{k}.{heads.num_layers}.weight"] = proj.contiguous()
+    config = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers, "hidden_size": heads.hidden,
+              "vocab_size": heads.vocab, "base_model_name_or_path": base_model,
+              "tied_lm_head": heads.tied and not medusa_layout}
     return write_head_files(directory, WEIGHTS, tensors, config)
 
 
@@ -249,27 +252,19 @@ def load_medusa(directory, model) -> MedusaHeads:
         layers = config_int(config, "medusa_num_layers", directory / CONFIG, default=1)
         untied = f"medusa_head.0.{layers}.weight" in header  # projections in the file (Medusa's own layout)
         count_check(directory / WEIGHTS, f"{k_heads} heads x {layers} layers", k_heads * (2 * layers + untied), header)
-        shape.update(heads=k_heads, layers=layers, untied=untied)
-        want = {}
-        for k in range(k_heads):
-            for j in range(layers):
-                want[f"medusa_head.{k}.{j}.linear.weight"] = (hidden, hidden)
-                want[f"medusa_head.{k}.{j}.linear.bias"] = (hidden,)
-            if untied:
-                want[f"medusa_head.{k}.{layers}.weight"] = (vocab, hidden)
+        shape.update(names=block_names("medusa_head", k_heads, layers, hidden), heads=k_heads, layers=layers,
+                     untied=untied)
+        want = {name: size for name, (_, size) in shape["names"].items()}
+        want.update({f"medusa_head.{k}.{layers}.weight": (vocab, hidden) for k in range(k_heads) if untied})
         return want
 
     _, tensors = read_head_files(directory, "medusa", WEIGHTS, layout)
     k_heads, layers = shape["heads"], shape["layers"]
-    tied = not shape["untied"] or all(torch.equal(tensors[f"medusa_head.{k}.{layers}.weight"], lm) for k in range(k_heads))
+    projections = [tensors.get(f"medusa_head.{k}.{layers}.weight") for k in range(k_heads)]
     # (a Medusa-layout file whose projections are the frozen LM head shares it instead of copying it)
+    tied = not shape["untied"] or all(torch.equal(p, lm) for p in projections)
     heads = MedusaHeads(k_heads, hidden, vocab, layers, lm_head=lm if tied else None)
-    state = {}
-    for k in range(k_heads):
-        for j in range(layers):
-            for p in ("weight", "bias"):
-                state[f"blocks.{k}.{j}.linear.{p}"] = tensors[f"medusa_head.{k}.{j}.linear.{p}"].float()
-        if not tied:
-            state[f"proj.{k}"] = tensors[f"medusa_head.{k}.{layers}.weight"].float()
+    state = {own: tensors[name].float() for name, (own, _) in shape["names"].items()}
+    state.update({f"proj.{k}": p.float() for k, p in enumerate(projections) if not tied})
     heads.load_state_dict(state)
     return heads.eval()

@@ -127,12 +127,7 @@ def make_merged(names: list[str], base, options: dict | None, tree, backend: str
     options = dict(options or {})
     drafters = []
     for i, n in enumerate(names):
-        own = dict(options.get(n, {}))
-        if "tree" in own:
-            own_tree = own.pop("tree")
-        elif i == 0:
-            own_tree = tree
-        else:
-            own_tree = MERGED_RECYCLING_TREE if n == "token_recycling" else None
+        own = dict(options.get(n, {}))  # its own tree= first; then tree= for the first drafter, defaults for the rest
+        own_tree = own.pop("tree", tree if i == 0 else MERGED_RECYCLING_TREE if n == "token_recycling" else None)
         drafters.append(factories[n](base, own, own_tree, backend))
     return MergedDrafter(drafters, names)

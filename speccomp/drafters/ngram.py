@@ -58,8 +58,7 @@ class NGramDrafter(Drafter):
                           shorter ones only fill branches the longer ones left free.
     num_branches          earlier occurrences used per step (each adds a branch unless its
                           continuation is already in the trie), most recent first.
-    max_depth             tokens drafted after each occurrence.
-    """
+    max_depth             tokens drafted after each occurrence."""
 
     name = "ngram"
 
@@ -94,34 +93,29 @@ class TokenRecyclingDrafter(Drafter):
     ngram_branches  prompt-lookup continuations added as extra branches (0: pure Token Recycling).
     max_ngram, min_ngram, ngram_depth   the prompt lookup's options (see NGramDrafter).
     persist         keep the table across generations (as the paper does). Default False: every
-                    generation starts empty, so its speed does not depend on earlier calls.
-    """
+                    generation starts empty, so its speed does not depend on earlier calls."""
 
     name = "token_recycling"
     trees = ("static",)
 
-    def __init__(
-        self, top_k: int = 8, tree=None, ngram_branches: int = 1, max_ngram: int = 4, min_ngram: int = 1,
-        ngram_depth: int = 8, persist: bool = False,
-    ):
+    def __init__(self, top_k: int = 8, tree=None, ngram_branches: int = 1, max_ngram: int = 4, min_ngram: int = 1,
+                 ngram_depth: int = 8, persist: bool = False):
         self.top_k = top_k = _int_option("top_k", top_k, 1)
-        spec = DEFAULT_TREE if tree is None else tree_option(tree)
+        self.tree = spec = DEFAULT_TREE if tree is None else tree_option(tree)
         if isinstance(spec, (DynamicTreeSpec, AutoTreeSpec)):
             raise OptionError("tree", tree, "token_recycling needs a static tree", "a choice list or an int k")
-        self.tree = spec
         widest = max(spec.ranks)
         if widest >= top_k:
             raise OptionError("tree", tree if tree is not None else "default", f"uses sibling rank {widest} but "
                               f"top_k={top_k} keeps ranks 0..{top_k - 1}", f"use top_k >= {widest + 1} or a narrower tree")
         self.ngram_branches = _int_option("ngram_branches", ngram_branches, 0)
-        ngram_depth = _int_option("ngram_depth", ngram_depth, 1)
-        self.ngram = NGramDrafter(max_ngram, min_ngram, max(self.ngram_branches, 1), ngram_depth)
+        ng = self.ngram = NGramDrafter(max_ngram, min_ngram, max(self.ngram_branches, 1),
+                                       _int_option("ngram_depth", ngram_depth, 1))
         if not isinstance(persist, bool):
             raise OptionTypeError("persist", persist, "must be True or False")
         self.persist = persist
         self.adj: dict[int, list[int]] = {}  # token -> the target's top-k next tokens, best first
         self.max_siblings = top_k
-        ng = self.ngram
         self.options = dict(top_k=top_k, ngram_branches=self.ngram_branches, max_ngram=ng.max_ngram,
                             min_ngram=ng.min_ngram, ngram_depth=ng.max_depth, persist=persist)
 

@@ -8,7 +8,7 @@ holds for a model.
 """
 from __future__ import annotations
 
-from speccomp.backends import lower
+from speccomp.backends import is_onnxruntime, lower
 from speccomp.drafters.eagle_drafter import EagleDrafter, make_eagle
 from speccomp.drafters.graph import GraphDrafter
 from speccomp.drafters.head_drafters import HydraDrafter, MedusaDrafter, make_hydra, make_medusa
@@ -17,7 +17,7 @@ from speccomp.errors import OptionError, OptionTypeError
 from speccomp.frontend.graph import SpecGraph, run_passes
 from speccomp.runtime.calls import MAX_TREE, as_int
 from speccomp.runtime.decode import Drafter
-from speccomp.runtime.tree import check_tree_width, tree_option
+from speccomp.runtime.tree import AutoTreeSpec, DynamicTreeSpec, Tree, check_tree_width, tree_option
 
 
 DRAFTERS: dict[str, object] = {}  # name -> drafter factory
@@ -47,8 +47,6 @@ def max_tree_nodes(structure) -> int:
 
 def _default_tree(tree, fallback, drafter: str, dynamic_ok: bool | None = None):
     """The user's tree= as a Tree (or a DynamicTreeSpec where the drafter declares dynamic trees), or `fallback`."""
-    from speccomp.runtime.tree import AutoTreeSpec, DynamicTreeSpec, tree_option
-
     if dynamic_ok is None:
         dynamic_ok = "dynamic" in DECLARED[drafter].trees
     if tree is None:
@@ -67,8 +65,6 @@ def _default_tree(tree, fallback, drafter: str, dynamic_ok: bool | None = None):
 def _graph_drafter(passes_for, default_name):
     def factory(base: SpecGraph, options: dict, tree, backend: str):
         from speccomp.passes.tree_attention import TreeAttention
-
-        from speccomp.runtime.tree import DynamicTreeSpec
 
         passes, rest = passes_for(base, options)
         if rest:
@@ -141,10 +137,8 @@ def _quantized(base: SpecGraph, options: dict, tree, backend: str):
     """QuantSpec's self-drafter: the target's own graph with 4-bit weights (ONNX Runtime's MatMulNBits, about an
     eighth of the weight bytes per step) drafts depth by depth over the target's cache; the float graph verifies.
     Options: block_size (weights per quantisation block, default 32)."""
-    from speccomp.backends import is_onnxruntime
-    from speccomp.backends.onnx_export import OrtStep, quantize_weights_int4
+    from speccomp.backends.onnx_export import quantize_weights_int4
     from speccomp.passes.tree_attention import TreeAttention
-    from speccomp.runtime.tree import Tree
 
     if not is_onnxruntime(backend):
         raise OptionError("backend", backend, "the quantized drafter runs ONNX Runtime's 4-bit MatMulNBits kernels "
@@ -161,20 +155,17 @@ def _quantized(base: SpecGraph, options: dict, tree, backend: str):
     check_tree_width(spec, base.captured.vocab_size, "model", tree)
     sg = run_passes(base.clone(), [TreeAttention()])
     float_step = lower(sg, backend, spin=False)
-    step = OrtStep(quantize_weights_int4(float_step.path, block), providers=float_step.providers, spin=False)
+    step = float_step.at(quantize_weights_int4(float_step.path, block))
     return GraphDrafter(step, sg.kv_layers, spec, "quantized", {"block_size": block}, sg)
 
 
-@register("medusa", MedusaDrafter)
-def _medusa(base: SpecGraph, options: dict, tree, backend: str):
-    return make_medusa(base, options, _default_tree(tree, None, "medusa"))
+def _head_drafter(name: str, make):
+    def factory(base: SpecGraph, options: dict, tree, backend: str):
+        return make(base, options, _default_tree(tree, None, name), backend)
+
+    return factory
 
 
-@register("hydra", HydraDrafter)
-def _hydra(base: SpecGraph, options: dict, tree, backend: str):
-    return make_hydra(base, options, _default_tree(tree, None, "hydra"), backend)
-
-
-@register("eagle", EagleDrafter)
-def _eagle(base: SpecGraph, options: dict, tree, backend: str):
-    return make_eagle(base, options, _default_tree(tree, None, "eagle"), backend)
+for _name, _cls, _make in (("medusa", MedusaDrafter, make_medusa), ("hydra", HydraDrafter, make_hydra),
+                           ("eagle", EagleDrafter, make_eagle)):
+    register(_name, _cls)(_head_drafter(_name, _make))

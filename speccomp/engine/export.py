@@ -4,26 +4,21 @@
     fast.export("engine/", tokenizer=tokenizer)        # target.onnx + manifest.json + tokenizer.json
     engine = speccomp.load("engine/")                  # elsewhere: onnxruntime + numpy only
 
-The target graph exported is the one the compiled model verifies with (TreeAttention applied; for
-plain decoding the pass is applied to a copy here; with Medusa heads, MedusaHeads too, so the graph
-also returns every token's head states). A Medusa engine adds medusa.onnx, the heads' projection to
-the vocabulary with a top-k (tied heads: a copy of the LM head, so the engine grows by its size); a
-Hydra engine adds hydra.onnx, one head step for every depth (speccomp/drafters/hydra.py's HydraStep); an EAGLE
-engine eagle.onnx, the layer step with its cache in and out (eagle.py's EagleStep); an early_exit / layer_skip
-engine its draft graph. Each is the graph the compiled model's backend lowered: copied from the onnxruntime
-backend, else exported here. A merged drafter
+The target graph exported is the one the compiled model verifies with (TreeAttention applied; for plain decoding the
+pass is applied to a copy here; with Medusa heads, MedusaHeads too, so the graph also returns every token's head
+states). A Medusa engine adds medusa.onnx, the heads' projection to the vocabulary with a top-k (tied heads: a copy of
+the LM head, so the engine grows by its size); a Hydra engine hydra.onnx, one head step for every depth (HydraStep);
+an EAGLE engine eagle.onnx, the layer step with its cache in and out (EagleStep); a self-drafter its draft graph.
+Each graph the onnxruntime backend already exported is copied, any other exported here. A merged drafter
 ("hydra+token_recycling") writes one manifest entry per drafter under drafter.drafters.
-With backend="onnxruntime" the ONNX file the backend already exported is copied instead of exported
-again.
 
-What export may touch (`check_destination`): the destination must be a new or empty directory, or,
-with overwrite=True, an engine whose manifest says format "speccomp-engine" and that holds nothing
-but the files that manifest names. It is never ".", the home directory, the filesystem root or any
-ancestor of the working directory. The new engine is written in a temporary directory beside the
-destination and swapped in by renames (`_swap_in`: the old engine moves aside and is checked again
-there, the new one moves in, the old one is deleted last), so export deletes nothing it did not
-write and an interrupted export never leaves half an engine at the destination. A crash between
-the two renames leaves the old engine in `.NAME-old-XXXX/engine` beside the destination.
+What export may touch (`check_destination`): the destination must be a new or empty directory, or, with
+overwrite=True, an engine whose manifest says format "speccomp-engine" and that holds nothing but the files that
+manifest names. It is never ".", the home directory, the filesystem root or any ancestor of the working directory.
+The new engine is written in a temporary directory beside the destination and swapped in by renames (`_swap_in`: the
+old engine moves aside and is checked again there, the new one moves in, the old one is deleted last), so export
+deletes nothing it did not write and an interrupted export never leaves half an engine at the destination. A crash
+between the two renames leaves the old engine in `.NAME-old-XXXX/engine` beside the destination.
 """
 from __future__ import annotations
 
@@ -36,52 +31,44 @@ from pathlib import Path
 
 import onnx
 
-from speccomp.engine.runtime import (ENGINE_DRAFTERS, FORMAT, FORMAT_VERSION, GRAPH_FILES, HYDRA_FILE, MANIFEST,
-                                     MEDUSA_FILE, TOP_IDS_OUTPUT, EngineError, sha256)
+from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
+from speccomp.engine.runtime import (ENGINE_DRAFTERS, FORMAT, FORMAT_VERSION, GRAPH_FILES, MANIFEST, MEDUSA_FILE,
+                                     SELF_DRAFTERS, TOP_IDS_OUTPUT, EngineError, sha256)
 from speccomp.models import set_default_mode
 
 
 def drafter_spec(drafter) -> dict:
     """The manifest's `drafter` entry: the name and every option the torch-free loop needs (merges: one entry per
-    drafter under `drafters`)."""
+    drafter under `drafters`); a drafter with a graph names its file (GRAPH_FILES)."""
     if drafter is None:
         return {"name": None, "options": {}}
     name = drafter.name
     if "+" in name and hasattr(drafter, "drafters"):
         return {"name": name, "options": {}, "drafters": [drafter_spec(d) for d in drafter.drafters]}
     if name not in ENGINE_DRAFTERS:
-        raise EngineError(
-            f"drafter {name!r} cannot be exported as an engine yet: the torch-free runtime drafts with "
-            f"{[d for d in ENGINE_DRAFTERS if d]} (alone or merged, e.g. 'hydra+token_recycling') or decodes "
-            "plainly; compile with one of those (or drafter=None)"
-        )
+        raise EngineError(f"drafter {name!r} cannot be exported as an engine yet: the torch-free runtime drafts with "
+                          f"{[d for d in ENGINE_DRAFTERS if d]} (alone or merged, e.g. 'hydra+token_recycling') or "
+                          "decodes plainly; compile with one of those (or drafter=None)")
     tree = drafter.tree
     shape = {} if tree is None else dict(parents=list(tree.parents), ranks=list(tree.ranks)) if hasattr(tree, "ranks") \
         else dict(budget=tree.budget, top_k=tree.top_k)
     if name == "medusa":  # the heads become medusa.onnx; states_output is filled in once the target is exported
         options = dict(shape, num_heads=drafter.max_tree_depth, top=max(shape["ranks"]) + 1)
-        return {"name": name, "options": options, "graph": MEDUSA_FILE}
-    if name == "hydra":  # one head step becomes hydra.onnx (with its top-k); the tree grows in the engine
-        from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
-
+    elif name == "hydra":  # one head step becomes hydra.onnx (with its top-k); the tree grows in the engine
         heads = drafter.max_tree_depth
-        return {"name": name, "graph": HYDRA_FILE, "options": dict(num_heads=heads, top=drafter.max_siblings, tree=shape,
-                                                                   max_depth=min(MAX_DYNAMIC_DEPTH, heads))}
-    if name == "eagle":  # the layer step becomes eagle.onnx; its cache and the tree's growth are the engine's
-        head = drafter.head
-        return {"name": name, "graph": GRAPH_FILES[name], "options": dict(
-            num_heads=head.num_heads, head_dim=head.head_dim, top=drafter.max_siblings, tree=shape,
-            max_depth=drafter.max_depth)}
-    if name in ("early_exit", "layer_skip", "quantized", "compressed_kv"):  # the draft graph becomes NAME.onnx
-        from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
-
+        options = dict(num_heads=heads, top=drafter.max_siblings, tree=shape, max_depth=min(MAX_DYNAMIC_DEPTH, heads))
+    elif name == "eagle":  # the layer step becomes eagle.onnx; its cache and the tree's growth are the engine's
+        options = dict(num_heads=drafter.head.num_heads, head_dim=drafter.head.head_dim, top=drafter.max_siblings,
+                       tree=shape, max_depth=drafter.max_depth)
+    elif name in SELF_DRAFTERS:  # the draft graph becomes NAME.onnx
         if drafter.graph is None and not hasattr(drafter.step, "path"):
             raise EngineError(f"this {name} drafter was built without its graph; compile it with speccomp.compile")
         # compressed_kv (kv_mode="draft"): its layers are kv_layers; the policy spec is parsed again at load
         options = {"kv_cache": drafter.policy.spec} if name == "compressed_kv" else dict(drafter.options)
-        return {"name": name, "graph": GRAPH_FILES[name], "options": dict(
-            options, kv_layers=drafter.layer_index.tolist(), tree=shape, max_depth=MAX_DYNAMIC_DEPTH)}
-    return {"name": name, "options": dict(drafter.options, **shape)}  # ngram: its options; token_recycling: + tree
+        options.update(kv_layers=drafter.layer_index.tolist(), tree=shape, max_depth=MAX_DYNAMIC_DEPTH)
+    else:  # ngram: its options; token_recycling: + tree
+        return {"name": name, "options": dict(drafter.options, **shape)}
+    return {"name": name, "options": options, "graph": GRAPH_FILES[name]}
 
 
 def _parts(spec: dict) -> list[dict]:
@@ -103,7 +90,7 @@ def _drafter_graphs(fast, spec: dict, target_outputs: list[str], out: Path) -> d
             file = _medusa_onnx(drafter, out / MEDUSA_FILE)
         elif part["name"] in ("hydra", "eagle"):
             file = _module_onnx(drafter, out / part["graph"])
-        elif part["name"] in ("early_exit", "layer_skip", "quantized", "compressed_kv"):
+        elif part["name"] in SELF_DRAFTERS:
             file = _copy_or_export(drafter.step, drafter.graph, out / part["graph"])
         else:
             continue
@@ -130,14 +117,10 @@ def check_tokenizer(tokenizer, vocab_size: int) -> None:
 def _tokenizer_entry(tokenizer, out: Path) -> dict | None:
     if tokenizer is None:
         return None
-    backend = tokenizer.backend_tokenizer
-    backend.save(str(out / "tokenizer.json"))
+    tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
     special = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-    return {
-        "file": "tokenizer.json",
-        "chat_template": getattr(tokenizer, "chat_template", None),
-        "special_tokens": {k: v for k, v in special.items() if isinstance(v, str)},
-    }
+    return {"file": "tokenizer.json", "chat_template": getattr(tokenizer, "chat_template", None),
+            "special_tokens": {k: v for k, v in special.items() if isinstance(v, str)}}
 
 
 def _medusa_onnx(drafter, path: Path) -> Path:
@@ -178,15 +161,13 @@ def _copy_onnx(src: Path, path: Path) -> Path:
 
 def _target_onnx(fast, out: Path) -> Path:
     """target.onnx in `out`: copied from the onnxruntime backend, else exported from the graph."""
+    from speccomp.backends.onnx_export import OrtStep
     from speccomp.frontend.graph import run_passes
     from speccomp.passes.tree_attention import TreeAttention
 
-    from speccomp.backends.onnx_export import OrtStep
-
     path = out / "target.onnx"
-    step = fast.step
-    if isinstance(step, OrtStep) and "tree_attention" in fast.graph.applied:
-        return _copy_or_export(step, None, path)
+    if isinstance(fast.step, OrtStep) and "tree_attention" in fast.graph.applied:
+        return _copy_or_export(fast.step, None, path)
     sg = fast.graph
     if "tree_attention" not in sg.applied:  # plain decoding: the engine verifies with the same graph always
         sg = run_passes(sg.clone(), [TreeAttention()], dump_input=False)
@@ -329,49 +310,42 @@ def _swap_in(tmp: Path, path: Path, overwrite: bool) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _model_entry(fast, tokenizer, model_id: str | None) -> dict:
+    from speccomp.models import fingerprint
+
+    model, captured = getattr(fast, "model", None), fast.graph.captured
+    eos = (getattr(tokenizer, "eos_token_id", None) if tokenizer is not None
+           else getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    return {"name": model_id or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__,
+            "model_type": captured.model_type, "fingerprint": fingerprint(model) if model is not None else None,
+            "vocab_size": captured.vocab_size, "max_positions": fast.max_positions, "eos_token_id": eos}
+
+
 def export_engine(fast, path, tokenizer=None, overwrite: bool = False, model_id: str | None = None) -> Path:
     """Write `fast` (a SpecModel) as an engine directory at `path`; returns the path."""
     import speccomp
-    from speccomp.models import fingerprint
 
     path = check_destination(path, overwrite)
     check_tokenizer(tokenizer, fast.graph.captured.vocab_size)
     drafter = drafter_spec(fast.drafter)  # fails early, before any export work
-    model = getattr(fast, "model", None)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
         target = _target_onnx(fast, tmp)
         recycling = [p["options"]["top_k"] for p in _parts(drafter) if p["name"] == "token_recycling"]
-        proto = (_add_top_ids(target, max(recycling)) if recycling
-                 else onnx.load(str(target), load_external_data=False))
+        proto = _add_top_ids(target, max(recycling)) if recycling else onnx.load(str(target), load_external_data=False)
         graphs = {"target": _graph_entry(target, proto)}
         graphs.update(_drafter_graphs(fast, drafter, graphs["target"]["outputs"], tmp))
         opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
         kv = fast.kv
-        config = getattr(model, "config", None)
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "speccomp_version": speccomp.__version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "model": {
-                "name": model_id or getattr(config, "_name_or_path", None) or type(model).__name__,
-                "model_type": fast.graph.captured.model_type,
-                "fingerprint": fingerprint(model) if model is not None else None,
-                "vocab_size": fast.graph.captured.vocab_size,
-                "max_positions": fast.max_positions,
-                "eos_token_id": getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else
-                getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-            },
-            "kv": {"num_layers": kv.num_layers, "num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim,
-                   "dtype": str(kv.dtype).removeprefix("torch."), "layout": "[layers, 2 (k, v), 1, kv_heads, tokens, head_dim]"},
-            "graphs": graphs,
-            "opset": opset,
-            "max_tree": fast.max_tree,
-            "drafter": drafter,
-            "tokenizer": _tokenizer_entry(tokenizer, tmp),
-        }
+        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "speccomp_version": speccomp.__version__,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "model": _model_entry(fast, tokenizer, model_id),
+                    "kv": {"num_layers": kv.num_layers, "num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim,
+                           "dtype": str(kv.dtype).removeprefix("torch."),
+                           "layout": "[layers, 2 (k, v), 1, kv_heads, tokens, head_dim]"},
+                    "graphs": graphs, "opset": opset, "max_tree": fast.max_tree, "drafter": drafter,
+                    "tokenizer": _tokenizer_entry(tokenizer, tmp)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         check_destination(path, overwrite)  # again: the export took a while, someone may have written there
         _swap_in(tmp, path, overwrite)

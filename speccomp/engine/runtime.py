@@ -5,33 +5,16 @@
     out = engine.generate(ids, max_new_tokens=128)          # np.int64 [1, prompt + new], like SpecModel
     print(engine.decode(out[0, ids.shape[1]:]))
 
-`SpecModel.export(dir)` (speccomp/engine/export.py) writes the directory:
+`SpecModel.export(dir)` (speccomp/engine/export.py) writes the directory: manifest.json (what is inside and how to
+call it: MANIFEST_KEYS, format speccomp-engine v2; v1 loads); target.onnx, the target verify graph after TreeAttention, one file
+for prefill (causal tree_mask), plain decoding (q = 1) and tree verification (q = tree size); tokenizer.json (when
+export was given a tokenizer); a drafter's graph, GRAPH_FILES[name] (its drafter class below says what it computes).
 
-    manifest.json    what is inside and how to call it (MANIFEST_KEYS; format speccomp-engine v1)
-    target.onnx      the target verify graph after TreeAttention: one file serves prefill (causal
-                     tree_mask), plain decoding (q = 1) and tree verification (q = tree size)
-    tokenizer.json   the Hugging Face fast tokenizer (when export was given one)
-    medusa.onnx      (Medusa engines) the heads' projection: head states [K, H] -> top token ids [K, top]
-    hydra.onnx       (Hydra engines) one head step: (head, states [n, H], tokens [n]) -> next states, top
-                     log-probs and token ids [n, top]
-    eagle.onnx       (EAGLE engines) the layer step: entries, their positions, the layer's cache and a mask
-                     -> outputs, the entries' keys and values, top log-probs and token ids
-    early_exit.onnx, layer_skip.onnx   (self-drafter engines) the target graph with layers bypassed, the
-                     target's convention; it drafts over the engine's cache, its KV in the scratch room
-    quantized.onnx   (quantized engines) the target graph with 4-bit MatMulNBits weights, drafting the same way
-    compressed_kv.onnx   (kv_mode="draft") the self-drafter's graph (+ attention probabilities for SnapKV / H2O);
-                     it drafts over a compressed copy of the cache (speccomp/kv/cache.py, shared with torch)
-
-The decode loop is speccomp/runtime/decode.py's, restated in numpy: draft a tree (no drafter: the root
-alone), verify it in one session run, walk the tree while the target agrees, keep the KV of the
-accepted path. Drafters share their torch-free code with the torch drafters: prompt lookup, Token
-Recycling and the merge of several drafters' trees (speccomp/drafters/lookup.py), tree growth for Hydra,
-EAGLE and the self-drafters (speccomp/drafters/grow.py), the EAGLE layer's cache (eagle_cache.py), the compressed
-KV caches (speccomp/kv/cache.py). Medusa heads' residual blocks are inside target.onnx (an extra output: head
-states of every token) and their projection is medusa.onnx; Hydra reads the target's `hidden` output at the
-newest token, EAGLE at every accepted one.
-Sessions run through IO binding; the KV cache and the contiguous `past_kv` it is fed from are
-allocated once per generate.
+The decode loop is speccomp/runtime/decode.py's, restated in numpy: draft a tree (no drafter: the root alone), verify
+it in one session run, walk the tree while the target agrees, keep the KV of the accepted path. The drafters share
+their torch-free code with the torch drafters (speccomp/drafters/lookup.py, grow.py, eagle_cache.py, kv/cache.py).
+Sessions run through IO binding; the KV cache and the contiguous `past_kv` it is fed from are allocated once per
+generate.
 """
 from __future__ import annotations
 
@@ -39,6 +22,8 @@ import hashlib
 import json
 import os
 import time
+from collections import namedtuple
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -51,15 +36,22 @@ from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, merge_tree
 from speccomp.kv.cache import all_layers, make_cache, needs_votes
 from speccomp.kv.policies import KVPolicyError, parse_kv_cache, snapkv_window
 
-FORMAT, FORMAT_VERSION = "speccomp-engine", 1
+# version 2: graphs may take the cache one layer per input and write it in place (LAYER_INPUT); 1 still loads
+FORMAT, FORMAT_VERSION, READABLE_VERSIONS = "speccomp-engine", 2, (1, 2)
 MANIFEST = "manifest.json"
 MEDUSA_FILE = "medusa.onnx"
 HYDRA_FILE = "hydra.onnx"
 EAGLE_FILE = "eagle.onnx"
 MANIFEST_KEYS = ("format", "format_version", "speccomp_version", "model", "kv", "graphs", "opset", "max_tree", "drafter")
-ENGINE_DRAFTERS = (None, "ngram", "token_recycling", "medusa", "hydra", "eagle", "early_exit", "layer_skip",
-                   "quantized", "compressed_kv")  # drafters
-# the torch-free loop can run, alone or merged ("hydra+token_recycling": one drafter that reads the model, any number of text drafters)
+SELF_DRAFTERS = ("early_exit", "layer_skip", "quantized", "compressed_kv")  # each drafts with its own NAME.onnx
+# the drafters the torch-free loop runs, alone or merged ("hydra+token_recycling": at most one that reads the model)
+ENGINE_DRAFTERS = (None, "ngram", "token_recycling", "medusa", "hydra", "eagle", *SELF_DRAFTERS)
+GRAPH_FILES = {"medusa": MEDUSA_FILE, "hydra": HYDRA_FILE, "eagle": EAGLE_FILE,
+               **{name: f"{name}.onnx" for name in SELF_DRAFTERS}}  # drafters with a graph
+TOP_IDS_OUTPUT = "top_ids"  # the target graph's TopK of the logits, added at export for Token Recycling
+HYDRA_OUTPUTS = ["next_states", "top_logp", "top_ids"]
+EAGLE_INPUTS = ["feats", "tokens", "positions", "past_k", "past_v", "mask"]
+EAGLE_OUTPUTS = ["out", "new_k", "new_v", "top_logp", "top_ids"]
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
 
 
@@ -67,9 +59,11 @@ class EngineError(SpeccompError, RuntimeError):
     """An engine directory is missing, corrupt or does not match; the message names the fix."""
 
 
-# --------------------------------------------------------------------------------------
-# Manifest
-# --------------------------------------------------------------------------------------
+def _corrupt(message: str) -> EngineError:
+    return EngineError(f"{message}; the engine is corrupt, re-export it")
+
+
+# ---- Manifest --------------------------------------------------------------------------------------------
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -94,11 +88,10 @@ def read_manifest(path, verify: bool = True) -> dict:
         raise EngineError(f"{file} is not valid JSON ({exc}); the engine is corrupt, {remake}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise EngineError(f"{file} is not a speccomp engine manifest (format must be {FORMAT!r}); {remake}")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise EngineError(
-            f"{file} has format_version {manifest.get('format_version')!r}; this speccomp reads version "
-            f"{FORMAT_VERSION}; {remake} with this speccomp"
-        )
+    version = manifest.get("format_version")
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        raise EngineError(f"{file} has format_version {version!r}; this speccomp reads versions "
+                          f"{list(READABLE_VERSIONS)}; {remake} with this speccomp")
     missing = [k for k in MANIFEST_KEYS if k not in manifest]
     if missing:
         raise EngineError(f"{file} lacks the keys {missing}; the engine is corrupt, {remake}")
@@ -110,10 +103,9 @@ def read_manifest(path, verify: bool = True) -> dict:
         if verify:
             size = onnx_file.stat().st_size
             if size != graph["bytes"] or sha256(onnx_file) != graph["sha256"]:
-                raise EngineError(
-                    f"the engine's {name} graph {onnx_file} does not match its manifest (size {size} bytes, "
-                    f"manifest {graph['bytes']}; or a different SHA-256): the file is corrupt or was replaced; {remake}"
-                )
+                raise EngineError(f"the engine's {name} graph {onnx_file} does not match its manifest (size {size} "
+                                  f"bytes, manifest {graph['bytes']}; or a different SHA-256): the file is corrupt or "
+                                  f"was replaced; {remake}")
     return manifest
 
 
@@ -142,34 +134,34 @@ def _grown_tree(v) -> bool:
                                     or set(v) == {"budget", "top_k"} and _is_int(v["budget"], 1) and _is_int(v["top_k"], 1))
 
 
-_DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free drafters take
-    None: {},
-    "ngram": {k: lambda v: _is_int(v, 1) for k in ("max_ngram", "min_ngram", "num_branches", "max_depth")},
-    "token_recycling": {**{k: lambda v: _is_int(v, 1) for k in ("top_k", "max_ngram", "min_ngram", "ngram_depth")},
-                        "ngram_branches": lambda v: _is_int(v, 0), "persist": lambda v: isinstance(v, bool),
-                        "parents": _ints, "ranks": lambda v: _ints(v, 0)},
-    "medusa": {"num_heads": lambda v: _is_int(v, 1), "top": lambda v: _is_int(v, 1), "parents": _ints,
-               "ranks": lambda v: _ints(v, 0), "states_output": lambda v: isinstance(v, str)},
-    "hydra": {"num_heads": lambda v: _is_int(v, 1), "top": lambda v: _is_int(v, 1), "max_depth": lambda v: _is_int(v, 1),
-              "tree": _grown_tree},
-    "eagle": {"num_heads": lambda v: _is_int(v, 1), "head_dim": lambda v: _is_int(v, 1), "top": lambda v: _is_int(v, 1),
-              "max_depth": lambda v: _is_int(v, 1), "tree": _grown_tree},
-}
-_SELF_DRAFT = {"kv_layers": lambda v: _ints(v, 0) and len(v) >= 1, "tree": _grown_tree, "max_depth": lambda v: _is_int(v, 1)}
-_DRAFTER_OPTIONS["early_exit"] = {**_SELF_DRAFT, "exit_layer": lambda v: _is_int(v, 0)}
-_DRAFTER_OPTIONS["layer_skip"] = {**_SELF_DRAFT, "skip": lambda v: _ints(v, 0) and len(v) >= 1}
-_DRAFTER_OPTIONS["quantized"] = {**_SELF_DRAFT, "block_size": lambda v: _is_int(v, 16)}  # 4-bit weights
-_DRAFTER_OPTIONS["compressed_kv"] = {**_SELF_DRAFT, "kv_cache": lambda v: _kv_policy_ok(v)}  # kv_mode="draft"
-GRAPH_FILES = {"medusa": MEDUSA_FILE, "hydra": HYDRA_FILE, "eagle": EAGLE_FILE, "early_exit": "early_exit.onnx",
-               "layer_skip": "layer_skip.onnx", "quantized": "quantized.onnx",
-               "compressed_kv": "compressed_kv.onnx"}  # drafters with a graph
-
-
 def _kv_policy_ok(spec) -> bool:
     try:
         return isinstance(spec, str) and bool(parse_kv_cache(spec))
     except KVPolicyError:
         return False
+
+
+def _layer_list(v) -> bool:
+    return _ints(v, 0) and len(v) >= 1
+
+
+_positive, _indices = partial(_is_int, minimum=1), partial(_ints, minimum=0)
+_SELF_DRAFT = {"kv_layers": _layer_list, "tree": _grown_tree, "max_depth": _positive}
+_DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free drafters take
+    None: {},
+    "ngram": dict.fromkeys(("max_ngram", "min_ngram", "num_branches", "max_depth"), _positive),
+    "token_recycling": {**dict.fromkeys(("top_k", "max_ngram", "min_ngram", "ngram_depth"), _positive),
+                        "ngram_branches": partial(_is_int, minimum=0), "persist": lambda v: isinstance(v, bool),
+                        "parents": _ints, "ranks": _indices},
+    "medusa": {"num_heads": _positive, "top": _positive, "parents": _ints, "ranks": _indices,
+               "states_output": lambda v: isinstance(v, str)},
+    "hydra": {**dict.fromkeys(("num_heads", "top", "max_depth"), _positive), "tree": _grown_tree},
+    "eagle": {**dict.fromkeys(("num_heads", "head_dim", "top", "max_depth"), _positive), "tree": _grown_tree},
+    "early_exit": {**_SELF_DRAFT, "exit_layer": partial(_is_int, minimum=0)},
+    "layer_skip": {**_SELF_DRAFT, "skip": _layer_list},
+    "quantized": {**_SELF_DRAFT, "block_size": partial(_is_int, minimum=16)},  # 4-bit weights
+    "compressed_kv": {**_SELF_DRAFT, "kv_cache": _kv_policy_ok},  # kv_mode="draft"
+}
 
 
 def check_schema(m: dict, file: Path, remake: str) -> None:
@@ -240,14 +232,9 @@ def _check_drafter(drafter: dict, graphs: dict, field: str, need) -> None:
              f"{GRAPH_FILES[name]!r} with a {name!r} entry in graphs")
 
 
-# --------------------------------------------------------------------------------------
-# ONNX Runtime session with IO binding
-# --------------------------------------------------------------------------------------
-PROVIDERS = {  # speccomp's names for ONNX Runtime execution providers
-    "cpu": "CPUExecutionProvider",
-    "cuda": "CUDAExecutionProvider",
-    "tensorrt": "TensorrtExecutionProvider",
-}
+# ---- ONNX Runtime session with IO binding ----------------------------------------------------------------
+# speccomp's names for ONNX Runtime execution providers
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 _PROVIDER_HINTS = {  # what to install for an execution provider the plain `onnxruntime` wheel lacks
     "CUDAExecutionProvider": "pip install onnxruntime-gpu (in place of onnxruntime) on a machine with an NVIDIA GPU and CUDA",
     "TensorrtExecutionProvider": "pip install onnxruntime-gpu (in place of onnxruntime) plus TensorRT, on a machine with an NVIDIA GPU",
@@ -278,11 +265,9 @@ def check_session_providers(session, providers: list, what, error=None) -> list[
     wanted = providers[0][0] if isinstance(providers[0], (tuple, list)) else providers[0]
     used = list(session.get_providers())
     if wanted not in used:
-        raise (error or EngineError)(
-            f"{what}: asked ONNX Runtime for {wanted}, but the session runs on {used}: ONNX Runtime fell back "
-            "(for CUDA/TensorRT usually missing CUDA, cuDNN or TensorRT libraries; its log says which). Fix the "
-            "installation, or ask for provider='cpu'"
-        )
+        raise (error or EngineError)(f"{what}: asked ONNX Runtime for {wanted}, but the session runs on {used}: ONNX "
+                                     "Runtime fell back (for CUDA/TensorRT usually missing CUDA, cuDNN or TensorRT "
+                                     "libraries; its log says which). Fix the installation, or ask for provider='cpu'")
     return used
 
 
@@ -327,52 +312,102 @@ class BoundSession:
             raise EngineError(f"ONNX Runtime cannot load {path}: {str(exc).splitlines()[0]}") from exc
         self.providers = check_session_providers(self.session, providers, path)
         self.inputs = [i.name for i in self.session.get_inputs()]
+        self.layers = [n for n in self.inputs if n.startswith(LAYER_INPUT)]
+        self.presents = [o.name for o in self.session.get_outputs() if o.name.startswith("present_")]
+        if self.layers and providers[0] != "CPUExecutionProvider":
+            raise EngineError(f"{path.name} writes the KV cache in place in host memory (the onnxruntime backend's CPU "
+                              f"graph), so it runs on the CPU provider only, not {providers[0]}; for a GPU, export "
+                              "the engine from a model compiled with backend='eager'")
         self.binding = self.session.io_binding()
 
-    def run(self, feeds: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndarray]:
-        b = self.binding
+    def run(self, feeds: dict, outputs: list[str]) -> list[np.ndarray]:
+        """`outputs` of one run; feeds["past_kv"] may be a CacheView (dense for a past_kv graph, bound in place for
+        a graph that writes the cache itself: per-layer past_<kv>_<l> inputs, present_<kv>_<l> outputs)."""
+        b, past = self.binding, feeds.get("past_kv")
         b.clear_binding_inputs()
         b.clear_binding_outputs()
+        buffer = None
+        if isinstance(past, CacheView):
+            buffer = past.buffer(feeds["input_ids"].shape[1]) if self.layers else None
+            feeds = {**feeds, "past_kv": None if self.layers else past.dense(past.n)}
+        elif self.layers:
+            raise EngineError(f"{self.inputs} take the cache in place: pass past_kv as a CacheView (KVCache.view())")
         for name in self.inputs:
-            b.bind_cpu_input(name, feeds[name])
+            if name in self.layers:
+                _bind_layer(b.bind_input, name, buffer)
+            else:
+                b.bind_cpu_input(name, feeds[name])
         for name in outputs:
             b.bind_output(name)  # ORT allocates (shapes depend on q)
+        for name in self.presents:  # the same memory as past_<kv>_<l>: only this step's entries are written
+            _bind_layer(b.bind_output, name, buffer)
         self.session.run_with_iobinding(b)
-        return b.copy_outputs_to_cpu()
+        return [v.numpy() for v in b.get_outputs()[: len(outputs)]]
 
 
-def check_target_outputs(session, manifest: dict, file: str) -> None:
-    """The target graph's outputs and vocabulary against the manifest's (a decode would otherwise index past the
-    logits, or read an output that is not there)."""
-    outputs = session.get_outputs()
-    names = [o.name for o in outputs]
-    if names != manifest["graphs"]["target"]["outputs"]:
-        raise EngineError(f"{file} returns {names} but the manifest's graphs.target.outputs says "
-                          f"{manifest['graphs']['target']['outputs']}; the engine is corrupt, re-export it")
-    vocab = outputs[0].shape[-1] if outputs and outputs[0].shape else None
-    if isinstance(vocab, int) and vocab != manifest["model"]["vocab_size"]:
-        raise EngineError(f"the manifest's model.vocab_size={manifest['model']['vocab_size']} but {file} scores {vocab} "
-                          "tokens; the engine is corrupt, re-export it")
+LAYER_INPUT = ("past_key_", "past_value_")  # a graph that writes the cache in place (backends/onnx_kv.py)
 
 
-def check_kv_layout(session, kv: dict, dtype, file: str) -> None:
-    """The target graph's past_kv input and new_kv output against the manifest's KV layout (fixed dims and element
-    type): a disagreement is named here, at load, not deep inside ONNX Runtime at the first generate."""
+def _bind_layer(bind, name: str, buffer: np.ndarray) -> None:
+    """Bind input past_<kv>_<l> / output present_<kv>_<l> to layer l's block of `buffer` [L, 2, 1, Hkv, cap, D]."""
+    layer, kv = int(name.rsplit("_", 1)[1]), int("_value_" in name)
+    block = buffer[layer, kv]  # [1, Hkv, capacity, D]: contiguous, the leading indices pick one block
+    bind(name, "cpu", 0, block.dtype, list(block.shape), block.ctypes.data)
+
+
+class CacheView:
+    """past_kv as a session input: the first `n` slots of `data` [L, 2, 1, Hkv, capacity, D], whose first `in_use`
+    hold live entries. `dense(n)`: those slots as one contiguous array (for graphs that take past_kv)."""
+
+    def __init__(self, data: np.ndarray, n: int, in_use: int, dense):
+        self.data, self.n, self.in_use, self.dense = data, n, in_use, dense
+
+    def buffer(self, q: int) -> np.ndarray:
+        """What a graph writing the cache in place is bound to: `data` itself when the view covers the live slots
+        and q entries fit after it (they go where the decode loop puts them next anyway), else a scratch copy."""
+        if self.in_use <= self.n and self.n + q <= self.data.shape[4] and self.data.flags.c_contiguous:
+            return self.data
+        scratch = np.zeros(self.data.shape[:4] + (self.n + q, self.data.shape[5]), dtype=self.data.dtype)
+        scratch[..., : self.n, :] = self.data[..., : self.n, :]
+        return scratch
+
+
+def check_target(bound: BoundSession, manifest: dict, dtype) -> None:
+    """The target graph against the manifest, at load rather than deep inside ONNX Runtime at the first generate:
+    its inputs, its past_kv / new_kv against the KV layout (fixed dims and element type), its outputs and vocabulary
+    (a decode would otherwise index past the logits, or read an output that is not there)."""
+    target, kv, session = manifest["graphs"]["target"], manifest["kv"], bound.session
+    file, outputs = target["file"], session.get_outputs()
+    if bound.inputs != target["inputs"]:
+        raise _corrupt(f"{file} takes inputs {bound.inputs} but the manifest says {target['inputs']}")
     want = [kv["num_layers"], 2, 1, kv["num_kv_heads"], None, kv["head_dim"]]
+    layer = [1, kv["num_kv_heads"], None, kv["head_dim"]]  # one layer of the cache, written in place
+    every_layer = {f"{prefix}{i}" for prefix in LAYER_INPUT for i in range(kv["num_layers"])}
+    if bound.layers and set(bound.layers) != every_layer:
+        raise EngineError(f"{file} takes the cache of {len(bound.layers) // 2} layers (past_key_<l>, past_value_<l>) "
+                          f"but the manifest's kv.num_layers is {kv['num_layers']}; the manifest and the graph do "
+                          "not belong together, re-export the engine")
     element = f"tensor({'float' if dtype == np.float32 else 'float16'})"
-    found = {i.name: i for i in session.get_inputs()} | {o.name: o for o in session.get_outputs()}
-    for name in ("past_kv", "new_kv"):
+    found = {i.name: i for i in session.get_inputs()} | {o.name: o for o in outputs}
+    for name, shape_wanted in [("new_kv", want)] + ([(n, layer) for n in bound.layers] or [("past_kv", want)]):
         node = found.get(name)
         if node is None:
-            raise EngineError(f"{file} has no {name}; the engine is corrupt, re-export it")
+            raise _corrupt(f"{file} has no {name}")
         shape = node.shape
-        fixed_ok = len(shape) == 6 and all(w is None or not isinstance(d, int) or d == w for w, d in zip(want, shape))
+        fixed_ok = len(shape) == len(shape_wanted) and all(
+            w is None or not isinstance(d, int) or d == w for w, d in zip(shape_wanted, shape))
         if not fixed_ok or node.type != element:
-            raise EngineError(
-                f"{file}: {name} is {node.type} {shape}, but the manifest's KV layout is {kv['dtype']} "
-                f"[layers={kv['num_layers']}, 2, 1, kv_heads={kv['num_kv_heads']}, tokens, head_dim={kv['head_dim']}]; "
-                "the manifest and the graph do not belong together, re-export the engine"
-            )
+            raise EngineError(f"{file}: {name} is {node.type} {shape}, but the manifest's KV layout is {kv['dtype']} "
+                              f"[layers={kv['num_layers']}, 2, 1, kv_heads={kv['num_kv_heads']}, tokens, "
+                              f"head_dim={kv['head_dim']}]; the manifest and the graph do not belong together, "
+                              "re-export the engine")
+    names = [o.name for o in outputs]
+    if names != target["outputs"]:
+        raise _corrupt(f"{file} returns {names} but the manifest's graphs.target.outputs says {target['outputs']}")
+    vocab = outputs[0].shape[-1] if outputs and outputs[0].shape else None
+    if isinstance(vocab, int) and vocab != manifest["model"]["vocab_size"]:
+        raise _corrupt(f"the manifest's model.vocab_size={manifest['model']['vocab_size']} but {file} scores {vocab} "
+                       "tokens")
 
 
 class KVCache:
@@ -393,6 +428,10 @@ class KVCache:
         np.copyto(out, self.data[..., :length, :])
         return out
 
+    def view(self, n: int | None = None) -> CacheView:
+        """The first n slots (default: the valid ones) as a session's past_kv."""
+        return CacheView(self.data, self.length if n is None else n, self.length, self.past)
+
     def append(self, new_kv: np.ndarray, keep=None) -> None:
         if keep is not None:
             new_kv = new_kv[..., keep, :]
@@ -406,9 +445,7 @@ class KVCache:
         return self.length * self.data[..., :1, :].nbytes
 
 
-# --------------------------------------------------------------------------------------
-# Trees, acceptance, sampling (numpy versions of tree.py / sampling.py)
-# --------------------------------------------------------------------------------------
+# ---- Trees, acceptance, sampling (numpy versions of tree.py / sampling.py) -------------------------------
 def tree_arrays(parents: list[int]) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
     """depth [n], ancestor-or-self mask bool [n, n], children lists of a parent array."""
     n = len(parents)
@@ -452,19 +489,27 @@ def accept(tokens: list[int], children: list[list[int]], pick) -> tuple[list[int
         node = nxt
 
 
-# --------------------------------------------------------------------------------------
-# Drafters: the torch drafters' algorithms on the same torch-free code (speccomp/drafters/lookup.py, grow.py).
-# Each: begin(prompt, cache); take(extras, rows), the target's extra outputs at the newly accepted rows, the newest
-# last (drafters that read the model: `outputs` names them); propose(tokens, max_depth, max_nodes) -> (parents, tokens);
-# observe(tokens, path, logits, extras) after each verification (extras: its outputs at every verified node).
-# --------------------------------------------------------------------------------------
+def _feeds(tokens: list[int], positions: np.ndarray, attended: int, past_kv, tree_mask: np.ndarray) -> dict:
+    """The inputs of a graph in the target's convention (the target's, a self-drafter's) for `tokens` at `positions`
+    attending to `attended` positions: the `past_kv` ones (a CacheView) and theirs, among themselves as `tree_mask`
+    says."""
+    return {"input_ids": np.array([tokens], dtype=np.int64), "position_ids": positions[None],
+            "attention_mask": np.ones((1, attended), dtype=np.int64), "past_kv": past_kv, "tree_mask": tree_mask}
+
+
+# ---- Drafters ------------------------------------------------------------------------------------------
 class _Drafter:
+    """The torch drafters' algorithms on the same torch-free code (speccomp/drafters/lookup.py, grow.py). Each:
+    begin(prompt, cache); take(extras, rows): the target's extra outputs (`outputs` names them) at the newly accepted
+    rows, the newest last; propose(tokens, max_depth, max_nodes) -> (parents, tokens); observe(tokens, path, logits,
+    extras) after each verification (extras: its outputs at every verified node)."""
+
     outputs: tuple[str, ...] = ()  # the target graph's outputs it reads (none: a text drafter)
 
     def begin(self, prompt, cache):
         pass
 
-    def take(self, extras, rows):  # rows of the target's extra outputs newly accepted (the newest last)
+    def take(self, extras, rows):
         pass
 
     def observe(self, tokens, path, logits, extras):
@@ -545,15 +590,32 @@ class _Medusa(_Drafter):
         return parents, [tokens[-1]] + [int(self.top_ids[depth[i] - 1, ranks[i]]) for i in range(1, len(parents))]
 
 
-class _Hydra(_Drafter):
-    """Hydra heads (head_drafters.py's HydraDrafter): the tree grows as in speccomp/drafters/grow.py; hydra.onnx is
-    one head step (head index, parent states [n, H], parent tokens [n]) -> (states [n, H], the top `top` log-probs
-    and token ids [n, top]); the root's state is the target's final hidden state at the newest token."""
+class _Grown(_Drafter):
+    """A drafter whose manifest tree ({parents, ranks} or {budget, top_k}) grows by `_expander(tokens, max_nodes)`,
+    an expand function of speccomp/drafters/grow.py, at most `max_depth` deep: Hydra, EAGLE, the self-drafters."""
+
+    def __init__(self, tree: dict, max_depth: int):
+        self.tree, self.max_depth = tree, max_depth
+
+    def propose(self, tokens, max_depth, max_nodes):
+        tree, root, expand = self.tree, tokens[-1], self._expander(tokens, max_nodes)
+        max_depth = min(self.max_depth, max_depth)
+        if "budget" in tree:
+            return grow_dynamic(min(tree["budget"], max_nodes - 1), tree["top_k"], root, expand, max_depth)
+        parents, ranks = cut(tree["parents"], tree["ranks"], max_depth, max_nodes)
+        return parents, grow_static(parents, ranks, root, expand)
+
+
+class _Hydra(_Grown):
+    """Hydra heads (head_drafters.py's HydraDrafter): hydra.onnx is one head step (head index, parent states [n, H],
+    parent tokens [n]) -> (states [n, H], the top `top` log-probs and token ids [n, top]); the root's state is the
+    target's final hidden state at the newest token."""
 
     outputs = ("hidden",)
 
     def __init__(self, num_heads, top, max_depth, tree, session: BoundSession):
-        self.tree, self.max_depth, self.session, self.h = tree, max_depth, session, None
+        super().__init__(tree, max_depth)
+        self.session, self.h = session, None
 
     def take(self, extras, rows):
         self.h = extras[0][0, rows[-1]]  # [H]
@@ -561,12 +623,11 @@ class _Hydra(_Drafter):
     def _run(self, d, states, tokens):
         return self.session.run({"head": np.array(d, dtype=np.int64), "states": states, "tokens": tokens}, HYDRA_OUTPUTS)
 
-    def propose(self, tokens, max_depth, max_nodes):
-        expand = state_expander(self._run, self.h)  # grow.py's, shared with the torch drafter
-        return _grow(self.tree, tokens[-1], expand, min(self.max_depth, max_depth), max_nodes)
+    def _expander(self, tokens, max_nodes):
+        return state_expander(self._run, self.h)  # grow.py's, shared with the torch drafter
 
 
-class _Eagle(_Drafter):
+class _Eagle(_Grown):
     """The EAGLE layer (eagle_drafter.py's EagleDrafter): its cache and entries are speccomp/drafters/eagle_cache.py's,
     shared with the torch runtime; eagle.onnx is the layer step; it reads the target's final hidden state at every
     newly accepted position."""
@@ -574,7 +635,7 @@ class _Eagle(_Drafter):
     outputs = ("hidden",)
 
     def __init__(self, num_heads, head_dim, top, max_depth, tree, session: BoundSession):
-        self.tree, self.max_depth = tree, max_depth
+        super().__init__(tree, max_depth)
         self.cache = EagleCache(lambda *a: session.run(dict(zip(EAGLE_INPUTS, a)), EAGLE_OUTPUTS), num_heads, head_dim)
 
     def begin(self, prompt, cache):
@@ -583,38 +644,32 @@ class _Eagle(_Drafter):
     def take(self, extras, rows):
         self.cache.take(extras[0][0, rows])
 
-    def propose(self, tokens, max_depth, max_nodes):
-        return _grow(self.tree, tokens[-1], self.cache.expander(tokens), min(self.max_depth, max_depth), max_nodes)
+    def _expander(self, tokens, max_nodes):
+        return self.cache.expander(tokens)
 
 
-def _grow(tree: dict, root: int, expand, max_depth: int, max_nodes: int) -> tuple[list[int], list[int]]:
-    """(parents, tokens) of a manifest tree ({parents, ranks} or {budget, top_k}) grown by `expand` (grow.py)."""
-    if "budget" in tree:
-        return grow_dynamic(min(tree["budget"], max_nodes - 1), tree["top_k"], root, expand, max_depth)
-    parents, ranks = cut(tree["parents"], tree["ranks"], max_depth, max_nodes)
-    return parents, grow_static(parents, ranks, root, expand)
-
-
-class _SelfDraft(_Drafter):
-    """early_exit / layer_skip / quantized (speccomp/drafters/graph.py's GraphDrafter): NAME.onnx is the target's own graph with
-    layers bypassed, run depth by depth over the target's cache (the expanded nodes of one depth in one run); the
-    draft nodes' KV goes to the scratch room past the cache's length, which the verification overwrites."""
+class _SelfDraft(_Grown):
+    """early_exit / layer_skip / quantized (speccomp/drafters/graph.py's GraphDrafter): NAME.onnx is the target's own
+    graph with layers bypassed (quantized: 4-bit MatMulNBits weights), run depth by depth over the target's cache (the
+    expanded nodes of one depth in one run); the draft nodes' KV goes to the scratch room past the cache's length,
+    which the verification overwrites."""
 
     def __init__(self, kv_layers, tree, max_depth, session: BoundSession, exit_layer=None, skip=None, block_size=None):
-        self.kv_layers, self.tree, self.max_depth, self.session, self.cache = kv_layers, tree, max_depth, session, None
+        super().__init__(tree, max_depth)
+        self.kv_layers, self.session, self.cache = kv_layers, session, None
 
     def begin(self, prompt, cache):
         self.cache = cache
 
     def _room(self, tokens, max_nodes):
         """(buffer [L, 2, 1, Hkv, >= base + max_nodes, D] the drafts read and write, base: its valid slots, the
-        position of the root's children, past(n): the buffer's first n slots, contiguous)."""
-        return self.cache.data, self.cache.length, self.cache.length, self.cache.past
+        position of the root's children, past(n): the buffer's first n slots as a CacheView)."""
+        return self.cache.data, self.cache.length, self.cache.length, self.cache.view
 
     def _run(self, feeds, used):
         return self.session.run(feeds, ["logits", "new_kv"])
 
-    def propose(self, tokens, max_depth, max_nodes):
+    def _expander(self, tokens, max_nodes):
         data, base, position, past = self._room(tokens, max_nodes)
         slot = {}
 
@@ -622,11 +677,9 @@ class _SelfDraft(_Drafter):
             used, q = len(slot), len(nodes)
             if used + q > max_nodes:  # the drafter's tree mask must fit where the target's does
                 return None
-            feeds = {"input_ids": np.array([[grown.token[c] for c in nodes]], dtype=np.int64),
-                     "position_ids": np.full((1, q), position + d, dtype=np.int64),
-                     "attention_mask": np.ones((1, base + used + q), dtype=np.int64),
-                     "past_kv": past(base + used),  # the accepted prefix and the scratch slots filled so far
-                     "tree_mask": np.array(ancestor_rows(nodes, grown, slot, used), dtype=bool)}
+            # past: the accepted prefix and the scratch slots filled so far
+            feeds = _feeds([grown.token[c] for c in nodes], np.full(q, position + d, dtype=np.int64), base + used + q,
+                           past(base + used), np.array(ancestor_rows(nodes, grown, slot, used), dtype=bool))
             logits, new_kv = self._run(feeds, used)
             data[self.kv_layers, ..., base + used : base + used + q, :] = new_kv
             x = logits[0].astype(np.float32)
@@ -635,7 +688,16 @@ class _SelfDraft(_Drafter):
             ids = top_ids(logp, k)
             return np.take_along_axis(logp, ids, -1).tolist(), ids.tolist()
 
-        return _grow(self.tree, tokens[-1], expand, min(self.max_depth, max_depth), max_nodes)
+        return expand
+
+
+def _tree_depth(tree: dict, max_depth: int) -> int:
+    """How deep a manifest tree drafts: a static tree's depth, a dynamic one's `max_depth`."""
+    return int(max(tree_arrays(tree["parents"])[0])) if "parents" in tree else max_depth
+
+
+# an engine's KV layout as speccomp/kv/cache.py reads it (the torch runtime hands it a KVSpec)
+_Layout = namedtuple("_Layout", "num_layers num_kv_heads head_dim dtype")
 
 
 class _CompressedKV(_SelfDraft):
@@ -649,12 +711,11 @@ class _CompressedKV(_SelfDraft):
         super().__init__(kv_layers, tree, max_depth, session)
         self.policy = parse_kv_cache(kv_cache)
         self.layout = _Layout(kv["num_layers"], kv["num_kv_heads"], kv["head_dim"], np.dtype(dtype))
-        depth = max(tree_arrays(tree["parents"])[0]) if "parents" in tree else min(max_depth, tree["budget"])
-        self.min_window = int(depth) + 1
+        self.min_window = _tree_depth(tree, min(max_depth, tree.get("budget", max_depth))) + 1
         try:  # a hand-edited manifest fails at load, not at the first generate
             self.policy.check(self.layout, min_window=self.min_window)
         except KVPolicyError as exc:
-            raise EngineError(f"drafter.options.kv_cache: {exc}; the engine is corrupt, re-export it") from None
+            raise _corrupt(f"drafter.options.kv_cache: {exc}") from None
         self.scores = session.session.get_outputs()[-1].name if self.policy.needs_attention else None
         self.compressed, self.h2o_root = None, False
 
@@ -666,10 +727,8 @@ class _CompressedKV(_SelfDraft):
         """Votes [L, Hkv, n] of the last w prompt tokens' queries over the n cached prompt tokens."""
         n = self.cache.length
         w = min(snapkv_window(self.policy.budget), n)
-        feeds = {"input_ids": np.array([tokens[n - w : n]], dtype=np.int64),
-                 "position_ids": np.arange(n - w, n, dtype=np.int64)[None],
-                 "attention_mask": np.ones((1, n), dtype=np.int64), "past_kv": self.cache.past(n - w),
-                 "tree_mask": np.tril(np.ones((w, w), dtype=bool))}
+        feeds = _feeds(tokens[n - w : n], np.arange(n - w, n, dtype=np.int64), n, self.cache.view(n - w),
+                       np.tril(np.ones((w, w), dtype=bool)))
         scores = self.session.run(feeds, [self.scores])[0]  # [L', 1, Hkv, w, n]
         return all_layers(scores[:, 0].sum(2), self.kv_layers, self.layout.num_layers)
 
@@ -679,8 +738,9 @@ class _CompressedKV(_SelfDraft):
         cache.append(target.data[..., cache.length : target.length, :])
         cache.compact(votes)
         self.h2o_root = self.policy.kind == "h2o"
-        data = cache.workspace(max_nodes)
-        return data, cache.slots, target.length, lambda n: np.ascontiguousarray(data[..., :n, :])
+        data, slots = cache.workspace(max_nodes), cache.slots
+        dense = lambda n: np.ascontiguousarray(data[..., :n, :])  # noqa: E731
+        return data, slots, target.length, lambda n: CacheView(data, n, slots, dense)
 
     def _run(self, feeds, used):
         if self.scores is None:
@@ -691,13 +751,6 @@ class _CompressedKV(_SelfDraft):
             self.compressed.accumulate(all_layers(scores[:, 0, :, 0, :base], self.kv_layers, self.layout.num_layers))
             self.h2o_root = False
         return logits, new_kv
-
-
-class _Layout:
-    """An engine's KV layout as speccomp/kv/cache.py reads it (the torch runtime hands it a KVSpec)."""
-
-    def __init__(self, num_layers, num_kv_heads, head_dim, dtype):
-        self.num_layers, self.num_kv_heads, self.head_dim, self.dtype = num_layers, num_kv_heads, head_dim, dtype
 
 
 class _Merged(_Drafter):
@@ -739,28 +792,6 @@ class _Merged(_Drafter):
             d.observe([own_tokens[i] for i in own], own_path, logits[merged], [e[:, merged] for e in own_extras])
 
 
-def check_medusa(options: dict, session, target_outputs: list[str]) -> None:
-    """A Medusa engine's tree and options against medusa.onnx ([K, H] states -> [K, top] ids) and the target graph
-    (which must return the head states as its 4th output)."""
-    def bad(field, value, what):
-        raise EngineError(f"{MEDUSA_FILE}: drafter.options.{field}={value!r} {what}; the engine is corrupt, re-export it")
-
-    k_heads = session.get_inputs()[0].shape[0]
-    top = session.get_outputs()[0].shape[-1]
-    if isinstance(k_heads, int) and options["num_heads"] != k_heads:
-        bad("num_heads", options["num_heads"], f"but {MEDUSA_FILE} takes the states of {k_heads} heads")
-    if isinstance(top, int) and options["top"] != top:
-        bad("top", options["top"], f"but {MEDUSA_FILE} returns the top {top} tokens of each head")
-    if max(options["ranks"]) >= options["top"]:
-        bad("ranks", options["ranks"], f"use sibling ranks up to {max(options['ranks'])}, past the top {options['top']}")
-    depth, _, _ = tree_arrays(options["parents"])
-    if int(depth.max()) > options["num_heads"]:
-        bad("parents", options["parents"], f"make a tree {int(depth.max())} deep for {options['num_heads']} heads")
-    if len(target_outputs) < 4 or options["states_output"] != target_outputs[3]:
-        bad("states_output", options["states_output"], f"is not the target graph's head-state output "
-            f"(its outputs: {target_outputs})")
-
-
 def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | None, target_outputs: list[str],
                  kv: dict, dtype):
     name, options = spec.get("name"), dict(spec.get("options") or {})
@@ -786,15 +817,41 @@ def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | No
     return _SelfDraft(**options, session=session)
 
 
+def check_medusa(options: dict, session, target_outputs: list[str]) -> None:
+    """A Medusa engine's tree and options against medusa.onnx ([K, H] states -> [K, top] ids) and the target graph
+    (which must return the head states as its 4th output)."""
+    def bad(field, value, what):
+        raise _corrupt(f"{MEDUSA_FILE}: drafter.options.{field}={value!r} {what}")
+
+    k_heads = session.get_inputs()[0].shape[0]
+    top = session.get_outputs()[0].shape[-1]
+    if isinstance(k_heads, int) and options["num_heads"] != k_heads:
+        bad("num_heads", options["num_heads"], f"but {MEDUSA_FILE} takes the states of {k_heads} heads")
+    if isinstance(top, int) and options["top"] != top:
+        bad("top", options["top"], f"but {MEDUSA_FILE} returns the top {top} tokens of each head")
+    if max(options["ranks"]) >= options["top"]:
+        bad("ranks", options["ranks"], f"use sibling ranks up to {max(options['ranks'])}, past the top {options['top']}")
+    depth = _tree_depth(options, 0)
+    if depth > options["num_heads"]:
+        bad("parents", options["parents"], f"make a tree {depth} deep for {options['num_heads']} heads")
+    if len(target_outputs) < 4 or options["states_output"] != target_outputs[3]:
+        bad("states_output", options["states_output"], f"is not the target graph's head-state output "
+            f"(its outputs: {target_outputs})")
+
+
 def check_self_draft(options: dict, session, file: str) -> None:
     """A self-drafter's graph takes the target's convention and returns the KV of `kv_layers`."""
     inputs = [i.name for i in session.get_inputs()]
     layers = next((o.shape[0] for o in session.get_outputs() if o.name == "new_kv"), None)
-    if inputs != ["input_ids", "position_ids", "attention_mask", "past_kv", "tree_mask"] or layers is None:
-        raise EngineError(f"{file} takes {inputs}, not a self-drafter graph; the engine is corrupt, re-export it")
+    convention = [n for n in inputs if not n.startswith(LAYER_INPUT)]  # in place: past_kv one layer an input
+    past = ["past_kv"] if "past_kv" in inputs else []
+    in_place = len(convention) < len(inputs)
+    if convention != ["input_ids", "position_ids", "attention_mask", *past, "tree_mask"] or layers is None \
+            or bool(past) == in_place:  # the cache comes in one way: past_kv, or one input per layer
+        raise _corrupt(f"{file} takes {inputs}, not a self-drafter graph")
     if isinstance(layers, int) and layers != len(options["kv_layers"]):
-        raise EngineError(f"{file} returns the KV of {layers} layers but drafter.options.kv_layers names "
-                          f"{len(options['kv_layers'])}; the engine is corrupt, re-export it")
+        raise _corrupt(f"{file} returns the KV of {layers} layers but drafter.options.kv_layers names "
+                       f"{len(options['kv_layers'])}")
 
 
 def check_head_step(name: str, options: dict, session) -> None:
@@ -804,35 +861,26 @@ def check_head_step(name: str, options: dict, session) -> None:
                              "eagle": (EAGLE_FILE, EAGLE_INPUTS, EAGLE_OUTPUTS)}[name]
     names = [o.name for o in session.get_outputs()]
     if [i.name for i in session.get_inputs()] != inputs or names != outputs:
-        raise EngineError(f"{file} takes {[i.name for i in session.get_inputs()]} and returns {names}, not the "
-                          f"{name} step graph; the engine is corrupt, re-export it")
+        raise _corrupt(f"{file} takes {[i.name for i in session.get_inputs()]} and returns {names}, not the "
+                       f"{name} step graph")
     top = session.get_outputs()[-1].shape[-1]
     tree = options["tree"]
     k = max(tree["ranks"]) + 1 if "ranks" in tree else tree["top_k"]
     if isinstance(top, int) and (top != options["top"] or k > top):
-        raise EngineError(f"{file} returns the top {top} tokens but drafter.options.top={options['top']} and "
-                          f"the tree needs {k}; the engine is corrupt, re-export it")
+        raise _corrupt(f"{file} returns the top {top} tokens but drafter.options.top={options['top']} and "
+                       f"the tree needs {k}")
     if name == "eagle":
         shape = session.get_inputs()[3].shape  # past_k [A, P, D]
         if shape[0] != options["num_heads"] or shape[2] != options["head_dim"]:
-            raise EngineError(f"{file} reads a cache of {shape[0]} heads of size {shape[2]} but drafter.options say "
-                              f"{options['num_heads']} of {options['head_dim']}; the engine is corrupt, re-export it")
+            raise _corrupt(f"{file} reads a cache of {shape[0]} heads of size {shape[2]} but drafter.options say "
+                           f"{options['num_heads']} of {options['head_dim']}")
         return
-    depth = max(tree_arrays(tree["parents"])[0]) if "parents" in tree else options["max_depth"]
+    depth = _tree_depth(tree, options["max_depth"])
     if depth > options["num_heads"] or options["max_depth"] > options["num_heads"]:
-        raise EngineError(f"drafter.options: a tree {depth} deep for {options['num_heads']} Hydra heads; the engine is "
-                          "corrupt, re-export it")
+        raise _corrupt(f"drafter.options: a tree {depth} deep for {options['num_heads']} Hydra heads")
 
 
-TOP_IDS_OUTPUT = "top_ids"  # the target graph's TopK of the logits, added at export for Token Recycling
-HYDRA_OUTPUTS = ["next_states", "top_logp", "top_ids"]
-EAGLE_INPUTS = ["feats", "tokens", "positions", "past_k", "past_v", "mask"]
-EAGLE_OUTPUTS = ["out", "new_k", "new_v", "top_logp", "top_ids"]
-
-
-# --------------------------------------------------------------------------------------
-# The engine
-# --------------------------------------------------------------------------------------
+# ---- The engine ------------------------------------------------------------------------------------------
 class Engine:
     """An exported engine: `generate` with SpecModel's contract, on ONNX Runtime and numpy.
 
@@ -856,8 +904,7 @@ class Engine:
         if not isinstance(path, (str, os.PathLike)):
             raise OptionTypeError("path", path, f"must be an engine directory's path, got {type(path).__name__}")
         self.path = Path(path)
-        self.manifest = read_manifest(self.path, verify=verify)
-        m = self.manifest
+        self.manifest = m = read_manifest(self.path, verify=verify)
         self.kv, self.vocab_size, self.max_positions = m["kv"], m["model"]["vocab_size"], m["model"].get("max_positions")
         self.dtype = _DTYPES.get(self.kv["dtype"])
         if self.dtype is None:
@@ -871,13 +918,7 @@ class Engine:
         # single session spins (Token Recycling alone ran ~7% faster so): benchmarks/README.md
         second = draft and any(p.get("graph") for p in m["drafter"].get("drafters") or [m["drafter"]])
         self.session = BoundSession(self.path / target["file"], providers, threads, spin=not second)
-        if self.session.inputs != target["inputs"]:
-            raise EngineError(
-                f"{target['file']} takes inputs {self.session.inputs} but the manifest says {target['inputs']}; "
-                "the engine is corrupt, re-export it"
-            )
-        check_kv_layout(self.session.session, self.kv, self.dtype, target["file"])
-        check_target_outputs(self.session.session, m, target["file"])
+        check_target(self.session, m, self.dtype)
         # draft=False: plain decoding on the same target graph (extra outputs a drafter would read go unused)
         self.drafter = make_drafter(m["drafter"], self.path, providers, threads, target["outputs"], self.kv,
                                     self.dtype) if draft else None
@@ -960,14 +1001,7 @@ class Engine:
     # ---- decoding ---------------------------------------------------------------------
     def _forward(self, cache: KVCache, tokens: list[int], positions: np.ndarray, tree_mask: np.ndarray):
         """logits [q, V], new_kv [L, 2, 1, Hkv, q, D], and the extra outputs the drafter reads."""
-        q = len(tokens)
-        feeds = {
-            "input_ids": np.array([tokens], dtype=np.int64),
-            "position_ids": positions[None],
-            "attention_mask": np.ones((1, cache.length + q), dtype=np.int64),
-            "past_kv": cache.past(),
-            "tree_mask": tree_mask,
-        }
+        feeds = _feeds(tokens, positions, cache.length + len(tokens), cache.view(), tree_mask)
         extra = list(self.drafter.outputs) if self.drafter is not None else []
         logits, new_kv, *extras = self.session.run(feeds, ["logits", "new_kv", *extra])
         return logits[0], new_kv, extras
@@ -1025,11 +1059,9 @@ class Engine:
                     break
             context.extend(out[len(context) - n :])
         seconds = time.perf_counter() - start
-        return out, {
-            "new_tokens": len(out), "steps": steps, "tau": len(out) / steps, "seconds": seconds,
-            "prefill_seconds": prefill_seconds, "tokens_per_second": len(out) / seconds,
-            "kv_bytes": cache.nbytes(), "lossless": True, "providers": self.providers,
-        }
+        return out, {"new_tokens": len(out), "steps": steps, "tau": len(out) / steps, "seconds": seconds,
+                     "prefill_seconds": prefill_seconds, "tokens_per_second": len(out) / seconds,
+                     "kv_bytes": cache.nbytes(), "lossless": True, "providers": self.providers}
 
     def __repr__(self) -> str:
         d = (self.manifest["drafter"].get("name") if self.drafter is not None else None) or "plain"

@@ -12,11 +12,7 @@ The captured graph has the calling convention every pass and backend relies on:
     new_kv         float [L, 2, 1, Hkv, q, D]   this step's keys/values; the runtime owns the cache
     hidden         float [1, q, H]              final hidden state (after the final norm)
 
-Hugging Face models are captured through their own cache interface: a `DynamicCache` whose
-layers are pre-filled with views of `past_kv`, so `torch.export` records the model's own
-`cat(past, new)` and its own mask construction (causal, sliding window, ...). Every dynamic
-dimension is `Dim.AUTO` and export runs with `backed_size_oblivious`, so one graph serves
-prefill (past = 0), single-token decode (q = 1) and tree verification (q = tree size).
+Hugging Face models are captured by speccomp/frontend/hf.py, plain nn.Modules by speccomp/frontend/module.py.
 """
 from __future__ import annotations
 
@@ -32,6 +28,18 @@ from speccomp.errors import SpeccompError, UnsupportedModelError
 
 INPUT_NAMES = ("input_ids", "position_ids", "attention_mask", "past_kv")
 OUTPUT_NAMES = ("logits", "new_kv", "hidden")
+# Set on a cache buffer to a weak reference to its owner (the runtime's KVCache), whose first `owner.length` slots
+# are in use: a graph given a view of the buffer that covers them may write its new entries into the free slots
+# after the view (passes/inplace_kv.py, backends/onnx_kv.py). A view that stops short of `length` gets no writes.
+KV_ROOM = "_speccomp_room"
+
+
+def room_owner(buffer):
+    """The owner a cache buffer names under KV_ROOM, or None (no owner, or it is gone)."""
+    ref = getattr(buffer, KV_ROOM, None)
+    return ref() if ref is not None else None
+
+
 @dataclass(frozen=True)
 class KVSpec:
     """Shape of the KV cache one layer holds: [1, num_kv_heads, length, head_dim]."""
@@ -62,17 +70,15 @@ class CapturedModel:
     module_types: dict[str, type] = field(default_factory=dict)  # module path -> class (from the model)
     model: object = field(default=None, repr=False, compare=False)  # the source nn.Module (identity, heads)
 
-    def copy(self) -> "CapturedModel":
-        """A copy whose graph can be rewritten without touching this one (weights are shared, not copied)."""
+    def copy(self, val_map: dict | None = None) -> "CapturedModel":
+        """A copy whose graph can be rewritten without touching this one (weights are shared, not copied);
+        `val_map`, if given, receives each node's copy."""
         graph = torch.fx.Graph()
-        graph.output(graph.graph_copy(self.graph_module.graph, {}))
+        graph.output(graph.graph_copy(self.graph_module.graph, {} if val_map is None else val_map))
         graph._codegen = self.graph_module.graph._codegen
         return dataclasses.replace(self, graph_module=torch.fx.GraphModule(self.graph_module, graph))
 
 
-# --------------------------------------------------------------------------------------
-# Attention used while capturing SDPA models
-# --------------------------------------------------------------------------------------
 def example_inputs(kv: KVSpec, q: int, past: int, device="cpu", vocab_size: int = 2):
     """Inputs of the graph's calling convention for q new tokens after `past` cached ones."""
     gen = torch.Generator().manual_seed(q * 1000 + past)
@@ -95,8 +101,7 @@ def _drop_not_one_guards(program: torch.export.ExportedProgram) -> None:
     Falcon's own `query.transpose(1, 2).reshape(...)`) and records that as a `q != 1` guard,
     so the graph would refuse single-token decode. The traced code is the general case, which
     is also right for size 1; `check_against_eager` runs q = 1 and a 1-token prompt against the
-    model and refuses the model if they disagree (a real `if q == 1` branch in model code).
-    """
+    model and refuses the model if they disagree (a real `if q == 1` branch in model code)."""
     codes = getattr(program, "_guards_code", None)
     if isinstance(codes, list):
         program._guards_code = [g for g in codes if not _NOT_ONE_GUARD.match(g.strip())]
@@ -114,12 +119,21 @@ def export_dynamic(step: nn.Module, args: tuple, dynamic: tuple, what: str) -> t
             raise UnsupportedModelError(f"torch.export could not capture {what}: {first}") from exc
 
 
+def check_outputs(captured: CapturedModel, got, want, atol: float, what: str, where: str, why: str) -> None:
+    """The graph's outputs `got` against the `what`'s (`want`, in OUTPUT_NAMES order; allclose at atol, rtol 1e-4),
+    or an UnsupportedModelError naming the output, `where` (the lengths run) and `why` they likely differ."""
+    for name, g, w in zip(OUTPUT_NAMES, got, want):
+        if g.shape != w.shape or not torch.allclose(g, w, atol=atol, rtol=1e-4):
+            diff = (g - w).abs().max().item() if g.shape == w.shape else f"shape {tuple(g.shape)} vs {tuple(w.shape)}"
+            raise UnsupportedModelError(f"captured graph of {captured.model_type} disagrees with the {what} on "
+                                        f"`{name}` for {where} (max diff {diff}); {why}")
+
+
 def _flatten(program: torch.export.ExportedProgram) -> torch.fx.GraphModule:
     """The exported program as a GraphModule with plain positional inputs and a tuple output.
 
     `ExportedProgram.module()` calls through pytree specs; passes add inputs, so the
-    codegen is reset to plain FX, which takes and returns flat tensors.
-    """
+    codegen is reset to plain FX, which takes and returns flat tensors."""
     _drop_not_one_guards(program)
     gm = program.module()
     gm._forward_pre_hooks.clear()  # the pytree input-spec check would reject inputs that passes add

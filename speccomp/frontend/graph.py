@@ -43,24 +43,17 @@ if hasattr(torch.ops.mkldnn, "_linear_pointwise"):  # what passes/prepack_linear
 WRAPPER_PREFIX = "model."  # capture wraps the HF model as `_HFStep.model`
 
 
-# --------------------------------------------------------------------------------------
-# Small node helpers
-# --------------------------------------------------------------------------------------
-def module_path(node: fx.Node) -> str:
-    """Innermost module a node came from, as the user's model names it ('' for top level)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return path[len(WRAPPER_PREFIX):] if path.startswith(WRAPPER_PREFIX) else path
-
-
+# ---- Small node helpers --------------------------------------------------------------
 def module_paths(node: fx.Node) -> list[str]:
+    """Modules a node came from, outermost first, as the user's model names them."""
     stack = node.meta.get("nn_module_stack") or {}
-    out = []
-    for path, _ in stack.values():
-        out.append(path[len(WRAPPER_PREFIX):] if path.startswith(WRAPPER_PREFIX) else path)
-    return out
+    return [path.removeprefix(WRAPPER_PREFIX) for path, _ in stack.values()]
+
+
+def module_path(node: fx.Node) -> str:
+    """Innermost module a node came from ('' for top level)."""
+    paths = module_paths(node)
+    return paths[-1] if paths else ""
 
 
 def shape(node) -> tuple | None:
@@ -94,9 +87,7 @@ def copy_meta(new: fx.Node, old: fx.Node) -> fx.Node:
     return new
 
 
-# --------------------------------------------------------------------------------------
-# Structure
-# --------------------------------------------------------------------------------------
+# ---- Structure -----------------------------------------------------------------------
 @dataclass
 class AttentionSite:
     node: fx.Node  # the sdpa call, or the softmax of an eager attention
@@ -138,11 +129,8 @@ class Structure:
     def summary(self) -> str:
         kinds = Counter(s.kind for s in self.attention)
         windows = sorted({s.sliding_window for s in self.attention if s.sliding_window})
-        return (
-            f"embedding={module_path(self.embedding)} layers={len(self.layers)} "
-            f"attention={dict(kinds)} sliding_windows={windows or None} "
-            f"final_norm={self.final_norm} lm_head={self.lm_head_module}"
-        )
+        return (f"embedding={module_path(self.embedding)} layers={len(self.layers)} attention={dict(kinds)} "
+                f"sliding_windows={windows or None} final_norm={self.final_norm} lm_head={self.lm_head_module}")
 
 
 def _placeholders(graph: fx.Graph) -> dict[str, fx.Node]:
@@ -153,9 +141,7 @@ def _cache_slot(cat: fx.Node, past_kv: fx.Node) -> tuple[int, int] | None:
     """(layer, 0=key|1=value) if `cat` is cat([past_kv[layer, kv], new], -2)."""
     if cat.target is not aten.cat.default:
         return None
-    first = cat.args[0][0]
-    idx = []
-    node = first
+    idx, node = [], cat.args[0][0]
     while isinstance(node, fx.Node) and node.target is aten.select.int:
         idx.append(node.args[2])
         node = node.args[0]
@@ -199,7 +185,7 @@ def _eager_attention(softmax: fx.Node, past_kv: fx.Node, attention_mask: fx.Node
         user = users[0]
     else:
         return None
-    value_cat, layer_v, _ = _find_cat(user.args[1], past_kv)
+    value_cat = _find_cat(user.args[1], past_kv)[0]
     key_cat, layer_k, _ = _find_cat(scores, past_kv)
     mask = mask_user = None
     node = scores
@@ -247,40 +233,26 @@ def annotate(captured: CapturedModel) -> Structure:
     missing = [n for n in INPUT_NAMES if n not in inputs]
     if missing:
         raise GraphStructureError(f"graph inputs {missing} are missing; was it captured by speccomp.capture?")
-    embeddings = [
-        n for n in graph.nodes
-        if n.target is aten.embedding.default and _reshaped_from(n.args[1], inputs["input_ids"])
-    ]
+    embeddings = [n for n in graph.nodes
+                  if n.target is aten.embedding.default and _reshaped_from(n.args[1], inputs["input_ids"])]
     if not embeddings:
         raise UnsupportedModelError("no token embedding (aten.embedding of input_ids) found in the captured graph")
     sites = _attention_sites(captured, inputs["past_kv"], inputs["attention_mask"])
     order = {n: i for i, n in enumerate(graph.nodes)}
     logits, new_kv, final_hidden = graph.output_node().args[0][:3]
     layers = _decoder_layers(graph, sites, embeddings[0], final_hidden, order)
+    last = order[layers[-1].exit]
     # LM head: the last matmul on the way from the final hidden state to the logits
-    head = None
-    for node in sorted(ancestors(logits) | {logits}, key=order.get, reverse=True):
-        if node.target in MATMUL_OPS and order[node] > order[layers[-1].exit]:
-            head = node
-            break
+    head = next((n for n in sorted(ancestors(logits) | {logits}, key=order.get, reverse=True)
+                 if n.target in MATMUL_OPS and order[n] > last), None)
     if head is None:
         raise UnsupportedModelError("no LM head (a matmul producing the logits) found after the last decoder block")
-    norm_paths = [module_path(n) for n in graph.nodes if order[layers[-1].exit] < order[n] <= order[final_hidden]]
-    norm_paths = [p for p in norm_paths if p]
+    norm_paths = [p for n in graph.nodes if last < order[n] <= order[final_hidden] and (p := module_path(n))]
     if not norm_paths:
         raise UnsupportedModelError("no final norm module found between the last decoder block and the LM head")
-    return Structure(
-        inputs=inputs,
-        embedding=embeddings[0],
-        layers=layers,
-        attention=sites,
-        final_norm=Counter(norm_paths).most_common(1)[0][0],
-        final_hidden=final_hidden,
-        lm_head=head,
-        lm_head_module=module_path(head),
-        logits=logits,
-        new_kv=new_kv,
-    )
+    return Structure(inputs=inputs, embedding=embeddings[0], layers=layers, attention=sites,
+                     final_norm=Counter(norm_paths).most_common(1)[0][0], final_hidden=final_hidden,
+                     lm_head=head, lm_head_module=module_path(head), logits=logits, new_kv=new_kv)
 
 
 def _attention_sites(captured: CapturedModel, past_kv, attention_mask) -> list[AttentionSite]:
@@ -300,13 +272,11 @@ def _attention_sites(captured: CapturedModel, past_kv, attention_mask) -> list[A
                     AttentionSite(node, "eager", layer, module_path(node), mask, key_cat, value_cat, mask_user=mask_user)
                 )
     if not sites:
-        raise UnsupportedModelError(
-            "no attention site (scaled_dot_product_attention, or softmax over cat(past, new) keys) found in the graph"
-        )
+        raise UnsupportedModelError("no attention site (scaled_dot_product_attention, or softmax over cat(past, new) "
+                                    "keys) found in the graph")
     if len({s.layer for s in sites}) != len(sites) or len(sites) != captured.kv.num_layers:
-        raise UnsupportedModelError(
-            f"found {len(sites)} attention sites for {captured.kv.num_layers} cache layers; each layer must read its own cache"
-        )
+        raise UnsupportedModelError(f"found {len(sites)} attention sites for {captured.kv.num_layers} cache layers; "
+                                    "each layer must read its own cache")
     for site in sites:
         if site.mask is None:
             raise UnsupportedModelError(f"attention in {site.module} has no explicit mask input in the graph")
@@ -358,9 +328,7 @@ def _decoder_layers(graph, sites: list[AttentionSite], embedding, final_hidden, 
     return layers
 
 
-# --------------------------------------------------------------------------------------
-# The object passes rewrite
-# --------------------------------------------------------------------------------------
+# ---- The object passes rewrite -------------------------------------------------------
 @dataclass
 class SpecGraph:
     """A captured graph plus what is known about it. Passes rewrite `gm` in place."""
@@ -385,17 +353,11 @@ class SpecGraph:
 
     def clone(self) -> "SpecGraph":
         """A copy whose graph can be rewritten independently; parameters are shared, not copied."""
-        graph = fx.Graph()
         val_map: dict[fx.Node, fx.Node] = {}
-        out = graph.graph_copy(self.gm.graph, val_map)
-        graph.output(out)
-        graph._codegen = self.gm.graph._codegen
-        gm = fx.GraphModule(self.gm, graph)
-        captured = dataclasses.replace(self.captured, graph_module=gm)
+        captured = self.captured.copy(val_map)
         # carry the annotation over node by node: a rewritten graph (layers skipped, say) may
         # no longer be one that `annotate` could find from scratch
-        structure = _remap(self.structure, val_map)
-        return SpecGraph(captured, structure, list(self.applied), list(self.kv_layers))
+        return SpecGraph(captured, _remap(self.structure, val_map), list(self.applied), list(self.kv_layers))
 
     def layer_of(self, node: fx.Node) -> str | None:
         """Module path of the decoder layer a node belongs to (None outside the layers)."""
@@ -504,8 +466,7 @@ def dump(sg: SpecGraph, stage: str) -> None:
     Files go to $SPECCOMP_DEBUG_DIR (default ./speccomp_debug) as NN_<passes applied so far>.py, NN counting
     every dump of the process (a compile dumps the drafter's graphs and the target's: 00_captured.py,
     01_early_exit.py, 02_early_exit+tree_attention.py, 03_captured.py, 04_tree_attention.py), so a newcomer
-    can diff what each pass changed and no file overwrites another.
-    """
+    can diff what each pass changed and no file overwrites another."""
     if os.environ.get("SPECCOMP_DEBUG", "0") in ("", "0"):
         return
     out = Path(os.environ.get("SPECCOMP_DEBUG_DIR", "speccomp_debug"))
@@ -513,10 +474,6 @@ def dump(sg: SpecGraph, stage: str) -> None:
     index = next(_DUMPS)
     path = out / f"{index:02d}_{'+'.join(sg.applied) or stage}.py"
     path.write_text(sg.gm.code)
-    counts = sg.op_counts()
-    top = ", ".join(f"{k.split('.')[-2] if '.' in k else k}={v}" for k, v in counts.most_common(6))
-    print(
-        f"[speccomp] {index:02d} {stage:<18} nodes={len(sg.gm.graph.nodes):<5} inputs={sg.input_names()} "
-        f"{top} -> {path}",
-        file=sys.stderr,
-    )
+    top = ", ".join(f"{k.split('.')[-2] if '.' in k else k}={v}" for k, v in sg.op_counts().most_common(6))
+    print(f"[speccomp] {index:02d} {stage:<18} nodes={len(sg.gm.graph.nodes):<5} inputs={sg.input_names()} "
+          f"{top} -> {path}", file=sys.stderr)

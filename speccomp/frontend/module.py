@@ -41,7 +41,7 @@ import torch.fx.experimental._config as fx_config
 from torch import fx, nn
 from torch.export import Dim
 
-from speccomp.frontend.convention import OUTPUT_NAMES, CapturedModel, KVSpec, export_dynamic
+from speccomp.frontend.convention import CapturedModel, KVSpec, check_outputs, export_dynamic
 from speccomp.errors import UnsupportedModelError
 
 EXAMPLE_LENGTH = 5  # sequence length used while exporting (any value >= 2 that the model accepts)
@@ -58,12 +58,10 @@ class _PlainStep(nn.Module):
     def forward(self, input_ids):
         out = self.model(input_ids)
         if isinstance(out, (tuple, list)):
-            out = out[0]
-        elif isinstance(out, Mapping) and "logits" in out:
-            out = out["logits"]
-        elif not isinstance(out, torch.Tensor) and hasattr(out, "logits"):
-            out = out.logits
-        return out
+            return out[0]
+        if isinstance(out, Mapping) and "logits" in out:
+            return out["logits"]
+        return out.logits if not isinstance(out, torch.Tensor) and hasattr(out, "logits") else out
 
 
 def capture_module(model: nn.Module, *, check: bool = True) -> CapturedModel:
@@ -72,50 +70,37 @@ def capture_module(model: nn.Module, *, check: bool = True) -> CapturedModel:
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a torch.nn.Module causal LM, got {type(model).__name__}")
-    try:
-        first = next(model.parameters())
-    except StopIteration:
-        raise UnsupportedModelError(f"{type(model).__name__} has no parameters; it is not a causal LM") from None
+    first = next(model.parameters(), None)
+    if first is None:
+        raise UnsupportedModelError(f"{type(model).__name__} has no parameters; it is not a causal LM")
     model.eval()
     step = _PlainStep(model).eval()
     example = torch.zeros(1, EXAMPLE_LENGTH, dtype=torch.long, device=first.device)
-    program = export_dynamic(
-        step, (example,), ({1: Dim.AUTO},), f"{type(model).__name__}(input_ids) with a dynamic sequence length"
-    )
+    program = export_dynamic(step, (example,), ({1: Dim.AUTO},),
+                             f"{type(model).__name__}(input_ids) with a dynamic sequence length")
     gm = program.module()
     gm.graph._codegen = fx.graph.CodeGen()  # plain positional inputs and tuple output (passes add inputs)
     (input_ids,) = [n for n in gm.graph.nodes if n.op == "placeholder"]
     seq_size = input_ids.meta["val"].shape[1]
     if not isinstance(seq_size, torch.SymInt):
-        raise UnsupportedModelError(
-            f"{type(model).__name__} specializes on the sequence length while exported; it must accept any length"
-        )
+        raise UnsupportedModelError(f"{type(model).__name__} specializes on the sequence length while exported; it "
+                                    "must accept any length")
     pg = PlainGraph(gm, seq_size.node.expr)
     for cls in PASSES:
         cls()(pg)
-    kv = _kv_spec(pg)
+    heads, head_dim, dtype = pg.kv_layout
+    kv = KVSpec(len(pg.slots), heads, head_dim, dtype)
     _propagate_values(pg, kv)
     gm._forward_pre_hooks.clear()  # export's input check expects the one-input signature (as in capture._flatten)
     gm.recompile()
     logits_val = gm.graph.output_node().args[0][0].meta["val"]
-    captured = CapturedModel(
-        graph_module=gm,
-        kv=kv,
-        vocab_size=int(logits_val.shape[-1]),
-        max_positions=_max_positions(model, pg, program),
-        attn_implementation="sdpa",
-        model_type=type(model).__name__,
-        sliding_windows={},
-        module_types={name: type(mod) for name, mod in model.named_modules()},
-    )
+    captured = CapturedModel(graph_module=gm, kv=kv, vocab_size=int(logits_val.shape[-1]),
+                             max_positions=_max_positions(model, pg, program), attn_implementation="sdpa",
+                             model_type=type(model).__name__, sliding_windows={},
+                             module_types={name: type(mod) for name, mod in model.named_modules()})
     if check:
         check_against_module(captured, model)
     return captured
-
-
-def _kv_spec(pg) -> KVSpec:
-    heads, head_dim, dtype = pg.kv_layout
-    return KVSpec(len(pg.slots), heads, head_dim, dtype)
 
 
 def _max_positions(model, pg, program) -> int | None:
@@ -136,18 +121,15 @@ def _propagate_values(pg, kv: KVSpec) -> None:
     """Fill `meta["val"]` (fake tensors) on the new placeholders and every node the passes added.
 
     The exported nodes keep their values; the sequence length keeps its symbol and the cache
-    length gets a new one, so new nodes carry shapes like [1, Hkv, past + q, D].
-    """
+    length gets a new one, so new nodes carry shapes like [1, Hkv, past + q, D]."""
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic
 
     from speccomp.passes.explicit_kv import ADDED
 
-    input_ids = pg.inputs["input_ids"]
-    ids_val = input_ids.meta["val"]
-    mode = ids_val.fake_mode
+    ids_val = pg.inputs["input_ids"].meta["val"]
+    mode, q = ids_val.fake_mode, ids_val.shape[1]
     env = mode.shape_env
-    q = ids_val.shape[1]
     source = ConstantSource("past_length")
     past = env.create_symintnode(env.create_symbol(7, source, dynamic_dim=DimDynamic.DYNAMIC), hint=7, source=source)
     with mode:
@@ -162,9 +144,7 @@ def _propagate_values(pg, kv: KVSpec) -> None:
         for node in pg.graph.nodes:
             if node.op != "call_function" or ("val" in node.meta and not node.meta.get(ADDED)):
                 continue  # exported nodes keep their values
-            args = fx.node.map_arg(node.args, value)
-            kwargs = fx.node.map_arg(node.kwargs, value)
-            node.meta["val"] = node.target(*args, **kwargs)
+            node.meta["val"] = node.target(*fx.node.map_arg(node.args, value), **fx.node.map_arg(node.kwargs, value))
 
 
 def check_against_module(captured: CapturedModel, model: nn.Module, atol: float = 1e-4, length: int = 9) -> None:
@@ -172,8 +152,7 @@ def check_against_module(captured: CapturedModel, model: nn.Module, atol: float 
 
     Runs the graph on a 1-token prompt (past = 0), then several tokens, one token and several
     tokens, each time against the K/V the graph itself returned, and compares the logits with
-    `model(prefix + new tokens)`; hidden states and K/V must match one prefill of the whole sequence.
-    """
+    `model(prefix + new tokens)`; hidden states and K/V must match one prefill of the whole sequence."""
     gm = captured.graph_module
     step = _PlainStep(model).eval()
     device = next(model.parameters()).device
@@ -190,10 +169,9 @@ def check_against_module(captured: CapturedModel, model: nn.Module, atol: float 
             return gm(ids[:, start:end], torch.arange(start, end, device=device)[None],
                       torch.ones(1, end, dtype=torch.long, device=device), past)
         except Exception as exc:  # a rewrite that does not hold for these lengths
-            raise UnsupportedModelError(
-                f"captured graph of {captured.model_type} fails for {end - start} new tokens after {start} cached: "
-                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-            ) from exc
+            raise UnsupportedModelError(f"captured graph of {captured.model_type} fails for {end - start} new tokens "
+                                        f"after {start} cached: "
+                                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
 
     with torch.no_grad():
         want = step(ids)
@@ -201,18 +179,8 @@ def check_against_module(captured: CapturedModel, model: nn.Module, atol: float 
         past = torch.zeros(kv.shape(0), dtype=kv.dtype, device=device)
         for start, end in zip(cuts, cuts[1:]):
             got = run(start, end, past)
-            pieces = {
-                "logits": (got[0], want[:, start:end]),
-                "new_kv": (got[1], full[1][..., start:end, :]),
-                "hidden": (got[2], full[2][:, start:end]),
-            }
-            for name in OUTPUT_NAMES:
-                g, w = pieces[name]
-                if g.shape != w.shape or not torch.allclose(g, w, atol=atol, rtol=1e-4):
-                    diff = (g - w).abs().max().item() if g.shape == w.shape else f"shape {tuple(g.shape)} vs {tuple(w.shape)}"
-                    raise UnsupportedModelError(
-                        f"captured graph of {captured.model_type} disagrees with the module on `{name}` for tokens "
-                        f"[{start}, {end}) after {start} cached (max diff {diff}); the module likely computes something "
-                        "from the sequence length that the passes did not make explicit"
-                    )
+            expected = (want[:, start:end], full[1][..., start:end, :], full[2][:, start:end])  # OUTPUT_NAMES order
+            check_outputs(captured, got, expected, atol, "module", f"tokens [{start}, {end}) after {start} cached",
+                          "the module likely computes something from the sequence length that the passes did not "
+                          "make explicit")
             past = torch.cat([past, got[1]], dim=4)

@@ -33,20 +33,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from speccomp.kv.policies import (
-    KVPolicy,
-    Quantized,
-    dequantize_keys,
-    dequantize_values,
-    gather_slots,
-    gather_tokens,
-    pool_votes,
-    quantize_keys,
-    quantize_values,
-    sink_keep,
-    topk_keep,
-    value_group,
-)
+from speccomp.kv.policies import (KVPolicy, Quantized, dequantize_keys, dequantize_values, gather_slots, gather_tokens,
+                                   pool_votes, quantize_keys, quantize_values, sink_keep, topk_keep, value_group)
 
 
 def make_cache(kv, policy: KVPolicy, min_window: int = 1, dtype=np.float32):
@@ -95,8 +83,7 @@ class EvictingCache:
         L, H = kv.num_layers, kv.num_kv_heads
         self.pos = np.zeros((L, H, 0), dtype=np.int64)  # sequence position of each slot
         self.score = np.zeros((L, H, 0), dtype=np.float32)  # H2O accumulated attention
-        self.slots = 0
-        self.length = 0
+        self.slots = self.length = 0
         self.selected = False  # SnapKV selects once, after the prompt
 
     def _reserve(self, needed: int) -> None:
@@ -120,9 +107,8 @@ class EvictingCache:
         if n < 0 or n > self.slots:
             raise ValueError(f"cannot roll back {n} tokens from a cache of {self.slots}")
         if not (self.pos[..., self.slots - n : self.slots] == np.arange(self.length - n, self.length)).all():
-            raise ValueError(
-                f"cannot roll back {n} tokens: only the {self.policy.window} most recent are guaranteed uncompressed"
-            )
+            raise ValueError(f"cannot roll back {n} tokens: only the {self.policy.window} most recent are guaranteed "
+                             "uncompressed")
         self.slots -= n
         self.length -= n
 
@@ -177,10 +163,6 @@ class EvictingCache:
     def workspace_bytes(self) -> int:
         return 0  # attention reads the held buffer itself
 
-    def metadata_bytes(self) -> int:
-        """Bookkeeping besides the keys and values: slot positions and scores."""
-        return self.positions().nbytes + self.score[..., : self.slots].nbytes
-
 
 class KiviCache:
     def __init__(self, kv, policy: KVPolicy, dtype=np.float32):
@@ -188,9 +170,8 @@ class KiviCache:
         self.group, self.vgroup = policy.group, value_group(kv.head_dim)
         self.keys: Quantized | None = None  # packed [L, 1, Hkv, quantised, D*bits/8], per (group, channel) params
         self.values: Quantized | None = None  # packed [L, 1, Hkv, quantised, D*bits/8], per (token, channel group)
-        self.quantised = 0
         self.tail = np.zeros(_shape(kv, 0), dtype=dtype)  # full precision [L, 2, 1, Hkv, cap, D]
-        self.tail_len = 0
+        self.quantised = self.tail_len = 0
         self.mirror: np.ndarray | None = None  # dequantised [0, quantised) + tail copy + room (workspace)
 
     @property
@@ -211,10 +192,8 @@ class KiviCache:
 
     def rollback(self, n: int) -> None:
         if n < 0 or n > self.tail_len:
-            raise ValueError(
-                f"cannot roll back {n} tokens: only the {self.tail_len} newest are in full precision "
-                f"(the policy guarantees {self.policy.window})"
-            )
+            raise ValueError(f"cannot roll back {n} tokens: only the {self.tail_len} newest are in full precision "
+                             f"(the policy guarantees {self.policy.window})")
         self.tail_len -= n
 
     def compact(self, votes: np.ndarray | None = None) -> None:
@@ -279,9 +258,6 @@ class KiviCache:
 
     def workspace_bytes(self) -> int:
         return 0 if self.mirror is None else self.mirror.nbytes
-
-    def metadata_bytes(self) -> int:
-        return 0
 
 
 def _cat(a: Quantized, b: Quantized) -> Quantized:

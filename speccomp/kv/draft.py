@@ -27,26 +27,26 @@ token's attention at every draft step (the root is always a real token).
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 
+from speccomp.backends import lower
+from speccomp.drafters.registry import _default_tree, _early_exit_passes, _layer_skip_passes
+from speccomp.frontend.graph import run_passes
 from speccomp.runtime.model import SpecModel
 from speccomp.frontend.convention import KVSpec
 from speccomp.kv.cache import all_layers, make_cache, needs_votes
 from speccomp.drafters.graph import GraphDrafter
 from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
-from speccomp.kv.policies import KVPolicy, policy_bytes, snapkv_window
+from speccomp.errors import OptionError, OptionTypeError
+from speccomp.kv.policies import KVPolicy, KVPolicyError, parse_kv_cache, policy_bytes, snapkv_window
+from speccomp.runtime.calls import choice
 from speccomp.runtime.decode import KVCache, DraftContext
 from speccomp.runtime.tree import DynamicTreeSpec
 
 KV_MODES = ("draft", "target")
-
-
-class _Slots:
-    """What GraphDrafter reads from a cache: a buffer and the number of valid slots in it."""
-
-    def __init__(self, data: torch.Tensor, length: int):
-        self.data, self.length = data, length
 
 
 def numpy_dtype(dtype: torch.dtype):
@@ -85,9 +85,7 @@ class CompressedKVDrafter(GraphDrafter):
         self.kv, self.policy = kv, policy
         self.min_window = tree_depth(tree) + 1
         policy.check(kv, min_window=self.min_window)
-        self.cache = None
-        self.prompt_length = 0
-        self._position_base = 0
+        self.cache, self.prompt_length, self._position_base = None, 0, 0
         self._scores_pending = False  # H2O: take the root's attention at the next depth-0 forward
         self.measured: dict = {}
 
@@ -106,13 +104,9 @@ class CompressedKVDrafter(GraphDrafter):
         n = target.length
         w = min(snapkv_window(self.policy.budget), n)
         with torch.no_grad():
-            outs = self.step(
-                torch.tensor([tokens[n - w : n]]),
-                torch.arange(n - w, n)[None],
-                torch.ones(1, n, dtype=torch.long),
-                target.data[..., : n - w, :],
-                torch.ones(w, w, dtype=torch.bool).tril(),
-            )
+            outs = self.step(torch.tensor([tokens[n - w : n]]), torch.arange(n - w, n)[None],
+                             torch.ones(1, n, dtype=torch.long), target.data[..., : n - w, :],
+                             torch.ones(w, w, dtype=torch.bool).tril())
         return all_layers(as_numpy(outs[-1][:, 0].sum(2)), self.layer_index.numpy(), self.kv.num_layers)
 
     def _sync(self, target: KVCache, tokens: list[int]) -> None:
@@ -122,36 +116,25 @@ class CompressedKVDrafter(GraphDrafter):
         votes = self._observe(target, tokens) if needs_votes(self.cache, target.length) else None
         self.cache.append(as_numpy(target.data[..., start : target.length, :]))
         self.cache.compact(votes)
-        self.measured = {
-            "kv_bytes_full": target.past().nbytes,
-            "kv_bytes_draft": self.cache.nbytes(),
-            "kv_bytes_draft_closed_form": policy_bytes(self.kv, self.policy, target.length, self.prompt_length),
-            "kv_tokens_full": target.length,
-            "kv_tokens_draft": self.cache.slots,
-        }
+        self.measured = {"kv_bytes_full": target.past().nbytes, "kv_bytes_draft": self.cache.nbytes(),
+                         "kv_bytes_draft_closed_form": policy_bytes(self.kv, self.policy, target.length,
+                                                                    self.prompt_length),
+                         "kv_tokens_full": target.length, "kv_tokens_draft": self.cache.slots}
 
     # ---- drafting ---------------------------------------------------------------------------
     def propose(self, ctx: DraftContext):
         self._sync(ctx.cache, ctx.tokens)
         self._position_base = ctx.cache.length
         self._scores_pending = self.policy.kind == "h2o"
-        view = _Slots(as_torch(self.cache.workspace(ctx.max_nodes), ctx.cache.data), self.cache.slots)
+        data = as_torch(self.cache.workspace(ctx.max_nodes), ctx.cache.data)
+        view = SimpleNamespace(data=data, length=self.cache.slots)  # what GraphDrafter reads from a cache
         draft = super().propose(DraftContext(ctx.tokens, view, ctx.max_depth, ctx.max_nodes))
         self.measured["kv_workspace_bytes"] = self.cache.workspace_bytes()
         return draft
 
     def _forward(self, cache, base: int, used: int, tokens, depth: int, mask):
         """GraphDrafter._forward with positions from the target's length, not the compressed slot count."""
-        k = len(tokens)
-        with torch.no_grad():
-            outs = self.step(
-                tokens[None],
-                torch.full((1, k), self._position_base + depth, dtype=torch.long),
-                torch.ones(1, base + used + k, dtype=torch.long),
-                cache.data[..., : base + used, :],
-                mask,
-            )
-        cache.data[self.layer_index, :, :, :, base + used : base + used + k, :] = outs[1]
+        outs = self._run(cache, base, used, tokens, self._position_base + depth, mask)
         if self._scores_pending and used == 0:  # the root's row: a real token's attention over the cache
             self.cache.accumulate(all_layers(as_numpy(outs[-1][:, 0, :, 0, :base]), self.layer_index.numpy(),
                                              self.kv.num_layers))
@@ -172,12 +155,8 @@ class CompressedKVModel(SpecModel):
 
 def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options: dict | None) -> CompressedKVModel:
     """Mode (a): target with TreeAttention verifies; the same graph drafts over `policy`'s cache."""
-    from speccomp.backends import lower
     from speccomp.passes.kv_compress import AttentionScores
     from speccomp.passes.tree_attention import TreeAttention
-
-    from speccomp.drafters.registry import _default_tree
-    from speccomp.frontend.graph import run_passes
 
     spec = _default_tree(tree, DynamicTreeSpec(16, 4), "compressed_kv", dynamic_ok=True)
     policy.check(base.captured.kv, base.captured.max_positions, tree_depth(spec) + 1)
@@ -194,8 +173,6 @@ def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options
 def _layer_passes(base, options: dict) -> list:
     """drafter_options {"skip": [...]} or {"exit_layer": k}: the drafter also skips layers (TriForce's
     hierarchy idea: fewer layers *and* fewer keys per draft token). None given: the whole model drafts."""
-    from speccomp.drafters.registry import _early_exit_passes, _layer_skip_passes
-
     if "skip" in options and "exit_layer" in options:
         raise ValueError("give drafter_options 'skip' or 'exit_layer', not both")
     if "skip" in options:
@@ -211,10 +188,6 @@ def _layer_passes(base, options: dict) -> list:
 
 def check_kv_options(kv_cache, kv_mode, drafter) -> tuple[KVPolicy, str]:
     """Validate compile's kv_cache= / kv_mode= before anything is captured."""
-    from speccomp.runtime.calls import choice
-    from speccomp.errors import OptionError, OptionTypeError
-    from speccomp.kv.policies import KVPolicyError, parse_kv_cache
-
     if kv_cache is not None and not isinstance(kv_cache, (str, KVPolicy)):
         raise OptionTypeError("kv_cache", kv_cache, f"must be a policy string, got {type(kv_cache).__name__}",
                               "e.g. 'sink:256', 'snapkv:512' or 'kivi4'")

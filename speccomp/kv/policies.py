@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-POLICIES = ("sink", "snapkv", "h2o", "kivi")
 KIVI_BITS = (2, 4, 8)
 DEFAULT_SINKS = 4  # StreamingLLM's 4 initial tokens
 DEFAULT_KIVI_RESIDUAL = 128  # KIVI's full-precision residual length
@@ -85,22 +84,18 @@ class KVPolicy:
             size = self.budget if self.budget is not None else self.residual
             if size > max_positions:
                 what = "budget" if self.budget is not None else "full-precision window"
-                raise KVPolicyError(
-                    f"kv_cache {self.spec!r}: {what} {size} is larger than the model's context of {max_positions} "
-                    f"positions; use at most {max_positions}"
-                )
+                raise KVPolicyError(f"kv_cache {self.spec!r}: {what} {size} is larger than the model's context of "
+                                    f"{max_positions} positions; use at most {max_positions}")
         if self.window < min_window:
-            raise KVPolicyError(
-                f"kv_cache {self.spec!r}: its recent full-precision window is {self.window} tokens but at least "
-                f"{min_window} (the token tree's depth + 1) must never be evicted or quantised; raise the budget"
-            )
+            raise KVPolicyError(f"kv_cache {self.spec!r}: its recent full-precision window is {self.window} tokens but "
+                                f"at least {min_window} (the token tree's depth + 1) must never be evicted or "
+                                "quantised; raise the budget")
         if self.kind == "kivi":
             per_byte = 8 // self.bits
             if kv.head_dim % per_byte:
-                raise KVPolicyError(
-                    f"kv_cache {self.spec!r}: {self.bits}-bit packing puts {per_byte} values in a byte, but the "
-                    f"head dimension {kv.head_dim} is not a multiple of {per_byte}; use 'kivi8'"
-                )
+                raise KVPolicyError(f"kv_cache {self.spec!r}: {self.bits}-bit packing puts {per_byte} values in a "
+                                    f"byte, but the head dimension {kv.head_dim} is not a multiple of {per_byte}; use "
+                                    "'kivi8'")
         return self
 
 
@@ -125,9 +120,8 @@ def parse_kv_cache(spec) -> KVPolicy | None:
     if name.startswith("kivi"):
         bits_text = name[len("kivi"):]
         if not bits_text.isdigit() or int(bits_text) not in KIVI_BITS:
-            raise KVPolicyError(
-                f"bad kv_cache {spec!r}: KIVI bits must be one of {list(KIVI_BITS)} (e.g. 'kivi4'), got {bits_text!r}"
-            )
+            raise KVPolicyError(f"bad kv_cache {spec!r}: KIVI bits must be one of {list(KIVI_BITS)} (e.g. 'kivi4'), "
+                                f"got {bits_text!r}")
         if len(args) > 2:
             raise KVPolicyError(f"bad kv_cache {spec!r}: too many ':' fields; accepted forms: {ACCEPTED_FORMS}")
         residual = _int(args[0], "full-precision window", spec) if args else DEFAULT_KIVI_RESIDUAL
@@ -143,18 +137,15 @@ def parse_kv_cache(spec) -> KVPolicy | None:
     if name == "sink":
         sinks = _int(args[1], "sink count", spec) if len(args) == 2 else min(DEFAULT_SINKS, budget - 1)
         if budget <= sinks:
-            raise KVPolicyError(
-                f"bad kv_cache {spec!r}: budget {budget} must exceed the {sinks} sink tokens to leave a recent window"
-            )
+            raise KVPolicyError(f"bad kv_cache {spec!r}: budget {budget} must exceed the {sinks} sink tokens to leave "
+                                "a recent window")
         return KVPolicy("sink", budget=budget, sinks=sinks, spec=spec)
     if budget < 2:
         raise KVPolicyError(f"bad kv_cache {spec!r}: {name} needs a budget >= 2 (a recent window and selected tokens)")
     return KVPolicy(name, budget=budget, spec=spec)
 
 
-# --------------------------------------------------------------------------------------
-# Token selection (eviction policies)
-# --------------------------------------------------------------------------------------
+# ---- Token selection (eviction policies) ---------------------------------------------
 def snapkv_window(budget: int) -> int:
     return min(SNAPKV_WINDOW, budget // 2)
 
@@ -169,8 +160,7 @@ def sink_keep(length: int, sinks: int, budget: int) -> np.ndarray:
 def pool_votes(votes: np.ndarray, kernel: int = SNAPKV_KERNEL) -> np.ndarray:
     """Average each token's votes with its neighbours' (SnapKV keeps whole phrases, not lone tokens).
 
-    votes [L, Hkv, T] -> [L, Hkv, T]; edges average over the tokens that exist (a window sum from a cumsum).
-    """
+    votes [L, Hkv, T] -> [L, Hkv, T]; edges average over the tokens that exist (a window sum from a cumsum)."""
     T, r = votes.shape[-1], kernel // 2
     total = np.concatenate([np.zeros((*votes.shape[:-1], 1)), np.cumsum(votes, -1, dtype=np.float64)], -1)
     lo, hi = np.clip(np.arange(T) - r, 0, T), np.clip(np.arange(T) + r + 1, 0, T)
@@ -180,8 +170,7 @@ def pool_votes(votes: np.ndarray, kernel: int = SNAPKV_KERNEL) -> np.ndarray:
 def topk_keep(scores: np.ndarray, recent: int, budget: int) -> np.ndarray:
     """Per KV head, the `budget` slots to keep: the `recent` newest and the highest-scoring older ones.
 
-    scores [L, Hkv, T] (slots in position order) -> int64 [L, Hkv, min(T, budget)], ascending.
-    """
+    scores [L, Hkv, T] (slots in position order) -> int64 [L, Hkv, min(T, budget)], ascending."""
     L, H, T = scores.shape
     if T <= budget:
         return np.broadcast_to(np.arange(T), (L, H, T))
@@ -211,9 +200,7 @@ def pooled_attention(probs, num_kv_heads: int):
     return probs.reshape(L, num_kv_heads, H // num_kv_heads, q, T).mean(2)
 
 
-# --------------------------------------------------------------------------------------
-# KIVI quantisation
-# --------------------------------------------------------------------------------------
+# ---- KIVI quantisation ---------------------------------------------------------------
 @dataclass
 class Quantized:
     """Packed codes plus the affine parameters that map them back: x ~= code * scale + minimum."""
@@ -231,8 +218,7 @@ def quantize(x: np.ndarray, bits: int, axis: int) -> tuple[np.ndarray, np.ndarra
     """Asymmetric min/max quantisation of `x`, one (scale, minimum) per slice along `axis`.
 
     Returns codes (uint8, values in [0, 2^bits - 1], shape of x) and scale, minimum (keepdims).
-    |dequantize(...) - x| <= scale / 2 up to float rounding.
-    """
+    |dequantize(...) - x| <= scale / 2 up to float rounding."""
     levels = 2**bits - 1
     lo = x.min(axis, keepdims=True)
     scale = (x.max(axis, keepdims=True) - lo) / np.asarray(levels, x.dtype)
@@ -308,15 +294,13 @@ def kivi_split(length: int, residual: int, group: int) -> tuple[int, int]:
     """(quantised tokens, full-precision tokens) of a KIVI cache holding `length` tokens.
 
     Whole groups of the oldest tokens are quantised once the full-precision tail would exceed
-    residual + group - 1, so the tail stays in [residual, residual + group) once it is that long.
-    """
+    residual + group - 1, so the tail stays in [residual, residual + group) once it is that long."""
     quantised = max(0, (length - residual) // group * group)
     return quantised, length - quantised
 
 
-# --------------------------------------------------------------------------------------
-# Closed-form sizes (kv: a KVSpec or any layout with num_layers, num_kv_heads, head_dim and a torch or numpy dtype)
-# --------------------------------------------------------------------------------------
+# ---- Closed-form sizes ---------------------------------------------------------------
+# (kv: a KVSpec or any layout with num_layers, num_kv_heads, head_dim and a torch or numpy dtype)
 def itemsize(dtype) -> int:
     size = getattr(dtype, "itemsize", None)  # torch.dtype and np.dtype have it
     return size if isinstance(size, int) else np.dtype(dtype).itemsize

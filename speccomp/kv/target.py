@@ -25,11 +25,13 @@ import math
 import numpy as np
 import torch
 
+from speccomp.backends import lower
+from speccomp.frontend.graph import run_passes
 from speccomp.runtime.model import SpecModel
 from speccomp.frontend.convention import KVSpec
 from speccomp.kv.cache import make_cache
 from speccomp.kv.draft import as_numpy, as_torch, numpy_dtype
-from speccomp.kv.policies import KVPolicy, full_bytes, policy_bytes, snapkv_window
+from speccomp.kv.policies import KVPolicy, full_bytes, policy_bytes, snapkv_window, value_group
 from speccomp.runtime.decode import KVCache, RootOnly, decode
 
 
@@ -107,15 +109,11 @@ class CompressedTarget:
 
     def kv_stats(self) -> dict:
         cache, kv, policy = self.compressed, self.kv, self.policy
-        return {
-            "kv_cache": policy.spec,
-            "kv_mode": "target",
-            "kv_bytes_full": full_bytes(kv, cache.length),  # what the full cache would hold for the same tokens
-            "kv_bytes_target": cache.nbytes(),
-            "kv_bytes_target_closed_form": policy_bytes(kv, policy, cache.length, self.prompt_length),
-            "kv_tokens_full": cache.length,
-            "kv_tokens_target": cache.slots,
-        }
+        return {"kv_cache": policy.spec, "kv_mode": "target",
+                "kv_bytes_full": full_bytes(kv, cache.length),  # what the full cache would hold for the same tokens
+                "kv_bytes_target": cache.nbytes(),
+                "kv_bytes_target_closed_form": policy_bytes(kv, policy, cache.length, self.prompt_length),
+                "kv_tokens_full": cache.length, "kv_tokens_target": cache.slots}
 
 
 def kv_quality(step, reader, scored, kv: KVSpec, policy: KVPolicy, ids: torch.Tensor, prompt_length: int) -> dict:
@@ -149,16 +147,10 @@ def kv_quality(step, reader, scored, kv: KVSpec, policy: KVPolicy, ids: torch.Te
         full_logits = outs[0][0, -1]
         small_logits = step_token(reader, scored, cache, policy, target, t)
     m = T - prompt_length
-    return {
-        "kv_cache": policy.spec,
-        "tokens_scored": m,
-        "mean_kl": kl / m,
-        "perplexity_full": math.exp(nll_full / m),
-        "perplexity_compressed": math.exp(nll_small / m),
-        "kv_bytes_full": full.past().nbytes,
-        "kv_bytes_compressed": cache.nbytes(),
-        "kv_bytes_compressed_closed_form": policy_bytes(kv, policy, cache.length, prompt_length),
-    }
+    return {"kv_cache": policy.spec, "tokens_scored": m, "mean_kl": kl / m,
+            "perplexity_full": math.exp(nll_full / m), "perplexity_compressed": math.exp(nll_small / m),
+            "kv_bytes_full": full.past().nbytes, "kv_bytes_compressed": cache.nbytes(),
+            "kv_bytes_compressed_closed_form": policy_bytes(kv, policy, cache.length, prompt_length)}
 
 
 class LossyKVModel(SpecModel):
@@ -184,11 +176,7 @@ class LossyKVModel(SpecModel):
 
 
 def compile_kv_target(base, policy: KVPolicy, backend: str) -> LossyKVModel:
-    from speccomp.backends import lower
     from speccomp.passes.kv_compress import AttentionScores, KiviCacheRead
-
-    from speccomp.frontend.graph import run_passes
-    from speccomp.kv.policies import value_group
 
     kv = base.captured.kv
     policy.check(kv, base.captured.max_positions)

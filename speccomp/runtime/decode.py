@@ -20,11 +20,12 @@ tree_mask). Backends hand the runtime such a callable; the runtime never looks i
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-from speccomp.frontend.convention import KVSpec
+from speccomp.frontend.convention import KV_ROOM, KVSpec
 from speccomp.runtime.sampling import Sampler
 from speccomp.runtime.tree import Tree, greedy_accept, sample_accept, typical_accept_lossy
 
@@ -33,12 +34,15 @@ class KVCache:
     """A preallocated cache [L, 2, 1, Hkv, capacity, D]; positions [0, length) are valid.
 
     Static storage (as in gpt-fast) means appending is a copy into place and dropping
-    rejected tokens is just `length -= n`.
+    rejected tokens is just `length -= n`. Slots past `length` are scratch: a lowered graph given a view
+    `data[..., :n, :]` with n >= length writes its step's entries there itself (frontend/convention.py KV_ROOM)
+    instead of copying the past.
     """
 
     def __init__(self, spec: KVSpec, capacity: int, device="cpu"):
         self.spec = spec
         self.data = torch.zeros(spec.shape(capacity), dtype=spec.dtype, device=device)
+        setattr(self.data, KV_ROOM, weakref.ref(self))  # slots past `length` are scratch (weak: no cycle)
         self.length = 0
 
     @property

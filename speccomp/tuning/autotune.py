@@ -5,30 +5,20 @@
     fast = speccomp.compile(model, drafter="layer_skip", tree="auto")     # the stored tree
 
 1. Measure, on the backend and machine in use:
-   - acceptance: the drafter runs on the calibration prompts with a *probe tree* (a rank-0 spine
-     of depth D with the K top candidates hanging from every spine node, 1 + D*K nodes) and the
-     target verifies as usual. For each accepted spine node at depth d-1 we count a visit, and a
-     hit at (d, r) when its rank-r child is the one the target accepted:
-         p[d-1][r] = hits / visits = P(rank-r child accepted | its parent accepted)
-     (Sequoia's positional acceptance vector, one row per depth: self-drafters and heads get
-     worse with depth). A child the drafter could not propose counts as not accepted; rarely
-     visited deep rows are shrunk towards the row above (`Acceptance`).
-   - t_verify(n): one target forward over n tree tokens + argmax + acceptance + cache append, at
-     a representative context length (mean prompt + half the new tokens), sizes interleaved,
-     median of `repeats`, made non-decreasing (`monotone_fit`); linear between the timed sizes.
-   - drafting: graph drafters (layer_skip, early_exit) run one draft forward per depth over that
-     depth's nodes, so their draft forward is timed per width w the same way and a tree costs
-     sum over its depths of (t_draft(width) + c_level), c_level being the probe's propose time
-     beyond its timed forwards divided by the probe's draft levels (Python and top-k work is paid
-     per level: a one-level tree does not pay for six); other drafters cost their median
-     `propose` time per step in the probe. `observe` (token recycling's table update) is charged
-     per verified node.
-   - the loop's own cost per step (tree bookkeeping, masks, stats), a + b*n: each decode run
-     gives one point, its wall time minus the parts above divided by its steps, at its mean tree
-     size: the plain reference run (n = 1), the probe (n = 1 + D*K) and every dynamic budget;
-     `fit_loop_overhead` is the least-squares line through them with a, b >= 0. Also measured:
-     the share of each depth's nodes the drafter really sends (token recycling drops the
-     children of tokens its table has no row for), which makes a tree's realized size n' <= n.
+   - acceptance (`Acceptance`): the drafter drafts a *probe tree* on the calibration prompts (a rank-0 spine
+     D deep with the K top candidates under every spine node) and the target verifies as usual, which gives
+         p[d-1][r] = P(rank-r child accepted | its parent accepted)
+     (Sequoia's positional acceptance vector, one row per depth: self-drafters and heads get worse with depth).
+   - t_verify(n) (`time_steps`): one verify step over n tree tokens at a representative context length
+     (mean prompt + half the new tokens); linear between the timed sizes.
+   - drafting (`draft_seconds`): graph drafters (layer_skip, early_exit) run one draft forward per depth over
+     that depth's nodes, timed per width the same way, plus a per-level overhead measured on the probe; other
+     drafters cost their median `propose` time per step in the probe. `observe` (token recycling's table
+     update) is charged per verified node.
+   - the loop's own cost per step (tree bookkeeping, masks, stats), a + b*n (`fit_loop_overhead`): every
+     calibration decode's wall time minus the parts above. Also the share of each depth's nodes the drafter
+     really sends (token recycling drops the children of tokens its table has no row for), which makes a
+     tree's realized size n' <= n (`realized_size`).
 2. Optimise (speccomp/tuning/tree_dp.py): for every depth limit <= D and every size n <= max_nodes the
    DP gives the tree with the highest E[tokens per step]; the prediction is
        tokens/s(tree) = E[tokens per step] / (t_verify(n') + t_draft(tree) + t_observe(n') + t_loop(n'))
@@ -36,15 +26,15 @@
    drafters that grow them) are a second mode: each budget of a small grid is decoded on the
    calibration prompts, its mean tokens per step and draft time measured, the same formula
    predicts its speed, and the best budget competes with the best static tree.
-3. Check and cache: the chosen tree (and, on request, trees of other sizes) decodes the
-   calibration prompts; the measured decode speed is kept next to the prediction, and the output
-   must equal plain greedy decoding. Then the held-back prompts (the last third of `prompts`, or
-   `check_prompts`), which no measurement above saw, decode with the chosen tree and with the
-   drafter's default tree: the default is stored instead (mode "default") unless the tuned tree is
-   faster there, so predictions that miss cannot make tree="auto" worse than no tuning. The result is stored as JSON in the user cache under
-   `autotune/`, keyed by (model fingerprint, drafter, backend, device, dtype, threads, CPU);
-   `speccomp.compile(..., tree="auto")` reads it back (`resolve_auto`), and with nothing stored tunes
-   on first use, on the shipped prompts in the model's own tokenizer (`first_use_prompts`).
+3. Check and cache: the chosen tree (and, on request, trees of other sizes) decodes the calibration prompts;
+   the measured speed is kept next to the prediction, and the output must equal plain greedy decoding. Then
+   the held-back prompts (the last third of `prompts`, or `check_prompts`), which no measurement above saw,
+   decode with the chosen tree and with the drafter's default tree: the default is stored instead (mode
+   "default") unless the tuned tree is faster there, so predictions that miss cannot make tree="auto" worse
+   than no tuning. The result is stored as JSON in the user cache under `autotune/`, keyed by (model
+   fingerprint, drafter, backend, device, dtype, threads, CPU); `speccomp.compile(..., tree="auto")` reads it
+   back (`resolve_auto`), and with nothing stored tunes on first use, on the shipped prompts in the model's
+   own tokenizer (`first_use_prompts`).
 
 Drafters: early_exit, layer_skip, token_recycling, medusa, hydra, eagle. `ngram` builds its tree from
 the matches it finds and takes no tree, so it cannot be tuned (a clear error says so). Token
@@ -81,6 +71,9 @@ DYNAMIC_BUDGETS = (4, 8, 12, 16, 24, 32)
 TIMED_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64)
 REPORT_SIZES = (2, 4, 8, 16, 32, 64)  # sizes decoded for the report's "measured" points
 FIRST_USE_PROMPTS = 2  # per shipped prompt file, when tree="auto" tunes on first use
+SCHEMA = 1
+
+
 def untunable(drafter: str) -> str | None:
     """Why the named drafter has no tree to tune (it declares no tree kinds), or None."""
     from speccomp.drafters.registry import DECLARED
@@ -88,7 +81,6 @@ def untunable(drafter: str) -> str | None:
     if drafter in DECLARED and not DECLARED[drafter].trees:
         return f"the {drafter} drafter shapes its own trees (from what it finds) and takes no tree="
     return None
-SCHEMA = 1
 
 
 class AutotuneError(SpeccompError, ValueError):
@@ -100,9 +92,7 @@ def is_auto(tree) -> bool:
     return isinstance(tree, AutoTreeSpec) or (isinstance(tree, str) and tree.strip().lower() == "auto")
 
 
-# --------------------------------------------------------------------------------------------
-# Cache
-# --------------------------------------------------------------------------------------------
+# ---- Cache -----------------------------------------------------------------------------------
 
 
 def cache_key(model, drafter: str, backend: str) -> dict:
@@ -110,15 +100,10 @@ def cache_key(model, drafter: str, backend: str) -> dict:
     from speccomp.models import fingerprint
 
     p = next(iter(model.parameters()), None)
-    return {
-        "fingerprint": fingerprint(model),
-        "drafter": drafter,
-        "backend": backend,
-        "device": str(p.device) if p is not None else "cpu",
-        "dtype": str(p.dtype).replace("torch.", "") if p is not None else "float32",
-        "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
-    }
+    return {"fingerprint": fingerprint(model), "drafter": drafter, "backend": backend,
+            "device": str(p.device) if p is not None else "cpu",
+            "dtype": str(p.dtype).replace("torch.", "") if p is not None else "float32",
+            "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
 
 
 def result_path(model, drafter: str, backend: str) -> Path:
@@ -177,10 +162,7 @@ def first_use_prompts(model, per_file: int = FIRST_USE_PROMPTS):
     if tok is None:
         return None
     texts = [p.text for f in SETS for p in load_prompts(f, limit=per_file)]
-    if tok.chat_template:
-        ids = [chat_ids(tok, t) for t in texts]
-    else:
-        ids = [torch.tensor([tok(t).input_ids]) for t in texts]
+    ids = [chat_ids(tok, t) if tok.chat_template else torch.tensor([tok(t).input_ids]) for t in texts]
     return ids, tok.eos_token_id
 
 
@@ -204,9 +186,7 @@ def _tune_on_first_use(model, drafter: str, backend: str, drafter_options: dict 
                     progress=True)
 
 
-# --------------------------------------------------------------------------------------------
-# Drafters with another tree
-# --------------------------------------------------------------------------------------------
+# ---- Drafters with another tree --------------------------------------------------------------
 
 
 def retree(drafter: Drafter, tree) -> Drafter:
@@ -233,9 +213,7 @@ def probe_tree(depth: int, ranks: int) -> Tree:
     return Tree.from_choices([[0] * (d - 1) + [r] for d in range(1, depth + 1) for r in range(ranks)])
 
 
-# --------------------------------------------------------------------------------------------
-# Measuring
-# --------------------------------------------------------------------------------------------
+# ---- Measuring -------------------------------------------------------------------------------
 
 
 class _Recorder(Drafter):
@@ -264,13 +242,11 @@ class _Recorder(Drafter):
     def observe(self, draft: Draft, path, target_logits):
         start = time.perf_counter()
         self.inner.observe(draft, path, target_logits)
-        self.steps.append(
-            {
-                "propose_s": self._propose_s, "observe_s": time.perf_counter() - start, "size": draft.tree.size,
-                "ranks": draft.tree.ranks, "path": list(path), "room": self._max_depth,
-                "per_depth": torch.bincount(draft.tree.depth).tolist(),
-            }
-        )
+        self.steps.append({
+            "propose_s": self._propose_s, "observe_s": time.perf_counter() - start, "size": draft.tree.size,
+            "ranks": draft.tree.ranks, "path": list(path), "room": self._max_depth,
+            "per_depth": torch.bincount(draft.tree.depth).tolist(),
+        })
         self._propose_s, self._max_depth = 0.0, 0  # the last step of a decode verifies the root alone, unproposed
 
 
@@ -281,6 +257,8 @@ PRIOR_VISITS = 4  # pseudo-visits pulling a deep, rarely reached depth's estimat
 class Acceptance:
     """Positional acceptance measured with a probe tree (row d = depth d + 1, column r = rank r).
 
+    Each accepted spine node at depth d is a visit of row d, and a hit at (d, r) when its rank-r child is the
+    one the target accepted (a child the drafter could not propose counts as not accepted), so
     p_raw[d][r] = hits[d][r] / visits[d]. Deep rows see few visits (the spine must be accepted that far),
     so `p` shrinks each row below depth 1 towards the row above with PRIOR_VISITS pseudo-visits:
     p[d][r] = (hits[d][r] + PRIOR_VISITS * p[d-1][r]) / (visits[d] + PRIOR_VISITS). One lucky visit then
@@ -308,9 +286,7 @@ class Acceptance:
     def add(self, step: dict) -> None:
         depth, ranks = len(self.visits), len(self.hits[0])
         path, node_ranks = step["path"], step["ranks"]
-        for i in range(min(depth, step["room"])):  # path[i] is an accepted spine node at depth i
-            if i >= len(path):
-                break
+        for i in range(min(depth, step["room"], len(path))):  # path[i] is an accepted spine node at depth i
             self.visits[i] += 1
             if i + 1 >= len(path):
                 break
@@ -321,18 +297,16 @@ class Acceptance:
                 break
 
 
-def _decode_rate(runs: list[dict]) -> tuple[float, float]:
-    """(decode tokens/s, tokens per verify step) over runs, leaving out the prefill and its token."""
-    tokens = sum(r["new_tokens"] - 1 for r in runs)
-    seconds = sum(r["seconds"] - r["prefill_seconds"] for r in runs)
-    steps = sum(r["steps"] - 1 for r in runs)
-    return (tokens / seconds if seconds > 0 else float("nan")), (tokens / steps if steps else float("nan"))
+def _decode_totals(runs: list[dict]) -> tuple[float, int]:
+    """(wall seconds, verify steps) of decode runs' `last_stats`, leaving out the prefill (it counts as a step)."""
+    return sum(r["seconds"] - r["prefill_seconds"] for r in runs), sum(r["steps"] - 1 for r in runs)
 
 
 def _run(sm, prompts, max_new_tokens, eos, refs=None, bar=None) -> dict:
     """Decode every prompt with `sm`; stats summed over prompts, and whether all outputs equal `refs`.
 
-    Also returns `runs`, each decode's `last_stats` (wall time, prefill time, steps).
+    Decode tokens/s and tokens per verify step leave out the prefill and its token. Also returns `runs`, each
+    decode's `last_stats` (wall time, prefill time, steps).
     """
     runs, identical, outs = [], True, []
     for i, p in enumerate(prompts):
@@ -343,8 +317,11 @@ def _run(sm, prompts, max_new_tokens, eos, refs=None, bar=None) -> dict:
             identical &= bool(torch.equal(out, refs[i]))
         if bar is not None:
             bar.update()
-    rate, per_step = _decode_rate(runs)
-    return {"tokens_per_s": rate, "tokens_per_step": per_step, "identical": identical, "outputs": outs, "runs": runs}
+    tokens = sum(r["new_tokens"] - 1 for r in runs)
+    seconds, steps = _decode_totals(runs)
+    return {"tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
+            "tokens_per_step": tokens / steps if steps else float("nan"),
+            "identical": identical, "outputs": outs, "runs": runs}
 
 
 def measure_acceptance(sm, prompts, *, max_new_tokens: int, eos=None, depth: int, ranks: int, bar=None):
@@ -356,13 +333,8 @@ def measure_acceptance(sm, prompts, *, max_new_tokens: int, eos=None, depth: int
     probe.generate(prompts[0], max_new_tokens=min(4, max_new_tokens))  # warm-up, not recorded
     recorder = _Recorder(probe.drafter)
     probe.drafter = recorder
+    runs = _run(probe, prompts, max_new_tokens, eos, bar=bar)["runs"]
     acc = Acceptance([[0] * ranks for _ in range(depth)], [0] * depth)
-    runs = []
-    for p in prompts:
-        probe.generate(p, max_new_tokens=max_new_tokens, eos_token_id=eos)
-        runs.append(dict(probe.last_stats))
-        if bar is not None:
-            bar.update()
     for step in recorder.steps:
         acc.add(step)
     return acc, recorder.steps, runs
@@ -396,15 +368,10 @@ def monotone_fit(ys: list[float]) -> list[float]:
     return out
 
 
-def _context(sm, prompts, length: int):
-    """A KV cache holding `length` tokens of the calibration text (prompts cycled), room for 64 more."""
-    from speccomp.runtime.decode import KVCache, prefill
-
+def _calibration_text(prompts, length: int) -> torch.Tensor:
+    """`length` tokens of the calibration text: the prompts one after another, cycled."""
     text = torch.cat([p[0] for p in prompts])
-    ids = text.repeat(length // text.numel() + 1)[:length][None]
-    cache = KVCache(sm.kv, length + DEFAULT_MAX_NODES + 2)
-    prefill(sm.step, cache, ids)
-    return cache
+    return text.repeat(length // text.numel() + 1)[:length]
 
 
 def time_steps(sm, prompts, *, context_len: int, sizes, widths=(), repeats: int = 5, bar=None) -> dict:
@@ -414,16 +381,17 @@ def time_steps(sm, prompts, *, context_len: int, sizes, widths=(), repeats: int 
     n tree tokens at `context_len` cached tokens, the argmax, greedy acceptance and the cache append.
     Sizes (and widths) are interleaved in a rotating order, after one untimed pass.
     """
+    from speccomp.runtime.decode import KVCache, prefill
     from speccomp.runtime.tree import greedy_accept
 
-    cache = _context(sm, prompts, context_len)
+    cache = KVCache(sm.kv, context_len + DEFAULT_MAX_NODES + 2)  # the calibration text, room for 64 more tokens
+    prefill(sm.step, cache, _calibration_text(prompts, context_len)[None])
     base = cache.length
     drafter = sm.drafter if "draft" in sm.drafter.graphs else None  # a draft graph: its forward is timed per width
-    jobs = [("verify", n) for n in sizes] + ([("draft", w) for w in widths] if drafter is not None else [])
+    widths = list(widths) if drafter is not None else []
+    jobs = [("verify", n) for n in sizes] + [("draft", w) for w in widths]
     trees = {n: Tree.from_parents((-1,)) if n == 1 else Tree.chain(n - 1) for n in sizes}
-    text = torch.cat([p[0] for p in prompts])
-    longest = max(list(sizes) + list(widths) + [1])
-    tokens = text.repeat(longest // text.numel() + 1)[:longest]
+    tokens = _calibration_text(prompts, max(list(sizes) + widths + [1]))
 
     def run(kind: str, n: int) -> float:
         start = time.perf_counter()
@@ -432,8 +400,7 @@ def time_steps(sm, prompts, *, context_len: int, sizes, widths=(), repeats: int 
             mask = torch.ones(1, base + n, dtype=torch.long)
             with torch.no_grad():
                 outs = sm.step(tokens[None, :n], tree.positions(base), mask, cache.past(), tree.mask)
-            logits = outs[0][0]
-            path, _ = greedy_accept(tree, tokens[:n], logits.argmax(-1))
+            path, _ = greedy_accept(tree, tokens[:n], outs[0][0].argmax(-1))
             cache.append(outs[1], keep=torch.tensor(path))
         else:
             drafter._forward(cache, base, 0, tokens[:n], 0, torch.eye(n, dtype=torch.bool))
@@ -450,18 +417,13 @@ def time_steps(sm, prompts, *, context_len: int, sizes, widths=(), repeats: int 
             times[job].append(run(*job))
         if bar is not None:
             bar.update()
-    med = {job: statistics.median(v) for job, v in times.items()}
-    verify = [med[("verify", n)] for n in sizes]
-    draft = [med[("draft", w)] for w in widths] if drafter is not None else []
-    return {
-        "sizes": list(sizes), "verify_raw_s": verify, "verify_s": monotone_fit(verify),
-        "widths": list(widths) if drafter is not None else [], "draft_raw_s": draft, "draft_s": monotone_fit(draft),
-    }
+    verify = [statistics.median(times[("verify", n)]) for n in sizes]
+    draft = [statistics.median(times[("draft", w)]) for w in widths]
+    return {"sizes": list(sizes), "verify_raw_s": verify, "verify_s": monotone_fit(verify),
+            "widths": widths, "draft_raw_s": draft, "draft_s": monotone_fit(draft)}
 
 
-# --------------------------------------------------------------------------------------------
-# Result
-# --------------------------------------------------------------------------------------------
+# ---- Result --------------------------------------------------------------------------------
 
 
 @dataclass
@@ -498,53 +460,42 @@ class AutotuneResult:
         return parse_tree_spec(self.tree)
 
     def summary(self) -> str:
+        k, a, t, c = self.key, self.acceptance, self.timing, self.check
         lines = [
-            f"autotune {self.drafter} on {self.backend} ({self.key['device']}, {self.key['dtype']}, "
-            f"{self.key['threads']} threads, {self.key['cpu']}), options {self.drafter_options}",
+            f"autotune {self.drafter} on {self.backend} ({k['device']}, {k['dtype']}, {k['threads']} threads, "
+            f"{k['cpu']}), options {self.drafter_options}",
             f"chosen: {self.mode} tree {json.dumps(self.tree)}",
             f"  predicted {self.predicted_tokens_per_s:.1f} tok/s, measured {self.measured_tokens_per_s:.1f} tok/s "
             f"(decode, calibration prompts); no drafts (1 token per step) {self.plain_tokens_per_s:.1f} tok/s",
-            "acceptance p[depth][rank] (probe " + f"{self.acceptance['probe_depth']}x{self.acceptance['probe_ranks']}):",
+            f"acceptance p[depth][rank] (probe {a['probe_depth']}x{a['probe_ranks']}):",
         ]
-        for d, (row, v) in enumerate(zip(self.acceptance["p"], self.acceptance["visits"]), 1):
-            lines.append(f"  depth {d} ({v:>4} visits): " + " ".join(f"{x:.2f}" for x in row))
-        t = self.timing
+        lines += [f"  depth {d} ({v:>4} visits): " + " ".join(f"{x:.2f}" for x in row)
+                  for d, (row, v) in enumerate(zip(a["p"], a["visits"]), 1)]
         if "loop_overhead_per_node_s" in t:
-            lines.append(
-                f"step costs: loop overhead {1e3 * t['loop_overhead_s']:.1f} ms + {1e3 * t['loop_overhead_per_node_s']:.2f} ms/node"
-                + (f", draft overhead {1e3 * t['draft_overhead_per_level_s']:.1f} ms per draft level" if t.get("widths") else "")
-            )
-        lines.append("| n | depth | E[tokens/step] | step ms | predicted tok/s |")
-        lines.append("|---:|---:|---:|---:|---:|")
+            draft = (f", draft overhead {1e3 * t['draft_overhead_per_level_s']:.1f} ms per draft level"
+                     if t.get("widths") else "")
+            lines.append(f"step costs: loop overhead {1e3 * t['loop_overhead_s']:.1f} ms + "
+                         f"{1e3 * t['loop_overhead_per_node_s']:.2f} ms/node{draft}")
         best_n = len(self.tree) + 1 if self.mode == "static" else None
-        for row in self.static:
-            if row["n"] in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) or row["n"] == best_n:
-                mark = " **chosen**" if row["n"] == best_n else ""
-                lines.append(
-                    f"| {row['n']}{mark} | {row['depth']} | {row['expected']:.2f} | {1e3 * row['step_s']:.1f} | {row['tokens_per_s']:.1f} |"
-                )
+        lines += ["| n | depth | E[tokens/step] | step ms | predicted tok/s |", "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['n']}{' **chosen**' if r['n'] == best_n else ''} | {r['depth']} | {r['expected']:.2f} | "
+                  f"{1e3 * r['step_s']:.1f} | {r['tokens_per_s']:.1f} |"
+                  for r in self.static if r["n"] in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) or r["n"] == best_n]
         if self.dynamic:
-            lines.append("| dynamic budget | E[tokens/step] | mean nodes | step ms | predicted tok/s | measured tok/s |")
-            lines.append("|---:|---:|---:|---:|---:|---:|")
-            for row in self.dynamic:
-                lines.append(
-                    f"| {row['budget']}:{row['top_k']} | {row['expected']:.2f} | {row['mean_size']:.1f} | "
-                    f"{1e3 * row['step_s']:.1f} | {row['tokens_per_s']:.1f} | {row['measured_tokens_per_s']:.1f} |"
-                )
+            lines += ["| dynamic budget | E[tokens/step] | mean nodes | step ms | predicted tok/s | measured tok/s |",
+                      "|---:|---:|---:|---:|---:|---:|"]
+            lines += [f"| {r['budget']}:{r['top_k']} | {r['expected']:.2f} | {r['mean_size']:.1f} | "
+                      f"{1e3 * r['step_s']:.1f} | {r['tokens_per_s']:.1f} | {r['measured_tokens_per_s']:.1f} |"
+                      for r in self.dynamic]
         if self.measured:
-            lines.append("| decoded | predicted tok/s | measured tok/s | E pred | E meas | identical |")
-            lines.append("|---|---:|---:|---:|---:|---|")
-            for row in self.measured:
-                lines.append(
-                    f"| {row['label']} | {row['predicted_tokens_per_s']:.1f} | {row['measured_tokens_per_s']:.1f} | "
-                    f"{row['expected']:.2f} | {row['measured_tokens_per_step']:.2f} | {row['identical']} |"
-                )
+            lines += ["| decoded | predicted tok/s | measured tok/s | E pred | E meas | identical |",
+                      "|---|---:|---:|---:|---:|---|"]
+            lines += [f"| {r['label']} | {r['predicted_tokens_per_s']:.1f} | {r['measured_tokens_per_s']:.1f} | "
+                      f"{r['expected']:.2f} | {r['measured_tokens_per_step']:.2f} | {r['identical']} |"
+                      for r in self.measured]
         if self.predicted_tokens_per_s < self.plain_tokens_per_s:
-            lines.append(
-                f"note: even the best tree is predicted slower than decoding without drafts "
-                f"({self.plain_tokens_per_s:.1f} tok/s): this drafter does not pay on this machine"
-            )
-        c = self.check
+            lines.append(f"note: even the best tree is predicted slower than decoding without drafts "
+                         f"({self.plain_tokens_per_s:.1f} tok/s): this drafter does not pay on this machine")
         if c:
             lines.append(f"held-back check ({c['prompts']} prompts no measurement saw): tuned tree {json.dumps(c['tuned'])} "
                          f"{c['tuned_tokens_per_s']:.1f} tok/s, default tree {json.dumps(c['default'])} "
@@ -554,9 +505,7 @@ class AutotuneResult:
         return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------------------------
-# Optimise
-# --------------------------------------------------------------------------------------------
+# ---- Optimise --------------------------------------------------------------------------------
 
 
 def _tree_widths(choices: list) -> list[int]:
@@ -573,11 +522,11 @@ def draft_seconds(timing: dict, choices: list) -> float:
     """Predicted drafting time of a static tree: per-depth forwards (graph drafters) or the probe's propose time.
 
     A graph drafter pays, per draft level, one forward over that level's nodes plus the Python/top-k
-    work around it (`draft_overhead_per_level_s`, measured on the probe).
+    work around it (`draft_overhead_per_level_s`: the probe's propose time beyond its timed forwards, per
+    probe level; paid per level, so a one-level tree does not pay for six).
     """
     if timing["widths"]:
-        widths = _tree_widths(choices)
-        forwards = widths[:-1]  # every depth that has children below it runs one forward over its nodes
+        forwards = _tree_widths(choices)[:-1]  # every depth that has children below it runs one forward over its nodes
         per_level = timing.get("draft_overhead_per_level_s")
         overhead = per_level * len(forwards) if per_level is not None else timing.get("draft_overhead_s", 0.0)  # old results
         return overhead + sum(_interp(timing["widths"], timing["draft_s"], w) for w in forwards)
@@ -591,17 +540,21 @@ def loop_seconds(timing: dict, n: float) -> float:
     return timing.get("loop_overhead_s", 0.0) + timing.get("loop_overhead_per_node_s", 0.0) * n
 
 
+def _verify_seconds(timing: dict, n: float) -> float:
+    return _interp(timing["sizes"], timing["verify_s"], n)
+
+
 def step_seconds(timing: dict, n: float, draft_s: float) -> float:
     """Predicted seconds of one decode step: verify n nodes + draft + observe + the loop's own overhead."""
-    verify = _interp(timing["sizes"], timing["verify_s"], n)
-    return verify + draft_s + timing["observe_per_node_s"] * n + loop_seconds(timing, n)
+    return _verify_seconds(timing, n) + draft_s + timing["observe_per_node_s"] * n + loop_seconds(timing, n)
 
 
 def fit_loop_overhead(points: list[tuple[float, float, float]]) -> tuple[float, float]:
     """Least-squares a, b >= 0 of overhead(n) = a + b*n from (n, seconds per step, weight) points.
 
-    Each point is one calibration decode (weight = its steps). One distinct size gives b = 0 and a = the
-    weighted mean; a negative slope or intercept (noise) is clamped to 0 and the other refitted.
+    Each point is one calibration decode (weight = its steps) at its mean tree size: the plain reference run
+    (n = 1), the probe and every dynamic budget. One distinct size gives b = 0 and a = the weighted mean; a
+    negative slope or intercept (noise) is clamped to 0 and the other refitted.
     """
     pts = [(float(n), float(y), float(w)) for n, y, w in points if w > 0]
     if not pts:
@@ -625,11 +578,10 @@ def fit_loop_overhead(points: list[tuple[float, float, float]]) -> tuple[float, 
 def _loop_point(runs: list[dict], steps: list[dict], timing: dict) -> tuple[float, float, float]:
     """(mean tree size, loop seconds per step, steps) of decode runs whose steps a _Recorder timed (or of a
     drafter-less run when `steps` is empty: every step then verifies the root alone)."""
-    wall = sum(r["seconds"] - r["prefill_seconds"] for r in runs)
-    n_steps = sum(r["steps"] - 1 for r in runs)  # the prefill counts as a step
+    wall, n_steps = _decode_totals(runs)
     if not steps:  # plain decoding: one node per step, nothing proposed
-        return 1.0, (wall - n_steps * _interp(timing["sizes"], timing["verify_s"], 1)) / max(n_steps, 1), n_steps
-    parts = sum(_interp(timing["sizes"], timing["verify_s"], s["size"]) + s["propose_s"] + s["observe_s"] for s in steps)
+        return 1.0, (wall - n_steps * _verify_seconds(timing, 1)) / max(n_steps, 1), n_steps
+    parts = sum(_verify_seconds(timing, s["size"]) + s["propose_s"] + s["observe_s"] for s in steps)
     return statistics.mean(s["size"] for s in steps), (wall - parts) / len(steps), len(steps)
 
 
@@ -660,9 +612,7 @@ def plan_static(p, timing: dict, max_nodes: int, max_depth: int) -> list[dict]:
     return [best[n] for n in sorted(best)]
 
 
-# --------------------------------------------------------------------------------------------
-# The whole thing
-# --------------------------------------------------------------------------------------------
+# ---- The whole thing -------------------------------------------------------------------------
 
 
 def _default_options(model, drafter: str, options: dict | None) -> dict | None:
@@ -679,47 +629,10 @@ def _default_options(model, drafter: str, options: dict | None) -> dict | None:
     return None
 
 
-def autotune(
-    model,
-    drafter: str,
-    prompts,
-    *,
-    backend: str = "eager",
-    drafter_options: dict | None = None,
-    max_nodes: int = DEFAULT_MAX_NODES,
-    max_depth: int = PROBE_DEPTH,
-    ranks: int = PROBE_RANKS,
-    mode: str = "auto",
-    dynamic_budgets=DYNAMIC_BUDGETS,
-    dynamic_top_k: int = DEFAULT_DYNAMIC_TOP_K,
-    max_new_tokens: int = 64,
-    eos_token_id=None,
-    repeats: int = 5,
-    measure_sizes=None,
-    check_prompts=None,
-    save: bool = True,
-    progress: bool = False,
-) -> AutotuneResult:
-    """Measure acceptance and step costs of `drafter` on `model`, pick the fastest tree, store it.
-
-    prompts        calibration prompts (token id tensors [1, n] or [n])
-    max_nodes      largest tree considered, root included (also capped by the model's sliding windows)
-    max_depth, ranks   the probe tree: depths measured and candidates per node (the DP uses no more)
-    mode           "static", "dynamic" (drafters that grow trees: early_exit, layer_skip, hydra, eagle) or
-                   "auto" (both where the drafter supports dynamic trees; the faster prediction wins)
-    dynamic_budgets    budgets tried in dynamic mode (draft nodes, root not counted), with `dynamic_top_k`
-    measure_sizes  static tree sizes to decode for predicted-vs-measured rows besides the chosen one
-    check_prompts  prompts the tuned tree must beat the drafter's default tree on (else the default is stored);
-                   None: the last third of `prompts` when there are 3 or more (they are then not calibrated on)
-    save           store the result where compile(tree="auto") finds it
-    Every decoded configuration is compared with plain greedy decoding; a mismatch raises (a bug).
-    """
-    import speccomp
-
-    from speccomp.drafters.registry import DRAFTERS
-    from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
-
+def _check_arguments(drafter, mode: str, **ints) -> None:
+    """Refuse what autotune cannot tune, before any work: merged, unknown or tree-less drafters, bad settings."""
     from speccomp.drafters.merge import split_names
+    from speccomp.drafters.registry import DRAFTERS
 
     if split_names(drafter):
         raise AutotuneError(
@@ -732,10 +645,14 @@ def autotune(
         raise AutotuneError(f"cannot autotune {drafter!r}: {untunable(drafter)}; tune token_recycling or a self-drafter instead")
     if mode not in ("auto", "static", "dynamic"):
         raise AutotuneError(f"unknown mode {mode!r}; accepted values: ['auto', 'dynamic', 'static']")
-    for name, value, low in (("max_nodes", max_nodes, 2), ("max_depth", max_depth, 1), ("ranks", ranks, 1),
-                             ("max_new_tokens", max_new_tokens, 2), ("repeats", repeats, 1), ("dynamic_top_k", dynamic_top_k, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise AutotuneError(f"{name} must be an int >= {low}, got {value!r}")
+    lows = {"max_nodes": 2, "max_depth": 1, "ranks": 1, "max_new_tokens": 2, "repeats": 1, "dynamic_top_k": 1}
+    for name, value in ints.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < lows[name]:
+            raise AutotuneError(f"{name} must be an int >= {lows[name]}, got {value!r}")
+
+
+def _split_prompts(prompts, check_prompts) -> tuple[list, list]:
+    """(calibration prompts, held-back prompts), each [1, n]; without `check_prompts`, the last third is held back."""
     prompts = [p if p.dim() == 2 else p[None] for p in prompts]
     if not prompts:
         raise AutotuneError("autotune needs at least one calibration prompt (token ids)")
@@ -744,15 +661,42 @@ def autotune(
         prompts, check_prompts = prompts[: len(prompts) - held], prompts[len(prompts) - held :]
     if not all(isinstance(p, torch.Tensor) and p.dim() in (1, 2) for p in check_prompts):
         raise AutotuneError(f"check_prompts must be token id tensors [1, n] or [n], got {check_prompts!r:.200}")
-    check_prompts = [p if p.dim() == 2 else p[None] for p in check_prompts]
+    return prompts, [p if p.dim() == 2 else p[None] for p in check_prompts]
 
-    options = _default_options(model, drafter, drafter_options)
-    sm = speccomp.compile(model, drafter=drafter, drafter_options=None if options is None else dict(options), backend=backend)
-    options = dict(sm.drafter.options or options or {})
+
+@dataclass
+class _Session:
+    """One autotune run: the compiled model, the calibration decodes' settings and what is measured (`_session`)."""
+
+    drafter: str
+    sm: object  # the model compiled with the drafter (and its default tree)
+    prompts: list
+    max_new_tokens: int
+    eos: object
+    max_nodes: int  # largest tree considered
+    depth: int  # the probe tree: depth x ranks
+    ranks: int
+    do_static: bool
+    budgets: list  # dynamic budgets decoded
+    sizes: list  # tree sizes whose verify step is timed
+    extra_sizes: list  # static tree sizes decoded besides the chosen one
+    context_len: int
+    bar: object = None
+
+    def decode(self, sm, refs=None, what: str | None = None) -> dict:
+        """`_run` on the calibration prompts; with `what`, an output that is not `refs` raises (a bug)."""
+        run = _run(sm, self.prompts, self.max_new_tokens, self.eos, refs, bar=self.bar)
+        if what is not None and not run["identical"]:
+            raise RuntimeError(f"{what} changed the greedy output; please report this")
+        return run
+
+
+def _session(sm, drafter: str, mode: str, prompts, *, max_nodes: int, max_depth: int, ranks: int, dynamic_budgets,
+             measure_sizes, max_new_tokens: int, eos) -> _Session:
+    """The probe, the sizes to time and the trees to decode, within the model's limits (sliding windows)."""
     dynamic_ok = "dynamic" in sm.drafter.trees
     if mode == "dynamic" and not dynamic_ok:
         raise AutotuneError(f"the {drafter} drafter takes static trees only; use mode='static' (or 'auto')")
-    do_static = mode in ("auto", "static")
     do_dynamic = mode == "dynamic" or (mode == "auto" and dynamic_ok)
     max_nodes = min(max_nodes, sm.max_tree)
     if max_nodes < 2:
@@ -776,124 +720,169 @@ def autotune(
     context_len = int(sum(p.shape[1] for p in prompts) / len(prompts)) + max_new_tokens // 2
     if sm.max_positions is not None:
         context_len = max(1, min(context_len, sm.max_positions - max(sizes) - 2))
+    return _Session(drafter, sm, prompts, max_new_tokens, eos, max_nodes, depth, ranks, mode in ("auto", "static"),
+                    budgets, sizes, extra_sizes, context_len)
 
-    from tqdm import tqdm
 
-    n_p = len(prompts)
-    total = n_p + n_p + repeats + len(budgets) * n_p + (1 + len(extra_sizes)) * n_p * do_static
-    total += 3 * len(check_prompts)
-    bar = tqdm(total=total, desc=f"autotune {drafter}", disable=not progress, unit="run")
-    plain = sm.with_drafter(RootOnly())  # the reference: greedy decoding through the same lowered target graph
-    bar.set_postfix_str("greedy decoding without drafts (reference)")
-    ref = _run(plain, prompts, max_new_tokens, eos_token_id, bar=bar)
-    refs = ref["outputs"]
-
-    # 1. measure
-    bar.set_postfix_str(f"acceptance, probe {depth}x{ranks}")
-    acc, steps, probe_runs = measure_acceptance(
-        sm, prompts, max_new_tokens=max_new_tokens, eos=eos_token_id, depth=depth, ranks=ranks, bar=bar
-    )
-    bar.set_postfix_str("step costs")
-    widths = [w for w in sizes if w <= max(max_nodes - 1, ranks)]  # a depth of the trees (or of the probe)
-    timing = time_steps(sm, prompts, context_len=context_len, sizes=sizes, widths=widths, repeats=repeats, bar=bar)
-    probe_choices = probe_tree(depth, ranks).choices
-    proposed = [s for s in steps if s["room"] > 0]
-    timing["propose_s"] = statistics.median(s["propose_s"] for s in proposed) if proposed else 0.0
-    timing["observe_per_node_s"] = statistics.median(s["observe_s"] / s["size"] for s in steps) if steps else 0.0
+def _step_costs(s: _Session, steps: list[dict], repeats: int) -> dict:
+    """`time_steps`, plus what the probe's recorded steps cost beyond it: propose, observe, per-level overhead."""
+    widths = [w for w in s.sizes if w <= max(s.max_nodes - 1, s.ranks)]  # a depth of the trees (or of the probe)
+    timing = time_steps(s.sm, s.prompts, context_len=s.context_len, sizes=s.sizes, widths=widths, repeats=repeats,
+                        bar=s.bar)
+    probe_choices = probe_tree(s.depth, s.ranks).choices
+    proposed = [st for st in steps if st["room"] > 0]
+    timing["propose_s"] = statistics.median(st["propose_s"] for st in proposed) if proposed else 0.0
+    timing["observe_per_node_s"] = statistics.median(st["observe_s"] / st["size"] for st in steps) if steps else 0.0
     timing["draft_overhead_per_level_s"] = 0.0
     probe_levels = len(_tree_widths(probe_choices)) - 1
     if timing["widths"]:  # what propose costs beyond its forwards (Python, top-k), per draft level of the probe
-        timing["draft_overhead_per_level_s"] = max(0.0, timing["propose_s"] - draft_seconds(timing, probe_choices)) / probe_levels
-    elif sm.drafter.forward_per_level:  # its own forward per level: propose time scales with depth
+        beyond = max(0.0, timing["propose_s"] - draft_seconds(timing, probe_choices))
+        timing["draft_overhead_per_level_s"] = beyond / probe_levels
+    elif s.sm.drafter.forward_per_level:  # its own forward per level: propose time scales with depth
         timing["propose_per_level_s"] = timing["propose_s"] / probe_levels
     # nodes the drafter really sent, per depth, against the probe's (token recycling prunes rowless tokens)
     presence = []
-    for d in range(1, depth + 1):
-        sent = [s["per_depth"][d] if d < len(s["per_depth"]) else 0 for s in steps if s["room"] >= d]
-        presence.append(min(1.0, sum(sent) / (ranks * len(sent))) if sent else 1.0)
+    for d in range(1, s.depth + 1):
+        sent = [st["per_depth"][d] if d < len(st["per_depth"]) else 0 for st in steps if st["room"] >= d]
+        presence.append(min(1.0, sum(sent) / (s.ranks * len(sent))) if sent else 1.0)
     timing["presence"] = presence
+    return timing
 
-    # dynamic budgets: decoded now, since their wall times also calibrate the loop overhead below
-    dynamic_runs = []
-    for b in budgets:
-        bar.set_postfix_str(f"dynamic budget {b}")
-        dyn = with_tree(sm, DynamicTreeSpec(b, dynamic_top_k))
-        recorder = _Recorder(dyn.drafter)
-        dyn.drafter = recorder
-        run = _run(dyn, prompts, max_new_tokens, eos_token_id, refs, bar=bar)
-        if not run["identical"]:
-            raise RuntimeError(f"{drafter} with tree dynamic:{b}:{dynamic_top_k} changed the greedy output; please report this")
-        dynamic_runs.append((b, recorder.steps, run))
 
+def _decode_dynamic(s: _Session, b: int, top_k: int, refs) -> tuple[int, list[dict], dict]:
+    """Decode dynamic budget `b` with its steps recorded: (b, steps, run)."""
+    s.bar.set_postfix_str(f"dynamic budget {b}")
+    dyn = with_tree(s.sm, DynamicTreeSpec(b, top_k))
+    dyn.drafter = recorder = _Recorder(dyn.drafter)
+    return b, recorder.steps, s.decode(dyn, refs, what=f"{s.drafter} with tree dynamic:{b}:{top_k}")
+
+
+def _dynamic_row(timing: dict, b: int, top_k: int, steps: list[dict], run: dict) -> dict:
+    """A decoded dynamic budget's steady-state tokens per step and tree size, its prediction and measurement."""
+    from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
+
+    full = [st for st in steps if st["room"] >= min(b, MAX_DYNAMIC_DEPTH)] or steps  # steady state
+    expected = statistics.mean(len(st["path"]) for st in full) if full else 1.0
+    mean_size = statistics.mean(st["size"] for st in full) if full else 1.0
+    t_draft = statistics.median(st["propose_s"] for st in steps) if steps else 0.0
+    t = step_seconds(timing, mean_size, t_draft)
+    return {
+        "budget": b, "top_k": top_k, "expected": expected, "mean_size": mean_size, "draft_s": t_draft,
+        "step_s": t, "tokens_per_s": expected / t, "measured_tokens_per_s": run["tokens_per_s"],
+        "measured_tokens_per_step": run["tokens_per_step"], "identical": run["identical"],
+    }
+
+
+def _measure(s: _Session, top_k: int, repeats: int):
+    """Step 1: (plain decoding's run, Acceptance, timing, the decoded dynamic budgets as (b, steps, run))."""
+    s.bar.set_postfix_str("greedy decoding without drafts (reference)")
+    ref = s.decode(s.sm.with_drafter(RootOnly()))  # greedy decoding through the same lowered target graph
+    s.bar.set_postfix_str(f"acceptance, probe {s.depth}x{s.ranks}")
+    acc, steps, probe_runs = measure_acceptance(s.sm, s.prompts, max_new_tokens=s.max_new_tokens, eos=s.eos,
+                                                depth=s.depth, ranks=s.ranks, bar=s.bar)
+    s.bar.set_postfix_str("step costs")
+    timing = _step_costs(s, steps, repeats)
+    # dynamic budgets: decoded now, since their wall times also calibrate the loop overhead
+    dynamic = [_decode_dynamic(s, b, top_k, ref["outputs"]) for b in s.budgets]
     # the decode loop's own cost per step (tree bookkeeping, masks, stats), a + b*n over every calibration
     # decode: wall time minus the parts timed above, per step, at the run's mean tree size
-    points = [_loop_point(ref["runs"], [], timing)]
-    if steps:
-        points.append(_loop_point(probe_runs, steps, timing))
-    points += [_loop_point(run["runs"], rec_steps, timing) for _, rec_steps, run in dynamic_runs if rec_steps]
+    recorded = [(probe_runs, steps)] + [(run["runs"], st) for _, st, run in dynamic]
+    points = [_loop_point(ref["runs"], [], timing)] + [_loop_point(r, st, timing) for r, st in recorded if st]
     timing["loop_points"] = [list(pt) for pt in points]
     timing["loop_overhead_s"], timing["loop_overhead_per_node_s"] = fit_loop_overhead(points)
+    return ref, acc, timing, dynamic
 
-    # 2. optimise
-    static_rows = plan_static(acc.p, timing, max_nodes, depth) if do_static else []
-    dynamic_rows = []
-    for b, rec_steps, run in dynamic_runs:
-        full = [s for s in rec_steps if s["room"] >= min(b, MAX_DYNAMIC_DEPTH)] or rec_steps  # steady state
-        expected = statistics.mean(len(s["path"]) for s in full) if full else 1.0
-        mean_size = statistics.mean(s["size"] for s in full) if full else 1.0
-        t_draft = statistics.median(s["propose_s"] for s in rec_steps) if rec_steps else 0.0
-        t = step_seconds(timing, mean_size, t_draft)
-        dynamic_rows.append({
-            "budget": b, "top_k": dynamic_top_k, "expected": expected, "mean_size": mean_size, "draft_s": t_draft,
-            "step_s": t, "tokens_per_s": expected / t, "measured_tokens_per_s": run["tokens_per_s"],
-            "measured_tokens_per_step": run["tokens_per_step"], "identical": run["identical"],
-        })
 
-    best_static = max(static_rows, key=lambda r: r["tokens_per_s"]) if static_rows else None
-    best_dynamic = max(dynamic_rows, key=lambda r: r["tokens_per_s"]) if dynamic_rows else None
-    if best_dynamic is not None and (best_static is None or best_dynamic["tokens_per_s"] > best_static["tokens_per_s"]):
-        chosen_mode, tree = "dynamic", f"dynamic:{best_dynamic['budget']}:{best_dynamic['top_k']}"
-        predicted, measured_rate = best_dynamic["tokens_per_s"], best_dynamic["measured_tokens_per_s"]
-    else:
-        chosen_mode, tree, predicted, measured_rate = "static", best_static["choices"], best_static["tokens_per_s"], float("nan")
+def _fastest(rows: list[dict]) -> dict | None:
+    return max(rows, key=lambda r: r["tokens_per_s"], default=None)
 
-    # 3. check: decode the chosen static tree (and the requested sizes) on the calibration prompts
-    measured_rows = []
-    by_n = {r["n"]: r for r in static_rows}
-    check = ([best_static["n"]] if best_static else []) + [n for n in extra_sizes if not best_static or n != best_static["n"]]
-    for n in check:
-        if n not in by_n:
-            continue
-        row = by_n[n]
-        bar.set_postfix_str(f"decoding with the best {n}-node tree")
-        run = _run(with_tree(sm, Tree.from_choices(row["choices"])), prompts, max_new_tokens, eos_token_id, refs, bar=bar)
-        if not run["identical"]:
-            raise RuntimeError(f"{drafter} with the tree {row['choices']} changed the greedy output; please report this")
-        measured_rows.append({
-            "label": f"static n={n}", "mode": "static", "n": n, "expected": row["expected"],
+
+def _decode_static(s: _Session, static_rows: list[dict], refs) -> list[dict]:
+    """Decode the best static tree (first) and the `extra_sizes`: predicted against measured tokens/s."""
+    by_n, best = {r["n"]: r for r in static_rows}, _fastest(static_rows)
+    sizes = ([best["n"]] if best else []) + [n for n in s.extra_sizes if not best or n != best["n"]]
+    measured = []
+    for row in [by_n[n] for n in sizes if n in by_n]:
+        s.bar.set_postfix_str(f"decoding with the best {row['n']}-node tree")
+        run = s.decode(with_tree(s.sm, Tree.from_choices(row["choices"])), refs,
+                       what=f"{s.drafter} with the tree {row['choices']}")
+        measured.append({
+            "label": f"static n={row['n']}", "mode": "static", "n": row["n"], "expected": row["expected"],
             "predicted_tokens_per_s": row["tokens_per_s"], "measured_tokens_per_s": run["tokens_per_s"],
             "measured_tokens_per_step": run["tokens_per_step"], "identical": run["identical"],
         })
-        if chosen_mode == "static" and best_static is not None and n == best_static["n"]:
-            measured_rate = run["tokens_per_s"]
-    for row in dynamic_rows:
-        measured_rows.append({
-            "label": f"dynamic:{row['budget']}:{row['top_k']}", "mode": "dynamic", "n": row["mean_size"],
+    return measured
+
+
+def _measured_dynamic(row: dict) -> dict:
+    """A dynamic budget's row of the predicted-vs-measured table."""
+    return {"label": f"dynamic:{row['budget']}:{row['top_k']}", "mode": "dynamic", "n": row["mean_size"],
             "expected": row["expected"], "predicted_tokens_per_s": row["tokens_per_s"],
-            "measured_tokens_per_s": row["measured_tokens_per_s"], "measured_tokens_per_step": row["measured_tokens_per_step"],
-            "identical": row["identical"],
-        })
-    check = _check_against_default(sm, tree, check_prompts, max_new_tokens, eos_token_id, bar)
+            "measured_tokens_per_s": row["measured_tokens_per_s"],
+            "measured_tokens_per_step": row["measured_tokens_per_step"], "identical": row["identical"]}
+
+
+def _choose(static_rows: list[dict], dynamic_rows: list[dict], measured: list[dict]):
+    """(mode, tree, predicted tokens/s, measured tokens/s) of the fastest prediction, static or dynamic."""
+    best_static, best_dynamic = _fastest(static_rows), _fastest(dynamic_rows)
+    if best_dynamic is not None and (best_static is None or best_dynamic["tokens_per_s"] > best_static["tokens_per_s"]):
+        tree = f"dynamic:{best_dynamic['budget']}:{best_dynamic['top_k']}"
+        return "dynamic", tree, best_dynamic["tokens_per_s"], best_dynamic["measured_tokens_per_s"]
+    # the best static tree was decoded first (`_decode_static`)
+    return "static", best_static["choices"], best_static["tokens_per_s"], measured[0]["measured_tokens_per_s"]
+
+
+def autotune(
+    model, drafter: str, prompts, *, backend: str = "eager", drafter_options: dict | None = None,
+    max_nodes: int = DEFAULT_MAX_NODES, max_depth: int = PROBE_DEPTH, ranks: int = PROBE_RANKS, mode: str = "auto",
+    dynamic_budgets=DYNAMIC_BUDGETS, dynamic_top_k: int = DEFAULT_DYNAMIC_TOP_K, max_new_tokens: int = 64,
+    eos_token_id=None, repeats: int = 5, measure_sizes=None, check_prompts=None, save: bool = True,
+    progress: bool = False,
+) -> AutotuneResult:
+    """Measure acceptance and step costs of `drafter` on `model`, pick the fastest tree, store it.
+
+    prompts        calibration prompts (token id tensors [1, n] or [n])
+    max_nodes      largest tree considered, root included (also capped by the model's sliding windows)
+    max_depth, ranks   the probe tree: depths measured and candidates per node (the DP uses no more)
+    mode           "static", "dynamic" (drafters that grow trees: early_exit, layer_skip, hydra, eagle) or
+                   "auto" (both where the drafter supports dynamic trees; the faster prediction wins)
+    dynamic_budgets    budgets tried in dynamic mode (draft nodes, root not counted), with `dynamic_top_k`
+    measure_sizes  static tree sizes to decode for predicted-vs-measured rows besides the chosen one
+    check_prompts  prompts the tuned tree must beat the drafter's default tree on (else the default is stored);
+                   None: the last third of `prompts` when there are 3 or more (they are then not calibrated on)
+    save           store the result where compile(tree="auto") finds it
+    Every decoded configuration is compared with plain greedy decoding; a mismatch raises (a bug).
+    """
+    import speccomp
+    from tqdm import tqdm
+
+    _check_arguments(drafter, mode, max_nodes=max_nodes, max_depth=max_depth, ranks=ranks,
+                     max_new_tokens=max_new_tokens, repeats=repeats, dynamic_top_k=dynamic_top_k)
+    prompts, check_prompts = _split_prompts(prompts, check_prompts)
+    options = _default_options(model, drafter, drafter_options)
+    sm = speccomp.compile(model, drafter=drafter, drafter_options=None if options is None else dict(options),
+                          backend=backend)
+    options = dict(sm.drafter.options or options or {})
+    s = _session(sm, drafter, mode, prompts, max_nodes=max_nodes, max_depth=max_depth, ranks=ranks,
+                 dynamic_budgets=dynamic_budgets, measure_sizes=measure_sizes, max_new_tokens=max_new_tokens,
+                 eos=eos_token_id)
+    runs = 2 * len(prompts) + repeats + (len(s.budgets) + (1 + len(s.extra_sizes)) * s.do_static) * len(prompts)
+    s.bar = tqdm(total=runs + 3 * len(check_prompts), desc=f"autotune {drafter}", disable=not progress, unit="run")
+    ref, acc, timing, dynamic = _measure(s, dynamic_top_k, repeats)
+    static_rows = plan_static(acc.p, timing, s.max_nodes, s.depth) if s.do_static else []  # 2. optimise
+    dynamic_rows = [_dynamic_row(timing, b, dynamic_top_k, steps, run) for b, steps, run in dynamic]
+    measured = _decode_static(s, static_rows, ref["outputs"]) + [_measured_dynamic(r) for r in dynamic_rows]
+    chosen_mode, tree, predicted, measured_rate = _choose(static_rows, dynamic_rows, measured)  # 3. check
+    check = _check_against_default(sm, tree, check_prompts, max_new_tokens, eos_token_id, s.bar)
     if check.get("kept") == "default":  # measured: the default tree's speed on the held-back prompts
         chosen_mode, tree, measured_rate = "default", check["default"], check["default_tokens_per_s"]
-    bar.close()
-
+    s.bar.close()
     result = AutotuneResult(
         drafter=drafter, backend=backend, key=cache_key(model, drafter, backend), drafter_options=options,
         mode=chosen_mode, tree=tree, predicted_tokens_per_s=predicted, measured_tokens_per_s=measured_rate,
-        context_len=context_len,
-        acceptance={"p": acc.p, "p_raw": acc.p_raw, "hits": acc.hits, "visits": acc.visits, "probe_depth": depth, "probe_ranks": ranks},
-        timing=timing, static=static_rows, dynamic=dynamic_rows, measured=measured_rows,
+        context_len=s.context_len, acceptance={"p": acc.p, "p_raw": acc.p_raw, "hits": acc.hits, "visits": acc.visits,
+                                               "probe_depth": s.depth, "probe_ranks": s.ranks},
+        timing=timing, static=static_rows, dynamic=dynamic_rows, measured=measured,
         plain_tokens_per_s=ref["tokens_per_s"], check=check,
     )
     if save:
@@ -927,9 +916,7 @@ def _check_against_default(sm, tree, prompts, max_new_tokens: int, eos, bar) -> 
             "kept": "tuned" if tuned["tokens_per_s"] > base["tokens_per_s"] else "default"}
 
 
-# --------------------------------------------------------------------------------------------
-# Report
-# --------------------------------------------------------------------------------------------
+# ---- Report ----------------------------------------------------------------------------------
 
 
 def plot_report(result: AutotuneResult, path) -> Path:
@@ -947,23 +934,21 @@ def plot_report(result: AutotuneResult, path) -> Path:
     if t.get("widths"):
         ax.plot(t["widths"], [1e3 * s for s in t.get("draft_raw_s", t["draft_s"])], "s", color="C1", label="draft forward per depth, median")
         ax.plot(t["widths"], [1e3 * s for s in t["draft_s"]], "--", color="C1", label="draft forward, monotone fit (used)")
-    ax.set_xlabel("tokens in the forward (tree size n / depth width)")
-    ax.set_ylabel("ms (median)")
-    ax.set_title(f"latency at {result.context_len} cached tokens ({result.backend})")
+    ax.set(xlabel="tokens in the forward (tree size n / depth width)", ylabel="ms (median)",
+           title=f"latency at {result.context_len} cached tokens ({result.backend})")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
 
-    ax = axes[1]
-    p = result.acceptance["p"]
-    im = ax.imshow(p, cmap="viridis", vmin=0, vmax=max(0.01, max(max(r) for r in p)), aspect="auto")
+    ax, p = axes[1], result.acceptance["p"]
+    top = max(max(r) for r in p)
+    im = ax.imshow(p, cmap="viridis", vmin=0, vmax=max(0.01, top), aspect="auto")
     for d, row in enumerate(p):
         for r, x in enumerate(row):
-            ax.text(r, d, f"{x:.2f}", ha="center", va="center", fontsize=7, color="w" if x < 0.5 * max(max(r) for r in p) else "k")
-    ax.set_xlabel("rank r (drafter's r-th candidate)")
-    ax.set_ylabel("depth")
+            ax.text(r, d, f"{x:.2f}", ha="center", va="center", fontsize=7, color="w" if x < 0.5 * top else "k")
+    ax.set(xlabel="rank r (drafter's r-th candidate)", ylabel="depth",
+           title="P(rank-r child accepted | parent accepted)")
     ax.set_xticks(range(len(p[0])))
     ax.set_yticks(range(len(p)), [str(d + 1) for d in range(len(p))])
-    ax.set_title("P(rank-r child accepted | parent accepted)")
     fig.colorbar(im, ax=ax, fraction=0.046)
 
     ax = axes[2]
@@ -978,11 +963,10 @@ def plot_report(result: AutotuneResult, path) -> Path:
         ax.plot([r["n"] for r in dyn], [r["measured_tokens_per_s"] for r in dyn], "^", label="measured, dynamic")
     if not math.isnan(result.plain_tokens_per_s):
         ax.axhline(result.plain_tokens_per_s, color="gray", ls=":", label="no drafts (1 token per step)")
-    ax.set_xlabel("tree size n (nodes, root included)")
-    ax.set_ylabel("decode tokens/s")
     chosen = result.tree if isinstance(result.tree, str) else f"{len(result.tree) + 1} nodes"
     chosen += " (the default tree)" if result.mode == "default" else ""
-    ax.set_title(f"{result.drafter}: chosen {chosen}")
+    ax.set(xlabel="tree size n (nodes, root included)", ylabel="decode tokens/s",
+           title=f"{result.drafter}: chosen {chosen}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

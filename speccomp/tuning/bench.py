@@ -22,8 +22,9 @@ Python use (tests run this on a tiny random model with token-id prompts):
     result = run_bench(model, [ids1, ids2], ["plain", "layer_skip"], max_new_tokens=32)
     print(result.markdown()); result.write_json("out.json"); result.plot("out.png")
 
-The command line lives here too (`add_bench_parser`, `cmd_bench`); speccomp/cli.py only registers it.
-Heavy imports (torch, transformers, matplotlib, tqdm) stay inside functions so `speccomp --help` is quick.
+The command line (`add_bench_parser`, `cmd_bench`) lives in speccomp/cli.py; the prompt files it reads load
+here (`load_bench_prompts`). Heavy imports (torch, transformers, matplotlib, tqdm) stay inside functions so
+`speccomp --help` is quick.
 """
 from __future__ import annotations
 
@@ -46,9 +47,7 @@ PROMPT_LOOKUP_TOKENS = 10
 SCHEMA_VERSION = 1
 
 
-# --------------------------------------------------------------------------------------
-# Inputs: prompts and rows
-# --------------------------------------------------------------------------------------
+# ---- Inputs: prompts and rows ------------------------------------------------------------------
 @dataclass(frozen=True)
 class BenchPrompt:
     """One prompt as token ids [1, n] (already chat-templated when it came from text)."""
@@ -115,13 +114,8 @@ def default_rows(drafters: Sequence[str] | None = None, *, plain: bool = True, h
         from speccomp.drafters.registry import available_drafters
 
         drafters = available_drafters()
-    rows = []
-    if hf_prompt_lookup:
-        rows.append(row_spec(PROMPT_LOOKUP))
-    if plain:
-        rows.append(row_spec(PLAIN))
-    rows += [row_spec(d, tree) for d in drafters]
-    return rows
+    rows = ([row_spec(PROMPT_LOOKUP)] if hf_prompt_lookup else []) + ([row_spec(PLAIN)] if plain else [])
+    return rows + [row_spec(d, tree) for d in drafters]
 
 
 def prepare_prompts(prompts: Sequence, tokenizer=None) -> list[BenchPrompt]:
@@ -165,14 +159,11 @@ def prepare_prompts(prompts: Sequence, tokenizer=None) -> list[BenchPrompt]:
             n += 1
             pid = f"{p.id}#{n}"
         used.add(pid)
-        if pid != p.id:
-            out[k] = BenchPrompt(pid, p.category, p.input_ids)
+        out[k] = BenchPrompt(pid, p.category, p.input_ids)
     return out
 
 
-# --------------------------------------------------------------------------------------
-# Results
-# --------------------------------------------------------------------------------------
+# ---- Results -----------------------------------------------------------------------------------
 @dataclass
 class Measurement:
     prompt_id: str
@@ -222,36 +213,23 @@ class RowResult:
         return self.error is None and bool(self.measurements) and all(m.identical for m in self.measurements)
 
     def _aggregate(self, ms: list[Measurement], base: dict[str, float]) -> dict:
-        secs = sum(m.seconds for m in ms)
-        toks = sum(m.new_tokens for m in ms)
+        secs, toks = sum(m.seconds for m in ms), sum(m.new_tokens for m in ms)
         base_secs = sum(base[m.prompt_id] for m in ms)
-        return {
-            "prompts": len(ms),
-            "new_tokens": toks,
-            "seconds": secs,
-            "tokens_per_second": toks / secs if secs > 0 else None,
-            "speedup": base_secs / secs if ms and secs > 0 else None,
-            "tau": _mean([m.tau for m in ms]),
-        }
+        return {"prompts": len(ms), "new_tokens": toks, "seconds": secs,
+                "tokens_per_second": toks / secs if secs > 0 else None,
+                "speedup": base_secs / secs if ms and secs > 0 else None, "tau": _mean([m.tau for m in ms])}
 
     def summary(self, baseline_seconds: dict[str, float]) -> dict:
         """The JSON row. `baseline_seconds`: prompt id -> baseline seconds."""
         ms = self.measurements
+        spec = self.spec
         row = {
-            "drafter": self.spec.name,
-            "kind": "hf" if self.spec.kind in (BASELINE, PROMPT_LOOKUP) else "speccomp",
-            "tree": None if self.spec.tree is None else str(self.spec.tree),
-            "drafter_options": self.spec.drafter_options,
-            "backend": self.backend,
-            "compile_seconds": self.compile_seconds,
-            **self._aggregate(ms, baseline_seconds),
-            "acceptance_by_depth": _mean_by_depth([m.acceptance_by_depth for m in ms]),
-            "identical": self.identical,
-            "mismatched_prompts": [m.prompt_id for m in ms if not m.identical],
-            "error": self.error,
-            "kv_cache": self.spec.kv_cache,
-            "kv_mode": self.spec.kv_mode,
-            "lossless": not self.spec.lossy,
+            "drafter": spec.name, "kind": "hf" if spec.kind in (BASELINE, PROMPT_LOOKUP) else "speccomp",
+            "tree": None if spec.tree is None else str(spec.tree), "drafter_options": spec.drafter_options,
+            "backend": self.backend, "compile_seconds": self.compile_seconds, **self._aggregate(ms, baseline_seconds),
+            "acceptance_by_depth": _mean_by_depth([m.acceptance_by_depth for m in ms]), "identical": self.identical,
+            "mismatched_prompts": [m.prompt_id for m in ms if not m.identical], "error": self.error,
+            "kv_cache": spec.kv_cache, "kv_mode": spec.kv_mode, "lossless": not spec.lossy,
             "kv_bytes": _kv_bytes([m.kv for m in ms if m.kv]),
         }
         cats: dict[str, list[Measurement]] = {}
@@ -306,9 +284,7 @@ class BenchResult:
         plot_rows(self.row_dicts(), self.categories(), path, title=_plot_title(self.header))
 
 
-# --------------------------------------------------------------------------------------
-# Measuring
-# --------------------------------------------------------------------------------------
+# ---- Measuring ---------------------------------------------------------------------------------
 def _hf_runner(model, eos, pad, extra: dict) -> Callable:
     import torch
 
@@ -361,20 +337,13 @@ def machine_info() -> dict:
 
     from speccomp import __version__
 
-    info = {
-        "speccomp_version": __version__,
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
-        "python_version": platform.python_version(),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or None,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "load_average_start": _loadavg(),
+    return {
+        "speccomp_version": __version__, "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__, "python_version": platform.python_version(),
+        "platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor() or None,
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "load_average_start": _loadavg(),
         "git_commit": _git_commit(),
     }
-    return info
 
 
 def _loadavg():
@@ -398,19 +367,9 @@ def _git_commit():
 
 
 def run_bench(
-    model,
-    prompts: Sequence,
-    rows: Sequence[str | RowSpec] | None = None,
-    max_new_tokens: int = 128,
-    *,
-    tokenizer=None,
-    eos_token_id=None,
-    tree=None,
-    backend: str = "eager",
-    warmup: int = 1,
-    progress: bool = True,
-    prompt_lookup_num_tokens: int = PROMPT_LOOKUP_TOKENS,
-    header: dict | None = None,
+    model, prompts: Sequence, rows: Sequence[str | RowSpec] | None = None, max_new_tokens: int = 128, *,
+    tokenizer=None, eos_token_id=None, tree=None, backend: str = "eager", warmup: int = 1, progress: bool = True,
+    prompt_lookup_num_tokens: int = PROMPT_LOOKUP_TOKENS, header: dict | None = None,
 ) -> BenchResult:
     """Measure HF greedy (baseline) and every row on every prompt; check outputs equal the baseline.
 
@@ -421,46 +380,65 @@ def run_bench(
     on the first prompt (at most 16 new tokens) before timing. A row that fails to compile or generate
     is kept with its `error` and skipped from then on; the run goes on.
     """
-    import torch
-    from tqdm.auto import tqdm
     from transformers.utils import logging as hf_logging
-
-    import speccomp
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
     bench_prompts = prepare_prompts(prompts, tokenizer)
+    specs = _row_specs(rows, tree)
+    if eos_token_id is None:
+        eos_token_id = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    info = _bench_header(model, bench_prompts, [s.name for s in specs], eos=eos_token_id, max_new_tokens=max_new_tokens,
+                         warmup=warmup, backend=backend, tree=tree, prompt_lookup_num_tokens=prompt_lookup_num_tokens)
+    info.update(header or {})
+    results = [RowResult(spec) for spec in specs]
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # HF generate's per-call notices would tear the progress bar
+    try:
+        runners = [_guarded(results, None, i, "compile failed",
+                            lambda: _runner(model, results[i], eos_token_id, backend, prompt_lookup_num_tokens))
+                   for i in range(len(specs))]
+        for _ in range(warmup):
+            for i, run in enumerate(runners):
+                if run is not None:
+                    _guarded(results, runners, i, "warmup failed",
+                             lambda: run(bench_prompts[0].input_ids, min(max_new_tokens, 16)))
+        _measure_rows(results, runners, bench_prompts, max_new_tokens, progress)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    info["load_average_end"] = _loadavg()
+    return BenchResult(info, results, bench_prompts)
+
+
+def _row_specs(rows, tree) -> list[RowSpec]:
+    """The baseline, then `rows` (None: `default_rows()`); names must be unique and kinds known."""
     specs = [RowSpec(BASELINE, BASELINE)] + [row_spec(r, tree) for r in (default_rows(tree=tree) if rows is None else rows)]
     names = [s.name for s in specs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ValueError(f"duplicate bench rows {dupes}; give each RowSpec its own name")
+    for spec in specs:
+        if spec.kind not in (BASELINE, PROMPT_LOOKUP, "speccomp"):
+            raise ValueError(f"unknown row kind {spec.kind!r}; accepted: {[BASELINE, PROMPT_LOOKUP, 'speccomp']}")
+    return specs
 
-    if eos_token_id is None:
-        eos_token_id = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    if eos_token_id is None:
-        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos = eos_token_id
-    pad = eos if isinstance(eos, int) else (list(eos)[0] if eos else 0)
 
+def _bench_header(model, prompts: list[BenchPrompt], names: list[str], *, eos, **settings) -> dict:
+    """The JSON header: the machine, the run's settings, its rows and the columns' definitions."""
     info = machine_info()
     info.update({
         "schema_version": SCHEMA_VERSION,
         "date": _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat(timespec="seconds"),
         "model": getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__,
-        "model_class": type(model).__name__,
-        "max_new_tokens": max_new_tokens,
-        "warmup": warmup,
-        "backend": backend,
-        "tree": None if tree is None else str(tree),
-        "eos_token_id": eos,
-        "prompt_lookup_num_tokens": prompt_lookup_num_tokens,
-        "n_prompts": len(bench_prompts),
-        "categories": list(dict.fromkeys(p.category for p in bench_prompts)),
-        "baseline": BASELINE,
-        "rows": names,
+        "model_class": type(model).__name__, "max_new_tokens": settings["max_new_tokens"],
+        "warmup": settings["warmup"], "backend": settings["backend"],
+        "tree": None if settings["tree"] is None else str(settings["tree"]), "eos_token_id": eos,
+        "prompt_lookup_num_tokens": settings["prompt_lookup_num_tokens"], "n_prompts": len(prompts),
+        "categories": list(dict.fromkeys(p.category for p in prompts)), "baseline": BASELINE, "rows": names,
         "definitions": {
             "speedup": "sum of baseline seconds / sum of row seconds over the same prompts",
             "tokens_per_second": "sum of new tokens / sum of generate wall seconds",
@@ -469,90 +447,78 @@ def run_bench(
             "identical": "every output equals the baseline's tokens exactly",
         },
     })
-    info.update(header or {})
+    return info
 
-    results: list[RowResult] = []
-    runners: list[Callable | None] = []
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # HF generate's per-call notices would tear the progress bar
+
+def _runner(model, res: RowResult, eos, backend: str, prompt_lookup_num_tokens: int) -> Callable:
+    """How row `res` generates: `run(ids, max_new) -> (output, seconds, forwards, acceptance_by_depth, kv)`."""
+    import speccomp
+
+    spec = res.spec
+    pad = eos if isinstance(eos, int) else (list(eos)[0] if eos else 0)
+    if spec.kind == BASELINE:
+        return _hf_runner(model, eos, pad, {})
+    if spec.kind == PROMPT_LOOKUP:
+        return _hf_runner(model, eos, pad, {"prompt_lookup_num_tokens": prompt_lookup_num_tokens})
+    res.backend = backend
+    start = time.perf_counter()
+    fast = speccomp.compile(
+        model, drafter=spec.drafter, tree=spec.tree if spec.drafter else None, backend=backend,
+        drafter_options=spec.drafter_options if spec.drafter else None, kv_cache=spec.kv_cache, kv_mode=spec.kv_mode,
+    )
+    res.compile_seconds = time.perf_counter() - start
+    return _speccomp_runner(fast, eos)
+
+
+def _guarded(results: list[RowResult], runners: list | None, i: int, what: str, call: Callable):
+    """`call()` for row i. A row's failure is kept as its `error` (the row is skipped from then on: its runner
+    becomes None) and the run goes on; the baseline's failure is raised."""
     try:
-        for spec in specs:
-            res = RowResult(spec)
-            results.append(res)
-            if spec.kind == BASELINE:
-                runners.append(_hf_runner(model, eos, pad, {}))
-            elif spec.kind == PROMPT_LOOKUP:
-                runners.append(_hf_runner(model, eos, pad, {"prompt_lookup_num_tokens": prompt_lookup_num_tokens}))
-            elif spec.kind == "speccomp":
-                res.backend = backend
-                start = time.perf_counter()
-                try:
-                    fast = speccomp.compile(
-                        model, drafter=spec.drafter, tree=spec.tree if spec.drafter else None,
-                        backend=backend, drafter_options=spec.drafter_options if spec.drafter else None,
-                        kv_cache=spec.kv_cache, kv_mode=spec.kv_mode,
-                    )
-                except Exception as exc:  # noqa: BLE001 - a broken drafter must not sink the other rows
-                    res.error = f"compile failed: {_short(exc)}"
-                    _warn(f"row {spec.name}: {res.error}")
-                    runners.append(None)
-                    continue
-                res.compile_seconds = time.perf_counter() - start
-                runners.append(_speccomp_runner(fast, eos))
-            else:
-                raise ValueError(f"unknown row kind {spec.kind!r}; accepted: {[BASELINE, PROMPT_LOOKUP, 'speccomp']}")
+        return call()
+    except Exception as exc:  # noqa: BLE001 - a broken drafter must not sink the other rows
+        if i == 0:
+            raise
+        results[i].error = f"{what}: {_short(exc)}"
+        _warn(f"row {results[i].spec.name}: {results[i].error}")
+        if runners is not None:
+            runners[i] = None
+        return None
 
-        warm_ids = bench_prompts[0].input_ids
-        for _ in range(warmup):
-            for i, (res, run) in enumerate(zip(results, runners)):
-                if run is None:
-                    continue
-                try:
-                    run(warm_ids, min(max_new_tokens, 16))
-                except Exception as exc:  # noqa: BLE001
-                    if i == 0:
-                        raise
-                    res.error = f"warmup failed: {_short(exc)}"
-                    _warn(f"row {res.spec.name}: {res.error}")
-                    runners[i] = None
 
-        order = list(range(len(specs)))
-        bar = tqdm(total=len(bench_prompts) * len(specs), desc="bench", unit="gen", file=sys.stderr, disable=not progress, dynamic_ncols=True)
-        try:
-            for k, prompt in enumerate(bench_prompts):
-                shift = k % len(order)
-                outputs: dict[int, tuple] = {}
-                for i in order[shift:] + order[:shift]:  # rotate so no row always runs first
-                    bar.set_postfix_str(f"{prompt.id} {specs[i].name}", refresh=False)
-                    run = runners[i]
-                    if run is not None:
-                        try:
-                            outputs[i] = run(prompt.input_ids, max_new_tokens)
-                        except Exception as exc:  # noqa: BLE001
-                            if i == 0:
-                                raise
-                            results[i].error = f"generate failed on prompt {prompt.id}: {_short(exc)}"
-                            _warn(f"row {specs[i].name}: {results[i].error}")
-                            runners[i] = None
-                    bar.update(1)
-                ref = outputs[0][0]
-                n_prompt = prompt.input_ids.shape[1]
-                for i, (out, secs, forwards, accept, kv) in sorted(outputs.items()):
-                    same = out.shape == ref.shape and bool(torch.equal(out.cpu(), ref.cpu()))
-                    results[i].measurements.append(
-                        Measurement(prompt.id, prompt.category, int(out.shape[1] - n_prompt), secs, forwards, accept, same, kv)
-                    )
-        finally:
-            bar.close()
+def _measure_rows(results: list[RowResult], runners: list, prompts: list[BenchPrompt], max_new_tokens: int,
+                  progress: bool) -> None:
+    """Every row on every prompt, rows back to back per prompt in a rotating order; each output against the
+    baseline's."""
+    import torch
+    from tqdm.auto import tqdm
+
+    order = list(range(len(results)))
+    bar = tqdm(total=len(prompts) * len(results), desc="bench", unit="gen", file=sys.stderr, disable=not progress,
+               dynamic_ncols=True)
+    try:
+        for k, prompt in enumerate(prompts):
+            shift = k % len(order)
+            outputs: dict[int, tuple] = {}
+            for i in order[shift:] + order[:shift]:  # rotate so no row always runs first
+                bar.set_postfix_str(f"{prompt.id} {results[i].spec.name}", refresh=False)
+                run = runners[i]
+                if run is not None:
+                    out = _guarded(results, runners, i, f"generate failed on prompt {prompt.id}",
+                                   lambda: run(prompt.input_ids, max_new_tokens))
+                    if out is not None:
+                        outputs[i] = out
+                bar.update(1)
+            ref, n_prompt = outputs[0][0], prompt.input_ids.shape[1]
+            for i, (out, secs, forwards, accept, kv) in sorted(outputs.items()):
+                same = out.shape == ref.shape and bool(torch.equal(out.cpu(), ref.cpu()))
+                results[i].measurements.append(
+                    Measurement(prompt.id, prompt.category, int(out.shape[1] - n_prompt), secs, forwards, accept, same, kv)
+                )
     finally:
-        hf_logging.set_verbosity(verbosity)
-    info["load_average_end"] = _loadavg()
-    return BenchResult(info, results, bench_prompts)
+        bar.close()
 
 
-# --------------------------------------------------------------------------------------
-# Reporting
-# --------------------------------------------------------------------------------------
+# ---- Reporting ---------------------------------------------------------------------------------
 def _f(x, fmt="{:.2f}", none="–"):
     return none if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
 
@@ -582,10 +548,8 @@ def format_markdown(header: dict, rows: list[dict], categories: list[str]) -> st
         lines += ["", "speedup / tau per category", "", "| row | " + " | ".join(categories) + " |",
                   "|---|" + "---:|" * len(categories)]
         for r in rows:
-            cells = []
-            for c in categories:
-                pc = r["per_category"].get(c)
-                cells.append("–" if pc is None else f"{_f(pc['speedup'], '{:.2f}x')} / {_f(pc['tau'])}")
+            cells = [r["per_category"].get(c) for c in categories]
+            cells = ["–" if pc is None else f"{_f(pc['speedup'], '{:.2f}x')} / {_f(pc['tau'])}" for pc in cells]
             lines.append(f"| {r['drafter']} | " + " | ".join(cells) + " |")
     kv = [r for r in rows if r.get("kv_bytes")]
     if kv:
@@ -621,11 +585,8 @@ def plot_rows(rows: list[dict], categories: list[str], path, title: str = "") ->
     width = 0.8 / max(1, len(shown))
     for ax, key, label in ((axes[0], "speedup", f"speedup vs {BASELINE}"), (axes[1], "tau", "tau (tokens / target forward)")):
         for j, r in enumerate(shown):
-            vals = []
-            for g in groups:
-                src = r if g == "all" else r["per_category"].get(g, {})
-                v = src.get(key)
-                vals.append(float("nan") if v is None else v)
+            vals = [(r if g == "all" else r["per_category"].get(g, {})).get(key) for g in groups]
+            vals = [float("nan") if v is None else v for v in vals]
             xs = [x + (j - (len(shown) - 1) / 2) * width for x in range(len(groups))]
             bars = ax.bar(xs, vals, width, label=r["drafter"] + ("" if r["identical"] else " (NOT identical)"))
             ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
@@ -643,9 +604,7 @@ def plot_rows(rows: list[dict], categories: list[str], path, title: str = "") ->
     plt.close(fig)
 
 
-# --------------------------------------------------------------------------------------
-# Command line (registered by speccomp/cli.py)
-# --------------------------------------------------------------------------------------
+# ---- Command line (registered by speccomp/cli.py) ----------------------------------------------
 def load_bench_prompts(files: Sequence[str] | None, limit: int | None):
     """Text prompts from each file (first `limit` of each); ids become "<file stem>/<id>" with several files
     and an empty category becomes the file stem. None = the prompts shipped with speccomp."""

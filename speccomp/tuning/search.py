@@ -47,13 +47,7 @@ def candidates(kind: str, num_layers: int) -> list[dict]:
             out.append({"skip": block})
     else:
         raise ValueError(f"search covers the drafters {list(KINDS)}, got {kind!r}")
-    seen, unique = set(), []
-    for c in out:
-        key = json.dumps(c, sort_keys=True)
-        if key not in seen:
-            seen.add(key)
-            unique.append(c)
-    return unique
+    return list({json.dumps(c, sort_keys=True): c for c in out}.values())  # duplicates removed, first order kept
 
 
 def _key(model, kind: str, tree) -> str:

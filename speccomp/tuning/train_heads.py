@@ -37,12 +37,6 @@ KINDS = ("medusa", "hydra", "eagle")
 DISTILL_BATCH = 32  # prompts decoded together by HF generate
 
 
-def _state_dir(out: Path) -> Path:
-    d = out / "_train"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
 def _generate_batch(model, batch: list[torch.Tensor], max_new_tokens: int, eos, temperature: float = 0.0,
                     seed: int = 0) -> list[torch.Tensor]:
     """Continuations of `batch` (1-D id tensors), greedy or sampled at `temperature`: prompt + reply up to
@@ -65,11 +59,8 @@ def _generate_batch(model, batch: list[torch.Tensor], max_new_tokens: int, eos, 
     eos_set = set([eos] if isinstance(eos, int) else (eos or []))
     for i, p in enumerate(batch):
         reply = out[i, width:].tolist()
-        for j, t in enumerate(reply):
-            if t in eos_set:
-                reply = reply[: j + 1]
-                break
-        seqs.append(torch.cat([p, torch.tensor(reply, dtype=torch.long)]))
+        end = next((j + 1 for j, t in enumerate(reply) if t in eos_set), len(reply))
+        seqs.append(torch.cat([p, torch.tensor(reply[:end], dtype=torch.long)]))
     return seqs
 
 
@@ -136,11 +127,8 @@ def _hidden_states(model, seqs, progress: bool, mass: torch.Tensor | None = None
             causal = torch.ones(n, n, dtype=torch.bool).tril()  # the plain graph takes a tree mask too
             logits, _, h = plain.step(s[None], torch.arange(n)[None], torch.ones(1, n, dtype=torch.long), empty, causal)
             probs = logits[0].softmax(-1) if (mass is not None or soft_k) else None
-            soft = None
-            if soft_k:
-                top = probs.topk(soft_k, dim=-1)
-                soft = (top.values.half(), top.indices)
-            out.append((h[0].clone(), logits[0].argmax(-1), soft))
+            top = probs.topk(soft_k, dim=-1) if soft_k else None
+            out.append((h[0].clone(), logits[0].argmax(-1), (top.values.half(), top.indices) if soft_k else None))
             if mass is not None:
                 mass += probs.sum(0)
     return out
@@ -239,40 +227,13 @@ def _resume(state: Path, heads, opt, done: dict) -> int:
     return done["epoch"]
 
 
-def _update(opt, loss: torch.Tensor, clip=None) -> float:
-    """One optimizer step on `loss` (gradient norm clipped to 1 over the parameters `clip`, if given); its value."""
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    if clip is not None:
-        torch.nn.utils.clip_grad_norm_(clip, 1.0)
-    opt.step()
-    return float(loss.detach())
-
-
-def _check_settings(kind, **ints) -> None:
+def _check_settings(model, prompts, kind, *, lr, sampled: int, temperature: float, soft_labels: int, **ints) -> None:
+    """Refuse bad settings before minutes of work: each message names the setting, its value and what it takes."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
     for name, value in ints.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-def train_heads(
-    model, prompts, *, out, kind: str = "medusa", num_heads: int = 4, num_layers: int = 1, max_new_tokens: int = 128,
-    epochs: int = 3, lr: float = 1e-3, batch_size: int | None = None, draft_vocab: int = 8192, sampled: int = 0,
-    temperature: float = 0.8, weight_decay: float = 0.0, soft_labels: int = 0, seed: int = 0, eos_token_id=None,
-    progress: bool = True, base_model: str = "",
-):
-    """Train heads of `kind` for `model` on its own continuations of `prompts` (token id tensors); save to `out`."""
-    from tqdm import tqdm
-
-    if batch_size is None:  # positions per batch for heads; sequences per batch for EAGLE
-        batch_size = 8 if kind == "eagle" else 256
-    if kind == "eagle" and soft_labels:
-        raise ValueError("soft_labels does not apply to kind='eagle': it always learns the model's whole distribution "
-                         "over its draft vocabulary")
-    _check_settings(kind, num_heads=num_heads, num_layers=num_layers, max_new_tokens=max_new_tokens, epochs=epochs,
-                    batch_size=batch_size, draft_vocab=draft_vocab)
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr!r}")
     if isinstance(sampled, bool) or not isinstance(sampled, int) or sampled < 0:
@@ -284,8 +245,69 @@ def train_heads(
         raise ValueError("train_heads needs at least one prompt (token ids) to self-distill from")
     if soft_labels > _vocab_size(model):
         raise ValueError(f"soft_labels={soft_labels} is more than the model's vocabulary ({_vocab_size(model)} tokens)")
+
+
+def _open_run(state: Path, args: dict) -> dict:
+    """The progress stored in `state` by an earlier run with the same `args` ({} for a new run)."""
+    progress_file = state / "progress.json"
+    done = json.loads(progress_file.read_text()) if progress_file.exists() else {}
+    if done and done.get("args") != args:
+        raise ValueError(f"{state} holds a run with other settings {done.get('args')}; use another out= or delete it")
+    if not done:
+        progress_file.write_text(json.dumps({"args": args, "epoch": 0}))
+    return done
+
+
+def _fit(head, batches: list, loss_of, *, state: Path, args: dict, done: dict, progress: bool, warmup: int = 0,
+         clip: bool = False) -> None:
+    """AdamW on `head`'s trainable parameters from the last checkpoint to args["epochs"], a checkpoint after every
+    epoch. batches[epoch] is that epoch's batches in order, loss_of(batch) their loss. The learning rate decays
+    linearly to 5% (after a linear `warmup` of that many steps); `clip`: gradient norm clipped to 1."""
+    from tqdm import tqdm
+
+    lr, epochs = args["lr"], args["epochs"]
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=args["weight_decay"])
+    total = len(batches[0]) if batches else 0
+    for epoch in range(_resume(state, head, opt, done), epochs):
+        head.train()
+        loss_sum = 0.0
+        bar = tqdm(batches[epoch], desc=f"epoch {epoch + 1}/{epochs}", disable=not progress)
+        for b, batch in enumerate(bar):
+            it = epoch * total + b
+            warm = min(1.0, (it + 1) / warmup) if warmup else 1.0
+            opt.param_groups[0]["lr"] = lr * warm * max(0.05, 1 - it / (epochs * total))
+            loss = loss_of(batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            loss_sum += float(loss.detach())
+            bar.set_postfix(loss=f"{loss_sum / (b + 1):.3f}")
+        head.eval()
+        _checkpoint(state, head, opt, args, epoch + 1)
+    head.eval()
+
+
+def train_heads(
+    model, prompts, *, out, kind: str = "medusa", num_heads: int = 4, num_layers: int = 1, max_new_tokens: int = 128,
+    epochs: int = 3, lr: float = 1e-3, batch_size: int | None = None, draft_vocab: int = 8192, sampled: int = 0,
+    temperature: float = 0.8, weight_decay: float = 0.0, soft_labels: int = 0, seed: int = 0, eos_token_id=None,
+    progress: bool = True, base_model: str = "",
+):
+    """Train heads of `kind` for `model` on its own continuations of `prompts` (token id tensors); save to `out`."""
+    if batch_size is None:  # positions per batch for heads; sequences per batch for EAGLE
+        batch_size = 8 if kind == "eagle" else 256
+    if kind == "eagle" and soft_labels:
+        raise ValueError("soft_labels does not apply to kind='eagle': it always learns the model's whole distribution "
+                         "over its draft vocabulary")
+    _check_settings(model, prompts, kind, lr=lr, sampled=sampled, temperature=temperature, soft_labels=soft_labels,
+                    num_heads=num_heads, num_layers=num_layers, max_new_tokens=max_new_tokens, epochs=epochs,
+                    batch_size=batch_size, draft_vocab=draft_vocab)
     out = check_head_directory(out)  # before minutes of work: never over a folder's own config.json
-    state = _state_dir(out)
+    state = out / "_train"
+    state.mkdir(parents=True, exist_ok=True)
     args = {"kind": kind, "num_heads": num_heads, "num_layers": num_layers, "max_new_tokens": max_new_tokens,
             "epochs": epochs, "lr": lr, "batch_size": batch_size, "seed": seed, "prompts": len(prompts),
             "sampled": sampled, "temperature": temperature, "weight_decay": weight_decay}
@@ -293,30 +315,41 @@ def train_heads(
         args["draft_vocab"] = draft_vocab
     if soft_labels:  # only when on, so runs stored before the option existed still resume
         args["soft_labels"] = soft_labels
-    progress_file = state / "progress.json"
-    done = json.loads(progress_file.read_text()) if progress_file.exists() else {}
-    if done and done.get("args") != args:
-        raise ValueError(f"{state} holds a run with other settings {done.get('args')}; use another out= or delete it")
-    if not done:
-        progress_file.write_text(json.dumps({"args": args, "epoch": 0}))
-
+    done = _open_run(state, args)
     seqs, starts = _self_distill(model, [p.reshape(-1) for p in prompts], max_new_tokens, eos_token_id, progress, state,
                                  sampled, temperature, seed)
     mass = torch.zeros(_vocab_size(model)) if kind in ("hydra", "eagle") else None
+    run = dict(state=state, args=args, done=done, progress=progress)
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
     if kind == "eagle":
-        return _train_eagle(model, seqs, starts, _hidden_states(model, seqs, progress, mass), state=state, args=args,
-                            done=done, steps=num_heads, epochs=epochs, lr=lr, batch_size=batch_size, draft_vocab=draft_vocab,
-                            weight_decay=weight_decay, seed=seed, eos_token_id=eos_token_id, mass=mass, progress=progress,
-                            out=out, base_model=base_model)
-    h, inputs, targets, soft = _examples(seqs, _hidden_states(model, seqs, progress, mass, soft_labels), num_heads, starts)
+        head = _train_eagle(model, seqs, starts, _hidden_states(model, seqs, progress, mass), eos, mass, run)
+        from speccomp.drafters.eagle import save_eagle
 
-    torch.manual_seed(seed)
+        save_eagle(head, out, base_model=base_model)
+        return head
+    examples = _examples(seqs, _hidden_states(model, seqs, progress, mass, soft_labels), num_heads, starts)
+    heads = _train_medusa(model, examples, eos, mass, run)
+    if kind == "hydra":
+        from speccomp.drafters.hydra import save_hydra
+
+        save_hydra(heads, out, base_model=base_model)
+    else:
+        save_medusa(heads, out, base_model=base_model)
+    return heads
+
+
+def _train_medusa(model, examples, eos: list, mass, run: dict):
+    """Medusa or Hydra heads (run["args"]) on `_examples`: head k's cross-entropy to the model's greedy token (and,
+    with soft labels, to its top-S distribution) over reply positions, weighted 0.8^k."""
+    h, inputs, targets, soft = examples
+    args = run["args"]
+    kind, num_heads, batch_size = args["kind"], args["num_heads"], args["batch_size"]
+    torch.manual_seed(args["seed"])
     if kind == "hydra":
         from speccomp.drafters.hydra import new_hydra
 
-        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
-        vocab = frequent_tokens([targets.flatten()], draft_vocab, always=eos, fill=mass)
-        heads = new_hydra(model, vocab, num_heads, num_layers)
+        heads = new_hydra(model, frequent_tokens([targets.flatten()], args["draft_vocab"], always=eos, fill=mass),
+                          num_heads, args["num_layers"])
         # targets as indices into the draft vocabulary; -100 (skipped by cross_entropy) outside it
         index = torch.full((heads.vocab,), -100, dtype=torch.long)
         index[heads.draft_vocab] = torch.arange(len(heads.draft_vocab))
@@ -326,39 +359,25 @@ def train_heads(
             # position: the head then learns the in-vocabulary shape there; the shipped heads were trained so)
             soft = (soft[0] * (index[soft[1]] >= 0), index[soft[1]].clamp(min=0))
     else:
-        heads = new_heads(model, num_heads, num_layers)
-    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
-    total = math.ceil(h.shape[0] / batch_size)
-    start = _resume(state, heads, opt, done)
+        heads = new_heads(model, num_heads, args["num_layers"])
     weights = torch.tensor([0.8**k for k in range(num_heads)])
-    gen = torch.Generator().manual_seed(seed)
-    orders = [torch.randperm(h.shape[0], generator=gen) for _ in range(epochs)]  # fixed whatever the resume point
-    for epoch in range(start, epochs):
-        heads.train()
-        loss_sum = 0.0
-        bar = tqdm(range(total), desc=f"epoch {epoch + 1}/{epochs}", disable=not progress)
-        for b in bar:
-            idx = orders[epoch][b * batch_size : (b + 1) * batch_size]
-            opt.param_groups[0]["lr"] = lr * max(0.05, 1 - (epoch * total + b) / (epochs * total))  # linear decay
-            logits = heads(h[idx], inputs[idx]) if kind == "hydra" else heads(h[idx])  # [B, K, V]
-            ce = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), targets[idx].reshape(-1), reduction="none"
-            ).view(len(idx), num_heads)
-            valid = (targets[idx] != -100).float()
-            loss = ((ce * valid).sum(0) / valid.sum(0).clamp(min=1) * weights).sum()
-            if soft is not None:  # teacher distillation: cross-entropy to the model's top-k distribution
-                loss = loss + (soft_cross_entropy(logits, soft[0][idx], soft[1][idx]).mean(0) * weights).sum()
-            loss_sum += _update(opt, loss)
-            bar.set_postfix(loss=f"{loss_sum / (b + 1):.3f}")
-        heads.eval()
-        _checkpoint(state, heads, opt, args, epoch + 1)
-    heads.eval()
-    if kind == "hydra":
-        from speccomp.drafters.hydra import save_hydra
 
-        save_hydra(heads, out, base_model=base_model)
-    else:
-        save_medusa(heads, out, base_model=base_model)
+    def loss_of(idx):
+        logits = heads(h[idx], inputs[idx]) if kind == "hydra" else heads(h[idx])  # [B, K, V]
+        ce = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets[idx].reshape(-1), reduction="none"
+        ).view(len(idx), num_heads)
+        valid = (targets[idx] != -100).float()
+        loss = ((ce * valid).sum(0) / valid.sum(0).clamp(min=1) * weights).sum()
+        if soft is not None:  # teacher distillation: cross-entropy to the model's top-k distribution
+            loss = loss + (soft_cross_entropy(logits, soft[0][idx], soft[1][idx]).mean(0) * weights).sum()
+        return loss
+
+    gen = torch.Generator().manual_seed(args["seed"])
+    total = math.ceil(h.shape[0] / batch_size)
+    # fixed whatever the resume point
+    orders = [torch.randperm(h.shape[0], generator=gen) for _ in range(args["epochs"])]
+    _fit(heads, [[o[b * batch_size : (b + 1) * batch_size] for b in range(total)] for o in orders], loss_of, **run)
     return heads
 
 
@@ -375,45 +394,32 @@ def head_accuracy(heads, model, seqs, starts=None) -> list[float]:
     return (pred == targets).float().mean(0).tolist()
 
 
-def _train_eagle(model, seqs, starts, states, *, state, args, done, steps, epochs, lr, batch_size, draft_vocab,
-                 weight_decay, seed, eos_token_id, mass, progress, out, base_model):
-    """EAGLE: the head's one layer, unrolled `steps` deep on its own guesses (eagle.EagleHead.unrolled), learns at
-    every anchor p and step s the target's feature f_{p+s} (smooth L1) and its next-token distribution over the
-    draft vocabulary (cross-entropy to softmax(P f_{p+s}), the teacher), weighted 0.8^(s-1). Batches are
+def _train_eagle(model, seqs, starts, states, eos: list, mass, run: dict):
+    """EAGLE: the head's one layer, unrolled `steps` (num_heads) deep on its own guesses (eagle.EagleHead.unrolled),
+    learns at every anchor p and step s the target's feature f_{p+s} (smooth L1) and its next-token distribution
+    over the draft vocabulary (cross-entropy to softmax(P f_{p+s}), the teacher), weighted 0.8^(s-1). Batches are
     `batch_size` sequences of similar length (padded)."""
-    from tqdm import tqdm
+    from speccomp.drafters.eagle import new_eagle
 
-    from speccomp.drafters.eagle import new_eagle, save_eagle
-
-    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    args = run["args"]
+    steps, batch_size, epochs = args["num_heads"], args["batch_size"], args["epochs"]
     labels = [greedy[max(0, st - 1):] for (_, greedy, _), st in zip(states, starts)]
-    torch.manual_seed(seed)
-    head = new_eagle(model, frequent_tokens(labels, draft_vocab, always=eos, fill=mass))
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
-    first = _resume(state, head, opt, done)
+    torch.manual_seed(args["seed"])
+    head = new_eagle(model, frequent_tokens(labels, args["draft_vocab"], always=eos, fill=mass))
     by_length = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]), i))
     batches = [by_length[i : i + batch_size] for i in range(0, len(by_length), batch_size)]
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(args["seed"])
     orders = [torch.randperm(len(batches), generator=gen).tolist() for _ in range(epochs)]
     weights = [0.8**s for s in range(steps)]
-    total = len(batches)
-    warmup = min(50, max(1, epochs * total // 5))
-    for epoch in range(first, epochs):
-        head.train()
-        loss_sum = 0.0
-        bar = tqdm(orders[epoch], desc=f"epoch {epoch + 1}/{epochs}", disable=not progress)
-        for b, which in enumerate(bar):
-            it = epoch * total + b  # linear warm-up (50 steps, at most a fifth of the run), then linear decay
-            opt.param_groups[0]["lr"] = lr * min(1.0, (it + 1) / warmup) * max(0.05, 1 - it / (epochs * total))
-            loss = _eagle_loss(head, [seqs[i] for i in batches[which]], [states[i][0] for i in batches[which]],
-                               [starts[i] for i in batches[which]], steps, weights)
-            loss_sum += _update(opt, loss, clip=head.parameters())
-            bar.set_postfix(loss=f"{loss_sum / (b + 1):.3f}")
-        head.eval()
-        _checkpoint(state, head, opt, args, epoch + 1)
-    head.eval()
+
+    def loss_of(which: int) -> torch.Tensor:
+        batch = batches[which]
+        return _eagle_loss(head, [seqs[i] for i in batch], [states[i][0] for i in batch], [starts[i] for i in batch],
+                           steps, weights)
+
+    # linear warm-up (50 steps, at most a fifth of the run), then linear decay
+    _fit(head, orders, loss_of, warmup=min(50, max(1, epochs * len(batches) // 5)), clip=True, **run)
     head.train_steps = steps
-    save_eagle(head, out, base_model=base_model)
     return head
 
 

@@ -89,11 +89,23 @@ def optimal_trees(p, max_nodes: int, max_depth: int | None = None) -> list[TreeS
     if D < 0:
         raise ValueError(f"max_depth must be >= 0, got {max_depth}")
     K = max(len(row) for row in rows)
-    rows = [row + [0] * (K - len(row)) for row in rows]
-    N = max_nodes
-    # F[d][m] for m = 0..N (index 0 unused); None = no such subtree
+    F, choice = _solve([row + [0] * (K - len(row)) for row in rows], D, K, max_nodes)
+    out = []
+    for n in range(1, max_nodes + 1):
+        if F[0][n] is None:
+            out.append(None)
+            continue
+        choices: list = []
+        depth = _build(choice, 0, n, (), choices)
+        choices.sort(key=lambda c: (len(c), c))
+        out.append(TreeSolution(n, F[0][n], choices, depth))
+    return out
+
+
+def _solve(rows: list[list], D: int, K: int, N: int) -> tuple[list, list]:
+    """The recurrence (module docstring): F[d][m] for m = 0..N (index 0 unused; None = no such subtree), and
+    choice[d][r][m] = nodes given to the rank-r child when ranks r.. of a depth-d node take m nodes."""
     F = [[None] * (N + 1) for _ in range(D + 1)]
-    # choice[d][r][m] = nodes given to the rank-r child when ranks r.. of a depth-d node take m nodes
     choice = [[[0] * N for _ in range(K)] for _ in range(D)]
     F[D][1] = 1
     for d in range(D - 1, -1, -1):
@@ -118,29 +130,20 @@ def optimal_trees(p, max_nodes: int, max_depth: int | None = None) -> list[TreeS
         for m in range(1, N + 1):
             g = nxt[m - 1]
             F[d][m] = None if g is None else 1 + g
+    return F, choice
 
-    def build(d: int, m: int, prefix: tuple, out: list) -> int:
-        """Append the choices of the best m-node subtree under `prefix`; return its depth below d."""
-        rem, r, deepest = m - 1, 0, 0
-        while rem > 0:
-            s = choice[d][r][rem]
-            child = prefix + (r,)
-            out.append(list(child))
-            deepest = max(deepest, 1 + build(d + 1, s, child, out))
-            rem -= s
-            r += 1
-        return deepest
 
-    out = []
-    for n in range(1, N + 1):
-        if F[0][n] is None:
-            out.append(None)
-            continue
-        choices: list = []
-        depth = build(0, n, (), choices)
-        choices.sort(key=lambda c: (len(c), c))
-        out.append(TreeSolution(n, F[0][n], choices, depth))
-    return out
+def _build(choice: list, d: int, m: int, prefix: tuple, out: list) -> int:
+    """Append the choices of the best m-node subtree under `prefix` (a depth-d node); return its depth below d."""
+    rem, r, deepest = m - 1, 0, 0
+    while rem > 0:
+        s = choice[d][r][rem]
+        child = prefix + (r,)
+        out.append(list(child))
+        deepest = max(deepest, 1 + _build(choice, d + 1, s, child, out))
+        rem -= s
+        r += 1
+    return deepest
 
 
 def best_within(solutions: list[TreeSolution | None], budget: int) -> TreeSolution:
