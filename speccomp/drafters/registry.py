@@ -149,8 +149,8 @@ def _quantized(base: SpecGraph, options: dict, tree, backend: str):
         raise OptionError("block_size", block, "must be a power of two >= 16", "e.g. 32 (the default) or 64")
     if options:
         raise OptionError("drafter_options", options, f"unknown quantized options {sorted(options)}", "accepted: block_size")
-    # default: a chain of 2. Near-perfect drafts but a draft step costing ~a third of a float step on this CPU:
-    # dynamic:16:4 (tau 5.3) and a chain of 4 (tau 3.7) were slower than a chain of 2 (benchmarks/quantized_drafter.py)
+    # default: a chain of 2. Near-perfect drafts, but draft calls cost too much here for big trees to pay: dynamic:16:4
+    # (tau 5.3) was the slowest, chains of 2 and 4 within noise of each other (benchmarks/quantized_drafter.py)
     spec = _default_tree(tree, Tree.from_choices([[0], [0, 0]]), "quantized")
     check_tree_width(spec, base.captured.vocab_size, "model", tree)
     sg = run_passes(base.clone(), [TreeAttention()])
