@@ -206,3 +206,24 @@ def test_the_runtime_cache_names_its_owner_weakly():
         assert data() is None
     finally:
         gc.enable()
+
+
+def test_onnxruntime_keeps_the_plain_export_when_the_fused_one_fails(monkeypatch, tmp_path):
+    """An export or session failure of the fused graph warns and falls back to the copying graph: still lossless."""
+    from speccomp.backends import onnx_kv
+    from speccomp.backends.onnx_export import OrtStep
+    from speccomp.backends.onnx_kv import OrtKVStep
+
+    def broken():
+        raise RuntimeError("no GroupQueryAttention here")
+
+    monkeypatch.setattr(onnx_kv, "translation_table", broken)
+    monkeypatch.setenv("SPECCOMP_ONNX_DIR", str(tmp_path))
+    model = tiny_llama(num_hidden_layers=2, initializer_range=0.2)
+    with pytest.warns(UserWarning, match="no GroupQueryAttention here"):
+        fast = speccomp.compile(model, backend="onnxruntime")
+    assert isinstance(fast.step, OrtStep) and not isinstance(fast.step, OrtKVStep)
+    ids = torch.randint(3, 96, (10,), generator=torch.Generator().manual_seed(2))[None]
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                         eos_token_id=2, pad_token_id=2)
+    assert torch.equal(fast.generate(ids, max_new_tokens=12, eos_token_id=2), ref)
