@@ -162,8 +162,11 @@ def lower_in_place(sg, path, providers: list, spin: bool):
     from speccomp.passes.grouped_query_attention import GroupedQueryAttention
     from speccomp.passes.ort_attention import OrtAttention
 
+    import onnxruntime
+
     cpu_only = [p if isinstance(p, str) else p[0] for p in providers] == ["CPUExecutionProvider"]
-    if not cpu_only or sg.captured.kv.dtype not in _NUMPY:
+    recent = tuple(int(x) for x in onnxruntime.__version__.split(".")[:2]) >= (1, 32)  # causal=0 + attention_bias
+    if not cpu_only or not recent or sg.captured.kv.dtype not in _NUMPY:
         return None
     call_names, n_outputs = sg.input_names(), len(sg.gm.graph.output_node().args[0])
     fused = sg.clone()
