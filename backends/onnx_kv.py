@@ -21,6 +21,7 @@ import torch
 from torch.export import Dim
 
 from speccomp.backends.onnx_export import _EXAMPLE_PAST, _EXAMPLE_Q, OrtStep
+from speccomp.engine.runtime import bind_layer
 from speccomp.passes.inplace_kv import free_room
 
 _ONNX_INT32 = 6
@@ -124,7 +125,7 @@ class OrtKVStep(OrtStep):
         if buffer is None:  # not the runtime's buffer: a scratch one with room for this step's entries
             buffer = past_kv.new_zeros(*past_kv.shape[:4], past_kv.shape[4] + q, past_kv.shape[5])
             buffer[..., : past_kv.shape[4], :] = past_kv
-        binding, kept = self.session.io_binding(), []
+        binding, kept, host = self.session.io_binding(), [], buffer.numpy()  # a numpy view: no copy
         for name, dtype in self.inputs:
             if name in given:
                 value = given[name]
@@ -132,20 +133,13 @@ class OrtKVStep(OrtStep):
                 kept.append(np.ascontiguousarray(value, dtype=dtype))
                 binding.bind_cpu_input(name, kept[-1])
             else:
-                self._bind_layer(binding, name, buffer)
+                bind_layer(binding.bind_input, name, host)
         for name in self.output_names[: self.n_outputs]:
             binding.bind_output(name, "cpu")
         for name in self.output_names[self.n_outputs :]:  # present_<kv>_<l>: the same memory as past_<kv>_<l>
-            self._bind_layer(binding, name, buffer, output=True)
+            bind_layer(binding.bind_output, name, host)
         self.session.run_with_iobinding(binding)
         return tuple(torch.from_numpy(o.numpy()) for o in binding.get_outputs()[: self.n_outputs])
-
-    @staticmethod
-    def _bind_layer(binding, name: str, buffer: torch.Tensor, output: bool = False) -> None:
-        layer, kv = int(name.rsplit("_", 1)[1]), int("_value_" in name)
-        view = buffer[layer, kv]  # [1, Hkv, capacity, D], contiguous: the leading indices pick one block
-        bind = binding.bind_output if output else binding.bind_input
-        bind(name, "cpu", 0, _NUMPY[view.dtype], list(view.shape), view.data_ptr())
 
     def __repr__(self) -> str:
         return f"OrtKVStep({str(self.path)!r}, providers={self.providers})"

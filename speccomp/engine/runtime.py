@@ -334,13 +334,13 @@ class BoundSession:
             raise EngineError(f"{self.inputs} take the cache in place: pass past_kv as a CacheView (KVCache.view())")
         for name in self.inputs:
             if name in self.layers:
-                _bind_layer(b.bind_input, name, buffer)
+                bind_layer(b.bind_input, name, buffer)
             else:
                 b.bind_cpu_input(name, feeds[name])
         for name in outputs:
             b.bind_output(name)  # ORT allocates (shapes depend on q)
         for name in self.presents:  # the same memory as past_<kv>_<l>: only this step's entries are written
-            _bind_layer(b.bind_output, name, buffer)
+            bind_layer(b.bind_output, name, buffer)
         self.session.run_with_iobinding(b)
         return [v.numpy() for v in b.get_outputs()[: len(outputs)]]
 
@@ -348,7 +348,7 @@ class BoundSession:
 LAYER_INPUT = ("past_key_", "past_value_")  # a graph that writes the cache in place (backends/onnx_kv.py)
 
 
-def _bind_layer(bind, name: str, buffer: np.ndarray) -> None:
+def bind_layer(bind, name: str, buffer: np.ndarray) -> None:
     """Bind input past_<kv>_<l> / output present_<kv>_<l> to layer l's block of `buffer` [L, 2, 1, Hkv, cap, D]."""
     layer, kv = int(name.rsplit("_", 1)[1]), int("_value_" in name)
     block = buffer[layer, kv]  # [1, Hkv, capacity, D]: contiguous, the leading indices pick one block
