@@ -536,7 +536,7 @@ def _add_train_heads(sub) -> None:
 def _add_autotune_export_run(sub) -> None:
     p = sub.add_parser("autotune", help="pick a drafter's token tree by measured acceptance and step costs on this machine (for tree='auto')")
     _common(p, new_tokens=_int_at_least(2))  # autotune decodes at least 2 new tokens per prompt
-    p.set_defaults(drafter="token_recycling", max_new_tokens=64, func=cmd_autotune)
+    p.set_defaults(drafter="token_recycling", max_new_tokens=128, func=cmd_autotune)
     p.add_argument("--prompts", nargs="+", default=None, help="JSONL calibration prompt files (default: prompts shipped with speccomp)")
     p.add_argument("--limit", type=positive, default=4, help="prompts per file (default 4)")
     p.add_argument("--max-nodes", type=_int_at_least(2), default=64, help="largest tree considered, root included (default 64)")

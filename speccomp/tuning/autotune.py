@@ -8,7 +8,9 @@
    - acceptance (`Acceptance`): the drafter drafts a *probe tree* on the calibration prompts (a rank-0 spine
      D deep with the K top candidates under every spine node) and the target verifies as usual, which gives
          p[d-1][r] = P(rank-r child accepted | its parent accepted)
-     (Sequoia's positional acceptance vector, one row per depth: self-drafters and heads get worse with depth).
+     (Sequoia's positional acceptance vector, one row per depth: self-drafters and heads get worse with depth),
+     counted over the steps after the first `warmup` tokens of each reply: the steady state of a drafter whose
+     state grows with the reply (Token Recycling's table, n-gram history), which a short cold reply understates.
    - t_verify(n) (`time_steps`): one verify step over n tree tokens at a representative context length
      (mean prompt + half the new tokens); linear between the timed sizes.
    - drafting (`draft_seconds`): graph drafters (layer_skip, early_exit) run one draft forward per depth over
@@ -22,14 +24,16 @@
 2. Optimise (speccomp/tuning/tree_dp.py): for every depth limit <= D and every size n <= max_nodes the
    DP gives the tree with the highest E[tokens per step]; the prediction is
        tokens/s(tree) = E[tokens per step] / (t_verify(n') + t_draft(tree) + t_observe(n') + t_loop(n'))
-   and the static tree with the highest prediction wins. Dynamic trees (EAGLE-2 style, for the
+   and it ranks the static trees (step 3 decodes the best). Dynamic trees (EAGLE-2 style, for the
    drafters that grow them) are a second mode: each budget of a small grid is decoded on the
    calibration prompts, its mean tokens per step and draft time measured, the same formula
-   predicts its speed, and the best budget competes with the best static tree.
-3. Check and cache: the chosen tree (and, on request, trees of other sizes) decodes the calibration prompts;
-   the measured speed is kept next to the prediction, and the output must equal plain greedy decoding. Then
-   the held-back prompts (the last third of `prompts`, or `check_prompts`), which no measurement above saw,
-   decode with the chosen tree and with the drafter's default tree: the default is stored instead (mode
+   predicts its speed, and the budgets compete with the static trees.
+3. Choose by measurement, check and cache: the DP's best predictions, the dynamic budgets, the hand-made shapes
+   users pick (chains of 2 and 4, a binary 8-node tree: HAND_TREES) and the drafter's default tree decode the
+   calibration prompts (each output must equal plain greedy decoding), and the fastest *measured* one is chosen:
+   the cost model ranks what to try, it does not decide. Then the held-back prompts (the last third of
+   `prompts`, or `check_prompts`), which no measurement above saw, decode with the chosen tree and with the
+   drafter's default tree: the default is stored instead (mode
    "default") unless the tuned tree is faster there, so predictions that miss cannot make tree="auto" worse
    than no tuning. The result is stored as JSON in the user cache under `autotune/`, keyed by (model
    fingerprint, drafter, backend, device, dtype, threads, CPU); `speccomp.compile(..., tree="auto")` reads it
@@ -62,7 +66,7 @@ import torch
 from speccomp.errors import SpeccompError
 from speccomp.runtime.decode import Draft, DraftContext, Drafter, RootOnly
 from speccomp.runtime.tree import DEFAULT_DYNAMIC_TOP_K, AutoTreeSpec, DynamicTreeSpec, Tree, parse_tree_spec
-from speccomp.tuning.tree_dp import optimal_trees
+from speccomp.tuning.tree_dp import expected_accepted, optimal_trees
 
 PROBE_DEPTH = 6
 PROBE_RANKS = 8
@@ -71,6 +75,13 @@ DYNAMIC_BUDGETS = (4, 8, 12, 16, 24, 32)
 TIMED_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64)
 REPORT_SIZES = (2, 4, 8, 16, 32, 64)  # sizes decoded for the report's "measured" points
 FIRST_USE_PROMPTS = 2  # per shipped prompt file, when tree="auto" tunes on first use
+PLANNED_CANDIDATES = 2  # the DP trees with the best predictions, decoded on the calibration prompts
+# shapes users pick by hand, decoded too: autotune's tree must beat them where they beat its plan
+HAND_TREES = {
+    "chain 2": [[0], [0, 0]],
+    "chain 4": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]],
+    "binary 8": [[0], [1], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0]],
+}
 SCHEMA = 1
 
 
@@ -224,9 +235,10 @@ class _Recorder(Drafter):
         self.name = inner.name
         self.reads, self.trees, self.graphs = inner.reads, inner.trees, inner.graphs
         self.steps: list[dict] = []
-        self._propose_s, self._max_depth = 0.0, 0
+        self._propose_s, self._max_depth, self._generated = 0.0, 0, 0
 
     def begin(self, prompt):
+        self._generated = 0  # tokens of this reply so far: how warm the drafter's state is at a step
         self.inner.begin(prompt)
 
     def take_states(self, states):
@@ -245,8 +257,9 @@ class _Recorder(Drafter):
         self.steps.append({
             "propose_s": self._propose_s, "observe_s": time.perf_counter() - start, "size": draft.tree.size,
             "ranks": draft.tree.ranks, "path": list(path), "room": self._max_depth,
-            "per_depth": torch.bincount(draft.tree.depth).tolist(),
+            "per_depth": torch.bincount(draft.tree.depth).tolist(), "generated": self._generated,
         })
+        self._generated += len(path)
         self._propose_s, self._max_depth = 0.0, 0  # the last step of a decode verifies the root alone, unproposed
 
 
@@ -324,8 +337,11 @@ def _run(sm, prompts, max_new_tokens, eos, refs=None, bar=None) -> dict:
             "identical": identical, "outputs": outs, "runs": runs}
 
 
-def measure_acceptance(sm, prompts, *, max_new_tokens: int, eos=None, depth: int, ranks: int, bar=None):
-    """Acceptance table of `sm`'s drafter from a probe tree (depth x ranks).
+def measure_acceptance(sm, prompts, *, max_new_tokens: int, eos=None, depth: int, ranks: int, warmup: int = 0,
+                       bar=None):
+    """Acceptance table of `sm`'s drafter from a probe tree (depth x ranks), counted over the steps taken once
+    `warmup` tokens of the reply exist: the steady state a long reply decodes in, not the cold start of a drafter
+    whose state grows with the reply (Token Recycling's table, n-gram history). Every step if none is that late.
 
     Returns (Acceptance, recorded steps, last_stats of every decode).
     """
@@ -335,7 +351,8 @@ def measure_acceptance(sm, prompts, *, max_new_tokens: int, eos=None, depth: int
     probe.drafter = recorder
     runs = _run(probe, prompts, max_new_tokens, eos, bar=bar)["runs"]
     acc = Acceptance([[0] * ranks for _ in range(depth)], [0] * depth)
-    for step in recorder.steps:
+    steady = [st for st in recorder.steps if st["generated"] >= warmup] or recorder.steps
+    for step in steady:
         acc.add(step)
     return acc, recorder.steps, runs
 
@@ -464,7 +481,7 @@ class AutotuneResult:
         lines = [
             f"autotune {self.drafter} on {self.backend} ({k['device']}, {k['dtype']}, {k['threads']} threads, "
             f"{k['cpu']}), options {self.drafter_options}",
-            f"chosen: {self.mode} tree {json.dumps(self.tree)}",
+            f"chosen: {self.mode} tree {json.dumps(self.tree)} (fastest measured decode of the calibration prompts)",
             f"  predicted {self.predicted_tokens_per_s:.1f} tok/s, measured {self.measured_tokens_per_s:.1f} tok/s "
             f"(decode, calibration prompts); no drafts (1 token per step) {self.plain_tokens_per_s:.1f} tok/s",
             f"acceptance p[depth][rank] (probe {a['probe_depth']}x{a['probe_ranks']}):",
@@ -476,11 +493,11 @@ class AutotuneResult:
                      if t.get("widths") else "")
             lines.append(f"step costs: loop overhead {1e3 * t['loop_overhead_s']:.1f} ms + "
                          f"{1e3 * t['loop_overhead_per_node_s']:.2f} ms/node{draft}")
-        best_n = len(self.tree) + 1 if self.mode == "static" else None
+        chosen = lambda tree: " **chosen**" if tree == self.tree else ""  # noqa: E731
         lines += ["| n | depth | E[tokens/step] | step ms | predicted tok/s |", "|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['n']}{' **chosen**' if r['n'] == best_n else ''} | {r['depth']} | {r['expected']:.2f} | "
+        lines += [f"| {r['n']}{chosen(r['choices'])} | {r['depth']} | {r['expected']:.2f} | "
                   f"{1e3 * r['step_s']:.1f} | {r['tokens_per_s']:.1f} |"
-                  for r in self.static if r["n"] in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) or r["n"] == best_n]
+                  for r in self.static if r["n"] in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) or chosen(r["choices"])]
         if self.dynamic:
             lines += ["| dynamic budget | E[tokens/step] | mean nodes | step ms | predicted tok/s | measured tok/s |",
                       "|---:|---:|---:|---:|---:|---:|"]
@@ -490,7 +507,7 @@ class AutotuneResult:
         if self.measured:
             lines += ["| decoded | predicted tok/s | measured tok/s | E pred | E meas | identical |",
                       "|---|---:|---:|---:|---:|---|"]
-            lines += [f"| {r['label']} | {r['predicted_tokens_per_s']:.1f} | {r['measured_tokens_per_s']:.1f} | "
+            lines += [f"| {r['label']}{chosen(r.get('tree'))} | {r['predicted_tokens_per_s']:.1f} | {r['measured_tokens_per_s']:.1f} | "
                       f"{r['expected']:.2f} | {r['measured_tokens_per_step']:.2f} | {r['identical']} |"
                       for r in self.measured]
         if self.predicted_tokens_per_s < self.plain_tokens_per_s:
@@ -593,6 +610,16 @@ def realized_size(timing: dict, choices: list) -> float:
     return 1 + sum(w * (presence[d - 1] if d - 1 < len(presence) else 1.0) for d, w in enumerate(widths) if d > 0)
 
 
+def predict_static(p, timing: dict, choices: list, expected=None) -> dict:
+    """A static tree's predicted decode speed: E[tokens per step] / predicted seconds per step."""
+    expected = float(expected_accepted(choices, p) if expected is None else expected)
+    t_draft = draft_seconds(timing, choices)
+    size = realized_size(timing, choices)
+    t = step_seconds(timing, size, t_draft)
+    return {"n": len(choices) + 1, "depth": max(len(c) for c in choices), "expected": expected,
+            "realized_size": size, "step_s": t, "draft_s": t_draft, "tokens_per_s": expected / t, "choices": choices}
+
+
 def plan_static(p, timing: dict, max_nodes: int, max_depth: int) -> list[dict]:
     """For every size n = 2..max_nodes: the DP's best tree over depth limits 1..max_depth by predicted tokens/s."""
     best: dict[int, dict] = {}
@@ -600,13 +627,7 @@ def plan_static(p, timing: dict, max_nodes: int, max_depth: int) -> list[dict]:
         for sol in optimal_trees(p, max_nodes, depth)[1:]:
             if sol is None:
                 continue
-            t_draft = draft_seconds(timing, sol.choices)
-            size = realized_size(timing, sol.choices)
-            t = step_seconds(timing, size, t_draft)
-            row = {
-                "n": sol.size, "depth": sol.max_depth, "expected": float(sol.value), "realized_size": size, "step_s": t,
-                "draft_s": t_draft, "tokens_per_s": float(sol.value) / t, "choices": sol.choices,
-            }
+            row = predict_static(p, timing, sol.choices, sol.value)
             if sol.size not in best or row["tokens_per_s"] > best[sol.size]["tokens_per_s"]:
                 best[sol.size] = row
     return [best[n] for n in sorted(best)]
@@ -645,7 +666,8 @@ def _check_arguments(drafter, mode: str, **ints) -> None:
         raise AutotuneError(f"cannot autotune {drafter!r}: {untunable(drafter)}; tune token_recycling or a self-drafter instead")
     if mode not in ("auto", "static", "dynamic"):
         raise AutotuneError(f"unknown mode {mode!r}; accepted values: ['auto', 'dynamic', 'static']")
-    lows = {"max_nodes": 2, "max_depth": 1, "ranks": 1, "max_new_tokens": 2, "repeats": 1, "dynamic_top_k": 1}
+    lows = {"max_nodes": 2, "max_depth": 1, "ranks": 1, "max_new_tokens": 2, "repeats": 1, "dynamic_top_k": 1,
+            "warmup": 0}
     for name, value in ints.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < lows[name]:
             raise AutotuneError(f"{name} must be an int >= {lows[name]}, got {value!r}")
@@ -681,6 +703,7 @@ class _Session:
     sizes: list  # tree sizes whose verify step is timed
     extra_sizes: list  # static tree sizes decoded besides the chosen one
     context_len: int
+    warmup: int = 0  # acceptance counts steps after this many tokens of a reply
     bar: object = None
 
     def decode(self, sm, refs=None, what: str | None = None) -> dict:
@@ -692,7 +715,7 @@ class _Session:
 
 
 def _session(sm, drafter: str, mode: str, prompts, *, max_nodes: int, max_depth: int, ranks: int, dynamic_budgets,
-             measure_sizes, max_new_tokens: int, eos) -> _Session:
+             measure_sizes, max_new_tokens: int, eos, warmup: int = 0) -> _Session:
     """The probe, the sizes to time and the trees to decode, within the model's limits (sliding windows)."""
     dynamic_ok = "dynamic" in sm.drafter.trees
     if mode == "dynamic" and not dynamic_ok:
@@ -721,7 +744,7 @@ def _session(sm, drafter: str, mode: str, prompts, *, max_nodes: int, max_depth:
     if sm.max_positions is not None:
         context_len = max(1, min(context_len, sm.max_positions - max(sizes) - 2))
     return _Session(drafter, sm, prompts, max_new_tokens, eos, max_nodes, depth, ranks, mode in ("auto", "static"),
-                    budgets, sizes, extra_sizes, context_len)
+                    budgets, sizes, extra_sizes, context_len, warmup)
 
 
 def _step_costs(s: _Session, steps: list[dict], repeats: int) -> dict:
@@ -779,7 +802,7 @@ def _measure(s: _Session, top_k: int, repeats: int):
     ref = s.decode(s.sm.with_drafter(RootOnly()))  # greedy decoding through the same lowered target graph
     s.bar.set_postfix_str(f"acceptance, probe {s.depth}x{s.ranks}")
     acc, steps, probe_runs = measure_acceptance(s.sm, s.prompts, max_new_tokens=s.max_new_tokens, eos=s.eos,
-                                                depth=s.depth, ranks=s.ranks, bar=s.bar)
+                                                depth=s.depth, ranks=s.ranks, warmup=s.warmup, bar=s.bar)
     s.bar.set_postfix_str("step costs")
     timing = _step_costs(s, steps, repeats)
     # dynamic budgets: decoded now, since their wall times also calibrate the loop overhead
@@ -793,51 +816,83 @@ def _measure(s: _Session, top_k: int, repeats: int):
     return ref, acc, timing, dynamic
 
 
-def _fastest(rows: list[dict]) -> dict | None:
-    return max(rows, key=lambda r: r["tokens_per_s"], default=None)
+def _fits(s: _Session, choices: list) -> bool:
+    """Whether a static tree fits the drafter (depth, siblings) and the sizes this run considers."""
+    d = s.sm.drafter
+    depth, ranks = max(len(c) for c in choices), 1 + max(max(c) for c in choices)
+    return (len(choices) + 1 <= s.max_nodes and depth <= (d.max_tree_depth or depth)
+            and ranks <= (d.max_siblings or ranks))
 
 
-def _decode_static(s: _Session, static_rows: list[dict], refs) -> list[dict]:
-    """Decode the best static tree (first) and the `extra_sizes`: predicted against measured tokens/s."""
-    by_n, best = {r["n"]: r for r in static_rows}, _fastest(static_rows)
-    sizes = ([best["n"]] if best else []) + [n for n in s.extra_sizes if not best or n != best["n"]]
+def _candidates(s: _Session, static_rows: list[dict], p, timing: dict) -> list[tuple[str, str, object, dict]]:
+    """(label, mode, tree, predicted row) of every configuration decoded on the calibration prompts: the DP trees
+    with the best predictions, the report's sizes, the hand-made shapes users pick (HAND_TREES) and the drafter's
+    default tree. The prediction only ranks what to try; the measured decode picks (`_choose`)."""
+    out, seen = [], set()
+
+    def add(label: str, mode: str, tree, row: dict) -> None:
+        key = json.dumps(tree)
+        if key not in seen:
+            seen.add(key)
+            out.append((label, mode, tree, row))
+
+    by_n = {r["n"]: r for r in static_rows}
+    for row in sorted(static_rows, key=lambda r: -r["tokens_per_s"])[:PLANNED_CANDIDATES]:
+        add(f"static n={row['n']}", "static", row["choices"], row)
+    for n in s.extra_sizes:
+        if n in by_n:
+            add(f"static n={n}", "static", by_n[n]["choices"], by_n[n])
+    if s.do_static:
+        for label, choices in HAND_TREES.items():
+            if _fits(s, choices):
+                add(label, "static", choices, predict_static(p, timing, choices))
+    default = _tree_value(s.sm.drafter.tree)
+    dynamic_default = isinstance(s.sm.drafter.tree, DynamicTreeSpec)
+    if (s.budgets if dynamic_default else s.do_static) and default not in [f"dynamic:{b}:{DEFAULT_DYNAMIC_TOP_K}"
+                                                                          for b in s.budgets]:
+        row = {} if dynamic_default else predict_static(p, timing, default)
+        add("default", "default", default, row)
+    return out
+
+
+def _decode_candidates(s: _Session, candidates: list, refs) -> list[dict]:
+    """Decode every candidate on the calibration prompts: predicted against measured tokens/s."""
     measured = []
-    for row in [by_n[n] for n in sizes if n in by_n]:
-        s.bar.set_postfix_str(f"decoding with the best {row['n']}-node tree")
-        run = s.decode(with_tree(s.sm, Tree.from_choices(row["choices"])), refs,
-                       what=f"{s.drafter} with the tree {row['choices']}")
+    for label, mode, tree, row in candidates:
+        s.bar.set_postfix_str(f"decoding {label}")
+        run = s.decode(with_tree(s.sm, parse_tree_spec(tree)), refs, what=f"{s.drafter} with the tree {tree}")
         measured.append({
-            "label": f"static n={row['n']}", "mode": "static", "n": row["n"], "expected": row["expected"],
-            "predicted_tokens_per_s": row["tokens_per_s"], "measured_tokens_per_s": run["tokens_per_s"],
-            "measured_tokens_per_step": run["tokens_per_step"], "identical": run["identical"],
+            "label": label, "mode": mode, "tree": tree, "n": row.get("n", float("nan")),
+            "expected": row.get("expected", float("nan")),
+            "predicted_tokens_per_s": row.get("tokens_per_s", float("nan")),
+            "measured_tokens_per_s": run["tokens_per_s"], "measured_tokens_per_step": run["tokens_per_step"],
+            "identical": run["identical"],
         })
     return measured
 
 
 def _measured_dynamic(row: dict) -> dict:
     """A dynamic budget's row of the predicted-vs-measured table."""
-    return {"label": f"dynamic:{row['budget']}:{row['top_k']}", "mode": "dynamic", "n": row["mean_size"],
+    return {"label": f"dynamic:{row['budget']}:{row['top_k']}", "mode": "dynamic",
+            "tree": f"dynamic:{row['budget']}:{row['top_k']}", "n": row["mean_size"],
             "expected": row["expected"], "predicted_tokens_per_s": row["tokens_per_s"],
             "measured_tokens_per_s": row["measured_tokens_per_s"],
             "measured_tokens_per_step": row["measured_tokens_per_step"], "identical": row["identical"]}
 
 
-def _choose(static_rows: list[dict], dynamic_rows: list[dict], measured: list[dict]):
-    """(mode, tree, predicted tokens/s, measured tokens/s) of the fastest prediction, static or dynamic."""
-    best_static, best_dynamic = _fastest(static_rows), _fastest(dynamic_rows)
-    if best_dynamic is not None and (best_static is None or best_dynamic["tokens_per_s"] > best_static["tokens_per_s"]):
-        tree = f"dynamic:{best_dynamic['budget']}:{best_dynamic['top_k']}"
-        return "dynamic", tree, best_dynamic["tokens_per_s"], best_dynamic["measured_tokens_per_s"]
-    # the best static tree was decoded first (`_decode_static`)
-    return "static", best_static["choices"], best_static["tokens_per_s"], measured[0]["measured_tokens_per_s"]
+def _choose(measured: list[dict]):
+    """(mode, tree, predicted tokens/s, measured tokens/s) of the configuration that decoded the calibration
+    prompts fastest: measured, not predicted, so a cost model that misses cannot pick a slow tree."""
+    best = max(measured, key=lambda r: r["measured_tokens_per_s"])
+    return best["mode"], best["tree"], best["predicted_tokens_per_s"], best["measured_tokens_per_s"]
 
 
 def autotune(
     model, drafter: str, prompts, *, backend: str = "eager", drafter_options: dict | None = None,
     max_nodes: int = DEFAULT_MAX_NODES, max_depth: int = PROBE_DEPTH, ranks: int = PROBE_RANKS, mode: str = "auto",
-    dynamic_budgets=DYNAMIC_BUDGETS, dynamic_top_k: int = DEFAULT_DYNAMIC_TOP_K, max_new_tokens: int = 64,
-    eos_token_id=None, repeats: int = 5, measure_sizes=None, check_prompts=None, save: bool = True,
-    progress: bool = False,
+    dynamic_budgets=DYNAMIC_BUDGETS, dynamic_top_k: int = DEFAULT_DYNAMIC_TOP_K, max_new_tokens: int = 128,
+    warmup: int | None = None, eos_token_id=None, repeats: int = 5, measure_sizes=None, check_prompts=None,
+    save: bool = True, progress: bool = False,
 ) -> AutotuneResult:
     """Measure acceptance and step costs of `drafter` on `model`, pick the fastest tree, store it.
 
@@ -847,17 +902,22 @@ def autotune(
     mode           "static", "dynamic" (drafters that grow trees: early_exit, layer_skip, hydra, eagle) or
                    "auto" (both where the drafter supports dynamic trees; the faster prediction wins)
     dynamic_budgets    budgets tried in dynamic mode (draft nodes, root not counted), with `dynamic_top_k`
+    max_new_tokens per calibration reply: as long as real replies (a drafter's state grows with the reply)
+    warmup         acceptance counts the steps after this many tokens of each reply (default max_new_tokens // 4)
     measure_sizes  static tree sizes to decode for predicted-vs-measured rows besides the chosen one
     check_prompts  prompts the tuned tree must beat the drafter's default tree on (else the default is stored);
                    None: the last third of `prompts` when there are 3 or more (they are then not calibrated on)
     save           store the result where compile(tree="auto") finds it
-    Every decoded configuration is compared with plain greedy decoding; a mismatch raises (a bug).
+    The tree stored is the configuration that decoded the calibration prompts fastest among the DP's best
+    predictions, the dynamic budgets, hand-made shapes (HAND_TREES) and the default, and then beat the default on
+    the held-back prompts. Every decoded configuration is compared with plain greedy decoding; a mismatch raises.
     """
     import speccomp
     from tqdm import tqdm
 
+    warmup = max_new_tokens // 4 if warmup is None else warmup
     _check_arguments(drafter, mode, max_nodes=max_nodes, max_depth=max_depth, ranks=ranks,
-                     max_new_tokens=max_new_tokens, repeats=repeats, dynamic_top_k=dynamic_top_k)
+                     max_new_tokens=max_new_tokens, repeats=repeats, dynamic_top_k=dynamic_top_k, warmup=warmup)
     prompts, check_prompts = _split_prompts(prompts, check_prompts)
     options = _default_options(model, drafter, drafter_options)
     sm = speccomp.compile(model, drafter=drafter, drafter_options=None if options is None else dict(options),
@@ -865,14 +925,17 @@ def autotune(
     options = dict(sm.drafter.options or options or {})
     s = _session(sm, drafter, mode, prompts, max_nodes=max_nodes, max_depth=max_depth, ranks=ranks,
                  dynamic_budgets=dynamic_budgets, measure_sizes=measure_sizes, max_new_tokens=max_new_tokens,
-                 eos=eos_token_id)
-    runs = 2 * len(prompts) + repeats + (len(s.budgets) + (1 + len(s.extra_sizes)) * s.do_static) * len(prompts)
+                 eos=eos_token_id, warmup=warmup)
+    runs = 2 * len(prompts) + repeats + len(s.budgets) * len(prompts)
     s.bar = tqdm(total=runs + 3 * len(check_prompts), desc=f"autotune {drafter}", disable=not progress, unit="run")
     ref, acc, timing, dynamic = _measure(s, dynamic_top_k, repeats)
     static_rows = plan_static(acc.p, timing, s.max_nodes, s.depth) if s.do_static else []  # 2. optimise
     dynamic_rows = [_dynamic_row(timing, b, dynamic_top_k, steps, run) for b, steps, run in dynamic]
-    measured = _decode_static(s, static_rows, ref["outputs"]) + [_measured_dynamic(r) for r in dynamic_rows]
-    chosen_mode, tree, predicted, measured_rate = _choose(static_rows, dynamic_rows, measured)  # 3. check
+    candidates = _candidates(s, static_rows, acc.p, timing)
+    s.bar.total += len(candidates) * len(prompts)
+    s.bar.refresh()
+    measured = _decode_candidates(s, candidates, ref["outputs"]) + [_measured_dynamic(r) for r in dynamic_rows]
+    chosen_mode, tree, predicted, measured_rate = _choose(measured)  # 3. check
     check = _check_against_default(sm, tree, check_prompts, max_new_tokens, eos_token_id, s.bar)
     if check.get("kept") == "default":  # measured: the default tree's speed on the held-back prompts
         chosen_mode, tree, measured_rate = "default", check["default"], check["default_tokens_per_s"]
@@ -881,7 +944,7 @@ def autotune(
         drafter=drafter, backend=backend, key=cache_key(model, drafter, backend), drafter_options=options,
         mode=chosen_mode, tree=tree, predicted_tokens_per_s=predicted, measured_tokens_per_s=measured_rate,
         context_len=s.context_len, acceptance={"p": acc.p, "p_raw": acc.p_raw, "hits": acc.hits, "visits": acc.visits,
-                                               "probe_depth": s.depth, "probe_ranks": s.ranks},
+                                               "probe_depth": s.depth, "probe_ranks": s.ranks, "warmup": warmup},
         timing=timing, static=static_rows, dynamic=dynamic_rows, measured=measured,
         plain_tokens_per_s=ref["tokens_per_s"], check=check,
     )
