@@ -8,7 +8,10 @@
 """
 from __future__ import annotations
 
+from torch import nn
+
 from speccomp.backends import lower
+from speccomp.drafters.draft_model import make_draft_model
 from speccomp.drafters.merge import check_merge, make_merged, split_names
 from speccomp.drafters.registry import DECLARED, DRAFTERS, SEARCHED, max_tree_nodes
 from speccomp.errors import OptionError, OptionTypeError
@@ -41,6 +44,8 @@ def check_options(*, drafter=None, tree=None, kv_cache=None, kv_mode=None, backe
             raise OptionError("kv_mode", kv_mode, "'target' decodes without a drafter", "drop tree= and drafter_options=")
     elif isinstance(drafter, Drafter):
         check_declaration(drafter)
+    elif isinstance(drafter, (nn.Module, CapturedModel)):  # a draft model: checked against the target by its factory
+        pass
     elif drafter is not None:
         merged = split_names(drafter)  # "hydra+token_recycling": one tree merged from several drafters
         if merged:
@@ -63,7 +68,9 @@ def compile(model, *, drafter=None, tree=None, kv_cache=None, kv_mode: str | Non
     model: a Hugging Face causal LM, a plain nn.Module LM, or what `speccomp.capture(model)` returned
         (compiling one model several ways then exports it once).
     drafter: None (plain decoding), a name from `available_drafters()`, names joined by "+" (one tree merged
-        from several drafters' trees, e.g. "hydra+token_recycling"; speccomp/drafters/merge.py), or a `Drafter`.
+        from several drafters' trees, e.g. "hydra+token_recycling"; speccomp/drafters/merge.py), a `Drafter`, or
+        a smaller draft LM with the target's tokenizer (an nn.Module or a `speccomp.capture` result: captured,
+        rewritten and lowered like the target; speccomp/drafters/draft_model.py).
     tree: token tree for the drafter: a Medusa-style choice list, an int k (a chain of k), "dynamic:B:K", or
         "auto" (the tree `speccomp autotune` stored for this model, drafter, backend and machine).
     drafter_options: options of the named drafter (e.g. {"exit_layer": 12}, {"skip": [3, 5]}).
@@ -126,6 +133,8 @@ def _compile_drafter(base: SpecGraph, model, drafter, tree, backend: str, drafte
     merged = split_names(drafter)
     if isinstance(drafter, Drafter):
         drafter_obj = drafter
+    elif isinstance(drafter, (nn.Module, CapturedModel)):
+        drafter_obj = make_draft_model(base, drafter, drafter_options, tree, backend)
     elif merged:
         drafter_obj = make_merged(merged, base, drafter_options, tree, backend, DRAFTERS)
     else:

@@ -484,13 +484,22 @@ def test_tree_auto_tunes_on_first_use_and_keeps_what_held_back_prompts_prefer(ca
     assert torch.equal(fast.generate(ids, max_new_tokens=30, eos_token_id=2), hf_greedy(model, ids, 30))
 
 
-def test_held_back_check_keeps_the_default_unless_the_tuned_tree_decodes_faster():
-    from speccomp.tuning.autotune import _check_against_default
+def test_final_choice_uses_both_prompt_sets_and_keeps_the_default_unless_it_loses_on_held_back_prompts():
+    from speccomp.tuning.autotune import _final_choice, _finalists
 
     model = tiny_llama(initializer_range=0.2)
     sm = speccomp.compile(model, drafter="token_recycling")
-    c = _check_against_default(sm, [[0]], prompts(), 16, 2, None)
     default = [list(x) for x in sm.drafter.tree.choices]
-    assert c["prompts"] == 2 and c["tuned"] == [[0]] and c["default"] == default
-    assert c["kept"] == ("tuned" if c["tuned_tokens_per_s"] > c["default_tokens_per_s"] else "default")
-    assert _check_against_default(sm, default, prompts(), 16, 2, None) == {}  # the default itself: nothing to check
+    row = lambda tree, rate: {"tree": tree, "label": str(tree), "mode": "static", "predicted_tokens_per_s": 1.0,  # noqa: E731
+                              "measured_tokens_per_s": rate, "decode_tokens": 10 * rate, "decode_seconds": 10.0}
+    rows = [row([[0]], 50.0), row([[0], [0, 0]], 49.0), row([[0], [1]], 40.0), row(default, 48.0)]
+    assert [r["tree"] for r in _finalists(rows)] == [[[0]], [[0], [0, 0]], default]  # within 5% of the fastest, <= 3
+    winner, c = _final_choice(sm, _finalists(rows), prompts(), 16, 2, None)
+    assert c["prompts"] == 2 and c["default"] == default and len(c["finalists"]) == 3
+    both = {json.dumps(f["tree"]): f["combined_tokens_per_s"] for f in c["finalists"]}
+    assert both[json.dumps(winner["tree"])] == max(both.values()) and c["tuned"] == winner["tree"]
+    held = {json.dumps(f["tree"]): f["held_back_tokens_per_s"] for f in c["finalists"]}
+    assert c["default_tokens_per_s"] == held[json.dumps(default)]
+    beats = winner["tree"] != default and c["tuned_tokens_per_s"] > c["default_tokens_per_s"]
+    assert c["kept"] == ("tuned" if beats else "default")
+    assert _final_choice(sm, _finalists(rows), [], 16, 2, None) == (rows[0], {})  # nothing held back

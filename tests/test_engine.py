@@ -72,7 +72,7 @@ def record_steps(drafter, torch_side: bool) -> list:
     return steps
 
 
-@pytest.mark.parametrize("drafter", [None, "ngram", "token_recycling"])
+@pytest.mark.parametrize("drafter", [None, "ngram", "suffix", "token_recycling"])
 def test_engine_greedy_identical(llama, drafter, tmp_path):
     """The engine runs the torch runtime's algorithm in numpy: same tokens, and with a drafter the same drafts and
     the same accepted paths at every step (both run the same ONNX graph: onnxruntime backend and its export)."""

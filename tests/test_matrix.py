@@ -34,7 +34,7 @@ from speccomp.drafters.medusa import new_heads, save_medusa
 
 NEW_TOKENS = 32
 MIN_MARGIN = 1e-2  # top-1 minus top-2 logit along HF's greedy path (as in test_architectures.py)
-DRAFTERS = ("ngram", "token_recycling", "early_exit", "layer_skip", "medusa", "hydra", "eagle")
+DRAFTERS = ("ngram", "suffix", "token_recycling", "early_exit", "layer_skip", "medusa", "hydra", "eagle")
 HEADS = 3  # Medusa / Hydra heads: one per draft depth of WIDE
 WIDE = [[0], [1], [2], [3], [4], [0, 0], [0, 0, 0]]  # 8 nodes with the root: fits the smallest window (8)
 CHAIN = [[0], [1], [0, 0], [0, 0, 0]]
@@ -86,7 +86,7 @@ class Setup:
         self.heads = random_heads(self.model, directory)
 
     def compile_args(self, drafter: str) -> dict:
-        if drafter == "ngram":
+        if drafter in ("ngram", "suffix"):
             return {}
         if drafter == "token_recycling":
             return dict(drafter_options={"ngram_branches": 0})  # the recycled table alone drafts

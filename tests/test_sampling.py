@@ -19,6 +19,7 @@ import torch
 import speccomp
 import speccomp.engine.runtime
 import speccomp.runtime.decode
+import speccomp.runtime.tree
 from speccomp.runtime.sampling import warp
 from tiny_models import tiny_llama
 
@@ -117,6 +118,17 @@ TORCH_CASES = {
         "hydra": {"heads": h["hydra"]}, "token_recycling": {"tree": [[0], [1], [0, 0]], "top_k": 3}}), 1.0),  # 0.98
 }
 
+
+def draft_lm():
+    """A separate 1-layer draft LM of the model's vocabulary (its embedding is the model's: same seed): under sampling
+    it draws its drafts from its own q and hands the sampler q (speccomp/drafters/draft_model.py)."""
+    return tiny_llama(vocab_size=V, num_hidden_layers=1, initializer_range=0.3, tie_word_embeddings=True)
+
+
+# drafts sampled from a real q (not point masses): the recursive rejection sampler's min(1, p/q) path
+TORCH_CASES["draft_model"] = (lambda h: dict(drafter=draft_lm(), tree=WIDE), 1.0)
+TORCH_CASES["draft_model-top_p"] = (lambda h: dict(drafter=draft_lm(), tree=WIDE), 0.8)
+
 POWER_CASE = "token_recycling"  # the power test's case: cheap (no drafter forward), and it drafts the likely tokens
 CASE_DRAWS = {POWER_CASE: POWER_DRAWS}  # the other cases take DRAWS
 
@@ -150,23 +162,25 @@ def run_torch(case, captured, heads, exact):
     """Compile `case` (fresh: Token Recycling's table starts empty whatever ran before) and sample it: the chi-square
     p-value, the share of runs that accepted a draft / two drafts in one step, and the trees it verified."""
     fast, top_p = speccomp.compile(captured, **TORCH_CASES[case][0](heads)), TORCH_CASES[case][1]
-    trees = []
+    trees, probs = [], []
     propose = fast.drafter.propose
 
     def spy(ctx):
         draft = propose(ctx)
         trees.append(draft.tree)
+        probs.append(draft.probs)
         return draft
 
     fast.drafter.propose = spy
     counts, accepted, deep = sample(TorchRun(fast, top_p), range(CASE_DRAWS.get(case, DRAWS)))
-    return chi2_pvalue(counts, exact[top_p]), accepted, deep, trees
+    return chi2_pvalue(counts, exact[top_p]), accepted, deep, trees, probs
 
 
 @pytest.mark.parametrize("case", list(TORCH_CASES))
 def test_sampling_distribution_equals_model(case, captured, heads, exact):
     """Speculative sampling draws from the model's own distribution, with drafts accepted in most runs."""
-    p, accepted, deep, trees = run_torch(case, captured, heads, exact)
+    p, accepted, deep, trees, probs = run_torch(case, captured, heads, exact)
+    assert all(q is not None for q in probs) if case.startswith("draft_model") else not any(q is not None for q in probs)
     assert accepted >= MIN_ACCEPTED, f"drafts were accepted in only {accepted:.0%} of the runs: little is tested"
     assert deep >= MIN_DEEP, f"two drafts were accepted in one step in only {deep:.1%} of the runs"
     assert max(t.max_depth for t in trees) == 2  # trees two deep were verified
@@ -212,9 +226,28 @@ def test_wrong_acceptance_rule_fails_the_sampling_test(captured, heads, exact, m
     3 * 10**5): the right rule p = 0.19, 0.88, 0.78, 0.59; this rule p = 6e-7, 2e-8, 3e-10, 5e-14 (accepting with
     min(1, 1.25 p(x)) instead: p <= 3e-12). With DRAWS (600) draws this rule gave p from 2e-2 to 6e-5: too few."""
     monkeypatch.setattr(speccomp.runtime.decode, "sample_accept", accept_at_temperature_one)
-    p, accepted, _, _ = run_torch(POWER_CASE, captured, heads, exact)
+    p, accepted, _, _, _ = run_torch(POWER_CASE, captured, heads, exact)
     assert accepted >= MIN_ACCEPTED
     assert p < 1e-3, f"a wrong acceptance rule passed the sampling test (chi-square p={p:.2g}): the test has no power"
+
+
+def first_accepted_without_residual(children, toks, p, draft_probs, coins):
+    """speccomp.runtime.tree._first_accepted with one step left out for sampled drafts (draft_probs given): a
+    rejected child does not turn p into the residual max(p - q, 0), so the bonus after rejections comes from p."""
+    for c in children:
+        q = draft_probs[c].double() / draft_probs[c].double().sum()
+        if coins[c] * float(q[toks[c]]) < float(p[toks[c]]):
+            return c, p
+    return None, p
+
+
+def test_wrong_rule_for_sampled_drafts_fails_the_sampling_test(captured, heads, exact, monkeypatch):
+    """The draft model's sampled drafts with the residual update left out: the same test fails (draws: POWER_DRAWS)."""
+    monkeypatch.setattr(speccomp.runtime.tree, "_first_accepted", first_accepted_without_residual)
+    monkeypatch.setitem(CASE_DRAWS, "draft_model", POWER_DRAWS)
+    p, accepted, _, _, _ = run_torch("draft_model", captured, heads, exact)
+    assert accepted >= MIN_ACCEPTED
+    assert p < 1e-3, f"a wrong rule for sampled drafts passed the sampling test (chi-square p={p:.2g}): no power"
 
 
 # --------------------------------------------------------------------------------------------

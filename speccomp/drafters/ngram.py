@@ -10,7 +10,10 @@ TokenRecyclingDrafter (Luo et al. 2024, "Turning Trash into Treasure"):
     BFS: the rank-r child of a node with token t gets adj[t][r]. Plus, when prompt lookup finds
     a match, that continuation as an extra branch (a simple version of the paper's hybrid).
 
-Both drafts are deterministic (probs=None), so they are lossless under greedy and under
+SuffixDrafter (SuffixDecoding, Oliaro et al. 2024): the likeliest continuations of the text's longest
+    recurring suffix, counted over the prompt, the reply so far and earlier replies of the same drafter
+    (speccomp/drafters/suffix.py, shared with the engine).
+All three drafts are deterministic (probs=None), so they are lossless under greedy and under
 rejection-sampling acceptance alike. Nodes come out in BFS order (parents before children,
 shallow before deep), so cutting a draft to its first `max_nodes` nodes keeps a valid tree.
 """
@@ -22,6 +25,7 @@ import torch
 from speccomp.runtime.calls import as_int
 from speccomp.errors import OptionError, OptionTypeError
 from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, recycle
+from speccomp.drafters.suffix import SuffixDecoder
 from speccomp.runtime.decode import Draft, DraftContext, Drafter, check_tree_kind
 from speccomp.runtime.tree import AutoTreeSpec, DynamicTreeSpec, Tree, tree_option
 
@@ -142,6 +146,34 @@ class TokenRecyclingDrafter(Drafter):
         recycle(self.adj, draft.tokens.tolist(), path, top)
 
 
+class SuffixDrafter(Drafter):
+    """Suffix decoding as a tree (speccomp/drafters/suffix.py).
+
+    max_match   longest suffix of the text looked up (tokens)
+    max_depth   deepest draft
+    budget      most draft nodes per step
+    min_prob    a continuation seen in fewer than this share of the occurrences (times its parent's) is not drafted
+    memory      trie nodes kept of earlier generations' texts (prompt + reply), oldest dropped first; 0: none"""
+
+    name = "suffix"
+
+    def __init__(self, max_match: int = 16, max_depth: int = 8, budget: int = 16, min_prob: float = 0.1,
+                 memory: int = 100_000):
+        ints = {k: _int_option(k, v, lo) for k, v, lo in (("max_match", max_match, 1), ("max_depth", max_depth, 1),
+                                                           ("budget", budget, 1), ("memory", memory, 0))}
+        if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0 < min_prob <= 1:
+            raise OptionError("min_prob", min_prob, "must be a probability in (0, 1]", "e.g. min_prob=0.1")
+        self.options = dict(ints, min_prob=float(min_prob))
+        self.decoder = SuffixDecoder(**self.options)
+
+    def begin(self, prompt: list[int]) -> None:
+        self.decoder.begin(prompt)
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        parents, tokens = self.decoder.propose(ctx.tokens, ctx.max_depth, ctx.max_nodes)
+        return Draft(Tree.from_parents(parents), torch.tensor(tokens, dtype=torch.long))
+
+
 def _make(cls, options: dict):
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     unknown = sorted(set(options) - set(accepted))
@@ -159,3 +191,8 @@ def make_token_recycling(**options) -> TokenRecyclingDrafter:
     """The "token_recycling" drafter: options top_k, tree, ngram_branches, max_ngram, min_ngram,
     ngram_depth, persist."""
     return _make(TokenRecyclingDrafter, options)
+
+
+def make_suffix(**options) -> SuffixDrafter:
+    """The "suffix" drafter: options max_match, max_depth, budget, min_prob, memory."""
+    return _make(SuffixDrafter, options)

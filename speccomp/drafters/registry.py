@@ -12,7 +12,8 @@ from speccomp.backends import is_onnxruntime, lower
 from speccomp.drafters.eagle_drafter import EagleDrafter, make_eagle
 from speccomp.drafters.graph import GraphDrafter
 from speccomp.drafters.head_drafters import HydraDrafter, MedusaDrafter, make_hydra, make_medusa
-from speccomp.drafters.ngram import NGramDrafter, TokenRecyclingDrafter, make_ngram, make_token_recycling
+from speccomp.drafters.ngram import (NGramDrafter, SuffixDrafter, TokenRecyclingDrafter, make_ngram, make_suffix,
+                                     make_token_recycling)
 from speccomp.errors import OptionError, OptionTypeError
 from speccomp.frontend.graph import SpecGraph, run_passes
 from speccomp.runtime.calls import MAX_TREE, as_int
@@ -116,6 +117,14 @@ def _ngram(base: SpecGraph, options: dict, tree, backend: str):
         raise OptionError("tree", tree, "the ngram drafter builds its tree from the matches it finds",
                           "drop tree= (use the max_depth / num_branches options)")
     return make_ngram(**options)
+
+
+@register("suffix", SuffixDrafter)
+def _suffix(base: SpecGraph, options: dict, tree, backend: str):
+    if tree is not None:
+        raise OptionError("tree", tree, "the suffix drafter grows its tree from the continuations it has counted",
+                          "drop tree= (use the budget / max_depth / min_prob options)")
+    return make_suffix(**options)
 
 
 @register("token_recycling", TokenRecyclingDrafter)

@@ -33,6 +33,7 @@ from speccomp.errors import SpeccompError
 from speccomp.drafters.eagle_cache import EagleCache
 from speccomp.drafters.grow import ancestor_rows, cut, grow_dynamic, grow_static, state_expander
 from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, merge_trees, own_view, recycle
+from speccomp.drafters.suffix import SuffixDecoder
 from speccomp.kv.cache import all_layers, make_cache, needs_votes
 from speccomp.kv.policies import KVPolicyError, parse_kv_cache, snapkv_window
 
@@ -45,7 +46,7 @@ EAGLE_FILE = "eagle.onnx"
 MANIFEST_KEYS = ("format", "format_version", "speccomp_version", "model", "kv", "graphs", "opset", "max_tree", "drafter")
 SELF_DRAFTERS = ("early_exit", "layer_skip", "quantized", "compressed_kv")  # each drafts with its own NAME.onnx
 # the drafters the torch-free loop runs, alone or merged ("hydra+token_recycling": at most one that reads the model)
-ENGINE_DRAFTERS = (None, "ngram", "token_recycling", "medusa", "hydra", "eagle", *SELF_DRAFTERS)
+ENGINE_DRAFTERS = (None, "ngram", "suffix", "token_recycling", "medusa", "hydra", "eagle", *SELF_DRAFTERS)
 GRAPH_FILES = {"medusa": MEDUSA_FILE, "hydra": HYDRA_FILE, "eagle": EAGLE_FILE,
                **{name: f"{name}.onnx" for name in SELF_DRAFTERS}}  # drafters with a graph
 TOP_IDS_OUTPUT = "top_ids"  # the target graph's TopK of the logits, added at export for Token Recycling
@@ -150,6 +151,8 @@ _SELF_DRAFT = {"kv_layers": _layer_list, "tree": _grown_tree, "max_depth": _posi
 _DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free drafters take
     None: {},
     "ngram": dict.fromkeys(("max_ngram", "min_ngram", "num_branches", "max_depth"), _positive),
+    "suffix": {**dict.fromkeys(("max_match", "max_depth", "budget"), _positive), "memory": partial(_is_int, minimum=0),
+               "min_prob": lambda v: isinstance(v, float) and 0 < v <= 1},
     "token_recycling": {**dict.fromkeys(("top_k", "max_ngram", "min_ngram", "ngram_depth"), _positive),
                         "ngram_branches": partial(_is_int, minimum=0), "persist": lambda v: isinstance(v, bool),
                         "parents": _ints, "ranks": _indices},
@@ -531,6 +534,19 @@ class _NGram(_Drafter):
         return trie.bfs(depth, max_nodes)
 
 
+class _Suffix(_Drafter):
+    """Suffix decoding (speccomp/drafters/suffix.py, the torch drafter's code): its memory spans this engine's calls."""
+
+    def __init__(self, **options):
+        self.decoder = SuffixDecoder(**options)
+
+    def begin(self, prompt, cache):
+        self.decoder.begin(list(prompt))
+
+    def propose(self, tokens, max_depth, max_nodes):
+        return self.decoder.propose(tokens, max_depth, max_nodes)
+
+
 class _TokenRecycling(_Drafter):
     """Token Recycling (speccomp/drafters/ngram.py). An engine exported with it has a TopK in its target graph
     (output TOP_IDS_OUTPUT: every node's top_k token ids), so no numpy top-k over the vocabulary runs per step."""
@@ -802,6 +818,8 @@ def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | No
                         for part in spec["drafters"]])
     if name == "ngram":
         return _NGram(**options)
+    if name == "suffix":
+        return _Suffix(**options)
     if name == "token_recycling":
         return _TokenRecycling(**options, target_outputs=target_outputs)
     session = BoundSession(path / spec["graph"], providers, threads, spin=False)

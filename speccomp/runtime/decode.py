@@ -116,6 +116,8 @@ class DraftContext:
     cache: KVCache  # target cache (holds every token but the root); scratch room after `length`
     max_depth: int  # deeper drafts could not be emitted (max_new_tokens) or would not fit
     max_nodes: int  # tree size limit (context left, sliding windows)
+    sampler: Sampler | None = None  # when the target samples (exact acceptance): a drafter may sample its drafts
+    # too and return the distributions it drew them from (Draft.probs); None: greedy decoding
 
 
 READS = ("states", "path_states", "target_cache", "own_cache")
@@ -147,6 +149,7 @@ class Drafter:
     forward_per_level = False
     max_tree_depth: int | None = None
     max_siblings: int | None = None
+    max_positions: int | None = None  # the longest text it drafts for (a draft model's context); None: any
     tree = None
     options: dict = {}
     target_passes: tuple = ()  # passes it adds to the target graph (Medusa: head states at every token)
@@ -295,9 +298,10 @@ def decode(verifier, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int
     out = [int(sampler(outs[0][0, -1]))]
     stats.steps = 1  # the prefill produced the first token
     context = prompt[0].tolist() + out
+    drafts_sampler = sampler if sampler.do_sample and acceptance == "exact" else None
     while len(out) < max_new_tokens and out[-1] not in eos:
         room = max_new_tokens - len(out)  # tokens still allowed, the bonus included
-        ctx = DraftContext(context, verifier.cache, max_depth=room - 1, max_nodes=max_tree)
+        ctx = DraftContext(context, verifier.cache, max_depth=room - 1, max_nodes=max_tree, sampler=drafts_sampler)
         draft = drafter.propose(ctx) if room > 1 else Draft(ROOT_ONLY, torch.tensor([out[-1]]))
         tree, keep = truncate(draft.tree, ctx.max_depth, ctx.max_nodes)
         if len(keep) != draft.tree.size:

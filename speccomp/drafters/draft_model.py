@@ -1,0 +1,172 @@
+"""A separate, smaller draft LM as the drafter (HF's `assistant_model`, the draft models of vLLM and SGLang).
+
+    speccomp.compile(target, drafter=draft_lm)        # any model `speccomp.capture` accepts, same vocabulary
+    speccomp.compile(target, drafter=draft_lm, tree=4)             # a chain of 4; or a choice list, "dynamic:B:K"
+
+The draft LM goes through the target's pipeline: captured by the same capture, rewritten by the same
+TreeAttention pass, lowered by the same backend (its ONNX Runtime sessions do not spin, as every drafter
+graph's). Its KV cache is its own runtime KVCache (one preallocated buffer; rejected drafts leave by
+`length`), and each step it
+
+  1. rolls its cache back to the longest prefix it shares with the text so far (what the target rejected
+     last step leaves here),
+  2. runs the text it has not seen, root last, in one causal forward (usually the tokens accepted last step
+     and the new root): the root's top-k are the depth-1 candidates,
+  3. grows the tree depth by depth as the self-drafters do (speccomp/drafters/grow.py: static trees and
+     EAGLE-2 dynamic trees from its own log-probabilities), one forward per depth over that depth's expanded
+     nodes, their KV in the scratch slots past the root (the next step's rollback drops them).
+
+Greedy decoding is exact whatever it drafts: the target verifies. Greedy drafts are its top-k. When the
+target samples (`generate(do_sample=True)`), a static tree's children are *sampled* from the draft's own
+distribution q (the target's temperature, no top-p: every token stays possible), k siblings without
+replacement, and the draft hands the loop the distribution each child was drawn from (q with its earlier
+siblings removed): the multi-draft recursive rejection sampler (speccomp/runtime/tree.py `sample_accept`,
+SpecInfer / Recursive Speculative Decoding) then accepts with min(1, p/q) and keeps the target's
+distribution exactly. Dynamic trees keep top-k drafts when sampling: which candidates a dynamic tree keeps
+depends on the drawn tokens, which the sampler's q would not describe; point masses are exact whatever the
+drafts (q = 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from speccomp.drafters.grow import ancestor_rows, grow, torch_top
+from speccomp.errors import OptionError
+from speccomp.runtime.decode import Draft, DraftContext, Drafter, KVCache, check_tree_kind
+from speccomp.runtime.sampling import warp
+from speccomp.runtime.tree import DynamicTreeSpec, Tree
+
+DEFAULT_TREE = DynamicTreeSpec(16, 4)  # as the self-drafters: autotune or tree= pick another
+START_CAPACITY = 512  # cache slots at the start of a generation; doubled when a longer text needs more
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class DraftModelDrafter(Drafter):
+    name = "draft_model"
+    reads = ("own_cache",)
+    trees = ("static", "dynamic")
+    graphs = ("draft",)
+    forward_per_level = True
+
+    def __init__(self, step, graph, tree=DEFAULT_TREE, options: dict | None = None):
+        from speccomp.drafters.registry import max_tree_nodes
+
+        self.step, self.graph, self.tree = step, graph, tree
+        check_tree_kind(self, tree)
+        self.max_nodes = max_tree_nodes(graph.structure)  # its own sliding windows may hold fewer nodes
+        self.options = dict(options or {})
+        self.kv = graph.captured.kv
+        self.max_positions = graph.captured.max_positions  # SpecModel.generate refuses longer texts up front
+        weight = next(iter(graph.gm.parameters()), None)
+        self.device = weight.device if weight is not None else torch.device("cpu")
+        self.cache, self.cached = None, []  # cached: the tokens whose KV is valid in cache[0, length)
+
+    def with_tree(self, tree) -> "DraftModelDrafter":
+        return DraftModelDrafter(self.step, self.graph, tree, self.options)
+
+    def begin(self, prompt: list[int]) -> None:
+        self.cache, self.cached = KVCache(self.kv, max(START_CAPACITY, 2 * len(prompt)), self.device), []
+
+    def _reserve(self, slots: int) -> None:
+        """Room for `slots` positions: a bigger buffer (the valid part copied) when the text outgrew this one."""
+        if slots > self.cache.capacity:
+            bigger = KVCache(self.kv, max(slots, 2 * self.cache.capacity), self.device)
+            bigger.append(self.cache.past())
+            self.cache = bigger
+
+    def _run(self, tokens: list[int], positions: torch.Tensor, past: int, mask: torch.Tensor) -> torch.Tensor:
+        """`tokens` after `past` cached slots (tree mask [k, k'] over the last k' of those slots and the tokens);
+        their KV written at [past, past + k). Logits [k, V]."""
+        k = len(tokens)
+        with torch.no_grad():
+            outs = self.step(torch.tensor([tokens], device=self.device), positions[None],
+                             torch.ones(1, past + k, dtype=torch.long, device=self.device),
+                             self.cache.data[..., :past, :], mask)
+        self.cache.data[..., past : past + k, :] = outs[1]
+        return outs[0][0]
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        ctx = dataclasses.replace(ctx, max_nodes=min(ctx.max_nodes, self.max_nodes))
+        tokens = ctx.tokens
+        base = len(tokens) - 1  # the root's position; every earlier token is committed text
+        start = shared_prefix(self.cached, tokens[:-1])  # rejected drafts of the last step leave here
+        self.cache.length = start
+        self._reserve(base + ctx.max_nodes + 1)
+        slot: dict[int, int] = {}  # candidate -> its scratch slot past `base` (the root's is 0)
+        sampled = ctx.sampler is not None and isinstance(self.tree, Tree)
+        drawn: dict[tuple[int, int], torch.Tensor] = {}  # (node, rank) -> the distribution that child was drawn from
+
+        def top(logits: torch.Tensor, nodes: list[int], k: int):
+            if not sampled:
+                return torch_top(logits.float().log_softmax(-1), k)
+            return None, sample_children(warp(logits, ctx.sampler.temperature), nodes, k, drawn, ctx.sampler.generator)
+
+        def expand(d: int, nodes: list[int], grown, k: int):
+            if d == 0:  # the unseen text, root last, in one causal forward: the root's row scores depth 1
+                n = base + 1 - start
+                logits = self._run(tokens[start:], torch.arange(start, base + 1, device=self.device), start,
+                                   torch.ones(n, n, dtype=torch.bool, device=self.device).tril())[-1:]
+                self.cache.length, self.cached, slot[0] = base, list(tokens[:-1]), 0
+                return top(logits, nodes, k)
+            used = len(slot)
+            if used + len(nodes) > ctx.max_nodes:  # the tree must fit where the target's does
+                return None
+            rows = torch.tensor(ancestor_rows(nodes, grown, slot, used), device=self.device)
+            positions = torch.full((len(nodes),), base + d, dtype=torch.long, device=self.device)
+            logits = self._run([grown.token[c] for c in nodes], positions, base + used, rows)
+            return top(logits, nodes, k)
+
+        draft = grow(self.tree, ctx, expand)
+        if sampled and draft.tree.size > 1:
+            tree = draft.tree
+            rows = [drawn[(tree.parents[c], tree.ranks[c])] for c in range(1, tree.size)]
+            draft.probs = torch.stack([torch.full_like(rows[0], 1 / rows[0].numel())] + rows)  # row 0: unused
+        return draft
+
+
+def sample_children(q: torch.Tensor, nodes: list[int], k: int, drawn: dict, generator) -> list[list[int]]:
+    """k children of each node in `nodes`, drawn from its row of q [len(nodes), V] without replacement (in order);
+    drawn[(node, r)] = the distribution the rank-r child was drawn from: q with ranks 0..r-1 removed, renormalised."""
+    ids = torch.multinomial(q, k, replacement=False, generator=generator)
+    for i, u in enumerate(nodes):
+        row = q[i].double().clone()
+        for r in range(k):
+            drawn[(u, r)] = row / row.sum()
+            row[ids[i, r]] = 0.0
+    return ids.tolist()
+
+
+def make_draft_model(base, draft, options: dict | None, tree, backend: str) -> DraftModelDrafter:
+    """The drafter for `draft` (an nn.Module LM or a `speccomp.capture` result) beside the target `base`
+    (a SpecGraph): captured, TreeAttention, lowered by `backend`; its vocabulary checked against the target's."""
+    from speccomp.backends import lower
+    from speccomp.drafters.registry import _default_tree
+    from speccomp.frontend import capture
+    from speccomp.frontend.convention import CapturedModel
+    from speccomp.frontend.graph import SpecGraph, run_passes
+    from speccomp.passes.tree_attention import TreeAttention
+    from speccomp.runtime.tree import check_tree_width
+
+    if options:
+        raise OptionError("drafter_options", options, "a draft model takes no options", "drop drafter_options=")
+    captured = draft.copy() if isinstance(draft, CapturedModel) else capture(draft)
+    target_vocab, draft_vocab = base.captured.vocab_size, captured.vocab_size
+    if draft_vocab != target_vocab:
+        raise OptionError("drafter", type(draft).__name__,
+                          f"the draft model's vocabulary has {draft_vocab} tokens and the target's {target_vocab}: "
+                          "a draft model must share the target's tokenizer (its token ids are the target's)",
+                          "use a draft model trained with the target's tokenizer, e.g. a smaller model of its family")
+    spec = _default_tree(tree, DEFAULT_TREE, "draft_model", dynamic_ok=True)
+    check_tree_width(spec, draft_vocab, "draft model", tree)
+    sg = run_passes(SpecGraph.from_captured(captured), [TreeAttention()])
+    return DraftModelDrafter(lower(sg, backend, spin=False), sg, spec)

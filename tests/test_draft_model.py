@@ -1,0 +1,94 @@
+"""A separate draft LM as the drafter (speccomp/drafters/draft_model.py): captured, rewritten and lowered like
+the target, its own KV cache rolled back on rejection; greedy output exactly HF's, drafts really accepted."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import speccomp
+from speccomp.drafters.draft_model import DraftModelDrafter, shared_prefix
+from speccomp.errors import OptionError
+from speccomp.runtime.tree import DynamicTreeSpec, Tree
+from tiny_models import ARCHITECTURES, seeded_prompt, tiny_llama
+
+
+def hf_greedy(model, ids, n):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)
+
+
+def shallow_copy_of(target, layers: int):
+    """A draft that keeps the target's embedding, first `layers` layers, norm and head: a real, weaker model."""
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = layers
+    draft = type(target)(config).eval()
+    missing, _ = draft.load_state_dict(target.state_dict(), strict=False)
+    assert not missing
+    return draft
+
+
+def test_shared_prefix():
+    assert shared_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert shared_prefix([], [1]) == 0 and shared_prefix([1, 2], [1, 2, 3]) == 2 and shared_prefix([1, 2, 3], [1]) == 1
+
+
+@pytest.mark.parametrize("tree", [4, [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], "dynamic:8:2"])
+def test_the_target_as_its_own_draft_accepts_every_draft(tree):
+    """A draft with the target's weights agrees with it: every draft is accepted, and the output is HF greedy's."""
+    target = tiny_llama(initializer_range=0.2)
+    fast = speccomp.compile(target, drafter=copy.deepcopy(target), tree=tree)
+    assert isinstance(fast.drafter, DraftModelDrafter)
+    ids = seeded_prompt(10, 96)
+    assert torch.equal(fast.generate(ids, max_new_tokens=40), hf_greedy(target, ids, 40))
+    stats = fast.last_stats
+    assert set(stats["acceptance_by_depth"]) == {1.0} and len(stats["acceptance_by_depth"]) >= 2 and stats["tau"] > 2.5
+
+
+def test_a_weaker_draft_is_exact_and_rolls_back_rejections():
+    """A 1-layer draft cut from the target: some drafts accepted, some rejected (its cache rolls back), HF's output."""
+    target = tiny_llama(num_hidden_layers=4, initializer_range=0.2)
+    fast = speccomp.compile(target, drafter=shallow_copy_of(target, 1), tree=3)
+    drafter = fast.drafter
+    for seed_len in (6, 11):
+        ids = seeded_prompt(seed_len, 96)
+        assert torch.equal(fast.generate(ids, max_new_tokens=48), hf_greedy(target, ids, 48))
+        accepted = fast.last_stats["acceptance_by_depth"][0]
+        assert 0 < accepted < 1  # both: drafts that pay and rejections the cache must forget
+        # the draft's cache holds exactly the committed text's KV (what the next step would reuse)
+        assert drafter.cache.length == len(drafter.cached) > ids.shape[1]
+
+
+@pytest.mark.parametrize("target_name,draft_name", [("qwen2", "llama"), ("mistral", "gemma"), ("llama", "starcoder2")])
+def test_draft_of_another_architecture_is_exact(target_name, draft_name):
+    """Target and draft of different families (sliding windows on either side): HF greedy output."""
+    target, draft = ARCHITECTURES[target_name].build(), ARCHITECTURES[draft_name].build()
+    fast = speccomp.compile(target, drafter=draft, tree=[[0], [1], [0, 0]])
+    ids = seeded_prompt(12, 128)
+    assert torch.equal(fast.generate(ids, max_new_tokens=24), hf_greedy(target, ids, 24))
+
+
+def test_draft_model_on_onnxruntime_from_a_capture():
+    """The draft lowered by the target's backend (an ONNX Runtime session), given as a speccomp.capture result."""
+    target = tiny_llama(initializer_range=0.2)
+    fast = speccomp.compile(target, drafter=speccomp.capture(copy.deepcopy(target)), tree=4, backend="onnxruntime")
+    assert type(fast.drafter.step).__name__.startswith("Ort")
+    ids = seeded_prompt(9, 96)
+    assert torch.equal(fast.generate(ids, max_new_tokens=30), hf_greedy(target, ids, 30))
+    assert fast.last_stats["acceptance_by_depth"][0] == 1.0
+
+
+def test_bad_draft_models_are_refused_clearly(tmp_path):
+    target = tiny_llama()
+    with pytest.raises(OptionError, match="vocabulary has 64 tokens and the target's 96"):
+        speccomp.compile(target, drafter=tiny_llama(vocab_size=64))
+    with pytest.raises(OptionError, match="takes no options"):
+        speccomp.compile(target, drafter=copy.deepcopy(target), drafter_options={"path": "x"})
+    short = speccomp.compile(target, drafter=tiny_llama(max_position_embeddings=32), tree=2)
+    assert isinstance(short.drafter.tree, Tree)
+    with pytest.raises(OptionError, match="draft_model drafter's context of 32 positions"):
+        short.generate(seeded_prompt(10, 96), max_new_tokens=30)
+    assert speccomp.compile(target, drafter=copy.deepcopy(target)).drafter.tree == DynamicTreeSpec(16, 4)
+    with pytest.raises(Exception, match="cannot be exported as an engine yet"):
+        short.export(tmp_path / "engine")
