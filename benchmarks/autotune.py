@@ -160,7 +160,9 @@ def main(argv=None) -> int:
     if args.calib_shipped:
         calib = [chat_ids(tok, p.text) for p in load_prompts(None)]
     else:  # held out: the prompts right after the benchmarked ones, from every file
-        calib = [chat_ids(tok, p.text) for f in args.prompts for p in load_prompts(f)[args.limit : args.limit + args.calib_per_file]]
+        # round robin over the files: autotune holds back the last third, which then spans the categories
+        calib = [chat_ids(tok, load_prompts(f)[args.limit + i].text) for i in range(args.calib_per_file)
+                 for f in args.prompts if args.limit + i < len(load_prompts(f))]
     if not calib:
         raise SystemExit("no calibration prompts left in the files: lower --limit or use --calib-shipped")
     bench = [(Path(f).stem, chat_ids(tok, p.text)) for f in args.prompts for p in load_prompts(f, limit=args.limit)]

@@ -175,7 +175,8 @@ def first_use_prompts(model, per_file: int = FIRST_USE_PROMPTS):
     tok = local_tokenizer(model)
     if tok is None:
         return None
-    texts = [p.text for f in SETS for p in load_prompts(f, limit=per_file)]
+    by_file = [load_prompts(f, limit=per_file) for f in SETS]  # round robin: the held-back third spans the files
+    texts = [ps[i].text for i in range(per_file) for ps in by_file if i < len(ps)]
     ids = [chat_ids(tok, t) if tok.chat_template else torch.tensor([tok(t).input_ids]) for t in texts]
     return ids, tok.eos_token_id
 
