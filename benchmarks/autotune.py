@@ -105,8 +105,9 @@ def _time_rows(rows: dict, bench: list, refs: list, max_new_tokens: int, eos) ->
             st["decode_seconds"] += s["seconds"] - s["prefill_seconds"]
             st["steps"] += s["steps"]
             st["identical"] &= bool(torch.equal(out, refs[i]))
+            decode_s = s["seconds"] - s["prefill_seconds"]
             st["per_prompt"].append({"category": category, "tokens_per_s": s["tokens_per_second"], "tau": s["tau"],
-                                     "decode_tokens_per_s": (s["new_tokens"] - 1) / (s["seconds"] - s["prefill_seconds"])})
+                                     "decode_tokens_per_s": (s["new_tokens"] - 1) / decode_s if decode_s > 0 else 0.0})
     return {n: {"tokens_per_s": st["tokens"] / st["seconds"], "decode_tokens_per_s": st["decode_tokens"] / st["decode_seconds"],
                 "tau": st["tokens"] / st["steps"], "identical": st["identical"], "per_prompt": st["per_prompt"]}
             for n, st in stats.items()}
@@ -118,8 +119,9 @@ def _verdict(table: dict, result, noise: float) -> dict:
     fixed = [n for n in table if n not in ("plain", "auto")]
     fastest = max(fixed, key=lambda n: table[n]["decode_tokens_per_s"])
     auto = table["auto"]["decode_tokens_per_s"]
-    per_prompt = [a["decode_tokens_per_s"] / f["decode_tokens_per_s"]
-                  for a, f in zip(table["auto"]["per_prompt"], table[fastest]["per_prompt"])]
+    per_prompt = [a["decode_tokens_per_s"] / f["decode_tokens_per_s"]  # a reply of one token has no decode rate
+                  for a, f in zip(table["auto"]["per_prompt"], table[fastest]["per_prompt"])
+                  if a["decode_tokens_per_s"] > 0 and f["decode_tokens_per_s"] > 0]
     geomean = statistics.geometric_mean(per_prompt)
     return {
         "tree": result.tree, "mode": result.mode, "predicted_tokens_per_s": result.predicted_tokens_per_s,
@@ -160,7 +162,7 @@ def main(argv=None) -> int:
     if args.calib_shipped:
         calib = [chat_ids(tok, p.text) for p in load_prompts(None)]
     else:  # held out: the prompts right after the benchmarked ones, from every file
-        # round robin over the files: autotune holds back the last third, which then spans the categories
+        # round robin over the files: the prompts autotune holds back (every third) then come from several files
         calib = [chat_ids(tok, load_prompts(f)[args.limit + i].text) for i in range(args.calib_per_file)
                  for f in args.prompts if args.limit + i < len(load_prompts(f))]
     if not calib:

@@ -45,7 +45,9 @@ def check_options(*, drafter=None, tree=None, kv_cache=None, kv_mode=None, backe
     elif isinstance(drafter, Drafter):
         check_declaration(drafter)
     elif isinstance(drafter, (nn.Module, CapturedModel)):  # a draft model: checked against the target by its factory
-        pass
+        if drafter_options:
+            raise OptionError("drafter_options", drafter_options, "a draft model takes no options",
+                              "drop drafter_options=")
     elif drafter is not None:
         merged = split_names(drafter)  # "hydra+token_recycling": one tree merged from several drafters
         if merged:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
 import speccomp
-from speccomp.drafters.draft_model import DraftModelDrafter, shared_prefix
+from speccomp.drafters.draft_model import DraftModelDrafter
+from speccomp.drafters.lookup import shared_prefix
 from speccomp.errors import OptionError
 from speccomp.runtime.tree import DynamicTreeSpec, Tree
 from tiny_models import ARCHITECTURES, seeded_prompt, tiny_llama
@@ -69,17 +71,25 @@ def test_draft_of_another_architecture_is_exact(target_name, draft_name):
     assert torch.equal(fast.generate(ids, max_new_tokens=24), hf_greedy(target, ids, 24))
 
 
-def test_draft_model_on_onnxruntime_from_a_capture():
-    """The draft lowered by the target's backend (an ONNX Runtime session), given as a speccomp.capture result."""
-    target = tiny_llama(initializer_range=0.2)
-    fast = speccomp.compile(target, drafter=speccomp.capture(copy.deepcopy(target)), tree=4, backend="onnxruntime")
+def test_draft_model_on_onnxruntime_and_in_an_engine(tmp_path):
+    """The draft lowered by the target's backend (ONNX Runtime sessions), given as a speccomp.capture result; exported,
+    the engine drafts with draft_model.onnx over its own numpy cache: HF greedy's text in as many steps as torch."""
+    target = tiny_llama(num_hidden_layers=4, initializer_range=0.2)
+    fast = speccomp.compile(target, drafter=speccomp.capture(shallow_copy_of(target, 1)), tree=[[0], [1], [0, 0]],
+                            backend="onnxruntime")
     assert type(fast.drafter.step).__name__.startswith("Ort")
-    ids = seeded_prompt(9, 96)
-    assert torch.equal(fast.generate(ids, max_new_tokens=30), hf_greedy(target, ids, 30))
-    assert fast.last_stats["acceptance_by_depth"][0] == 1.0
+    engine = speccomp.load(fast.export(tmp_path / "engine"))
+    assert engine.manifest["drafter"]["name"] == "draft_model" and "draft_model" in engine.manifest["graphs"]
+    for length in (9, 14):
+        ids = seeded_prompt(length, 96)
+        want = hf_greedy(target, ids, 40)
+        assert torch.equal(fast.generate(ids, max_new_tokens=40), want)
+        assert 0 < fast.last_stats["acceptance_by_depth"][0] < 1
+        assert np.array_equal(engine.generate(ids.numpy(), max_new_tokens=40), want.numpy())
+        assert engine.last_stats["steps"] == fast.last_stats["steps"]  # the same drafts, the same accepted paths
 
 
-def test_bad_draft_models_are_refused_clearly(tmp_path):
+def test_bad_draft_models_are_refused_clearly():
     target = tiny_llama()
     with pytest.raises(OptionError, match="vocabulary has 64 tokens and the target's 96"):
         speccomp.compile(target, drafter=tiny_llama(vocab_size=64))
@@ -90,5 +100,3 @@ def test_bad_draft_models_are_refused_clearly(tmp_path):
     with pytest.raises(OptionError, match="draft_model drafter's context of 32 positions"):
         short.generate(seeded_prompt(10, 96), max_new_tokens=30)
     assert speccomp.compile(target, drafter=copy.deepcopy(target)).drafter.tree == DynamicTreeSpec(16, 4)
-    with pytest.raises(Exception, match="cannot be exported as an engine yet"):
-        short.export(tmp_path / "engine")

@@ -33,22 +33,13 @@ import dataclasses
 import torch
 
 from speccomp.drafters.grow import ancestor_rows, grow, torch_top
+from speccomp.drafters.lookup import shared_prefix
 from speccomp.errors import OptionError
 from speccomp.runtime.decode import Draft, DraftContext, Drafter, KVCache, check_tree_kind
-from speccomp.runtime.sampling import warp
 from speccomp.runtime.tree import DynamicTreeSpec, Tree
 
 DEFAULT_TREE = DynamicTreeSpec(16, 4)  # as the self-drafters: autotune or tree= pick another
 START_CAPACITY = 512  # cache slots at the start of a generation; doubled when a longer text needs more
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class DraftModelDrafter(Drafter):
@@ -63,10 +54,11 @@ class DraftModelDrafter(Drafter):
 
         self.step, self.graph, self.tree = step, graph, tree
         check_tree_kind(self, tree)
+        self._ordered = siblings_in_rank_order(tree)  # a static tree it may sample when the target samples
         self.max_nodes = max_tree_nodes(graph.structure)  # its own sliding windows may hold fewer nodes
         self.options = dict(options or {})
         self.kv = graph.captured.kv
-        self.max_positions = graph.captured.max_positions  # SpecModel.generate refuses longer texts up front
+        self.max_positions = graph.captured.max_positions  # generate refuses longer texts up front (check_context)
         weight = next(iter(graph.gm.parameters()), None)
         self.device = weight.device if weight is not None else torch.device("cpu")
         self.cache, self.cached = None, []  # cached: the tokens whose KV is valid in cache[0, length)
@@ -103,13 +95,13 @@ class DraftModelDrafter(Drafter):
         self.cache.length = start
         self._reserve(base + ctx.max_nodes + 1)
         slot: dict[int, int] = {}  # candidate -> its scratch slot past `base` (the root's is 0)
-        sampled = ctx.sampler is not None and isinstance(self.tree, Tree)
+        sampled = ctx.sampler is not None and self._ordered  # else top-k drafts: point masses, exact too
         drawn: dict[tuple[int, int], torch.Tensor] = {}  # (node, rank) -> the distribution that child was drawn from
 
         def top(logits: torch.Tensor, nodes: list[int], k: int):
             if not sampled:
                 return torch_top(logits.float().log_softmax(-1), k)
-            return None, sample_children(warp(logits, ctx.sampler.temperature), nodes, k, drawn, ctx.sampler.generator)
+            return None, sample_children(logits, ctx.sampler.temperature, nodes, k, drawn, ctx.sampler.generator)
 
         def expand(d: int, nodes: list[int], grown, k: int):
             if d == 0:  # the unseen text, root last, in one causal forward: the root's row scores depth 1
@@ -134,16 +126,43 @@ class DraftModelDrafter(Drafter):
         return draft
 
 
-def sample_children(q: torch.Tensor, nodes: list[int], k: int, drawn: dict, generator) -> list[list[int]]:
-    """k children of each node in `nodes`, drawn from its row of q [len(nodes), V] without replacement (in order);
-    drawn[(node, r)] = the distribution the rank-r child was drawn from: q with ranks 0..r-1 removed, renormalised."""
-    ids = torch.multinomial(q, k, replacement=False, generator=generator)
+def siblings_in_rank_order(tree) -> bool:
+    """Whether every node's children come in ascending rank order: the order the sampler tests them in must be the
+    order they were drawn in (Tree.from_choices trees always are)."""
+    if not isinstance(tree, Tree):
+        return False
+    last: dict[int, int] = {}
+    for c in range(1, tree.size):
+        parent, rank = tree.parents[c], tree.ranks[c]
+        if rank <= last.get(parent, -1):
+            return False
+        last[parent] = rank
+    return True
+
+
+def sample_children(logits: torch.Tensor, temperature: float, nodes: list[int], k: int, drawn: dict,
+                    generator) -> list[list[int]]:
+    """k children of each node in `nodes`, drawn in order without replacement from q = softmax(logits / temperature)
+    (float64, on the CPU where the sampler's generator lives); drawn[(node, r)] = the distribution the rank-r child
+    was drawn from: q with ranks 0..r-1 removed, renormalised. Where q has fewer than k tokens it can draw, the
+    remaining ranks are the likeliest others as point masses (one-hot rows: exact as deterministic drafts are)."""
+    q = torch.softmax(logits.detach().to("cpu", torch.float64) / temperature, dim=-1)
+    out = []
     for i, u in enumerate(nodes):
-        row = q[i].double().clone()
-        for r in range(k):
-            drawn[(u, r)] = row / row.sum()
-            row[ids[i, r]] = 0.0
-    return ids.tolist()
+        row = q[i].clone()
+        m = min(k, int((row > 0).sum()))
+        ids = torch.multinomial(row, m, replacement=False, generator=generator).tolist()
+        if m < k:  # fill with the likeliest tokens not drawn, as point masses
+            order = logits[i].detach().cpu().argsort(descending=True).tolist()
+            ids += [t for t in order if t not in set(ids)][: k - m]
+        for r, t in enumerate(ids):
+            if r < m:
+                drawn[(u, r)] = row / row.sum()
+                row[t] = 0.0
+            else:
+                drawn[(u, r)] = torch.nn.functional.one_hot(torch.tensor(t), q.shape[-1]).double()
+        out.append(ids)
+    return out
 
 
 def make_draft_model(base, draft, options: dict | None, tree, backend: str) -> DraftModelDrafter:

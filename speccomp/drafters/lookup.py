@@ -6,6 +6,7 @@ torch-free runtime, speccomp/engine/runtime.py, drafts with the same code as dra
     fill_template Token Recycling: expand a static tree template from an adjacency table
     recycle       Token Recycling: update the table from every verified node's top-k
     merge_trees   SpecInfer's token-tree merge of several drafters' trees (speccomp/drafters/merge.py)
+    shared_prefix how much of a drafter's cached text the text so far still holds (a draft model's rollback)
 """
 from __future__ import annotations
 
@@ -154,3 +155,12 @@ def own_view(where: list, path: list[int]) -> tuple[list[int], list[int], list[i
     for position, m in enumerate(merged):
         index.setdefault(m, position)
     return own, merged, [index[m] for m in takewhile(index.__contains__, path)]
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

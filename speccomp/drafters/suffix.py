@@ -65,8 +65,8 @@ class SuffixIndex:
 
 
 class SuffixMemory:
-    """Earlier texts in one SuffixIndex of at most about `max_nodes` nodes: past the cap, the oldest texts leave
-    (the index is rebuilt from the newest that fit; a text alone over the cap keeps its end)."""
+    """Earlier texts in one SuffixIndex of at most about `max_nodes` nodes (and as many tokens kept): past the cap,
+    the oldest texts leave (the index is rebuilt from the newest that fit; a text alone over the cap keeps its end)."""
 
     def __init__(self, depth: int, max_nodes: int):
         self.depth, self.max_nodes = depth, max_nodes
@@ -77,7 +77,8 @@ class SuffixMemory:
         self.texts.append(list(text))
         self.index.new_text()
         self.index.extend(text)
-        if self.index.nodes > self.max_nodes:
+        # texts that repeat earlier ones add few nodes: the tokens kept are capped too (a long-running engine)
+        if self.index.nodes > self.max_nodes or sum(map(len, self.texts)) > self.max_nodes:
             self._rebuild()
 
     def _rebuild(self) -> None:

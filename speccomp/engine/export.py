@@ -60,6 +60,16 @@ def drafter_spec(drafter) -> dict:
     elif name == "eagle":  # the layer step becomes eagle.onnx; its cache and the tree's growth are the engine's
         options = dict(num_heads=drafter.head.num_heads, head_dim=drafter.head.head_dim, top=drafter.max_siblings,
                        tree=shape, max_depth=drafter.max_depth)
+    elif name == "draft_model":  # the draft LM's graph becomes draft_model.onnx; its cache is the engine's
+        kv, dtype = drafter.kv, str(drafter.kv.dtype).removeprefix("torch.")
+        if dtype not in ("float32", "float16"):
+            raise EngineError(f"the draft model's KV cache is {dtype}, which the engine's numpy runtime cannot hold; "
+                              "compile the draft model in float32 (or float16) to export it")
+        depth = int(tree.max_depth) if hasattr(tree, "ranks") else MAX_DYNAMIC_DEPTH  # static trees: all of it
+        options = dict(kv_layers=list(range(kv.num_layers)), tree=shape, max_depth=depth,
+                       kv={"num_layers": kv.num_layers, "num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim,
+                           "dtype": dtype},
+                       max_nodes=drafter.max_nodes, max_positions=drafter.max_positions)
     elif name in SELF_DRAFTERS:  # the draft graph becomes NAME.onnx
         if drafter.graph is None and not hasattr(drafter.step, "path"):
             raise EngineError(f"this {name} drafter was built without its graph; compile it with speccomp.compile")
@@ -90,7 +100,7 @@ def _drafter_graphs(fast, spec: dict, target_outputs: list[str], out: Path) -> d
             file = _medusa_onnx(drafter, out / MEDUSA_FILE)
         elif part["name"] in ("hydra", "eagle"):
             file = _module_onnx(drafter, out / part["graph"])
-        elif part["name"] in SELF_DRAFTERS:
+        elif part["name"] in SELF_DRAFTERS or part["name"] == "draft_model":
             file = _copy_or_export(drafter.step, drafter.graph, out / part["graph"])
         else:
             continue

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from speccomp.runtime.calls import MAX_TREE, CallGuard, as_int, generate_args
+from speccomp.runtime.calls import MAX_TREE, CallGuard, as_int, check_context, generate_args
 from speccomp.errors import SpeccompError
 from speccomp.drafters.eagle_cache import EagleCache
 from speccomp.drafters.grow import ancestor_rows, cut, grow_dynamic, grow_static, state_expander
-from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, merge_trees, own_view, recycle
+from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, merge_trees, own_view, recycle, shared_prefix
 from speccomp.drafters.suffix import SuffixDecoder
 from speccomp.kv.cache import all_layers, make_cache, needs_votes
 from speccomp.kv.policies import KVPolicyError, parse_kv_cache, snapkv_window
@@ -46,8 +46,8 @@ EAGLE_FILE = "eagle.onnx"
 MANIFEST_KEYS = ("format", "format_version", "speccomp_version", "model", "kv", "graphs", "opset", "max_tree", "drafter")
 SELF_DRAFTERS = ("early_exit", "layer_skip", "quantized", "compressed_kv")  # each drafts with its own NAME.onnx
 # the drafters the torch-free loop runs, alone or merged ("hydra+token_recycling": at most one that reads the model)
-ENGINE_DRAFTERS = (None, "ngram", "suffix", "token_recycling", "medusa", "hydra", "eagle", *SELF_DRAFTERS)
-GRAPH_FILES = {"medusa": MEDUSA_FILE, "hydra": HYDRA_FILE, "eagle": EAGLE_FILE,
+ENGINE_DRAFTERS = (None, "ngram", "suffix", "token_recycling", "medusa", "hydra", "eagle", "draft_model", *SELF_DRAFTERS)
+GRAPH_FILES = {"medusa": MEDUSA_FILE, "hydra": HYDRA_FILE, "eagle": EAGLE_FILE, "draft_model": "draft_model.onnx",
                **{name: f"{name}.onnx" for name in SELF_DRAFTERS}}  # drafters with a graph
 TOP_IDS_OUTPUT = "top_ids"  # the target graph's TopK of the logits, added at export for Token Recycling
 HYDRA_OUTPUTS = ["next_states", "top_logp", "top_ids"]
@@ -146,6 +146,12 @@ def _layer_list(v) -> bool:
     return _ints(v, 0) and len(v) >= 1
 
 
+def _kv_layout(v) -> bool:
+    """A KV layout entry as the manifest's `kv`: positive num_layers, num_kv_heads, head_dim and a known dtype."""
+    return (isinstance(v, dict) and all(_is_int(v.get(k), 1) for k in ("num_layers", "num_kv_heads", "head_dim"))
+            and _DTYPES.get(v.get("dtype")) is not None)
+
+
 _positive, _indices = partial(_is_int, minimum=1), partial(_ints, minimum=0)
 _SELF_DRAFT = {"kv_layers": _layer_list, "tree": _grown_tree, "max_depth": _positive}
 _DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free drafters take
@@ -161,6 +167,8 @@ _DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free dra
     "hydra": {**dict.fromkeys(("num_heads", "top", "max_depth"), _positive), "tree": _grown_tree},
     "eagle": {**dict.fromkeys(("num_heads", "head_dim", "top", "max_depth"), _positive), "tree": _grown_tree},
     "early_exit": {**_SELF_DRAFT, "exit_layer": partial(_is_int, minimum=0)},
+    "draft_model": {**_SELF_DRAFT, "kv": _kv_layout, "max_nodes": _positive,
+                    "max_positions": lambda v: v is None or _is_int(v, 1)},
     "layer_skip": {**_SELF_DRAFT, "skip": _layer_list},
     "quantized": {**_SELF_DRAFT, "block_size": partial(_is_int, minimum=16)},  # 4-bit weights
     "compressed_kv": {**_SELF_DRAFT, "kv_cache": _kv_policy_ok},  # kv_mode="draft"
@@ -698,11 +706,71 @@ class _SelfDraft(_Grown):
                            past(base + used), np.array(ancestor_rows(nodes, grown, slot, used), dtype=bool))
             logits, new_kv = self._run(feeds, used)
             data[self.kv_layers, ..., base + used : base + used + q, :] = new_kv
-            x = logits[0].astype(np.float32)
-            logp = x - x.max(-1, keepdims=True)
-            logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-            ids = top_ids(logp, k)
-            return np.take_along_axis(logp, ids, -1).tolist(), ids.tolist()
+            return _top_logp(logits[0], k)
+
+        return expand
+
+
+def _top_logp(logits: np.ndarray, k: int) -> tuple[list, list]:
+    """expand's answer from logits [n, V]: the top k log-probabilities and ids of each row, best first."""
+    x = logits.astype(np.float32)
+    logp = x - x.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    ids = top_ids(logp, k)
+    return np.take_along_axis(logp, ids, -1).tolist(), ids.tolist()
+
+
+class _DraftModel(_Grown):
+    """A separate draft LM (speccomp/drafters/draft_model.py's DraftModelDrafter): draft_model.onnx is its whole graph
+    (after TreeAttention), run over a KV cache of its own: each step rolls it back to the text it shares with the
+    target, runs the unseen text and the root in one causal forward (depth 1's scores), then one forward per depth
+    over that depth's expanded nodes in the scratch slots past the root. Drafts are its top-k (q = 1: exact under
+    greedy and sampled acceptance alike)."""
+
+    name = "draft_model"
+
+    def __init__(self, kv_layers, tree, max_depth, kv, max_nodes, max_positions, session: BoundSession):
+        super().__init__(tree, max_depth)
+        self.session, self.kv, self.max_nodes, self.max_positions = session, kv, max_nodes, max_positions
+        self.dtype = _DTYPES[kv["dtype"]]
+        self.cache, self.cached = None, []
+
+    def begin(self, prompt, cache):
+        self.cache, self.cached = KVCache(self.kv, max(512, 2 * len(prompt)), self.dtype), []
+
+    def propose(self, tokens, max_depth, max_nodes):
+        return super().propose(tokens, max_depth, min(max_nodes, self.max_nodes))
+
+    def _forward(self, tokens, positions, past: int, mask) -> np.ndarray:
+        """`tokens` after `past` cached slots; their KV written at [past, past + k); logits [k, V]."""
+        feeds = _feeds(tokens, positions, past + len(tokens), self.cache.view(past), mask)
+        logits, new_kv = self.session.run(feeds, ["logits", "new_kv"])
+        self.cache.data[..., past : past + len(tokens), :] = new_kv
+        return logits[0]
+
+    def _expander(self, tokens, max_nodes):
+        base = len(tokens) - 1
+        start = shared_prefix(self.cached, tokens[:-1])  # the last step's rejected drafts leave here
+        self.cache.length = start
+        if base + max_nodes + 1 > self.cache.shape[4]:  # a bigger buffer, the valid part copied
+            bigger = KVCache(self.kv, max(base + max_nodes + 1, 2 * self.cache.shape[4]), self.dtype)
+            bigger.append(self.cache.data[..., :start, :])
+            self.cache = bigger
+        slot = {}
+
+        def expand(d, nodes, grown, k):
+            if d == 0:  # the unseen text, root last: its last row scores depth 1
+                n = base + 1 - start
+                logits = self._forward(tokens[start:], np.arange(start, base + 1, dtype=np.int64), start,
+                                       np.tril(np.ones((n, n), dtype=bool)))[-1:]
+                self.cache.length, self.cached, slot[0] = base, list(tokens[:-1]), 0
+                return _top_logp(logits, k)
+            used, q = len(slot), len(nodes)
+            if used + q > max_nodes:
+                return None
+            rows = np.array(ancestor_rows(nodes, grown, slot, used), dtype=bool)
+            return _top_logp(self._forward([grown.token[c] for c in nodes], np.full(q, base + d, dtype=np.int64),
+                                           base + used, rows), k)
 
         return expand
 
@@ -830,6 +898,8 @@ def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | No
         check_head_step(name, options, session.session)
         return (_Hydra if name == "hydra" else _Eagle)(**options, session=session)
     check_self_draft(options, session.session, spec["graph"])
+    if name == "draft_model":
+        return _DraftModel(**options, session=session)
     if name == "compressed_kv":
         return _CompressedKV(**options, session=session, kv=kv, dtype=dtype)
     return _SelfDraft(**options, session=session)
@@ -1030,6 +1100,7 @@ class Engine:
         are checked as SpecModel.generate's (speccomp/runtime/calls.py)."""
         args = generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed,
                              vocab_size=self.vocab_size, max_positions=self.max_positions)
+        check_context(self.drafter, len(args.prompt), args.max_new_tokens)
         with self._calls.lock:
             out, stats = self._decode(args)
             self._calls.stats = stats

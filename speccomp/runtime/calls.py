@@ -123,6 +123,17 @@ def _prompt(input_ids, vocab_size: int):
     return ids
 
 
+def check_context(drafter, prompt_len: int, max_new_tokens: int) -> None:
+    """A drafter with a context of its own (a draft model's `max_positions`) must hold the whole text: refused before
+    any work, naming the drafter's limit (the target's is `generate_args`')."""
+    limit = getattr(drafter, "max_positions", None)
+    if limit is not None and prompt_len + max_new_tokens > limit:
+        name = getattr(drafter, "name", type(drafter).__name__)
+        raise OptionError("max_new_tokens", max_new_tokens, f"prompt ({prompt_len} tokens) + max_new_tokens "
+                          f"({max_new_tokens}) exceeds the {name} drafter's context of {limit} positions",
+                          "shorten the prompt, ask for fewer tokens, or use a drafter with a longer context")
+
+
 def generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed, *,
                   vocab_size: int, max_positions: int | None) -> GenerateArgs:
     """Check everything generate() was given, before any work; returns the normalised values."""

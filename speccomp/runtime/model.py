@@ -8,7 +8,7 @@ import torch
 from speccomp.drafters.registry import max_tree_nodes
 from speccomp.errors import OptionError
 from speccomp.frontend.graph import SpecGraph
-from speccomp.runtime.calls import ACCEPTANCE, CallGuard, choice, generate_args
+from speccomp.runtime.calls import ACCEPTANCE, CallGuard, check_context, choice, generate_args
 from speccomp.runtime.decode import FullCache, RootOnly, decode
 from speccomp.runtime.sampling import Sampler
 
@@ -77,11 +77,7 @@ class SpecModel:
         args = generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed,
                              vocab_size=self.graph.captured.vocab_size, max_positions=self.max_positions)
         choice("acceptance", acceptance, ACCEPTANCE)
-        limit = getattr(self.drafter, "max_positions", None)
-        if limit is not None and len(args.prompt) + args.max_new_tokens > limit:
-            raise OptionError("max_new_tokens", max_new_tokens, f"prompt ({len(args.prompt)} tokens) + max_new_tokens "
-                              f"({args.max_new_tokens}) exceeds the {self.drafter.name} drafter's context of {limit} "
-                              "positions", "shorten the prompt, ask for fewer tokens, or use a drafter with a longer context")
+        check_context(self.drafter, len(args.prompt), args.max_new_tokens)
         if acceptance != "exact" and not args.do_sample:
             raise OptionError("acceptance", acceptance, "only changes sampling", "with greedy decoding use 'exact'")
         if acceptance != "exact" and self.drafter is None:

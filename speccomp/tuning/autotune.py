@@ -32,7 +32,7 @@
    users pick (chains of 2 and 4, a binary 8-node tree: HAND_TREES) and the drafter's default tree decode the
    calibration prompts (each after an untimed warm-up; each output must equal plain greedy decoding): the cost
    model ranks what to try, measurement decides. The fastest few (FINALISTS, within FINALIST_MARGIN) and the
-   default also decode the held-back prompts (the last third of `prompts`, or `check_prompts`), which no
+   default also decode the held-back prompts (every third of `prompts`, or `check_prompts`), which no
    measurement above saw; the finalist fastest over both sets of prompts wins, and is stored only if it also
    decodes the held-back prompts faster than the default (else the default is stored, mode "default"), so
    a noisy calibration or a prediction that misses cannot make tree="auto" worse
@@ -682,13 +682,13 @@ def _check_arguments(drafter, mode: str, **ints) -> None:
 
 
 def _split_prompts(prompts, check_prompts) -> tuple[list, list]:
-    """(calibration prompts, held-back prompts), each [1, n]; without `check_prompts`, the last third is held back."""
+    """(calibration prompts, held-back prompts), each [1, n]; without `check_prompts`, every third prompt is held
+    back (prompts listed file by file in turn, as the shipped ones are, then leave out prompts of several files)."""
     prompts = [p if p.dim() == 2 else p[None] for p in prompts]
     if not prompts:
         raise AutotuneError("autotune needs at least one calibration prompt (token ids)")
     if check_prompts is None:
-        held = len(prompts) // 3
-        prompts, check_prompts = prompts[: len(prompts) - held], prompts[len(prompts) - held :]
+        prompts, check_prompts = [p for i, p in enumerate(prompts) if i % 3 != 2], prompts[2::3]
     if not all(isinstance(p, torch.Tensor) and p.dim() in (1, 2) for p in check_prompts):
         raise AutotuneError(f"check_prompts must be token id tensors [1, n] or [n], got {check_prompts!r:.200}")
     return prompts, [p if p.dim() == 2 else p[None] for p in check_prompts]
@@ -832,7 +832,7 @@ def _fits(s: _Session, choices: list) -> bool:
             and ranks <= (d.max_siblings or ranks))
 
 
-def _candidates(s: _Session, static_rows: list[dict], p, timing: dict) -> list[tuple[str, str, object, dict]]:
+def _candidates(s: _Session, static_rows: list[dict], p, timing: dict, top_k: int) -> list[tuple[str, str, object, dict]]:
     """(label, mode, tree, predicted row) of every configuration decoded on the calibration prompts: the DP trees
     with the best predictions, the report's sizes, the hand-made shapes users pick (HAND_TREES) and the drafter's
     default tree. The prediction only ranks what to try; the measured decodes pick (`_final_choice`)."""
@@ -856,8 +856,7 @@ def _candidates(s: _Session, static_rows: list[dict], p, timing: dict) -> list[t
                 add(label, "static", choices, predict_static(p, timing, choices))
     default = _tree_value(s.sm.drafter.tree)
     dynamic_default = isinstance(s.sm.drafter.tree, DynamicTreeSpec)
-    if (s.budgets if dynamic_default else s.do_static) and default not in [f"dynamic:{b}:{DEFAULT_DYNAMIC_TOP_K}"
-                                                                          for b in s.budgets]:
+    if (s.budgets if dynamic_default else s.do_static) and default not in [f"dynamic:{b}:{top_k}" for b in s.budgets]:
         row = {} if dynamic_default else predict_static(p, timing, default)
         add("default", "default", default, row)
     return out
@@ -906,6 +905,8 @@ def _measured_dynamic(row: dict) -> dict:
 def _finalists(measured: list[dict]) -> list[dict]:
     """The calibration's fastest configurations: at most FINALISTS, within FINALIST_MARGIN of the fastest (closer
     than calibration noise can tell apart on a handful of prompts)."""
+    if not measured:
+        raise AutotuneError("nothing was decoded to choose from (no tree fits this model and these settings)")
     ranked = sorted(measured, key=lambda r: -r["measured_tokens_per_s"])
     best = ranked[0]["measured_tokens_per_s"]
     return [r for r in ranked if r["measured_tokens_per_s"] >= (1 - FINALIST_MARGIN) * best][:FINALISTS]
@@ -930,7 +931,7 @@ def autotune(
     warmup         acceptance counts the steps after this many tokens of each reply (default max_new_tokens // 4)
     measure_sizes  static tree sizes to decode for predicted-vs-measured rows besides the chosen one
     check_prompts  prompts the tuned tree must beat the drafter's default tree on (else the default is stored);
-                   None: the last third of `prompts` when there are 3 or more (they are then not calibrated on)
+                   None: every third of `prompts` when there are 3 or more (they are then not calibrated on)
     save           store the result where compile(tree="auto") finds it
     The tree stored is the configuration that decoded the calibration prompts fastest among the DP's best
     predictions, the dynamic budgets, hand-made shapes (HAND_TREES) and the default, and then beat the default on
@@ -951,11 +952,11 @@ def autotune(
                  dynamic_budgets=dynamic_budgets, measure_sizes=measure_sizes, max_new_tokens=max_new_tokens,
                  eos=eos_token_id, warmup=warmup)
     runs = 2 * len(prompts) + repeats + len(s.budgets) * len(prompts)
-    s.bar = tqdm(total=runs + 3 * len(check_prompts), desc=f"autotune {drafter}", disable=not progress, unit="run")
+    s.bar = tqdm(total=runs, desc=f"autotune {drafter}", disable=not progress, unit="run")
     ref, acc, timing, dynamic = _measure(s, dynamic_top_k, repeats)
     static_rows = plan_static(acc.p, timing, s.max_nodes, s.depth) if s.do_static else []  # 2. optimise
     dynamic_rows = [_dynamic_row(timing, b, dynamic_top_k, steps, run) for b, steps, run in dynamic]
-    candidates = _candidates(s, static_rows, acc.p, timing)
+    candidates = _candidates(s, static_rows, acc.p, timing, dynamic_top_k)
     s.bar.total += len(candidates) * len(prompts)
     s.bar.refresh()
     measured = _decode_candidates(s, candidates, ref["outputs"]) + [_measured_dynamic(r) for r in dynamic_rows]
@@ -965,6 +966,7 @@ def autotune(
     measured_rate = chosen["measured_tokens_per_s"]
     if check.get("kept") == "default":  # measured: the default tree's speed on the held-back prompts
         chosen_mode, tree, measured_rate = "default", check["default"], check["default_tokens_per_s"]
+        predicted = next((r["predicted_tokens_per_s"] for r in measured if r["tree"] == tree), float("nan"))
     s.bar.close()
     result = AutotuneResult(
         drafter=drafter, backend=backend, key=cache_key(model, drafter, backend), drafter_options=options,
