@@ -470,15 +470,16 @@ def test_tree_auto_tunes_on_first_use_and_keeps_what_held_back_prompts_prefer(ca
     stored = load_result(model, "token_recycling")
     c = stored.check
     default = [list(x) for x in Tree.from_choices(DEFAULT_RECYCLING_TREE).choices]
-    fastest = max(stored.measured, key=lambda r: r["measured_tokens_per_s"])
     assert "default" in {r["label"] for r in stored.measured}  # the default competes on the calibration prompts
-    if fastest["label"] == "default":  # it decoded them fastest: nothing to check against
-        assert not c and stored.mode == "default" and stored.tree == default
-    else:
-        assert c["prompts"] == 2 and c["default"] == default and c["tuned"] == fastest["tree"] != default
-        assert c["kept"] == ("tuned" if c["tuned_tokens_per_s"] > c["default_tokens_per_s"] else "default")
-        assert stored.tree == (c["tuned"] if c["kept"] == "tuned" else c["default"])
-        assert (stored.mode == "default") == (c["kept"] == "default") and "held-back check" in stored.summary()
+    # the finalists (the calibration's fastest) decode the held-back prompts too; the fastest over both wins, and is
+    # stored only if it also beats the default there
+    assert c["prompts"] == 2 and c["default"] == default and 1 <= len(c["finalists"]) <= 3
+    best = max(r["measured_tokens_per_s"] for r in stored.measured)
+    assert all(f["calibration_tokens_per_s"] >= 0.95 * best for f in c["finalists"])
+    assert c["tuned"] == max(c["finalists"], key=lambda f: f["combined_tokens_per_s"])["tree"]
+    beats = c["tuned"] != default and c["tuned_tokens_per_s"] > c["default_tokens_per_s"]
+    assert c["kept"] == ("tuned" if beats else "default") and (stored.mode == "default") == (not beats)
+    assert stored.tree == (c["tuned"] if beats else default) and "held-back check" in stored.summary()
     assert fast.drafter.tree == stored.tree_spec()
     ids = torch.tensor([[ord(ch) - 31 for ch in "The quick brown fox jumps over the lazy dog. The quick brown"]])
     assert torch.equal(fast.generate(ids, max_new_tokens=30, eos_token_id=2), hf_greedy(model, ids, 30))
