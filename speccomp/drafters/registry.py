@@ -111,20 +111,20 @@ def _layer_skip_passes(base: SpecGraph, options: dict):
     return [SkipLayers(layers)], options
 
 
-@register("ngram", NGramDrafter)
-def _ngram(base: SpecGraph, options: dict, tree, backend: str):
-    if tree is not None:
-        raise OptionError("tree", tree, "the ngram drafter builds its tree from the matches it finds",
-                          "drop tree= (use the max_depth / num_branches options)")
-    return make_ngram(**options)
+def _own_trees(make, name: str, how: str, knobs: str):
+    """The factory of a text drafter that shapes its own trees: tree= is refused, naming the options that shape it."""
+    def factory(base: SpecGraph, options: dict, tree, backend: str):
+        if tree is not None:
+            raise OptionError("tree", tree, f"the {name} drafter {how}", f"drop tree= (use the {knobs} options)")
+        return make(**options)
+
+    return factory
 
 
-@register("suffix", SuffixDrafter)
-def _suffix(base: SpecGraph, options: dict, tree, backend: str):
-    if tree is not None:
-        raise OptionError("tree", tree, "the suffix drafter grows its tree from the continuations it has counted",
-                          "drop tree= (use the budget / max_depth / min_prob options)")
-    return make_suffix(**options)
+register("ngram", NGramDrafter)(_own_trees(make_ngram, "ngram", "builds its tree from the matches it finds",
+                                           "max_depth / num_branches"))
+register("suffix", SuffixDrafter)(_own_trees(make_suffix, "suffix", "grows its tree from the continuations it has "
+                                             "counted", "budget / max_depth / min_prob"))
 
 
 @register("token_recycling", TokenRecyclingDrafter)
