@@ -154,7 +154,8 @@ def sample_children(logits: torch.Tensor, temperature: float, nodes: list[int], 
         ids = torch.multinomial(row, m, replacement=False, generator=generator).tolist()
         if m < k:  # fill with the likeliest tokens not drawn, as point masses
             order = logits[i].detach().cpu().argsort(descending=True).tolist()
-            ids += [t for t in order if t not in set(ids)][: k - m]
+            taken = set(ids)
+            ids += [t for t in order if t not in taken][: k - m]
         for r, t in enumerate(ids):
             if r < m:
                 drawn[(u, r)] = row / row.sum()
