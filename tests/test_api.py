@@ -62,7 +62,9 @@ def test_sampling_is_seeded(tiny):
     [
         (dict(input_ids=torch.rand(1, 4)), TypeError, "integer token ids"),
         (dict(input_ids="1 2 3"), TypeError, "LongTensor"),
-        (dict(input_ids=torch.ones(2, 4, dtype=torch.long)), ValueError, "batch size 1"),
+        (dict(input_ids=torch.ones(2, 2, 4, dtype=torch.long)), ValueError, r"or a batch \[B, seq\], got shape"),
+        (dict(input_ids=torch.ones(2, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 0, 0]] * 2)),
+         ValueError, "attention_mask='row 0': is not left-padded"),
         (dict(input_ids=torch.ones(1, 0, dtype=torch.long)), ValueError, "empty"),
         (dict(input_ids=torch.tensor([[1, 500]])), ValueError, r"must be in \[0, 96\)"),
         (dict(max_new_tokens=0), ValueError, "max_new_tokens=0: must be a positive int"),

@@ -58,6 +58,9 @@ class MergedDrafter(Drafter):
         self.target_passes = [p for d in drafters for p in d.target_passes]
         self._last: list[tuple[Draft, list]] = []  # per drafter: its draft, and its node -> merged node (or None)
 
+    def fresh(self) -> "MergedDrafter":
+        return MergedDrafter([d.fresh() for d in self.drafters], self.names)
+
     def begin(self, prompt: list[int]) -> None:
         for d in self.drafters:
             d.begin(prompt)

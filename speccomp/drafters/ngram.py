@@ -77,6 +77,9 @@ class NGramDrafter(Drafter):
         self.options = dict(max_ngram=self.max_ngram, min_ngram=self.min_ngram, num_branches=self.num_branches,
                             max_depth=self.max_depth)
 
+    def fresh(self) -> "NGramDrafter":
+        return NGramDrafter(**self.options)
+
     def begin(self, prompt: list[int]) -> None:
         self.lookup.begin(prompt)
 
@@ -165,6 +168,12 @@ class SuffixDrafter(Drafter):
             raise OptionError("min_prob", min_prob, "must be a probability in (0, 1]", "e.g. min_prob=0.1")
         self.options = dict(ints, min_prob=float(min_prob))
         self.decoder = SuffixDecoder(**self.options)
+
+    def fresh(self) -> "SuffixDrafter":
+        """A drafter of its own for one row of a batch, reading (not adding to) this one's memory of past texts."""
+        new = SuffixDrafter(**{**self.options, "memory": 0})
+        new.decoder.memory, new.options = self.decoder.memory, dict(self.options)
+        return new
 
     def begin(self, prompt: list[int]) -> None:
         self.decoder.begin(prompt)

@@ -328,7 +328,8 @@ def _model_entry(fast, tokenizer, model_id: str | None) -> dict:
            else getattr(getattr(model, "generation_config", None), "eos_token_id", None))
     return {"name": model_id or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__,
             "model_type": captured.model_type, "fingerprint": fingerprint(model) if model is not None else None,
-            "vocab_size": captured.vocab_size, "max_positions": fast.max_positions, "eos_token_id": eos}
+            "vocab_size": captured.vocab_size, "max_positions": fast.max_positions, "eos_token_id": eos,
+            "sliding_window_layers": len(captured.sliding_windows)}  # a batch packs rows only where there are none
 
 
 def export_engine(fast, path, tokenizer=None, overwrite: bool = False, model_id: str | None = None) -> Path:

@@ -18,6 +18,7 @@ generate.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speccomp.runtime.calls import MAX_TREE, CallGuard, as_int, check_context, generate_args
+from speccomp.runtime.calls import MAX_TREE, CallGuard, as_int, batch_rows, check_context, generate_args
 from speccomp.errors import SpeccompError
 from speccomp.drafters.eagle_cache import EagleCache
 from speccomp.drafters.grow import ancestor_rows, cut, grow_dynamic, grow_static, state_expander
@@ -188,6 +189,8 @@ def check_schema(m: dict, file: Path, remake: str) -> None:
     need(_is_int(model.get("vocab_size"), 1), "model.vocab_size", model.get("vocab_size"), "a positive int")
     mp = model.get("max_positions")
     need(mp is None or _is_int(mp, 1), "model.max_positions", mp, "a positive int or null")
+    windows = model.get("sliding_window_layers")
+    need(windows is None or _is_int(windows, 0), "model.sliding_window_layers", windows, "a layer count or absent")
     eos = model.get("eos_token_id")
     need(eos is None or _is_int(eos, 0) or _ints(eos, 0), "model.eos_token_id", eos, "a token id, a list of them or null")
     for key in ("num_layers", "num_kv_heads", "head_dim"):
@@ -516,6 +519,12 @@ class _Drafter:
     extras) after each verification (extras: its outputs at every verified node)."""
 
     outputs: tuple[str, ...] = ()  # the target graph's outputs it reads (none: a text drafter)
+    batches = True  # False: it drafts over the target's cache, which a batch shares between rows
+
+    def fresh(self):
+        """The same drafter (sessions shared) with per-generation state of its own, for one row of a batch: a copy,
+        where `begin` and `take` replace the state rather than change it (subclasses that change it override)."""
+        return copy.copy(self)
 
     def begin(self, prompt, cache):
         pass
@@ -530,6 +539,9 @@ class _Drafter:
 class _NGram(_Drafter):
     def __init__(self, max_ngram=4, min_ngram=1, num_branches=4, max_depth=8):
         self.lookup, self.num_branches, self.max_depth = NGramIndex(max_ngram, min_ngram), num_branches, max_depth
+
+    def fresh(self):
+        return _NGram(self.lookup.max_ngram, self.lookup.min_ngram, self.num_branches, self.max_depth)
 
     def begin(self, prompt, cache):
         self.lookup.begin(prompt)
@@ -546,7 +558,12 @@ class _Suffix(_Drafter):
     """Suffix decoding (speccomp/drafters/suffix.py, the torch drafter's code): its memory spans this engine's calls."""
 
     def __init__(self, **options):
-        self.decoder = SuffixDecoder(**options)
+        self.options, self.decoder = options, SuffixDecoder(**options)
+
+    def fresh(self):
+        new = _Suffix(**{**self.options, "memory": 0})
+        new.decoder.memory = self.decoder.memory  # read, not added to, by the rows of a batch
+        return new
 
     def begin(self, prompt, cache):
         self.decoder.begin(list(prompt))
@@ -566,6 +583,11 @@ class _TokenRecycling(_Drafter):
         self.ngram_branches, self.ngram_depth = ngram_branches, ngram_depth
         self.lookup = NGramIndex(max_ngram, min_ngram)
         self.adj: dict[int, list[int]] = {}
+
+    def fresh(self):
+        new = copy.copy(self)
+        new.lookup, new.adj = NGramIndex(self.lookup.max_ngram, self.lookup.min_ngram), {}
+        return new
 
     def begin(self, prompt, cache):
         if not self.persist:
@@ -662,6 +684,11 @@ class _Eagle(_Grown):
         super().__init__(tree, max_depth)
         self.cache = EagleCache(lambda *a: session.run(dict(zip(EAGLE_INPUTS, a)), EAGLE_OUTPUTS), num_heads, head_dim)
 
+    def fresh(self):
+        new = copy.copy(self)
+        new.cache = EagleCache(self.cache.run, self.cache.k.shape[0], self.cache.k.shape[2])
+        return new
+
     def begin(self, prompt, cache):
         self.cache.begin(prompt)
 
@@ -677,6 +704,8 @@ class _SelfDraft(_Grown):
     graph with layers bypassed (quantized: 4-bit MatMulNBits weights), run depth by depth over the target's cache (the
     expanded nodes of one depth in one run); the draft nodes' KV goes to the scratch room past the cache's length,
     which the verification overwrites."""
+
+    batches = False
 
     def __init__(self, kv_layers, tree, max_depth, session: BoundSession, exit_layer=None, skip=None, block_size=None):
         super().__init__(tree, max_depth)
@@ -844,6 +873,10 @@ class _Merged(_Drafter):
     def __init__(self, drafters: list):
         self.drafters, self.drafts, self.wheres = drafters, [], []
         self.outputs = tuple(o for d in drafters for o in d.outputs)
+        self.batches = all(d.batches for d in drafters)
+
+    def fresh(self):
+        return _Merged([d.fresh() for d in self.drafters])
 
     def begin(self, prompt, cache):
         for d in self.drafters:
@@ -966,6 +999,65 @@ def check_head_step(name: str, options: dict, session) -> None:
     depth = _tree_depth(tree, options["max_depth"])
     if depth > options["num_heads"] or options["max_depth"] > options["num_heads"]:
         raise _corrupt(f"drafter.options: a tree {depth} deep for {options['num_heads']} Hydra heads")
+
+
+# ---- One generation in the loop -----------------------------------------------------------------------------
+class _Row:
+    """One generation (speccomp/runtime/decode.py's Sequence in numpy): first(prefill outputs), draft(), accept(),
+    advance(); Engine._decode runs one, Engine._decode_batch many packed into one forward a step."""
+
+    def __init__(self, args, drafter, max_tree: int, seed):
+        self.prompt, self.max_new_tokens, self.eos = args.prompt.tolist(), args.max_new_tokens, args.eos
+        self.drafter, self.max_tree, self.args = drafter, max_tree, args
+        self.rng = np.random.default_rng(seed)
+        self.out, self.context, self.steps, self.cached, self._bonus = [], list(self.prompt), 0, 0, None
+
+    @property
+    def done(self) -> bool:
+        return bool(self.out) and (len(self.out) >= self.max_new_tokens or self.out[-1] in self.eos)
+
+    def pick(self, logits_row: np.ndarray) -> int:
+        if not self.args.do_sample:
+            return int(logits_row.argmax())
+        return int(self.rng.choice(logits_row.shape[-1], p=warp(logits_row, self.args.temperature, self.args.top_p)))
+
+    def first(self, logits, extras, cache) -> None:
+        """The prefill's logits [n, V] and extra outputs ([1, n, ...])."""
+        self.steps = 1
+        self._emit([self.pick(logits[-1])])
+        if self.drafter is not None:
+            self.drafter.begin(self.prompt, cache)
+            self.drafter.take(extras, list(range(len(self.prompt))))
+
+    def draft(self) -> tuple[list[int], list[int]]:
+        room = self.max_new_tokens - len(self.out)  # tokens still allowed, the bonus included
+        if self.drafter is None or room <= 1:
+            return [-1], [self.out[-1]]
+        return self.drafter.propose(self.context, room - 1, self.max_tree)
+
+    def accept(self, tokens, children, logits) -> list[int]:
+        path, self._bonus = accept(tokens, children, lambda node: self.pick(logits[node]))
+        return path
+
+    def advance(self, tokens, path, logits, extras) -> None:
+        if self.drafter is not None:
+            self.drafter.observe(tokens, path, logits, extras)
+            self.drafter.take(extras, path)
+        self.steps += 1
+        self._emit([tokens[i] for i in path[1:]] + [self._bonus])
+
+    def _emit(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.out.append(int(t))
+            if t in self.eos or len(self.out) >= self.max_new_tokens:
+                break
+        self.context.extend(self.out[len(self.context) - len(self.prompt):])
+
+    def stats(self, seconds) -> dict:
+        about = {"new_tokens": len(self.out), "steps": self.steps, "tau": len(self.out) / self.steps}
+        if seconds:
+            about |= {"seconds": seconds, "tokens_per_second": len(self.out) / seconds}
+        return about
 
 
 # ---- The engine ------------------------------------------------------------------------------------------
@@ -1095,9 +1187,16 @@ class Engine:
         return logits[0], new_kv, extras
 
     def generate(self, input_ids, max_new_tokens: int, eos_token_id=None, do_sample: bool = False,
-                 temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None) -> np.ndarray:
-        """Prompt + new tokens, np.int64 [1, n + m]; greedy output equals the model's greedy decoding. Arguments
-        are checked as SpecModel.generate's (speccomp/runtime/calls.py)."""
+                 temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None, attention_mask=None,
+                 pad_token_id: int | None = None) -> np.ndarray:
+        """Prompt + new tokens, np.int64 [1, n + m]; greedy output equals the model's greedy decoding. A left-padded
+        batch [B, n] with `attention_mask` decodes every row as if alone ([B, n + m], padded with `pad_token_id`,
+        default the first eos id), as SpecModel.generate. Arguments are checked as SpecModel.generate's
+        (speccomp/runtime/calls.py)."""
+        rows = batch_rows(input_ids, attention_mask)
+        if rows is not None:
+            return self._generate_batch(input_ids, rows, max_new_tokens, eos_token_id, do_sample, temperature, top_p,
+                                        seed, pad_token_id)
         args = generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed,
                              vocab_size=self.vocab_size, max_positions=self.max_positions)
         check_context(self.drafter, len(args.prompt), args.max_new_tokens)
@@ -1108,49 +1207,115 @@ class Engine:
 
     def _decode(self, args) -> tuple[list[int], dict]:
         """The decode loop (speccomp/runtime/decode.py's, in numpy): new tokens and stats."""
-        prompt, max_new_tokens, eos = args.prompt.tolist(), args.max_new_tokens, args.eos
-        rng = np.random.default_rng(args.seed)
-
-        def pick(logits_row: np.ndarray) -> int:
-            if not args.do_sample:
-                return int(logits_row.argmax())
-            return int(rng.choice(logits_row.shape[-1], p=warp(logits_row, args.temperature, args.top_p)))
-
-        start = time.perf_counter()
-        n = len(prompt)
-        cache = KVCache(self.kv, n + max_new_tokens + self.max_tree + 1, self.dtype)
-        logits, new_kv, extras = self._forward(cache, prompt, np.arange(n, dtype=np.int64), np.tril(np.ones((n, n), dtype=bool)))
+        start, n = time.perf_counter(), len(args.prompt)
+        row = _Row(args, self.drafter, self.max_tree, args.seed)
+        cache = KVCache(self.kv, n + args.max_new_tokens + self.max_tree + 1, self.dtype)
+        logits, new_kv, extras = self._forward(cache, row.prompt, np.arange(n, dtype=np.int64),
+                                               np.tril(np.ones((n, n), dtype=bool)))
         cache.append(new_kv)
         prefill_seconds = time.perf_counter() - start
-        out = [pick(logits[-1])]
-        steps = 1
-        context = prompt + out
-        if self.drafter is not None:
-            self.drafter.begin(prompt, cache)
-            self.drafter.take(extras, list(range(n)))
-        while len(out) < max_new_tokens and out[-1] not in eos:
-            room = max_new_tokens - len(out)  # tokens still allowed, the bonus included
-            if self.drafter is None or room <= 1:
-                parents, tokens = [-1], [out[-1]]
-            else:
-                parents, tokens = self.drafter.propose(context, room - 1, self.max_tree)
+        row.first(logits, extras, cache)
+        while not row.done:
+            parents, tokens = row.draft()
             depth, mask, children = tree_arrays(parents)
             logits, new_kv, extras = self._forward(cache, tokens, cache.length + depth, mask)
-            path, bonus = accept(tokens, children, lambda node: pick(logits[node]))
+            path = row.accept(tokens, children, logits)
             cache.append(new_kv, keep=path)
-            if self.drafter is not None:
-                self.drafter.observe(tokens, path, logits, extras)
-                self.drafter.take(extras, path)
-            steps += 1
-            for t in [tokens[i] for i in path[1:]] + [bonus]:
-                out.append(t)
-                if t in eos or len(out) >= max_new_tokens:
-                    break
-            context.extend(out[len(context) - n :])
+            row.advance(tokens, path, logits, extras)
         seconds = time.perf_counter() - start
-        return out, {"new_tokens": len(out), "steps": steps, "tau": len(out) / steps, "seconds": seconds,
-                     "prefill_seconds": prefill_seconds, "tokens_per_second": len(out) / seconds,
-                     "kv_bytes": cache.nbytes(), "lossless": True, "providers": self.providers}
+        return row.out, {**row.stats(seconds), "prefill_seconds": prefill_seconds, "kv_bytes": cache.nbytes(),
+                         "lossless": True, "providers": self.providers}
+
+    def _generate_batch(self, input_ids, rows, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed,
+                        pad_token_id) -> np.ndarray:
+        """A batch: every row checked as a single generate's, then decoded together, packed into one forward a step
+        (speccomp/runtime/batch.py's scheme, in numpy)."""
+        args = [generate_args(r, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed,
+                              vocab_size=self.vocab_size, max_positions=self.max_positions) for r in rows]
+        for a in args:
+            check_context(self.drafter, len(a.prompt), a.max_new_tokens)
+        self._check_batchable(len(rows))
+        pad = min(args[0].eos, default=0) if pad_token_id is None else as_int("pad_token_id", pad_token_id)
+        with self._calls.lock:
+            start = time.perf_counter()
+            seqs = [_Row(a, None if self.drafter is None else self.drafter.fresh(), self.max_tree,
+                         None if a.seed is None else a.seed + i) for i, a in enumerate(args)]
+            forwards = self._decode_batch(seqs)
+            seconds = time.perf_counter() - start
+            new_tokens = sum(len(r.out) for r in seqs)
+            self._calls.stats = {"batch": len(seqs), "forwards": forwards, "new_tokens": new_tokens, "seconds": seconds,
+                                 "tokens_per_second": new_tokens / seconds, "rows": [r.stats(None) for r in seqs],
+                                 "lossless": True, "providers": self.providers}
+        given = np.asarray(input_ids.detach().cpu() if hasattr(input_ids, "detach") else input_ids, dtype=np.int64)
+        new = np.full((len(seqs), max(len(r.out) for r in seqs)), pad, dtype=np.int64)
+        for i, r in enumerate(seqs):
+            new[i, : len(r.out)] = r.out
+        return np.concatenate([given, new], axis=1)
+
+    def _check_batchable(self, rows: int) -> None:
+        fix = "call generate once per prompt"
+        windows = self.manifest["model"].get("sliding_window_layers")
+        if windows is None:
+            raise EngineError(f"a batch of {rows}: this engine's manifest does not say whether the model has "
+                              f"sliding-window attention (exported by an older speccomp); re-export it, or {fix}")
+        if windows:
+            raise EngineError(f"a batch of {rows}: the model has sliding-window attention ({windows} layers), whose "
+                              f"window counts cache slots; packed rows' slots are not their positions; {fix}")
+        if self.drafter is not None and not self.drafter.batches:
+            raise EngineError(f"a batch of {rows}: the {self.manifest['drafter']['name']} drafter drafts over the "
+                              f"target's own KV cache, which a batch shares between rows; load the engine with "
+                              f"draft=False, or {fix}")
+
+    def _decode_batch(self, rows: list) -> int:
+        """All rows to the end, one target forward a step: each row's prompt (first step) or draft tree, packed, a
+        query seeing its own row's cached slots and its own tree (runtime/batch.py); finished rows' slots dropped."""
+        capacity = sum(len(r.prompt) + r.max_new_tokens + self.max_tree + 1 for r in rows)
+        cache, owner, forwards = KVCache(self.kv, capacity, self.dtype), np.full(capacity, -1), 0
+        while not all(r.done for r in rows):
+            parts = []  # (row index, tokens, positions, block mask, children or None for a prefill)
+            for i, r in enumerate(rows):
+                if r.done:
+                    continue
+                if not r.out:
+                    n = len(r.prompt)
+                    parts.append((i, r.prompt, np.arange(n), np.tril(np.ones((n, n), dtype=bool)), None))
+                else:
+                    parents, tokens = r.draft()
+                    depth, block, children = tree_arrays(parents)
+                    parts.append((i, tokens, r.cached + depth, block, children))
+            past, q = cache.length, sum(len(p[1]) for p in parts)
+            mask, at = np.zeros((q, past + q), dtype=bool), 0
+            for i, tokens, _, block, _ in parts:
+                mask[at : at + len(tokens), :past] = owner[:past] == i
+                mask[at : at + len(tokens), past + at : past + at + len(tokens)] = block
+                at += len(tokens)
+            logits, new_kv, extras = self._forward(cache, [t for p in parts for t in p[1]],
+                                                   np.concatenate([p[2] for p in parts]).astype(np.int64), mask)
+            forwards += 1
+            keep, owners, at = [], [], 0
+            for i, tokens, _, _, children in parts:
+                r, n = rows[i], len(tokens)
+                mine, own = logits[at : at + n], [e[:, at : at + n] for e in extras]
+                if children is None:
+                    r.first(mine, own, cache)
+                    kept = list(range(n))
+                else:
+                    kept = r.accept(tokens, children, mine)
+                    r.advance(tokens, kept, mine, own)
+                keep += [at + k for k in kept]
+                owners += [i] * len(kept)
+                r.cached += len(kept)
+                at += n
+            owner[cache.length : cache.length + len(keep)] = owners
+            cache.append(new_kv, keep=np.array(keep))
+            done = {i for i, r in enumerate(rows) if r.done}
+            live = ~np.isin(owner[: cache.length], list(done))
+            if not live.all():  # the slots of finished rows go
+                m = int(live.sum())
+                cache.data[..., :m, :] = cache.data[..., : cache.length, :][..., live, :]
+                owner[:m], owner[m:] = owner[: cache.length][live], -1
+                cache.length = m
+        return forwards
 
     def __repr__(self) -> str:
         d = (self.manifest["drafter"].get("name") if self.drafter is not None else None) or "plain"

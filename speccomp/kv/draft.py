@@ -148,6 +148,8 @@ class CompressedKVDrafter(GraphDrafter):
 class CompressedKVModel(SpecModel):
     """A SpecModel whose drafter runs over a compressed cache; `last_stats` adds the KV bytes held."""
 
+    batch_refusal = "the compressed-KV drafter keeps one sequence's compressed cache"
+
     def _decode(self, prompt, args, sampler, acceptance):
         new, stats = super()._decode(prompt, args, sampler, acceptance)
         return new, {**stats, **self.drafter.kv_stats()}

@@ -158,6 +158,7 @@ class LossyKVModel(SpecModel):
 
     export_refusal = ("a kv_mode='target' model cannot be exported: the engine runtime decodes over the full KV cache, "
                       "so the engine would silently be a plain full-cache one; export a compile without kv_cache=")
+    batch_refusal = "a kv_mode='target' model decodes over one sequence's compressed cache"
 
     def __init__(self, spec_graph, step, backend: str, policy: KVPolicy, reader=None, scored=None):
         super().__init__(spec_graph, step, backend)

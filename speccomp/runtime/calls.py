@@ -107,10 +107,9 @@ def _prompt(input_ids, vocab_size: int):
         ids = None
     shape = tuple(shape)
     if len(shape) not in (1, 2):
-        raise OptionError("input_ids", input_ids, f"must be [seq] or [1, seq], got shape {shape}")
-    if len(shape) == 2 and shape[0] != 1:
-        raise OptionError("input_ids", input_ids, f"holds a batch of {shape[0]} sequences; speccomp decodes one "
-                          "sequence at a time (batch size 1)", "call generate once per prompt")
+        raise OptionError("input_ids", input_ids, f"must be [seq], [1, seq] or a batch [B, seq], got shape {shape}")
+    if len(shape) == 2 and shape[0] != 1:  # generate() splits batches into rows first (batch_rows)
+        raise OptionError("input_ids", input_ids, f"holds a batch of {shape[0]} sequences where one is expected")
     if shape[-1] == 0:
         raise OptionError("input_ids", input_ids, "is empty", "give at least one prompt token")
     if ids is None:
@@ -121,6 +120,47 @@ def _prompt(input_ids, vocab_size: int):
         raise OptionError("input_ids", input_ids, f"token ids must be in [0, {vocab_size}), got values in [{lo}, {hi}]",
                           "encode the prompt with this model's tokenizer")
     return ids
+
+
+def batch_rows(input_ids, attention_mask) -> list[np.ndarray] | None:
+    """The prompts of a batch input_ids [B, n] (B > 1), each without its left padding (attention_mask 0), or None for
+    one sequence ([n] or [1, n], whose attention_mask, if given, must be all ones). Token ids are checked per row by
+    `generate_args`."""
+    if isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple)):
+        lengths = sorted({len(r) for r in input_ids})
+        if len(lengths) > 1:
+            raise OptionError("input_ids", f"rows of lengths {lengths}", "is ragged",
+                              "left-pad the rows to one length and pass attention_mask (0 on the padding), as HF "
+                              "tokenizers do with padding_side='left'")
+        input_ids = np.array(input_ids)
+    shape = tuple(getattr(input_ids, "shape", ()))
+    mask = None
+    if attention_mask is not None:
+        host = attention_mask.detach().cpu() if hasattr(attention_mask, "detach") else attention_mask
+        mask = np.asarray(host)
+        if mask.shape != shape and not (len(shape) == 1 and mask.shape == (1, shape[0])):
+            raise OptionError("attention_mask", f"shape {mask.shape}", f"must have input_ids' shape {shape}")
+        if not np.isin(mask, (0, 1)).all():
+            raise OptionError("attention_mask", attention_mask, "must hold 0 (padding) and 1 (token) only")
+    if len(shape) != 2 or shape[0] == 1:
+        if mask is not None and not mask.all():
+            raise OptionError("attention_mask", attention_mask, "has padding (zeros) for a single sequence",
+                              "pass the sequence without its padding")
+        return None
+    if shape[0] == 0:
+        raise OptionError("input_ids", input_ids, "holds no sequences (batch of 0)")
+    host = input_ids.detach().cpu() if hasattr(input_ids, "detach") else input_ids
+    ids = np.asarray(host)
+    if mask is None:
+        mask = np.ones(shape, dtype=np.int64)
+    rows = []
+    for b in range(shape[0]):
+        first = int(mask[b].argmax())
+        if not mask[b].any() or not mask[b, first:].all():
+            raise OptionError("attention_mask", f"row {b}", "is not left-padded (zeros, then at least one 1)",
+                              "pad on the left (tokenizer.padding_side = 'left'), as for HF generate")
+        rows.append(ids[b, first:])
+    return rows
 
 
 def check_context(drafter, prompt_len: int, max_new_tokens: int) -> None:

@@ -173,6 +173,13 @@ class Drafter:
         """The same drafter (same graphs, heads, options, fresh state) drafting `tree`, a kind in `trees`."""
         raise TypeError(f"the {self.name} drafter shapes its own trees and takes no other tree")
 
+    def fresh(self) -> "Drafter":
+        """The same drafter (graphs, heads and options shared) with per-generation state of its own: one per row of
+        a batch (speccomp/runtime/batch.py)."""
+        if not self.trees:
+            raise TypeError(f"the {self.name} drafter does not say how to copy itself; override fresh()")
+        return self.with_tree(self.tree)
+
     def describe(self) -> dict:
         """Its declaration as JSON: name, tree, options, reads, graphs."""
         tree = self.tree
@@ -235,6 +242,9 @@ class RootOnly(Drafter):
 
     name = "plain"
 
+    def fresh(self) -> "RootOnly":
+        return self  # no state
+
     def propose(self, ctx: DraftContext) -> Draft:
         return Draft(ROOT_ONLY, torch.tensor([ctx.tokens[-1]]))
 
@@ -286,41 +296,86 @@ def accept(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, draft_probs, 
     return greedy_accept(tree, tokens, logits.argmax(-1))
 
 
+class Sequence:
+    """One generation as the decode loops see it: its text, drafter, sampler and stats. `decode` (one sequence over a
+    verifier) and runtime/batch.py's `Batch` (many, packed into one forward) drive the same steps:
+
+        first(outs)               the prefill's outputs: the drafter begins, the first token is chosen
+        draft(cache) -> Draft     what to verify next (the root alone on the last allowed token)
+        accept(draft, outs)       the path the target accepts and the bonus token (held until `advance`)
+        advance(draft, path, outs) the drafter observes, the tokens are emitted, the stats counted
+    """
+
+    def __init__(self, prompt: list[int], drafter: Drafter, sampler: Sampler, max_new_tokens: int, eos,
+                 max_tree: int, acceptance: str = "exact"):
+        self.prompt, self.drafter, self.sampler, self.max_new_tokens = prompt, drafter, sampler, max_new_tokens
+        self.eos, self.max_tree, self.acceptance = set(eos), max_tree, acceptance
+        self.out: list[int] = []
+        self.context = list(prompt)  # prompt + emitted tokens (the last one is the next root)
+        self.stats = Stats()
+        self._bonus = None
+        # when the target samples (exact acceptance) a drafter may sample its drafts too
+        self._drafts_sampler = sampler if sampler.do_sample and acceptance == "exact" else None
+
+    @property
+    def done(self) -> bool:
+        return bool(self.out) and (len(self.out) >= self.max_new_tokens or self.out[-1] in self.eos)
+
+    def first(self, outs: tuple) -> None:
+        """After the prefill: outs are the target's outputs over the prompt ([1, n, ...])."""
+        self.drafter.begin(list(self.prompt))  # before take_states: a drafter may reset its state here
+        _hand_states(self.drafter, outs, None)
+        self.stats.steps = 1  # the prefill produced the first token
+        self._emit([int(self.sampler(outs[0][0, -1]))])
+
+    def draft(self, cache: KVCache) -> Draft:
+        room = self.max_new_tokens - len(self.out)  # tokens still allowed, the bonus included
+        ctx = DraftContext(self.context, cache, max_depth=room - 1, max_nodes=self.max_tree,
+                           sampler=self._drafts_sampler)
+        draft = self.drafter.propose(ctx) if room > 1 else Draft(ROOT_ONLY, torch.tensor([self.out[-1]]))
+        tree, keep = truncate(draft.tree, ctx.max_depth, ctx.max_nodes)
+        if len(keep) != draft.tree.size:
+            draft = Draft(tree, draft.tokens[keep], None if draft.probs is None else draft.probs[keep])
+        return draft
+
+    def accept(self, draft: Draft, outs: tuple) -> list[int]:
+        """The accepted path (root first) given the target's outputs over the draft's nodes ([1, n, ...])."""
+        path, self._bonus = accept(draft.tree, draft.tokens, outs[0][0], draft.probs, self.sampler, self.acceptance)
+        return path
+
+    def advance(self, draft: Draft, path: list[int], outs: tuple) -> None:
+        self.drafter.observe(draft, path, outs[0][0])
+        _hand_states(self.drafter, outs, path)
+        self.stats.steps += 1
+        self.stats.record(draft.tree, path)
+        self._emit(draft.tokens[path[1:]].tolist() + [int(self._bonus)])
+
+    def _emit(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.out.append(t)
+            if t in self.eos or len(self.out) >= self.max_new_tokens:
+                break
+        self.context.extend(self.out[len(self.context) - len(self.prompt):])
+        self.stats.new_tokens = len(self.out)
+
+
 def decode(verifier, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int, eos: set[int], sampler: Sampler,
            max_tree: int, acceptance: str = "exact") -> tuple[torch.Tensor, Stats]:
     """Decode up to `max_new_tokens` after `prompt` [1, n]: (new tokens [m], Stats). Lossless with
     acceptance="exact": greedy output is the target's greedy text, sampled output follows its distribution."""
-    stats, start, n = Stats(), time.perf_counter(), prompt.shape[1]
+    start = time.perf_counter()
+    seq = Sequence(prompt[0].tolist(), drafter, sampler, max_new_tokens, eos, max_tree, acceptance)
     outs = verifier.prefill(prompt)
-    stats.prefill_seconds = time.perf_counter() - start
-    drafter.begin(prompt[0].tolist())  # before take_states: a drafter may reset its state here
-    _hand_states(drafter, outs, None)
-    out = [int(sampler(outs[0][0, -1]))]
-    stats.steps = 1  # the prefill produced the first token
-    context = prompt[0].tolist() + out
-    drafts_sampler = sampler if sampler.do_sample and acceptance == "exact" else None
-    while len(out) < max_new_tokens and out[-1] not in eos:
-        room = max_new_tokens - len(out)  # tokens still allowed, the bonus included
-        ctx = DraftContext(context, verifier.cache, max_depth=room - 1, max_nodes=max_tree, sampler=drafts_sampler)
-        draft = drafter.propose(ctx) if room > 1 else Draft(ROOT_ONLY, torch.tensor([out[-1]]))
-        tree, keep = truncate(draft.tree, ctx.max_depth, ctx.max_nodes)
-        if len(keep) != draft.tree.size:
-            draft = Draft(tree, draft.tokens[keep], None if draft.probs is None else draft.probs[keep])
-        outs = verifier.verify(draft.tokens, tree)
-        logits = outs[0][0]  # [n, V]
-        path, bonus = accept(tree, draft.tokens, logits, draft.probs, sampler, acceptance)
+    seq.stats.prefill_seconds = time.perf_counter() - start
+    seq.first(outs)
+    while not seq.done:
+        draft = seq.draft(verifier.cache)
+        outs = verifier.verify(draft.tokens, draft.tree)
+        path = seq.accept(draft, outs)
         verifier.commit(path)
-        drafter.observe(draft, path, logits)
-        _hand_states(drafter, outs, path)
-        stats.steps += 1
-        stats.record(tree, path)
-        for t in draft.tokens[path[1:]].tolist() + [int(bonus)]:
-            out.append(t)
-            if t in eos or len(out) >= max_new_tokens:
-                break
-        context.extend(out[len(context) - n:])
-    stats.new_tokens, stats.seconds = len(out), time.perf_counter() - start
-    return torch.tensor(out, dtype=torch.long, device=prompt.device), stats
+        seq.advance(draft, path, outs)
+    seq.stats.seconds = time.perf_counter() - start
+    return torch.tensor(seq.out, dtype=torch.long, device=prompt.device), seq.stats
 
 
 def _hand_states(drafter: Drafter, outs: tuple, path: list[int] | None) -> None:

@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import copy
+import time
 
+import numpy as np
 import torch
 
 from speccomp.drafters.registry import max_tree_nodes
 from speccomp.errors import OptionError
 from speccomp.frontend.graph import SpecGraph
-from speccomp.runtime.calls import ACCEPTANCE, CallGuard, check_context, choice, generate_args
-from speccomp.runtime.decode import FullCache, RootOnly, decode
+from speccomp.runtime.batch import check_batchable, decode_batch
+from speccomp.runtime.calls import ACCEPTANCE, CallGuard, batch_rows, check_context, choice, generate_args, token_ids
+from speccomp.runtime.decode import FullCache, RootOnly, Sequence, decode
 from speccomp.runtime.sampling import Sampler
 
 
@@ -20,6 +23,7 @@ class SpecModel:
     (drafters keep per-generation state), and `last_stats` is the calling thread's own last call's."""
 
     export_refusal: str | None = None  # why `export` must refuse this kind of model (None: it can export)
+    batch_refusal: str | None = None  # why generate must refuse a batch on this kind of model (None: it batches)
 
     def __init__(self, spec_graph: SpecGraph, step, backend: str, drafter=None, model=None):
         self.graph = spec_graph
@@ -68,20 +72,24 @@ class SpecModel:
         top_p: float = 1.0,
         seed: int | None = None,
         acceptance: str = "exact",
+        attention_mask=None,
+        pad_token_id: int | None = None,
     ) -> torch.Tensor:
-        """input_ids: [seq] or [1, seq] token ids (a LongTensor, an integer array or a list). eos_token_id: an int
-        or a list of ints. acceptance: "exact" (lossless: greedy equality / rejection sampling) or "typical-lossy"
-        (Medusa's typical acceptance with do_sample=True; LOSSY, the text no longer follows the model's
-        distribution; `last_stats["lossless"]` says which ran). Every argument is checked before any work
+        """input_ids: [seq] or [1, seq] token ids (a LongTensor, an integer array or a list), or a batch [B, seq]
+        left-padded with `attention_mask` (0 on padding) as for HF generate: each row is decoded as if alone
+        (speccomp/runtime/batch.py) and the result is [B, seq + m], rows that stopped early padded on the right with
+        `pad_token_id` (default: the first eos id). eos_token_id: an int or a list of ints. acceptance: "exact"
+        (lossless: greedy equality / rejection sampling) or "typical-lossy" (Medusa's typical acceptance with
+        do_sample=True; LOSSY, the text no longer follows the model's distribution; `last_stats["lossless"]` says
+        which ran). A batch's rows sample with seeds seed, seed + 1, ... Every argument is checked before any work
         (speccomp/runtime/calls.py); a bad one raises OptionError / OptionTypeError naming it."""
+        rows = batch_rows(input_ids, attention_mask)
+        if rows is not None:
+            return self._generate_batch(input_ids, rows, max_new_tokens, eos_token_id, do_sample, temperature, top_p,
+                                        seed, acceptance, pad_token_id)
         args = generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed,
                              vocab_size=self.graph.captured.vocab_size, max_positions=self.max_positions)
-        choice("acceptance", acceptance, ACCEPTANCE)
-        check_context(self.drafter, len(args.prompt), args.max_new_tokens)
-        if acceptance != "exact" and not args.do_sample:
-            raise OptionError("acceptance", acceptance, "only changes sampling", "with greedy decoding use 'exact'")
-        if acceptance != "exact" and self.drafter is None:
-            raise OptionError("acceptance", acceptance, "needs a drafter (plain decoding accepts nothing)")
+        self._check_call(args, acceptance)
         if isinstance(input_ids, torch.Tensor):
             device, prompt = input_ids.device, input_ids.reshape(1, -1).long()
         else:
@@ -91,6 +99,50 @@ class SpecModel:
             new, stats = self._decode(prompt, args, sampler, acceptance)
             self._calls.stats = stats
         return torch.cat([prompt, new[None].to(device)], dim=1)
+
+    def _check_call(self, args, acceptance: str) -> None:
+        choice("acceptance", acceptance, ACCEPTANCE)
+        check_context(self.drafter, len(args.prompt), args.max_new_tokens)
+        if acceptance != "exact" and not args.do_sample:
+            raise OptionError("acceptance", acceptance, "only changes sampling", "with greedy decoding use 'exact'")
+        if acceptance != "exact" and self.drafter is None:
+            raise OptionError("acceptance", acceptance, "needs a drafter (plain decoding accepts nothing)")
+
+    def _generate_batch(self, input_ids, rows, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed,
+                        acceptance, pad_token_id) -> torch.Tensor:
+        """A batch: every row checked as a single generate's, then decoded together (speccomp/runtime/batch.py)."""
+        vocab = self.graph.captured.vocab_size
+        args = [generate_args(r, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed, vocab_size=vocab,
+                              max_positions=self.max_positions) for r in rows]
+        for a in args:
+            self._check_call(a, acceptance)
+        check_batchable(self, len(rows))
+        eos = args[0].eos
+        pad = min(eos, default=0) if pad_token_id is None else token_ids("pad_token_id", pad_token_id, vocab)
+        if isinstance(pad, list) and len(pad) != 1:
+            raise OptionError("pad_token_id", pad_token_id, "must be one token id")
+        pad = pad[0] if isinstance(pad, list) else pad
+        a = args[0]
+        seqs = [Sequence(r.prompt.tolist(), (self.drafter or RootOnly()).fresh(),
+                         Sampler(a.do_sample, a.temperature, a.top_p, None if a.seed is None else a.seed + i),
+                         a.max_new_tokens, eos, self.max_tree, acceptance) for i, r in enumerate(args)]
+        with self._calls.lock:
+            start = time.perf_counter()
+            forwards = decode_batch(self.step, self.kv, self.device, seqs, self.max_tree)
+            seconds = time.perf_counter() - start
+            new_tokens = sum(len(s.out) for s in seqs)
+            self._calls.stats = {"batch": len(seqs), "forwards": forwards, "new_tokens": new_tokens,
+                                 "seconds": seconds, "tokens_per_second": new_tokens / seconds,
+                                 "rows": [s.stats.as_dict() for s in seqs], "acceptance": acceptance,
+                                 "lossless": acceptance == "exact", "backend": self.backend,
+                                 "providers": self.providers}
+        device = input_ids.device if isinstance(input_ids, torch.Tensor) else self.device
+        given = input_ids if isinstance(input_ids, torch.Tensor) else torch.as_tensor(np.asarray(input_ids))
+        width = max(len(s.out) for s in seqs)
+        new = torch.full((len(seqs), width), pad, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            new[i, : len(s.out)] = torch.tensor(s.out)
+        return torch.cat([given.long().to(device), new.to(device)], dim=1)
 
     def _decode(self, prompt: torch.Tensor, args, sampler: Sampler, acceptance: str) -> tuple[torch.Tensor, dict]:
         """(new tokens [m], stats): the one decode loop (speccomp/runtime/decode.py) over this model's verifier;
