@@ -323,6 +323,17 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Serve an engine over HTTP (OpenAI-compatible, continuous batching): speccomp/serve.py."""
+    try:
+        from speccomp.serve import serve
+    except ImportError as exc:
+        raise FileNotFoundError(f"speccomp serve needs FastAPI and uvicorn ({exc}): pip install 'speccomp[serve]'") from None
+    serve(args.engine, host=args.host, port=args.port, max_batch=args.max_batch, kv_slots=args.kv_slots,
+          provider=args.provider, threads=args.threads)
+    return 0
+
+
 class _BadCommandLine(Exception):
     """What argparse refused (an unknown flag, a value its `type=` rejects), reported by `main` like any bad flag."""
 
@@ -565,6 +576,18 @@ def _add_autotune_export_run(sub) -> None:
     p.add_argument("--ids", action="store_true", help="also print the new token ids (one line)")
     p.add_argument("--no-draft", action="store_true", help="plain decoding on the engine's target graph (a speed baseline)")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("serve", help="serve an engine over HTTP: OpenAI-compatible /v1/completions and "
+                       "/v1/chat/completions (streaming), /health, /metrics; requests batched continuously")
+    p.add_argument("engine", help="engine directory written by `speccomp export` / compiled.export()")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=positive, default=8000)
+    p.add_argument("--max-batch", type=positive, default=8, help="rows decoding together at most (default 8)")
+    p.add_argument("--kv-slots", type=positive, default=8192, help="KV cache slots shared by the running rows; a "
+                   "request needs prompt + max_tokens + the tree's room (default 8192)")
+    p.add_argument("--provider", default="cpu", help="ONNX Runtime execution provider: cpu, cuda, tensorrt (default cpu)")
+    p.add_argument("--threads", type=positive, default=None, help="ONNX Runtime intra-op threads (default: its own)")
+    p.set_defaults(func=cmd_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

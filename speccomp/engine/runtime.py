@@ -29,8 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from speccomp.runtime.calls import MAX_TREE, CallGuard, as_int, batch_rows, check_context, generate_args
-from speccomp.errors import SpeccompError
+from speccomp.runtime.budget import Budget, StepCosts
+from speccomp.runtime.calls import (MAX_TREE, CallGuard, as_int, batch_rows, check_context, generate_args,
+                                    row_slots)
+from speccomp.errors import OptionTypeError, SpeccompError
 from speccomp.drafters.eagle_cache import EagleCache
 from speccomp.drafters.grow import ancestor_rows, cut, grow_dynamic, grow_static, state_expander
 from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, merge_trees, own_view, recycle, shared_prefix
@@ -1029,11 +1031,13 @@ class _Row:
             self.drafter.begin(self.prompt, cache)
             self.drafter.take(extras, list(range(len(self.prompt))))
 
-    def draft(self) -> tuple[list[int], list[int]]:
+    def draft(self, max_nodes: int | None = None) -> tuple[list[int], list[int]]:
+        """`max_nodes`: a batch's cap for this row this step (runtime/budget.py); 1 asks the drafter for nothing."""
         room = self.max_new_tokens - len(self.out)  # tokens still allowed, the bonus included
-        if self.drafter is None or room <= 1:
+        cap = self.max_tree if max_nodes is None else min(max_nodes, self.max_tree)
+        if self.drafter is None or room <= 1 or cap <= 1:
             return [-1], [self.out[-1]]
-        return self.drafter.propose(self.context, room - 1, self.max_tree)
+        return self.drafter.propose(self.context, room - 1, cap)
 
     def accept(self, tokens, children, logits) -> list[int]:
         path, self._bonus = accept(tokens, children, lambda node: self.pick(logits[node]))
@@ -1058,6 +1062,93 @@ class _Row:
         if seconds:
             about |= {"seconds": seconds, "tokens_per_second": len(self.out) / seconds}
         return about
+
+
+class EngineBatch:
+    """Rows of one engine decoding together (speccomp/runtime/batch.py's Batch in numpy): `add` a row between steps,
+    `step` (one target forward for every row: joining rows' prompts, the others' draft trees, packed; a query sees its
+    own row's cached slots and its own tree), `remove` a row (its slots are dropped). Rows are `Engine.row`s."""
+
+    def __init__(self, engine, capacity: int, budget=None):
+        self.engine, self.budget = engine, budget
+        self.cache = KVCache(engine.kv, capacity, engine.dtype)
+        self.owner = np.full(capacity, -1)  # row id of each cache slot
+        self.rows: dict[int, _Row] = {}
+        self.reserved: dict[int, int] = {}
+        self.forwards, self._next = 0, 0
+
+    def need(self, prompt_len: int, max_new_tokens: int) -> int:
+        return row_slots(prompt_len, max_new_tokens, self.engine.max_tree)
+
+    def free(self) -> int:
+        return self.cache.shape[4] - sum(self.reserved.values())
+
+    def add(self, row) -> int:
+        need = self.need(len(row.prompt), row.max_new_tokens)
+        if need > self.free():
+            raise EngineError(f"the batch's cache has {self.free()} free slots, the row needs {need}")
+        rid, self._next = self._next, self._next + 1
+        self.rows[rid], self.reserved[rid] = row, need
+        return rid
+
+    def remove(self, rid: int) -> None:
+        self.rows.pop(rid)
+        self.reserved.pop(rid)
+        if self.budget is not None:
+            self.budget.forget(rid)
+        length = self.cache.length
+        live = np.isin(self.owner[:length], list(self.rows))
+        if not live.all():
+            m = int(live.sum())
+            self.cache.data[..., :m, :] = self.cache.data[..., :length, :][..., live, :]
+            self.owner[:m], self.owner[m:length] = self.owner[:length][live], -1
+            self.cache.length = m
+
+    def step(self) -> dict[int, list[int]]:
+        """One forward for every unfinished row; the tokens each emitted (finished rows stay until `remove`)."""
+        running = [i for i, r in self.rows.items() if r.out and not r.done]
+        joining = [i for i, r in self.rows.items() if not r.out]
+        caps = {} if self.budget is None else self.budget.caps_for(
+            running, extra_q=sum(len(self.rows[i].prompt) for i in joining))
+        parts = []  # (row id, tokens, positions, block mask, children or None for a prefill)
+        for i in joining:
+            n = len(self.rows[i].prompt)
+            parts.append((i, self.rows[i].prompt, np.arange(n), np.tril(np.ones((n, n), dtype=bool)), None))
+        for i in running:
+            parents, tokens = self.rows[i].draft(caps.get(i))
+            depth, block, children = tree_arrays(parents)
+            parts.append((i, tokens, self.rows[i].cached + depth, block, children))
+        if not parts:
+            return {}
+        past, q = self.cache.length, sum(len(p[1]) for p in parts)
+        mask, at = np.zeros((q, past + q), dtype=bool), 0
+        for i, tokens, _, block, _ in parts:
+            mask[at : at + len(tokens), :past] = self.owner[:past] == i
+            mask[at : at + len(tokens), past + at : past + at + len(tokens)] = block
+            at += len(tokens)
+        logits, new_kv, extras = self.engine._forward(self.cache, [t for p in parts for t in p[1]],
+                                                      np.concatenate([p[2] for p in parts]).astype(np.int64), mask)
+        self.forwards += 1
+        keep, owners, emitted, at = [], [], {}, 0
+        for i, tokens, _, _, children in parts:
+            r, n = self.rows[i], len(tokens)
+            mine, own, before = logits[at : at + n], [e[:, at : at + n] for e in extras], len(r.out)
+            if children is None:
+                r.first(mine, own, self.cache)
+                kept = list(range(n))
+            else:
+                kept = r.accept(tokens, children, mine)
+                r.advance(tokens, kept, mine, own)
+                if self.budget is not None:
+                    self.budget.record(i, kept, caps[i])
+            keep += [at + k for k in kept]
+            owners += [i] * len(kept)
+            r.cached += len(kept)
+            emitted[i] = r.out[before:]
+            at += n
+        self.owner[self.cache.length : self.cache.length + len(keep)] = owners
+        self.cache.append(new_kv, keep=np.array(keep))
+        return emitted
 
 
 # ---- The engine ------------------------------------------------------------------------------------------
@@ -1159,17 +1250,22 @@ class Engine:
             raise EngineError(f"the engine's tokenizer.chat_template is not a valid Jinja template ({exc}); re-export "
                               "the engine with a tokenizer whose chat template works") from None
 
-    def chat_ids(self, prompt: str) -> np.ndarray:
-        """Token ids [1, n] of `prompt` as a user turn in the model's chat template (as models.chat_ids)."""
+    def chat_ids(self, prompt) -> np.ndarray:
+        """Token ids [1, n] of `prompt` as a user turn in the model's chat template (as models.chat_ids), or of a
+        conversation: a list of {"role", "content"} messages. Without a template: the messages' contents, joined."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         info = self.manifest.get("tokenizer") or {}
         if info.get("chat_template"):
             if self._template is None:
                 raise EngineError("rendering the engine's chat template needs jinja2: pip install jinja2")
-            text = self._template.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         **info.get("special_tokens", {}))
+            text = self._template.render(messages=messages, add_generation_prompt=True, **info.get("special_tokens", {}))
         else:
-            text = prompt
+            text = "\n".join(m["content"] for m in messages)
         return np.array([self._tok().encode(text, add_special_tokens=False).ids], dtype=np.int64)
+
+    def text_ids(self, text: str) -> list[int]:
+        """Token ids of plain `text` (a completion prompt), with the tokenizer's special tokens (BOS) if it adds any."""
+        return self._tok().encode(text, add_special_tokens=True).ids
 
     def decode(self, ids) -> str:
         return self._tok().decode([int(i) for i in ids], skip_special_tokens=True)
@@ -1188,15 +1284,15 @@ class Engine:
 
     def generate(self, input_ids, max_new_tokens: int, eos_token_id=None, do_sample: bool = False,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None, attention_mask=None,
-                 pad_token_id: int | None = None) -> np.ndarray:
+                 pad_token_id: int | None = None, load_aware: bool = True) -> np.ndarray:
         """Prompt + new tokens, np.int64 [1, n + m]; greedy output equals the model's greedy decoding. A left-padded
         batch [B, n] with `attention_mask` decodes every row as if alone ([B, n + m], padded with `pad_token_id`,
-        default the first eos id), as SpecModel.generate. Arguments are checked as SpecModel.generate's
+        default the first eos id; `load_aware`: caps on each row's tree by goodput), as SpecModel.generate. Arguments are checked as SpecModel.generate's
         (speccomp/runtime/calls.py)."""
         rows = batch_rows(input_ids, attention_mask)
         if rows is not None:
             return self._generate_batch(input_ids, rows, max_new_tokens, eos_token_id, do_sample, temperature, top_p,
-                                        seed, pad_token_id)
+                                        seed, pad_token_id, load_aware)
         args = generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed,
                              vocab_size=self.vocab_size, max_positions=self.max_positions)
         check_context(self.drafter, len(args.prompt), args.max_new_tokens)
@@ -1227,20 +1323,22 @@ class Engine:
                          "lossless": True, "providers": self.providers}
 
     def _generate_batch(self, input_ids, rows, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed,
-                        pad_token_id) -> np.ndarray:
+                        pad_token_id, load_aware) -> np.ndarray:
         """A batch: every row checked as a single generate's, then decoded together, packed into one forward a step
         (speccomp/runtime/batch.py's scheme, in numpy)."""
         args = [generate_args(r, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed,
                               vocab_size=self.vocab_size, max_positions=self.max_positions) for r in rows]
         for a in args:
             check_context(self.drafter, len(a.prompt), a.max_new_tokens)
-        self._check_batchable(len(rows))
+        self.check_batchable(len(rows))
+        if not isinstance(load_aware, bool):
+            raise OptionTypeError("load_aware", load_aware, "must be True or False")
         pad = min(args[0].eos, default=0) if pad_token_id is None else as_int("pad_token_id", pad_token_id)
         with self._calls.lock:
             start = time.perf_counter()
             seqs = [_Row(a, None if self.drafter is None else self.drafter.fresh(), self.max_tree,
                          None if a.seed is None else a.seed + i) for i, a in enumerate(args)]
-            forwards = self._decode_batch(seqs)
+            forwards = self._decode_batch(seqs, load_aware)
             seconds = time.perf_counter() - start
             new_tokens = sum(len(r.out) for r in seqs)
             self._calls.stats = {"batch": len(seqs), "forwards": forwards, "new_tokens": new_tokens, "seconds": seconds,
@@ -1252,7 +1350,10 @@ class Engine:
             new[i, : len(r.out)] = r.out
         return np.concatenate([given, new], axis=1)
 
-    def _check_batchable(self, rows: int) -> None:
+    def check_batchable(self, rows: int) -> None:
+        """A batch of `rows` > 1 needs a model without sliding windows and a drafter that reads no target cache."""
+        if rows <= 1:
+            return
         fix = "call generate once per prompt"
         windows = self.manifest["model"].get("sliding_window_layers")
         if windows is None:
@@ -1266,56 +1367,44 @@ class Engine:
                               f"target's own KV cache, which a batch shares between rows; load the engine with "
                               f"draft=False, or {fix}")
 
-    def _decode_batch(self, rows: list) -> int:
-        """All rows to the end, one target forward a step: each row's prompt (first step) or draft tree, packed, a
-        query seeing its own row's cached slots and its own tree (runtime/batch.py); finished rows' slots dropped."""
-        capacity = sum(len(r.prompt) + r.max_new_tokens + self.max_tree + 1 for r in rows)
-        cache, owner, forwards = KVCache(self.kv, capacity, self.dtype), np.full(capacity, -1), 0
-        while not all(r.done for r in rows):
-            parts = []  # (row index, tokens, positions, block mask, children or None for a prefill)
-            for i, r in enumerate(rows):
-                if r.done:
-                    continue
-                if not r.out:
-                    n = len(r.prompt)
-                    parts.append((i, r.prompt, np.arange(n), np.tril(np.ones((n, n), dtype=bool)), None))
-                else:
-                    parents, tokens = r.draft()
-                    depth, block, children = tree_arrays(parents)
-                    parts.append((i, tokens, r.cached + depth, block, children))
-            past, q = cache.length, sum(len(p[1]) for p in parts)
-            mask, at = np.zeros((q, past + q), dtype=bool), 0
-            for i, tokens, _, block, _ in parts:
-                mask[at : at + len(tokens), :past] = owner[:past] == i
-                mask[at : at + len(tokens), past + at : past + at + len(tokens)] = block
-                at += len(tokens)
-            logits, new_kv, extras = self._forward(cache, [t for p in parts for t in p[1]],
-                                                   np.concatenate([p[2] for p in parts]).astype(np.int64), mask)
-            forwards += 1
-            keep, owners, at = [], [], 0
-            for i, tokens, _, _, children in parts:
-                r, n = rows[i], len(tokens)
-                mine, own = logits[at : at + n], [e[:, at : at + n] for e in extras]
-                if children is None:
-                    r.first(mine, own, cache)
-                    kept = list(range(n))
-                else:
-                    kept = r.accept(tokens, children, mine)
-                    r.advance(tokens, kept, mine, own)
-                keep += [at + k for k in kept]
-                owners += [i] * len(kept)
-                r.cached += len(kept)
-                at += n
-            owner[cache.length : cache.length + len(keep)] = owners
-            cache.append(new_kv, keep=np.array(keep))
-            done = {i for i, r in enumerate(rows) if r.done}
-            live = ~np.isin(owner[: cache.length], list(done))
-            if not live.all():  # the slots of finished rows go
-                m = int(live.sum())
-                cache.data[..., :m, :] = cache.data[..., : cache.length, :][..., live, :]
-                owner[:m], owner[m:] = owner[: cache.length][live], -1
-                cache.length = m
-        return forwards
+    def _decode_batch(self, rows: list, load_aware: bool = True) -> int:
+        """All rows to the end together; the number of target forwards."""
+        batch = self.batch(sum(row_slots(len(r.prompt), r.max_new_tokens, self.max_tree) for r in rows), load_aware)
+        for r in rows:
+            batch.add(r)
+        while batch.rows:
+            batch.step()
+            for rid in [i for i, r in batch.rows.items() if r.done]:
+                batch.remove(rid)
+        return batch.forwards
+
+    def batch(self, kv_slots: int, load_aware: bool = True) -> "EngineBatch":
+        """An empty batch over a cache of `kv_slots` slots, for rows to join and leave (`speccomp serve`)."""
+        budget = Budget(self.step_costs(), self.max_tree) if load_aware and self.drafter is not None else None
+        return EngineBatch(self, kv_slots, budget)
+
+    def row(self, input_ids, max_new_tokens: int, eos_token_id=None, do_sample: bool = False, temperature: float = 1.0,
+            top_p: float = 1.0, seed: int | None = None) -> "_Row":
+        """One generation for a batch, its arguments checked as generate's (eos: the engine's own by default)."""
+        args = generate_args(input_ids, max_new_tokens, self.eos_token_id if eos_token_id is None else eos_token_id,
+                             do_sample, temperature, top_p, seed, vocab_size=self.vocab_size,
+                             max_positions=self.max_positions)
+        check_context(self.drafter, len(args.prompt), args.max_new_tokens)
+        return _Row(args, None if self.drafter is None else self.drafter.fresh(), self.max_tree, args.seed)
+
+    def step_costs(self):
+        """The target's step-cost curve (runtime/budget.py's StepCosts), measured once, at first use."""
+        if getattr(self, "_step_costs", None) is None:
+            past = 256
+
+            def run(q: int) -> None:
+                cache = KVCache(self.kv, past + q, self.dtype)
+                cache.length = past
+                self._forward(cache, [0] * q, np.arange(past, past + q, dtype=np.int64),
+                              np.tril(np.ones((q, past + q), dtype=bool), past))
+
+            self._step_costs = StepCosts(run)
+        return self._step_costs
 
     def __repr__(self) -> str:
         d = (self.manifest["drafter"].get("name") if self.drafter is not None else None) or "plain"

@@ -28,7 +28,23 @@ import torch
 
 from speccomp.errors import OptionError
 from speccomp.frontend.convention import KVSpec
+from speccomp.runtime.budget import Budget, StepCosts
+from speccomp.runtime.calls import row_slots
 from speccomp.runtime.decode import KVCache, Sequence
+
+
+def step_costs(target, kv: KVSpec, device, past: int = 256):
+    """runtime/budget.py's StepCosts for `target`: forwards of q tokens after `past` cached ones (zeros)."""
+    def run(q: int) -> None:
+        n = past + q
+        cache = KVCache(kv, n, device)
+        cache.length = past
+        with torch.no_grad():
+            target(torch.zeros(1, q, dtype=torch.long, device=device), torch.arange(past, n, device=device)[None],
+                   torch.ones(1, n, dtype=torch.long, device=device), cache.past(),
+                   torch.ones(q, n, dtype=torch.bool, device=device).tril(past))
+
+    return StepCosts(run)
 
 
 def check_batchable(model, rows: int) -> None:
@@ -54,8 +70,9 @@ def check_batchable(model, rows: int) -> None:
 class Batch:
     """Rows decoding together over one target graph (`target`: the calling convention plus tree_mask)."""
 
-    def __init__(self, target, kv: KVSpec, capacity: int, device, max_tree: int):
-        self.target, self.max_tree, self.device = target, max_tree, device
+    def __init__(self, target, kv: KVSpec, capacity: int, device, max_tree: int, budget: Budget | None = None):
+        """`budget`: load-aware caps on each row's tree (runtime/budget.py); None: every row its drafter's whole tree."""
+        self.target, self.max_tree, self.device, self.budget = target, max_tree, device, budget
         self.cache = KVCache(kv, capacity, device)
         self.owner = torch.full((capacity,), -1, dtype=torch.long)  # row id of each cache slot
         self.rows: dict[int, Sequence] = {}
@@ -88,22 +105,25 @@ class Batch:
         self.cached.pop(rid)
         self.reserved.pop(rid)
         self._joined.pop(rid)
+        if self.budget is not None:
+            self.budget.forget(rid)
         self._compact()
 
     def step(self) -> dict[int, list[int]]:
         """One forward for every row: joining rows' prompts, the others' drafts. The tokens each row emitted this step
         (finished rows stay until `remove`, done)."""
         parts = []  # (row id, Draft or None for a prefill, tokens, positions, block mask)
-        for rid, seq in self.rows.items():
-            if seq.done:
-                continue
-            if not seq.out:
-                n = len(seq.prompt)
-                parts.append((rid, None, torch.tensor(seq.prompt), torch.arange(n),
-                              torch.ones(n, n, dtype=torch.bool).tril()))
-            else:
-                draft = seq.draft(self.cache)
-                parts.append((rid, draft, draft.tokens, self.cached[rid] + draft.tree.depth, draft.tree.mask))
+        running = [rid for rid, seq in self.rows.items() if seq.out and not seq.done]
+        joining = [rid for rid, seq in self.rows.items() if not seq.out]
+        caps = {} if self.budget is None else self.budget.caps_for(
+            running, extra_q=sum(len(self.rows[r].prompt) for r in joining))
+        for rid in joining:
+            n = len(self.rows[rid].prompt)
+            parts.append((rid, None, torch.tensor(self.rows[rid].prompt), torch.arange(n),
+                          torch.ones(n, n, dtype=torch.bool).tril()))
+        for rid in running:
+            draft = self.rows[rid].draft(self.cache, caps.get(rid))
+            parts.append((rid, draft, draft.tokens, self.cached[rid] + draft.tree.depth, draft.tree.mask))
         if not parts:
             return {}
         outs = self._forward(parts)
@@ -117,6 +137,8 @@ class Batch:
             else:
                 kept = seq.accept(draft, mine)
                 seq.advance(draft, kept, mine)
+                if self.budget is not None:
+                    self.budget.record(rid, kept, caps[rid])
             seq.stats.seconds = time.perf_counter() - self._joined[rid]
             if draft is None:
                 seq.stats.prefill_seconds = seq.stats.seconds
@@ -165,15 +187,10 @@ class Batch:
         self.cache.length = m
 
 
-def row_slots(prompt_len: int, max_new_tokens: int, max_tree: int) -> int:
-    """Cache slots a row needs at most: its text, plus the room its last step's tree is verified in."""
-    return prompt_len + max_new_tokens + max_tree + 1
-
-
-def decode_batch(target, kv: KVSpec, device, seqs: list[Sequence], max_tree: int) -> int:
+def decode_batch(target, kv: KVSpec, device, seqs: list[Sequence], max_tree: int, budget: Budget | None = None) -> int:
     """Run `seqs` to the end together (all join at once); the number of target forwards it took."""
     capacity = sum(row_slots(len(s.prompt), s.max_new_tokens, max_tree) for s in seqs)
-    batch = Batch(target, kv, capacity, device, max_tree)
+    batch = Batch(target, kv, capacity, device, max_tree, budget)
     for seq in seqs:
         batch.add(seq)
     while batch.rows:

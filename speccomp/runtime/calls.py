@@ -163,6 +163,11 @@ def batch_rows(input_ids, attention_mask) -> list[np.ndarray] | None:
     return rows
 
 
+def row_slots(prompt_len: int, max_new_tokens: int, max_tree: int) -> int:
+    """Cache slots a row of a batch needs at most: its text, plus the room its last step's tree is verified in."""
+    return prompt_len + max_new_tokens + max_tree + 1
+
+
 def check_context(drafter, prompt_len: int, max_new_tokens: int) -> None:
     """A drafter with a context of its own (a draft model's `max_positions`) must hold the whole text: refused before
     any work, naming the drafter's limit (the target's is `generate_args`')."""

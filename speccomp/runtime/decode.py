@@ -328,11 +328,13 @@ class Sequence:
         self.stats.steps = 1  # the prefill produced the first token
         self._emit([int(self.sampler(outs[0][0, -1]))])
 
-    def draft(self, cache: KVCache) -> Draft:
+    def draft(self, cache: KVCache, max_nodes: int | None = None) -> Draft:
+        """`max_nodes`: a batch's cap for this row this step (runtime/budget.py); 1 asks the drafter for nothing."""
         room = self.max_new_tokens - len(self.out)  # tokens still allowed, the bonus included
-        ctx = DraftContext(self.context, cache, max_depth=room - 1, max_nodes=self.max_tree,
-                           sampler=self._drafts_sampler)
-        draft = self.drafter.propose(ctx) if room > 1 else Draft(ROOT_ONLY, torch.tensor([self.out[-1]]))
+        cap = self.max_tree if max_nodes is None else min(max_nodes, self.max_tree)
+        ctx = DraftContext(self.context, cache, max_depth=room - 1, max_nodes=cap, sampler=self._drafts_sampler)
+        root_only = room <= 1 or cap <= 1
+        draft = Draft(ROOT_ONLY, torch.tensor([self.out[-1]])) if root_only else self.drafter.propose(ctx)
         tree, keep = truncate(draft.tree, ctx.max_depth, ctx.max_nodes)
         if len(keep) != draft.tree.size:
             draft = Draft(tree, draft.tokens[keep], None if draft.probs is None else draft.probs[keep])

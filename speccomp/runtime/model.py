@@ -8,9 +8,10 @@ import numpy as np
 import torch
 
 from speccomp.drafters.registry import max_tree_nodes
-from speccomp.errors import OptionError
+from speccomp.errors import OptionError, OptionTypeError
 from speccomp.frontend.graph import SpecGraph
-from speccomp.runtime.batch import check_batchable, decode_batch
+from speccomp.runtime.batch import check_batchable, decode_batch, step_costs
+from speccomp.runtime.budget import Budget
 from speccomp.runtime.calls import ACCEPTANCE, CallGuard, batch_rows, check_context, choice, generate_args, token_ids
 from speccomp.runtime.decode import FullCache, RootOnly, Sequence, decode
 from speccomp.runtime.sampling import Sampler
@@ -74,11 +75,14 @@ class SpecModel:
         acceptance: str = "exact",
         attention_mask=None,
         pad_token_id: int | None = None,
+        load_aware: bool = True,
     ) -> torch.Tensor:
         """input_ids: [seq] or [1, seq] token ids (a LongTensor, an integer array or a list), or a batch [B, seq]
         left-padded with `attention_mask` (0 on padding) as for HF generate: each row is decoded as if alone
         (speccomp/runtime/batch.py) and the result is [B, seq + m], rows that stopped early padded on the right with
-        `pad_token_id` (default: the first eos id). eos_token_id: an int or a list of ints. acceptance: "exact"
+        `pad_token_id` (default: the first eos id); `load_aware` caps each row's tree step by step where the batch's
+        goodput says trees cost more than they gain (speccomp/runtime/budget.py; False: every row verifies its
+        drafter's whole tree). eos_token_id: an int or a list of ints. acceptance: "exact"
         (lossless: greedy equality / rejection sampling) or "typical-lossy" (Medusa's typical acceptance with
         do_sample=True; LOSSY, the text no longer follows the model's distribution; `last_stats["lossless"]` says
         which ran). A batch's rows sample with seeds seed, seed + 1, ... Every argument is checked before any work
@@ -86,7 +90,7 @@ class SpecModel:
         rows = batch_rows(input_ids, attention_mask)
         if rows is not None:
             return self._generate_batch(input_ids, rows, max_new_tokens, eos_token_id, do_sample, temperature, top_p,
-                                        seed, acceptance, pad_token_id)
+                                        seed, acceptance, pad_token_id, load_aware)
         args = generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed,
                              vocab_size=self.graph.captured.vocab_size, max_positions=self.max_positions)
         self._check_call(args, acceptance)
@@ -100,6 +104,12 @@ class SpecModel:
             self._calls.stats = stats
         return torch.cat([prompt, new[None].to(device)], dim=1)
 
+    def step_costs(self):
+        """The target's step-cost curve (seconds per forward of q packed tokens), measured once, at first use."""
+        if getattr(self, "_step_costs", None) is None:
+            self._step_costs = step_costs(self.step, self.kv, self.device)
+        return self._step_costs
+
     def _check_call(self, args, acceptance: str) -> None:
         choice("acceptance", acceptance, ACCEPTANCE)
         check_context(self.drafter, len(args.prompt), args.max_new_tokens)
@@ -109,7 +119,7 @@ class SpecModel:
             raise OptionError("acceptance", acceptance, "needs a drafter (plain decoding accepts nothing)")
 
     def _generate_batch(self, input_ids, rows, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed,
-                        acceptance, pad_token_id) -> torch.Tensor:
+                        acceptance, pad_token_id, load_aware) -> torch.Tensor:
         """A batch: every row checked as a single generate's, then decoded together (speccomp/runtime/batch.py)."""
         vocab = self.graph.captured.vocab_size
         args = [generate_args(r, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed, vocab_size=vocab,
@@ -117,6 +127,8 @@ class SpecModel:
         for a in args:
             self._check_call(a, acceptance)
         check_batchable(self, len(rows))
+        if not isinstance(load_aware, bool):
+            raise OptionTypeError("load_aware", load_aware, "must be True or False")
         eos = args[0].eos
         pad = min(eos, default=0) if pad_token_id is None else token_ids("pad_token_id", pad_token_id, vocab)
         if isinstance(pad, list) and len(pad) != 1:
@@ -128,7 +140,8 @@ class SpecModel:
                          a.max_new_tokens, eos, self.max_tree, acceptance) for i, r in enumerate(args)]
         with self._calls.lock:
             start = time.perf_counter()
-            forwards = decode_batch(self.step, self.kv, self.device, seqs, self.max_tree)
+            budget = Budget(self.step_costs(), self.max_tree) if load_aware and self.drafter is not None else None
+            forwards = decode_batch(self.step, self.kv, self.device, seqs, self.max_tree, budget)
             seconds = time.perf_counter() - start
             new_tokens = sum(len(s.out) for s in seqs)
             self._calls.stats = {"batch": len(seqs), "forwards": forwards, "new_tokens": new_tokens,

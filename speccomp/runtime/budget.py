@@ -1,0 +1,125 @@
+"""Load-aware speculation: how many draft-tree nodes each row of a batch verifies this step. Torch-free: the torch
+runtime's Batch (runtime/batch.py) and the engine's (engine/runtime.py) share it.
+
+A batch step is one forward of every row's nodes packed together; on a CPU (and on a GPU once the batch is large)
+its cost grows with the nodes, so trees that pay for one sequence make a big batch slower than plain decoding
+(benchmarks/batch.py measured 0.42x plain at B = 8 with Token Recycling's full trees). The budget is chosen per step
+for goodput, tokens gained per second (SmartSpec), allocating nodes across rows (TETRIS):
+
+    gain  = sum over rows of E_r[tokens | cap_r]     cap_r: row r verifies at most the first cap_r nodes of its tree
+    cost  = t(nodes of all rows + joining prompts)   t: the measured step-cost curve (StepCosts)
+
+E_r[tokens | c] comes from row r's recent accepted paths: a tree lists parents before children, so its first c nodes
+form a tree and a path would have been accepted exactly up to its first node with index >= c; a history taken at cap
+c' predicts every c <= c'. Rows start at cap 1 (plain decoding, E = 1 exactly) and a greedy loop raises the cap of
+whichever row improves gain / cost most, while one does. With few records of its own a row borrows the batch's. One
+row per step (round robin) verifies one cap above its choice, so the histories keep showing what a bigger tree would
+gain. A cap of 1 asks the drafter for nothing.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+
+CAPS = (1, 2, 4, 8, 16, 32, 64)  # the caps a row may get (the model's max_tree last)
+HISTORY = 32  # accepted paths remembered per row
+MIN_OWN = 4  # records a row needs before its own estimate is used (else the batch's pooled records)
+
+
+class StepCosts:
+    """t(q): seconds of one forward of q packed tokens, measured lazily at powers of two by `run(q)` (one untimed
+    call, then the median of `repeats`) and interpolated linearly between them (extrapolated past the largest)."""
+
+    MAX_Q = 1024  # measured up to here; larger q extrapolates the last segment
+
+    def __init__(self, run, repeats: int = 3):
+        self.run, self.repeats, self.measured = run, repeats, {}
+
+    def _at(self, q: int) -> float:
+        if q not in self.measured:
+            self.run(q)
+            times = []
+            for _ in range(self.repeats):
+                start = time.perf_counter()
+                self.run(q)
+                times.append(time.perf_counter() - start)
+            self.measured[q] = statistics.median(times)
+        return self.measured[q]
+
+    def __call__(self, q: int) -> float:
+        q = max(1, int(q))
+        lo = min(1 << (q.bit_length() - 1), self.MAX_Q // 2)  # the power of two at or below q
+        if lo == q:
+            return self._at(q)
+        hi = lo * 2
+        a, b = self._at(lo), self._at(hi)
+        return a + (b - a) * (q - lo) / (hi - lo)
+
+
+class FixedCosts:
+    """A given curve t(q) = fixed + per_token * q (tests; or a model fitted elsewhere)."""
+
+    def __init__(self, fixed: float, per_token: float):
+        self.fixed, self.per_token = fixed, per_token
+
+    def __call__(self, q: int) -> float:
+        return self.fixed + self.per_token * q
+
+
+def _gained(path_nodes: tuple[int, ...], cap: int) -> int:
+    """Tokens a step would have gained under `cap`: the accepted drafts with index < cap (indices grow along a path,
+    parents coming first), plus the bonus token."""
+    return 1 + sum(1 for i in path_nodes if i < cap)
+
+
+class Budget:
+    def __init__(self, costs, max_nodes: int):
+        self.costs = costs
+        self.caps = [c for c in CAPS if c < max_nodes] + [max_nodes]
+        self.history: dict[int, deque] = {}  # row id -> (accepted draft node indices, cap it ran at)
+        self._turn = 0
+
+    def record(self, rid: int, path: list[int], cap: int) -> None:
+        self.history.setdefault(rid, deque(maxlen=HISTORY)).append((tuple(path[1:]), cap))
+
+    def forget(self, rid: int) -> None:
+        self.history.pop(rid, None)
+
+    def expected(self, rid: int, cap: int) -> float | None:
+        """E[tokens a step | cap] for row `rid`, None where no record ran at a cap that large."""
+        if cap <= 1:
+            return 1.0
+        own = [p for p, c in self.history.get(rid, ()) if c >= cap]
+        records = own if len(own) >= MIN_OWN else [p for h in self.history.values() for p, c in h if c >= cap]
+        return sum(_gained(p, cap) for p in records) / len(records) if records else None
+
+    def caps_for(self, rids: list[int], extra_q: int = 0) -> dict[int, int]:
+        """Each row's cap this step; `extra_q`: tokens of joining prompts riding in the same forward."""
+        level = {r: 0 for r in rids}  # index into self.caps
+        gains = {r: 1.0 for r in rids}
+        q = extra_q + len(rids)
+        best = sum(gains.values()) / self.costs(q)
+        while True:
+            pick = None
+            for r in rids:
+                if level[r] + 1 >= len(self.caps):
+                    continue
+                nxt = self.caps[level[r] + 1]
+                e = self.expected(r, nxt)
+                if e is None:
+                    continue
+                dq = nxt - self.caps[level[r]]
+                score = (sum(gains.values()) - gains[r] + e) / self.costs(q + dq)
+                if score > best and (pick is None or score > pick[0]):
+                    pick = (score, r, e, dq)
+            if pick is None:
+                break
+            best, r, e, dq = pick
+            level[r], gains[r], q = level[r] + 1, e, q + dq
+        caps = {r: self.caps[level[r]] for r in rids}
+        if rids:  # one row explores the next cap up
+            r = rids[self._turn % len(rids)]
+            self._turn += 1
+            caps[r] = self.caps[min(level[r] + 1, len(self.caps) - 1)]
+        return caps

@@ -1,0 +1,323 @@
+"""`speccomp serve ENGINE_DIR`: an OpenAI-compatible HTTP server over an exported engine, batching continuously.
+
+    speccomp serve engine/ --port 8000
+    curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
+         -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "temperature": 0}'
+
+Endpoints (FastAPI on uvicorn): POST /v1/completions and POST /v1/chat/completions (OpenAI's request and response
+shapes; "stream": true sends server-sent events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics
+(Prometheus text: requests, tokens, target forwards, tokens per row step, throughput, running and waiting rows).
+temperature 0 is greedy decoding (the engine's output is the model's own greedy text); > 0 samples losslessly.
+
+One thread owns the engine (`Scheduler`): between two steps of the running batch (speccomp/engine/runtime.py's
+`EngineBatch`, which packs every row into one forward) it admits waiting requests while the batch has room for the
+whole generation (prompt + max_tokens cache slots) and rows are fewer than --max-batch, and removes rows that
+finished or whose client went away. The event loop only parses, queues and streams. A request that could never
+fit, or with a bad parameter, is answered 400 with OpenAI's error body naming the parameter.
+"""
+
+import asyncio
+import collections
+import contextlib
+import json
+import threading
+import time
+import uuid
+
+from speccomp.errors import OptionError, OptionTypeError, SpeccompError
+
+UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "stop": None,
+               "suffix": None, "tools": None, "logit_bias": None}  # accepted only at these values
+
+
+class Job:
+    """One request: its row's parameters, and a queue the scheduler thread feeds (token lists, then a finish reason
+    or an exception) on the request's event loop."""
+
+    def __init__(self, ids: list[int], options: dict, loop: asyncio.AbstractEventLoop):
+        self.ids, self.options, self.loop = ids, options, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class Scheduler:
+    """The engine's batch, run by one thread; requests join and leave between steps (continuous batching)."""
+
+    def __init__(self, engine, max_batch: int = 8, kv_slots: int = 8192):
+        engine.check_batchable(max(max_batch, 2))
+        self.engine, self.max_batch = engine, max_batch
+        self.batch = engine.batch(kv_slots)
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.jobs: dict[int, Job] = {}
+        self.wake = threading.Condition()
+        self.counts = collections.Counter()
+        self.recent: collections.deque = collections.deque(maxlen=256)  # (time, tokens) of recent steps
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="speccomp-scheduler", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue `job` (its row is checked here: a bad request raises before it waits)."""
+        try:
+            job.row = self.engine.row(job.ids, **job.options)
+        except (OptionError, OptionTypeError) as exc:  # the API's names for generate's parameters
+            name = {"max_new_tokens": "max_tokens", "input_ids": "prompt"}.get(exc.parameter, exc.parameter)
+            raise type(exc)(name, exc.value, exc.problem.replace("max_new_tokens", "max_tokens"), exc.fix) from None
+        need = self.batch.need(len(job.ids), job.row.max_new_tokens)
+        if need > self.batch.cache.shape[4]:
+            raise OptionError("max_tokens", job.row.max_new_tokens, f"the prompt ({len(job.ids)} tokens) and the reply "
+                              f"need {need} cache slots; this server holds {self.batch.cache.shape[4]}",
+                              "ask for fewer tokens, or start the server with a larger --kv-slots")
+        with self.wake:
+            self.counts["requests"] += 1
+            self.waiting.append(job)
+            self.wake.notify()
+
+    def stop(self) -> None:
+        with self.wake:
+            self.stopped = True
+            self.wake.notify()
+        self.thread.join(timeout=10)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.jobs) < self.max_batch:
+            job = self.waiting[0]
+            if job.cancelled:
+                self.waiting.popleft()
+                continue
+            if self.batch.need(len(job.ids), job.row.max_new_tokens) > self.batch.free():
+                return  # first come, first served: it waits for room
+            self.waiting.popleft()
+            self.jobs[self.batch.add(job.row)] = job
+
+    def _run(self) -> None:
+        while True:
+            with self.wake:
+                while not self.stopped and not self.waiting and not self.jobs:
+                    self.wake.wait()
+                if self.stopped:
+                    return
+                self._admit()
+            try:
+                emitted = self.batch.step()
+            except Exception as exc:  # a failing step fails the rows in it, not the server
+                for rid, job in list(self.jobs.items()):
+                    self.batch.remove(rid)
+                    job.put(exc)
+                self.jobs.clear()
+                continue
+            self.counts["forwards"] += 1
+            self.recent.append((time.perf_counter(), sum(len(t) for t in emitted.values())))
+            for rid, tokens in emitted.items():
+                job = self.jobs[rid]
+                self.counts["tokens"] += len(tokens)
+                self.counts["row_steps"] += 1
+                if tokens and not job.cancelled:
+                    job.put(tokens)
+            for rid, job in list(self.jobs.items()):
+                row = self.batch.rows[rid]
+                if row.done or job.cancelled:
+                    self.batch.remove(rid)
+                    del self.jobs[rid]
+                    self.counts["cancelled" if job.cancelled else "finished"] += 1
+                    job.put("stop" if row.out and row.out[-1] in row.eos else "length")
+
+    def metrics(self) -> str:
+        """Prometheus text exposition."""
+        now = time.perf_counter()
+        window = [(t, n) for t, n in self.recent if now - t <= 10.0]
+        tps = sum(n for _, n in window) / (now - window[0][0]) if len(window) > 1 and now > window[0][0] else 0.0
+        c = self.counts
+        rows = [
+            ("requests_total", "counter", "requests accepted", c["requests"]),
+            ("requests_finished_total", "counter", "requests answered in full", c["finished"]),
+            ("requests_cancelled_total", "counter", "requests whose client went away", c["cancelled"]),
+            ("requests_refused_total", "counter", "requests answered 4xx", c["refused"]),
+            ("tokens_generated_total", "counter", "tokens generated", c["tokens"]),
+            ("forwards_total", "counter", "target forwards (one per batch step)", c["forwards"]),
+            ("tokens_per_row_step", "gauge", "tokens a row gained per step it took part in (speculation's tau)",
+             c["tokens"] / c["row_steps"] if c["row_steps"] else 0.0),
+            ("tokens_per_second", "gauge", "tokens generated per second over the last 10 s", tps),
+            ("running_requests", "gauge", "rows in the batch", len(self.jobs)),
+            ("waiting_requests", "gauge", "requests waiting for room", len(self.waiting)),
+        ]
+        return "".join(f"# HELP speccomp_{n} {h}\n# TYPE speccomp_{n} {t}\nspeccomp_{n} {v}\n" for n, t, h, v in rows)
+
+
+def _options(body: dict, default_max_tokens: int | None) -> dict:
+    """generate()'s options from an OpenAI request body (checked by the engine's own checks after this)."""
+    for key, allowed in UNSUPPORTED.items():
+        if body.get(key, allowed) not in (allowed, None) or (allowed is None and body.get(key)):
+            raise OptionError(key, body[key], "is not supported by speccomp serve", f"leave it out or use {allowed!r}")
+    temperature = body.get("temperature", 1.0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+        raise OptionError("temperature", temperature, "must be a number >= 0", "0 for greedy decoding")
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens", default_max_tokens))
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise OptionError("max_tokens", max_tokens, "must be a positive int")
+    return {"max_new_tokens": max_tokens, "do_sample": temperature > 0, "temperature": temperature or 1.0,
+            "top_p": body.get("top_p", 1.0), "seed": body.get("seed")}
+
+
+def make_app(engine, max_batch: int = 8, kv_slots: int = 8192, name: str | None = None):
+    """The FastAPI app serving `engine` (a loaded speccomp Engine); its scheduler thread starts now."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    scheduler = Scheduler(engine, max_batch, kv_slots)
+    model_name = name or engine.manifest["model"].get("name") or "speccomp"
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        scheduler.stop()
+
+    app = FastAPI(title="speccomp", description=__doc__.split("\n\n")[0], lifespan=lifespan)
+    app.state.scheduler = scheduler
+
+    def error(status: int, message: str, param=None) -> JSONResponse:
+        scheduler.counts["refused"] += 1
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                       "code": None}}, status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc):
+        return error(400, f"the request body is not valid JSON of the expected shape: {exc.errors()}")
+
+    @app.exception_handler(SpeccompError)
+    async def _refused(request, exc):
+        return error(400, str(exc), getattr(exc, "parameter", None))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok" if scheduler.thread.is_alive() else "scheduler stopped"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(scheduler.metrics())
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "speccomp"}]}
+
+    async def run(request: Request, ids: list[int], body: dict, chat: bool, default_max_tokens):
+        job = Job(ids, _options(body, default_max_tokens), asyncio.get_running_loop())
+        scheduler.submit(job)
+        kind = "chat.completion" if chat else "text_completion"
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": model_name}
+        if body.get("stream"):
+            return StreamingResponse(_stream(job, head, kind, chat), media_type="text/event-stream")
+        tokens = []
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(job.queue.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        job.cancelled = True  # the scheduler frees its row
+                        return JSONResponse({}, status_code=499)
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                if isinstance(item, str):
+                    break
+                tokens += item
+        except asyncio.CancelledError:
+            job.cancelled = True
+            raise
+        text = _text(engine, tokens)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
+                  else {"index": 0, "text": text, "logprobs": None})
+        return {**head, "object": kind, "choices": [{**choice, "finish_reason": item, "token_ids": tokens}],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
+                          "total_tokens": len(ids) + len(tokens)}}
+
+    async def _stream(job: Job, head: dict, kind: str, chat: bool):
+        tokens, sent, sent_tokens, done = [], "", 0, False
+        try:
+            if chat:
+                yield _event({**head, "object": kind + ".chunk",
+                              "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
+            while not done:
+                item = await job.queue.get()
+                if isinstance(item, Exception):
+                    yield _event({"error": {"message": str(item), "type": "server_error"}})
+                    return
+                done = isinstance(item, str)
+                tokens += [] if done else item
+                text = _text(engine, tokens)
+                if text.endswith("\ufffd") and not done:
+                    continue  # a character cut between tokens: wait for the rest of its bytes
+                piece, sent = text[len(sent):], text
+                part = {"delta": {"content": piece}} if chat else {"text": piece}
+                yield _event({**head, "object": kind + ".chunk" if chat else kind,
+                              "choices": [{"index": 0, **part, "finish_reason": item if done else None,
+                                           "token_ids": tokens[sent_tokens:]}]})
+                sent_tokens = len(tokens)
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:
+                job.cancelled = True  # the client went away: the scheduler frees its row
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            ids = engine.text_ids(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = prompt
+        else:
+            raise OptionTypeError("prompt", prompt, "must be a string or a list of token ids (one prompt a request)")
+        return await run(request, list(ids), body, False, 16)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _body(request)
+        messages = body.get("messages")
+        ok = isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)
+        if not ok:
+            raise OptionTypeError("messages", messages, "must be a non-empty list of {role, content} objects with "
+                                  "string content")
+        ids = engine.chat_ids(messages)[0].tolist()
+        return await run(request, ids, body, True, 256)
+
+    return app
+
+
+async def _body(request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise OptionError("body", "<request body>", f"is not JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise OptionTypeError("body", body, "must be a JSON object")
+    return body
+
+
+def _text(engine, tokens: list[int]) -> str:
+    return engine.decode(tokens) if engine.manifest.get("tokenizer") else ""
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def serve(engine_dir, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, kv_slots: int = 8192,
+          provider: str = "cpu", threads: int | None = None) -> None:
+    """Load the engine and serve it until interrupted."""
+    import uvicorn
+
+    from speccomp.engine.runtime import load
+
+    app = make_app(load(engine_dir, provider=provider, threads=threads), max_batch, kv_slots)
+    uvicorn.run(app, host=host, port=port, log_level="info")

@@ -1,0 +1,163 @@
+"""`speccomp serve` (speccomp/serve.py): the OpenAI-compatible server over an engine, on a real uvicorn server on
+loopback. Concurrent requests batch together and each gets its prompt's own greedy text; streams carry the same
+tokens; bad requests get 400 naming the parameter; a client that goes away frees its row."""
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import speccomp
+from test_speculative import hf_greedy
+from tiny_models import tiny_llama
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+EOS = 2
+
+
+def word_tokenizer(vocab: int = 96):
+    """A word-level tokenizer over the tiny model's ids ("w0" .. "w95"), eos "w2", and a plain chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"w{EOS}", unk_token="w0")
+    fast.chat_template = "{% for m in messages %}w1 {{ m['content'] }} {% endfor %}w3"
+    return fast
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(num_hidden_layers=3, initializer_range=0.2, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    import uvicorn
+
+    from speccomp.serve import make_app
+
+    path = tmp_path_factory.mktemp("serve") / "engine"
+    speccomp.compile(model, drafter="token_recycling", backend="onnxruntime").export(path, tokenizer=word_tokenizer())
+    app = make_app(speccomp.load(path), max_batch=4, kv_slots=1024)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", app
+    srv.should_exit = True
+    thread.join(10)
+
+
+def metrics(url) -> dict:
+    text = httpx.get(f"{url}/metrics").text
+    return {line.split()[0].removeprefix("speccomp_"): float(line.split()[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_concurrent_requests_batch_and_each_gets_its_own_greedy_text(server, model):
+    url, _ = server
+    before = metrics(url)
+    prompts = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9, 14, 20, 7, 11)]
+
+    def ask(prompt):
+        return httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0},
+                          timeout=60).json()
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(ask, prompts))
+    for prompt, answer in zip(prompts, answers):
+        want = hf_greedy(model, torch.tensor([prompt]), 24, eos=EOS)[0, len(prompt):].tolist()
+        want = want[: want.index(EOS) + 1] if EOS in want else want
+        choice = answer["choices"][0]
+        assert choice["token_ids"] == want
+        assert choice["finish_reason"] == ("stop" if want[-1] == EOS else "length")
+        assert choice["text"] == " ".join(f"w{t}" for t in want if t not in (0, EOS))  # w0, w2: special
+        assert answer["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(want),
+                                   "total_tokens": len(prompt) + len(want)}
+    after = metrics(url)
+    tokens = sum(len(a["choices"][0]["token_ids"]) for a in answers)
+    assert after["requests_total"] - before["requests_total"] == len(prompts)
+    assert after["tokens_generated_total"] - before["tokens_generated_total"] == tokens
+    # rows shared forwards (a batch of up to 4): far fewer forwards than tokens
+    assert after["forwards_total"] - before["forwards_total"] < tokens / 2
+    assert after["running_requests"] == after["waiting_requests"] == 0
+
+
+def test_chat_stream_carries_the_same_tokens(server, model):
+    url, app = server
+    body = {"messages": [{"role": "user", "content": "w5 w9 w11 w5 w9"}], "max_tokens": 16, "temperature": 0}
+    whole = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+    events = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    ids = [t for c in chunks for t in c["choices"][0].get("token_ids", [])]
+    assert text == whole["choices"][0]["message"]["content"] and ids == whole["choices"][0]["token_ids"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    prompt = app.state.scheduler.engine.chat_ids(body["messages"])[0].tolist()
+    assert prompt == [1, 5, 9, 11, 5, 9, 3]  # the chat template's rendering
+    want = hf_greedy(model, torch.tensor([prompt]), 16, eos=EOS)[0, len(prompt):].tolist()
+    assert ids == (want[: want.index(EOS) + 1] if EOS in want else want)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": [5, 6], "max_tokens": 0}, "max_tokens"),
+    ({"prompt": [5, 6], "max_tokens": 255}, "max_tokens"),  # past the model's 256 positions
+    ({"prompt": [5, 6], "max_tokens": 200, "temperature": 0.5, "top_p": 2}, "top_p"),
+    ({"prompt": [5, 600]}, "prompt"),
+    ({"prompt": "w5 w6", "n": 2}, "n"),
+    ({"prompt": "w5 w6", "temperature": -1}, "temperature"),
+    ({"prompt": {"text": "w5"}}, "prompt"),
+    ({"messages": "hello"}, "messages"),
+])
+def test_bad_requests_get_400_naming_the_parameter(server, body, param):
+    url, _ = server
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(f"{url}{path}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and param in error["message"]
+
+
+def test_a_request_larger_than_the_cache_is_refused_and_bad_json_too(server):
+    url, app = server
+    scheduler = app.state.scheduler
+    slots = scheduler.batch.cache.shape[4]
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": list(range(3, 60)), "max_tokens": slots}, timeout=30)
+    assert r.status_code == 400  # either the model's context or the server's cache names the limit
+    r = httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+
+
+def test_a_client_that_goes_away_frees_its_row(server):
+    url, _ = server
+    before = metrics(url)
+    with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 200, "stream": True,
+                                                              "temperature": 0}, timeout=30) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["token_ids"]
+    for _ in range(100):  # the scheduler notices between steps
+        m = metrics(url)
+        if m["requests_cancelled_total"] > before["requests_cancelled_total"] and m["running_requests"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["requests_cancelled_total"] == before["requests_cancelled_total"] + 1 and m["running_requests"] == 0
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["object"] == "model"
