@@ -13,7 +13,10 @@ B, left-padded. Each batch runs once untimed, then --repeats times timed (the be
                       the same process), torch on 2 threads
     plain             speccomp.compile(model, backend=...).generate(ids, attention_mask=...): every row in one
                       forward a step (speccomp/runtime/batch.py)
-    speculative       the same with --drafter (default token_recycling) and --tree (default: the drafter's)
+    speculative       the same with --drafter (default token_recycling) and --tree (default: the drafter's), its
+                      trees capped step by step by the load-aware budget (speccomp/runtime/budget.py; its step-cost
+                      curve is measured before any timing)
+    spec_full         the same drafter, every row verifying its whole tree (load_aware=False)
 
 Throughput = new tokens of all rows / wall seconds of the batch. Latency = seconds from the batch's start to a
 row's last token (HF returns every row at the end, so each of its rows' latency is the batch's). Every speccomp row
@@ -117,15 +120,20 @@ def speccomp_rows(args, alone: list) -> dict:
     eos = tok.eos_token_id
     rows = prompts_ids(tok, max(args.batches))
     captured = speccomp.capture(model)
-    variants = {"plain": speccomp.compile(captured, backend=args.backend),
-                "speculative": speccomp.compile(captured, backend=args.backend, drafter=args.drafter, tree=args.tree)}
+    spec = speccomp.compile(captured, backend=args.backend, drafter=args.drafter, tree=args.tree)
+    costs = spec.step_costs()  # the load-aware budget's step-cost curve, measured before any timing (first use)
+    for q in (1 << i for i in range(11)):
+        costs(q)
+    variants = {"plain": (speccomp.compile(captured, backend=args.backend), {}),
+                "speculative": (spec, {}),  # load-aware (the default)
+                "spec_full": (spec, {"load_aware": False})}  # every row its drafter's whole tree
     out = {}
-    for name, fast in variants.items():
+    for name, (fast, options) in variants.items():
         out[name] = {}
         for b in args.batches:
             ids, mask = left_padded(rows[:b], 0)
-            seconds, result = timed(lambda: fast.generate(ids, max_new_tokens=args.max_new_tokens,
-                                                          attention_mask=mask, eos_token_id=eos), args.repeats)
+            seconds, result = timed(lambda: fast.generate(ids, max_new_tokens=args.max_new_tokens, attention_mask=mask,
+                                                          eos_token_id=eos, **options), args.repeats)
             stats = fast.last_stats
             got = replies(result, ids.shape[1], eos)
             per_row = stats["rows"] if b > 1 else [stats]

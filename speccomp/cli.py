@@ -334,6 +334,16 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_export_triton(args) -> int:
+    """Write an engine as a Triton Inference Server model repository (speccomp/engine/triton_repository.py)."""
+    from speccomp.engine.triton_repository import export_triton_repository
+
+    model = export_triton_repository(args.engine, args.out, name=args.name, max_new_tokens=args.max_new_tokens,
+                                     provider=args.provider, overwrite=args.overwrite)
+    print(f"Triton model written to {model}; serve it with: tritonserver --model-repository {model.parent}")
+    return 0
+
+
 class _BadCommandLine(Exception):
     """What argparse refused (an unknown flag, a value its `type=` rejects), reported by `main` like any bad flag."""
 
@@ -588,6 +598,16 @@ def _add_autotune_export_run(sub) -> None:
     p.add_argument("--provider", default="cpu", help="ONNX Runtime execution provider: cpu, cuda, tensorrt (default cpu)")
     p.add_argument("--threads", type=positive, default=None, help="ONNX Runtime intra-op threads (default: its own)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("export-triton", help="write an engine as a Triton Inference Server model repository "
+                       "(Python backend running the engine)")
+    p.add_argument("engine", help="engine directory written by `speccomp export` / compiled.export()")
+    p.add_argument("out", help="model repository directory (created; other models in it are left alone)")
+    p.add_argument("--name", default="speccomp", help="the model's name in the repository (default speccomp)")
+    p.add_argument("--max-new-tokens", type=positive, default=128, help="new tokens when a request names none")
+    p.add_argument("--provider", default="cpu", help="ONNX Runtime execution provider in Triton: cpu, cuda, tensorrt")
+    p.add_argument("--overwrite", action="store_true", help="replace a speccomp model of that name")
+    p.set_defaults(func=cmd_export_triton)
 
 
 def build_parser() -> argparse.ArgumentParser:

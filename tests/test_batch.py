@@ -200,7 +200,8 @@ def test_budget_predicts_every_smaller_cap_from_accepted_paths():
     assert budget.expected(7, 8) == 1 + (2 + 1 + 3 + 0) / 4
     assert budget.expected(7, 64) == 1 + (3 + 1 + 4 + 0) / 4
     assert budget.expected(8, 8) == budget.expected(7, 8)  # a row without records borrows the batch's
-    budget.history.clear()
+    budget.forget(7)
+    assert budget.expected(7, 8) is None and budget.expected(8, 8) is None  # forgotten with its row
     budget.record(1, [0, 1], 4)
     assert budget.expected(1, 8) is None  # nothing ran at a cap of 8: unknown, not guessed
 

@@ -38,14 +38,19 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
+def engine_path(model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve") / "engine"
+    speccomp.compile(model, drafter="token_recycling", backend="onnxruntime").export(path, tokenizer=word_tokenizer())
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(engine_path):
     import uvicorn
 
     from speccomp.serve import make_app
 
-    path = tmp_path_factory.mktemp("serve") / "engine"
-    speccomp.compile(model, drafter="token_recycling", backend="onnxruntime").export(path, tokenizer=word_tokenizer())
-    app = make_app(speccomp.load(path), max_batch=4, kv_slots=1024)
+    app = make_app(speccomp.load(engine_path), max_batch=4, kv_slots=1024)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -161,3 +166,112 @@ def test_a_client_that_goes_away_frees_its_row(server):
     assert m["requests_cancelled_total"] == before["requests_cancelled_total"] + 1 and m["running_requests"] == 0
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["object"] == "model"
+
+
+REPEATED = ("input", "output", "parameters", "instance_group")  # Triton's repeated message fields
+
+
+def pbtxt(text: str) -> dict:
+    """A protobuf text-format message as nested dicts (a repeated field: a list), enough to read a Triton config."""
+    import re
+
+    tokens = re.findall(r'"[^"]*"|[{}\[\]:,]|[^\s{}\[\]:,"]+', text)
+    pos = 0
+
+    def value():
+        nonlocal pos
+        tok = tokens[pos]
+        pos += 1
+        if tok == "{":
+            return message("}")
+        if tok == "[":
+            items = []
+            while tokens[pos] != "]":
+                items.append(value())
+                pos += tokens[pos] == ","
+            pos += 1
+            return items
+        return tok[1:-1] if tok.startswith('"') else int(tok) if tok.lstrip("-").isdigit() else tok
+
+    def message(end):
+        nonlocal pos
+        out = {}
+        while pos < len(tokens) and tokens[pos] != end:
+            key = tokens[pos]
+            pos += 1 + (tokens[pos + 1] == ":")
+            v = value()
+            if key in REPEATED:  # `input [ {...}, {...} ]` and `parameters {...} parameters {...}` alike
+                out.setdefault(key, []).extend(v if isinstance(v, list) else [v])
+            else:
+                out[key] = v
+        pos += 1
+        return out
+
+    return message(None)
+
+
+def test_triton_model_repository(engine_path, model, tmp_path, monkeypatch):
+    """export-triton writes a config Triton reads (checked field by field) and a model.py whose class, run against
+    the copied engine with Triton's Python-backend calls stood in for, answers each request with its prompt's
+    greedy text (requests of one budget decoded as one batch) and a bad request with its own error."""
+    import importlib.util
+    import sys
+    import types
+
+    import numpy as np
+
+    from speccomp.engine.runtime import EngineError
+    from speccomp.engine.triton_repository import export_triton_repository
+
+    repo = tmp_path / "repo"
+    folder = export_triton_repository(engine_path, repo, name="tiny", max_new_tokens=12)
+    config = pbtxt((folder / "config.pbtxt").read_text())
+    assert config["name"] == "tiny" and config["backend"] == "python" and config["max_batch_size"] == 0
+    assert [(i["name"], i["data_type"], i["dims"]) for i in config["input"]] == [
+        ("input_ids", "TYPE_INT64", [-1]), ("max_new_tokens", "TYPE_INT64", [1])]
+    assert config["input"][1]["optional"] == "true"
+    assert [(o["name"], o["data_type"], o["dims"]) for o in config["output"]] == [("output_ids", "TYPE_INT64", [-1])]
+    assert config["instance_group"] == [{"count": 1, "kind": "KIND_CPU"}]
+    assert (folder / "1" / "engine" / "manifest.json").is_file()
+
+    class Tensor:
+        def __init__(self, name, array):
+            self.name, self.array = name, array
+
+        def as_numpy(self):
+            return self.array
+
+    class Response:
+        def __init__(self, output_tensors=None, error=None):
+            self.outputs, self.error = output_tensors, error
+
+    class Request:
+        def __init__(self, **inputs):
+            self.inputs = {k: Tensor(k, np.asarray(v, dtype=np.int64)) for k, v in inputs.items()}
+
+    utils = types.SimpleNamespace(Tensor=Tensor, InferenceResponse=Response, TritonError=str,
+                                  get_input_tensor_by_name=lambda request, name: request.inputs.get(name))
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", utils)
+    spec = importlib.util.spec_from_file_location("triton_model", folder / "1" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    parameters = {p["key"]: {"string_value": p["value"]["string_value"]} for p in config["parameters"]}
+    triton = module.TritonPythonModel()
+    triton.initialize({"model_config": json.dumps({"parameters": parameters}), "model_repository": str(folder),
+                       "model_version": "1"})
+    prompts = [[5, 9, 13, 5, 9], [7, 8, 20, 31, 7, 8, 20], [4, 6]]
+    answers = triton.execute([Request(input_ids=prompts[0]), Request(input_ids=prompts[1]),
+                              Request(input_ids=prompts[2], max_new_tokens=[6]), Request(input_ids=[5, 500])])
+    for prompt, answer, n in zip(prompts, answers, (12, 12, 6)):
+        want = hf_greedy(model, torch.tensor([prompt]), n, eos=EOS)[0, len(prompt):].tolist()
+        assert answer.error is None and answer.outputs[0].array.tolist() == (
+            want[: want.index(EOS) + 1] if EOS in want else want)
+    assert answers[3].outputs is None and "input_ids" in answers[3].error
+    with pytest.raises(EngineError, match="already holds a speccomp Triton model"):
+        export_triton_repository(engine_path, repo, name="tiny")
+    export_triton_repository(engine_path, repo, name="tiny", overwrite=True)
+    (repo / "other").mkdir()
+    (repo / "other" / "config.pbtxt").write_text("name: \"other\"")
+    with pytest.raises(EngineError, match="not a speccomp Triton model"):
+        export_triton_repository(engine_path, repo, name="other", overwrite=True)
+    assert (repo / "other" / "config.pbtxt").read_text() == 'name: "other"'  # a user's files are never lost

@@ -78,28 +78,47 @@ class Budget:
         self.costs = costs
         self.caps = [c for c in CAPS if c < max_nodes] + [max_nodes]
         self.history: dict[int, deque] = {}  # row id -> (accepted draft node indices, cap it ran at)
+        # running totals, so an estimate is O(1): row id (None: the whole batch) -> [tokens, records] per cap
+        self._totals: dict = {None: [[0, 0] for _ in self.caps]}
         self._turn = 0
 
+    def _count(self, rid: int, record: tuple, sign: int) -> None:
+        path, ran = record
+        for k, cap in enumerate(self.caps):
+            if cap > ran:
+                break
+            for key in (rid, None):
+                self._totals[key][k][0] += sign * _gained(path, cap)
+                self._totals[key][k][1] += sign
+
     def record(self, rid: int, path: list[int], cap: int) -> None:
-        self.history.setdefault(rid, deque(maxlen=HISTORY)).append((tuple(path[1:]), cap))
+        history = self.history.setdefault(rid, deque(maxlen=HISTORY))
+        self._totals.setdefault(rid, [[0, 0] for _ in self.caps])
+        if len(history) == HISTORY:
+            self._count(rid, history[0], -1)  # the oldest record leaves
+        history.append((tuple(path[1:]), cap))
+        self._count(rid, history[-1], +1)
 
     def forget(self, rid: int) -> None:
-        self.history.pop(rid, None)
+        for record in self.history.pop(rid, ()):
+            self._count(rid, record, -1)
+        self._totals.pop(rid, None)
 
     def expected(self, rid: int, cap: int) -> float | None:
         """E[tokens a step | cap] for row `rid`, None where no record ran at a cap that large."""
         if cap <= 1:
             return 1.0
-        own = [p for p, c in self.history.get(rid, ()) if c >= cap]
-        records = own if len(own) >= MIN_OWN else [p for h in self.history.values() for p, c in h if c >= cap]
-        return sum(_gained(p, cap) for p in records) / len(records) if records else None
+        k = self.caps.index(cap)
+        own = self._totals.get(rid)
+        tokens, records = own[k] if own is not None and own[k][1] >= MIN_OWN else self._totals[None][k]
+        return tokens / records if records else None
 
     def caps_for(self, rids: list[int], extra_q: int = 0) -> dict[int, int]:
         """Each row's cap this step; `extra_q`: tokens of joining prompts riding in the same forward."""
         level = {r: 0 for r in rids}  # index into self.caps
         gains = {r: 1.0 for r in rids}
-        q = extra_q + len(rids)
-        best = sum(gains.values()) / self.costs(q)
+        q, total = extra_q + len(rids), float(len(rids))
+        best = total / self.costs(q)
         while True:
             pick = None
             for r in rids:
@@ -110,12 +129,13 @@ class Budget:
                 if e is None:
                     continue
                 dq = nxt - self.caps[level[r]]
-                score = (sum(gains.values()) - gains[r] + e) / self.costs(q + dq)
+                score = (total - gains[r] + e) / self.costs(q + dq)
                 if score > best and (pick is None or score > pick[0]):
                     pick = (score, r, e, dq)
             if pick is None:
                 break
             best, r, e, dq = pick
+            total += e - gains[r]
             level[r], gains[r], q = level[r] + 1, e, q + dq
         caps = {r: self.caps[level[r]] for r in rids}
         if rids:  # one row explores the next cap up
