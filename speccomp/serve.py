@@ -50,6 +50,11 @@ class Scheduler:
         engine.check_batchable(max(max_batch, 2))
         self.engine, self.max_batch = engine, max_batch
         self.batch = engine.batch(kv_slots)
+        if self.batch.budget is not None:  # measure the step-cost curve now, not during the first requests
+            q = 1
+            while q <= min(max_batch * engine.max_tree, 1024):
+                self.batch.budget.costs(q)
+                q *= 2
         self.waiting: collections.deque[Job] = collections.deque()
         self.jobs: dict[int, Job] = {}
         self.wake = threading.Condition()

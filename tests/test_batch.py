@@ -167,19 +167,26 @@ def test_rows_join_a_running_batch(captured, llama, prompts, greedy):
         batch.add(row(0, 400))
 
 
-def test_batch_sampling_follows_each_rows_distribution(tmp_path):
+@pytest.mark.parametrize("runtime", ["torch", "engine"])
+def test_batch_sampling_follows_each_rows_distribution(runtime, tmp_path):
     """Sampling with B = 8: each row's first 3 tokens follow the model's exact law (test_sampling's setup and
-    chi-square), drafts sampled from a draft model's own distribution and accepted in most rows."""
+    chi-square), drafts accepted in most rows: in the torch runtime drafts sampled from a draft model's own
+    distribution, in an engine prompt lookup's."""
     from test_sampling import MIN_ACCEPTED, NEW_TOKENS, PROMPT, TEMPERATURE, V, chi2_pvalue, draft_lm, exact_distribution
 
     model = tiny_llama(vocab_size=V, num_hidden_layers=2, initializer_range=0.3, tie_word_embeddings=True)
     exact = exact_distribution(model, torch.tensor([PROMPT]), 3, TEMPERATURE, 1.0).flatten().numpy()
-    fast = speccomp.compile(model, drafter=draft_lm(), tree=[[0], [1], [2], [3], [0, 0], [1, 0]])
+    if runtime == "torch":
+        fast = speccomp.compile(model, drafter=draft_lm(), tree=[[0], [1], [2], [3], [0, 0], [1, 0]])
+        generate = fast.generate
+    else:
+        fast = speccomp.load(speccomp.compile(model, drafter="ngram", backend="onnxruntime").export(tmp_path / "e"))
+        generate = fast.generate
     counts, accepted, b = np.zeros(V**3), 0, 8
     for call in range(75):  # 600 draws, 8 rows (seeds call * 8 + row) a call
-        out = fast.generate(torch.tensor([PROMPT] * b), max_new_tokens=NEW_TOKENS, do_sample=True,
-                            temperature=TEMPERATURE, seed=call * b, load_aware=False)
-        for row, stats in zip(out[:, len(PROMPT):].tolist(), fast.last_stats["rows"]):
+        out = generate(np.array([PROMPT] * b), max_new_tokens=NEW_TOKENS, do_sample=True,
+                       temperature=TEMPERATURE, seed=call * b, load_aware=False)
+        for row, stats in zip(np.asarray(out)[:, len(PROMPT):].tolist(), fast.last_stats["rows"]):
             a, c, d = row[:3]
             counts[(a * V + c) * V + d] += 1
             accepted += stats["steps"] < NEW_TOKENS

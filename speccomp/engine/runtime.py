@@ -1096,9 +1096,10 @@ class EngineBatch:
         self.reserved.pop(rid)
         if self.budget is not None:
             self.budget.forget(rid)
-        length = self.cache.length
+        length = self.cache.length  # as runtime/batch.py's _compact: untag now, move once half the slots are dead
         live = np.isin(self.owner[:length], list(self.rows))
-        if not live.all():
+        self.owner[:length][~live] = -1
+        if int((~live).sum()) >= int(live.sum()) and not live.all():
             m = int(live.sum())
             self.cache.data[..., :m, :] = self.cache.data[..., :length, :][..., live, :]
             self.owner[:m], self.owner[m:length] = self.owner[:length][live], -1

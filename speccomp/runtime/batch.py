@@ -174,12 +174,15 @@ class Batch:
 
     def _compact(self) -> None:
         """Drop the slots of rows that left, keeping the others' in order (attention does not care where a key sits:
-        its row tag and rotary position say all)."""
+        its row tag and rotary position say all). Lazily: a left row's slots are untagged at once (no query sees
+        them), and moved only once they are as many as the live ones, so a copy of the cache is amortised."""
         length = self.cache.length
-        live = torch.isin(self.owner[:length], torch.tensor(list(self.rows), dtype=torch.long))
-        if bool(live.all()):
+        gone = ~torch.isin(self.owner[:length], torch.tensor(list(self.rows), dtype=torch.long))
+        self.owner[:length][gone] = -1
+        dead = int(gone.sum())
+        if dead == 0 or dead < length - dead:
             return
-        idx = live.nonzero()[:, 0]
+        idx = (~gone).nonzero()[:, 0]
         m = len(idx)
         self.cache.data[..., :m, :] = self.cache.data.index_select(4, idx.to(self.cache.data.device))
         self.owner[:m] = self.owner[idx].clone()
