@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from speccomp.runtime.calls import left_pad
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -54,13 +56,9 @@ def prompts_ids(tok, n: int) -> list[torch.Tensor]:
     return [chat_ids(tok, p.text)[0] for p in chosen]
 
 
-def left_padded(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = max(len(r) for r in rows)
-    ids = torch.full((len(rows), n), pad, dtype=torch.long)
-    mask = torch.zeros(len(rows), n, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, n - len(r):], mask[i, n - len(r):] = r, 1
-    return ids, mask
+def left_padded(rows, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, mask = left_pad(rows, pad)  # speccomp/runtime/calls.py
+    return torch.from_numpy(ids), torch.from_numpy(mask)
 
 
 def replies(out: torch.Tensor, width: int, eos: int) -> list[list[int]]:

@@ -7,6 +7,7 @@ import torch
 
 import speccomp
 from speccomp.errors import OptionError
+from speccomp.runtime.calls import left_pad
 from speccomp.runtime.batch import Batch
 from speccomp.runtime.decode import RootOnly, Sequence
 from speccomp.runtime.sampling import Sampler
@@ -44,13 +45,9 @@ def greedy(llama, prompts):
     return [hf_greedy(llama, p[None], NEW)[0, len(p):] for p in prompts]
 
 
-def left_padded(rows, pad=0):
-    n = max(len(r) for r in rows)
-    ids = torch.full((len(rows), n), pad, dtype=torch.long)
-    mask = torch.zeros(len(rows), n, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, n - len(r):], mask[i, n - len(r):] = r, 1
-    return ids, mask
+def left_padded(rows, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, mask = left_pad(rows, pad)  # speccomp/runtime/calls.py
+    return torch.from_numpy(ids), torch.from_numpy(mask)
 
 
 def check_rows(fast, prompts, greedy, b: int, **options):

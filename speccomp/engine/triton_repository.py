@@ -67,6 +67,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 import speccomp
+from speccomp.runtime.calls import left_pad
 
 
 class TritonPythonModel:
@@ -90,11 +91,8 @@ class TritonPythonModel:
         return answers
 
     def _decode(self, group, prompts, budget, answers):
-        width = max(len(prompts[i]) for i in group)
-        ids = np.zeros((len(group), width), dtype=np.int64)
-        mask = np.zeros_like(ids)
-        for row, i in enumerate(group):
-            ids[row, width - len(prompts[i]):], mask[row, width - len(prompts[i]):] = prompts[i], 1
+        ids, mask = left_pad([prompts[i] for i in group])
+        width = ids.shape[1]
         try:
             out = self.engine.generate(ids if len(group) > 1 else ids[0], max_new_tokens=budget,
                                        eos_token_id=self.engine.eos_token_id,

@@ -163,6 +163,18 @@ def batch_rows(input_ids, attention_mask) -> list[np.ndarray] | None:
     return rows
 
 
+def left_pad(rows, pad: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Token-id rows of different lengths as a left-padded batch: (input_ids, attention_mask), int64 [B, longest],
+    what generate(input_ids, attention_mask=...) takes (as HF tokenizers pad with padding_side="left")."""
+    rows = [np.asarray(r.detach().cpu() if hasattr(r, "detach") else r, dtype=np.int64).reshape(-1) for r in rows]
+    n = max(len(r) for r in rows)
+    ids = np.full((len(rows), n), pad, dtype=np.int64)
+    mask = np.zeros((len(rows), n), dtype=np.int64)
+    for i, r in enumerate(rows):
+        ids[i, n - len(r):], mask[i, n - len(r):] = r, 1
+    return ids, mask
+
+
 def row_slots(prompt_len: int, max_new_tokens: int, max_tree: int) -> int:
     """Cache slots a row of a batch needs at most: its text, plus the room its last step's tree is verified in."""
     return prompt_len + max_new_tokens + max_tree + 1
