@@ -274,7 +274,6 @@ def test_what_cannot_batch_is_refused_by_name(captured, prompts, tmp_path):
 ENGINE_CASES = {
     "token_recycling": lambda h, m: dict(drafter="token_recycling"),
     "hydra+token_recycling": CASES["hydra+token_recycling"],
-    "eagle": CASES["eagle"],
     "draft_model": CASES["draft_model"],
 }
 

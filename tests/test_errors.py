@@ -387,7 +387,11 @@ GENERATE_ERRORS = [
     ("input_ids-bool", dict(input_ids=np.array([[True, False]])), TYPE, ("input_ids", "bool")),
     ("input_ids-str-list", dict(input_ids=["3", "4"]), TYPE, ("input_ids",)),
     ("input_ids-ragged", dict(input_ids=[[1, 2], [3]]), (TYPE, VALUE), ("input_ids",)),
-    ("input_ids-batch", dict(input_ids=np.array([[1, 2], [3, 4]])), VALUE, ("input_ids", "batch")),
+    # a batch [B, seq] is fine (tests/test_batch.py); its mask must pad on the left
+    ("attention_mask-right-padded", dict(input_ids=np.array([[1, 2], [3, 4]]), attention_mask=np.array([[1, 0], [1, 1]])),
+     VALUE, ("attention_mask", "left-padded")),
+    ("attention_mask-not-binary", dict(input_ids=np.array([[1, 2], [3, 4]]), attention_mask=np.array([[1, 2], [1, 1]])),
+     VALUE, ("attention_mask", "0 (padding) and 1")),
     ("input_ids-empty", dict(input_ids=np.zeros((1, 0), dtype=np.int64)), VALUE, ("input_ids",)),
     ("input_ids-3d", dict(input_ids=np.ones((1, 1, 2), dtype=np.int64)), VALUE, ("input_ids",)),
     ("input_ids-negative", dict(input_ids=np.array([[-1, 2]])), VALUE, ("input_ids", "-1")),
