@@ -155,7 +155,8 @@ class Scheduler:
 def _options(body: dict, default_max_tokens: int | None) -> dict:
     """generate()'s options from an OpenAI request body (checked by the engine's own checks after this)."""
     for key, allowed in UNSUPPORTED.items():
-        if body.get(key, allowed) not in (allowed, None) or (allowed is None and body.get(key)):
+        value = body.get(key)
+        if value not in (None, allowed) and (allowed is not None or value):  # logprobs: false is no request
             raise OptionError(key, body[key], "is not supported by speccomp serve", f"leave it out or use {allowed!r}")
     temperature = body.get("temperature", 1.0)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:

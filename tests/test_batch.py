@@ -269,6 +269,14 @@ def test_what_cannot_batch_is_refused_by_name(captured, prompts, tmp_path):
         plain.generate(ids, max_new_tokens=4, attention_mask=mask[:, 1:])
     with pytest.raises(OptionError, match="max_new_tokens"):  # every row is checked as a single call's
         plain.generate(ids, max_new_tokens=10_000, attention_mask=mask)
+    from speccomp.errors import OptionTypeError
+
+    for bad, error, words in ((dict(pad_token_id=[1, 2]), OptionTypeError, "pad_token_id.*one token id"),
+                              (dict(pad_token_id=500), OptionError, "pad_token_id.*outside the vocabulary"),
+                              (dict(pad_token_id="0"), OptionTypeError, "pad_token_id"),
+                              (dict(load_aware="yes"), OptionTypeError, "load_aware.*True or False")):
+        with pytest.raises(error, match=words):
+            plain.generate(ids, max_new_tokens=4, attention_mask=mask, **bad)
 
 
 ENGINE_CASES = {
@@ -303,3 +311,9 @@ def test_engine_refuses_batches_it_cannot_pack(captured, prompts, tmp_path):
         engine.generate(ids.numpy(), max_new_tokens=4, attention_mask=mask.numpy())
     plain = speccomp.load(tmp_path / "e", draft=False)  # the fix the error names: plain decoding batches
     assert plain.generate(ids.numpy(), max_new_tokens=4, attention_mask=mask.numpy()).shape == (2, ids.shape[1] + 4)
+    from speccomp.errors import OptionError, OptionTypeError
+
+    for bad, error, words in ((dict(pad_token_id=500), OptionError, "pad_token_id.*outside the vocabulary"),
+                              (dict(load_aware=1), OptionTypeError, "load_aware.*True or False")):
+        with pytest.raises(error, match=words):
+            plain.generate(ids.numpy(), max_new_tokens=4, attention_mask=mask.numpy(), **bad)

@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from speccomp.runtime.budget import Budget, StepCosts
-from speccomp.runtime.calls import (MAX_TREE, CallGuard, as_int, batch_rows, check_context, generate_args,
-                                    row_slots)
+from speccomp.runtime.calls import (MAX_TREE, CallGuard, as_int, batch_rows, check_context, generate_args, pad_id,
+                                    row_slots, run_batch)
 from speccomp.errors import OptionTypeError, SpeccompError
 from speccomp.drafters.eagle_cache import EagleCache
 from speccomp.drafters.grow import ancestor_rows, cut, grow_dynamic, grow_static, state_expander
@@ -1012,7 +1012,7 @@ class _Row:
         self.prompt, self.max_new_tokens, self.eos = args.prompt.tolist(), args.max_new_tokens, args.eos
         self.drafter, self.max_tree, self.args = drafter, max_tree, args
         self.rng = np.random.default_rng(seed)
-        self.out, self.context, self.steps, self.cached, self._bonus = [], list(self.prompt), 0, 0, None
+        self.out, self.context, self.steps, self._bonus = [], list(self.prompt), 0, None
 
     @property
     def done(self) -> bool:
@@ -1118,7 +1118,7 @@ class EngineBatch:
         for i in running:
             parents, tokens = self.rows[i].draft(caps.get(i))
             depth, block, children = tree_arrays(parents)
-            parts.append((i, tokens, self.rows[i].cached + depth, block, children))
+            parts.append((i, tokens, len(self.rows[i].context) - 1 + depth, block, children))  # cached: all but the root
         if not parts:
             return {}
         past, q = self.cache.length, sum(len(p[1]) for p in parts)
@@ -1144,7 +1144,6 @@ class EngineBatch:
                     self.budget.record(i, kept, caps[i])
             keep += [at + k for k in kept]
             owners += [i] * len(kept)
-            r.cached += len(kept)
             emitted[i] = r.out[before:]
             at += n
         self.owner[self.cache.length : self.cache.length + len(keep)] = owners
@@ -1334,7 +1333,7 @@ class Engine:
         self.check_batchable(len(rows))
         if not isinstance(load_aware, bool):
             raise OptionTypeError("load_aware", load_aware, "must be True or False")
-        pad = min(args[0].eos, default=0) if pad_token_id is None else as_int("pad_token_id", pad_token_id)
+        pad = pad_id(pad_token_id, args[0].eos, self.vocab_size)
         with self._calls.lock:
             start = time.perf_counter()
             seqs = [_Row(a, None if self.drafter is None else self.drafter.fresh(), self.max_tree,
@@ -1370,14 +1369,8 @@ class Engine:
 
     def _decode_batch(self, rows: list, load_aware: bool = True) -> int:
         """All rows to the end together; the number of target forwards."""
-        batch = self.batch(sum(row_slots(len(r.prompt), r.max_new_tokens, self.max_tree) for r in rows), load_aware)
-        for r in rows:
-            batch.add(r)
-        while batch.rows:
-            batch.step()
-            for rid in [i for i, r in batch.rows.items() if r.done]:
-                batch.remove(rid)
-        return batch.forwards
+        return run_batch(self.batch(sum(row_slots(len(r.prompt), r.max_new_tokens, self.max_tree) for r in rows),
+                                    load_aware), rows)
 
     def batch(self, kv_slots: int, load_aware: bool = True) -> "EngineBatch":
         """An empty batch over a cache of `kv_slots` slots, for rows to join and leave (`speccomp serve`)."""

@@ -29,7 +29,7 @@ import torch
 from speccomp.errors import OptionError
 from speccomp.frontend.convention import KVSpec
 from speccomp.runtime.budget import Budget, StepCosts
-from speccomp.runtime.calls import row_slots
+from speccomp.runtime.calls import row_slots, run_batch
 from speccomp.runtime.decode import KVCache, Sequence
 
 
@@ -76,7 +76,6 @@ class Batch:
         self.cache = KVCache(kv, capacity, device)
         self.owner = torch.full((capacity,), -1, dtype=torch.long)  # row id of each cache slot
         self.rows: dict[int, Sequence] = {}
-        self.cached: dict[int, int] = {}  # row id -> tokens of that row in the cache
         self.reserved: dict[int, int] = {}  # row id -> slots set aside for it (its whole generation)
         self.forwards = 0
         self._next_id = 0
@@ -95,14 +94,13 @@ class Batch:
         if need > self.free():
             raise RuntimeError(f"the batch's cache has {self.free()} free slots, the row needs {need}")
         rid, self._next_id = self._next_id, self._next_id + 1
-        self.rows[rid], self.cached[rid], self.reserved[rid] = seq, 0, need
+        self.rows[rid], self.reserved[rid] = seq, need
         self._joined[rid] = time.perf_counter()
         return rid
 
     def remove(self, rid: int) -> None:
         """A row leaves (done, or its client went away): its slots are freed."""
         self.rows.pop(rid)
-        self.cached.pop(rid)
         self.reserved.pop(rid)
         self._joined.pop(rid)
         if self.budget is not None:
@@ -123,7 +121,7 @@ class Batch:
                           torch.ones(n, n, dtype=torch.bool).tril()))
         for rid in running:
             draft = self.rows[rid].draft(self.cache, caps.get(rid))
-            parts.append((rid, draft, draft.tokens, self.cached[rid] + draft.tree.depth, draft.tree.mask))
+            parts.append((rid, draft, draft.tokens, len(self.rows[rid].context) - 1 + draft.tree.depth, draft.tree.mask))
         if not parts:
             return {}
         outs = self._forward(parts)
@@ -144,7 +142,6 @@ class Batch:
                 seq.stats.prefill_seconds = seq.stats.seconds
             keep += [offset + i for i in kept]
             owners += [rid] * len(kept)
-            self.cached[rid] += len(kept)
             emitted[rid] = seq.out[before:]
             offset += q
         start = self.cache.length
@@ -193,11 +190,4 @@ class Batch:
 def decode_batch(target, kv: KVSpec, device, seqs: list[Sequence], max_tree: int, budget: Budget | None = None) -> int:
     """Run `seqs` to the end together (all join at once); the number of target forwards it took."""
     capacity = sum(row_slots(len(s.prompt), s.max_new_tokens, max_tree) for s in seqs)
-    batch = Batch(target, kv, capacity, device, max_tree, budget)
-    for seq in seqs:
-        batch.add(seq)
-    while batch.rows:
-        batch.step()
-        for rid in [r for r, s in batch.rows.items() if s.done]:
-            batch.remove(rid)
-    return batch.forwards
+    return run_batch(Batch(target, kv, capacity, device, max_tree, budget), seqs)

@@ -180,6 +180,28 @@ def row_slots(prompt_len: int, max_new_tokens: int, max_tree: int) -> int:
     return prompt_len + max_new_tokens + max_tree + 1
 
 
+def pad_id(pad_token_id, eos, vocab_size: int) -> int:
+    """The id a batch pads stopped rows with: `pad_token_id` (one token id of the vocabulary), else the smallest eos
+    id, else 0 (without eos every row runs to max_new_tokens: nothing is padded)."""
+    if pad_token_id is None:
+        return min(eos, default=0)
+    if isinstance(pad_token_id, (list, tuple)) or getattr(pad_token_id, "ndim", 0) != 0:
+        raise OptionTypeError("pad_token_id", pad_token_id, "must be one token id (an int)")
+    return token_ids("pad_token_id", pad_token_id, vocab_size)[0]
+
+
+def run_batch(batch, rows: list) -> int:
+    """Add `rows` to `batch` (runtime/batch.py's Batch or the engine's EngineBatch) and step it until every row is
+    done, each leaving as it finishes; the number of target forwards."""
+    for row in rows:
+        batch.add(row)
+    while batch.rows:
+        batch.step()
+        for rid in [r for r, row in batch.rows.items() if row.done]:
+            batch.remove(rid)
+    return batch.forwards
+
+
 def check_context(drafter, prompt_len: int, max_new_tokens: int) -> None:
     """A drafter with a context of its own (a draft model's `max_positions`) must hold the whole text: refused before
     any work, naming the drafter's limit (the target's is `generate_args`')."""

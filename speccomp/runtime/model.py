@@ -12,7 +12,7 @@ from speccomp.errors import OptionError, OptionTypeError
 from speccomp.frontend.graph import SpecGraph
 from speccomp.runtime.batch import check_batchable, decode_batch, step_costs
 from speccomp.runtime.budget import Budget
-from speccomp.runtime.calls import ACCEPTANCE, CallGuard, batch_rows, check_context, choice, generate_args, token_ids
+from speccomp.runtime.calls import ACCEPTANCE, CallGuard, batch_rows, check_context, choice, generate_args, pad_id
 from speccomp.runtime.decode import FullCache, RootOnly, Sequence, decode
 from speccomp.runtime.sampling import Sampler
 
@@ -130,10 +130,7 @@ class SpecModel:
         if not isinstance(load_aware, bool):
             raise OptionTypeError("load_aware", load_aware, "must be True or False")
         eos = args[0].eos
-        pad = min(eos, default=0) if pad_token_id is None else token_ids("pad_token_id", pad_token_id, vocab)
-        if isinstance(pad, list) and len(pad) != 1:
-            raise OptionError("pad_token_id", pad_token_id, "must be one token id")
-        pad = pad[0] if isinstance(pad, list) else pad
+        pad = pad_id(pad_token_id, eos, vocab)
         a = args[0]
         seqs = [Sequence(r.prompt.tolist(), (self.drafter or RootOnly()).fresh(),
                          Sampler(a.do_sample, a.temperature, a.top_p, None if a.seed is None else a.seed + i),
