@@ -164,7 +164,8 @@ class KiviCacheRead(Pass):
         """uint8 [..., P] -> float [..., D] (8 // bits codes per byte, low bits first, as pack_codes)."""
         call = graph.call_function
         if self.bits != 8:
-            shifts = call(aten.arange.start_step, (0, 8, self.bits), {"dtype": torch.uint8})  # [per]
+            device = codes.meta["val"].device if "val" in codes.meta else None  # the model's device (GPU too)
+            shifts = call(aten.arange.start_step, (0, 8, self.bits), {"dtype": torch.uint8, "device": device})
             spread = call(aten.bitwise_right_shift.Tensor, (call(aten.unsqueeze.default, (codes, -1)), shifts))
             codes = call(aten.flatten.using_ints, (call(aten.bitwise_and.Scalar, (spread, 2**self.bits - 1)), -2, -1))
         return call(aten._to_copy.default, (codes,), {"dtype": torch.float32})

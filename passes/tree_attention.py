@@ -57,7 +57,8 @@ class TreeAttention(Pass):
         last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
         with graph.inserting_after(last_placeholder):
             tree = graph.placeholder(TREE_MASK)
-        tree.meta["val"] = torch.empty(0, 0, dtype=torch.bool)  # shape is symbolic; dtype is what passes read
+        device = inputs["input_ids"].meta["val"].device if "val" in inputs["input_ids"].meta else None
+        tree.meta["val"] = torch.empty(0, 0, dtype=torch.bool, device=device)  # shape symbolic; dtype, device read
         sg.structure.inputs[TREE_MASK] = tree
 
         # group attention sites by (mask node, window): each group gets one rewritten mask
@@ -82,12 +83,13 @@ class TreeAttention(Pass):
         t = call(aten.sym_size.int, (tree, 1))
         kv = call(aten.sym_size.int, (mask, 3))
         older = call(operator.sub, (kv, t))  # keys the tree does not govern
-        ones = call(aten.ones.default, ([q, older],), {"dtype": torch.bool})
+        device = mask.meta["val"].device  # the captured model's device (a constant op has no input to follow)
+        ones = call(aten.ones.default, ([q, older],), {"dtype": torch.bool, "device": device})
         visible = call(aten.cat.default, ([ones, tree], 1))  # [q, kv]
         is_float = mask.meta["val"].dtype.is_floating_point
         allowed = call(aten.eq.Scalar, (mask, 0.0)) if is_float else mask  # additive 0 = visible
         if window is not None:
-            cols = call(aten.arange.default, (kv,), {"dtype": torch.long})  # [kv]
+            cols = call(aten.arange.default, (kv,), {"dtype": torch.long, "device": device})  # [kv]
             pos = call(aten.view.default, (inputs["position_ids"], [-1, 1]))  # [q, 1]
             in_window = call(aten.lt.Scalar, (call(aten.sub.Tensor, (pos, cols)), window))  # [q, kv]
             older_col = call(aten.lt.Scalar, (cols, older))

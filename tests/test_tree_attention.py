@@ -96,3 +96,23 @@ def test_chain_tree_equals_plain_graph():
     b = tree.gm(*args, torch.ones(6, 6, dtype=torch.bool).tril())
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+FACTORIES = {torch.ops.aten.ones.default, torch.ops.aten.zeros.default, torch.ops.aten.full.default,
+             torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step,
+             torch.ops.aten.empty.memory_format}
+
+
+def test_new_tensors_are_made_on_the_models_device():
+    """Every tensor the pass creates from nothing (the tree's ones[q, past], the window's key columns) names the
+    captured model's device: without it they are made on the CPU and a model on a GPU fails at its first step
+    (found on an H200 by benchmarks/gpu_check.py; there is no GPU here, so the structure is what is checked)."""
+    model = ARCHITECTURES["mistral"].build()  # windowed: the pass also builds an arange of key columns
+    sg = SpecGraph.from_captured(capture(model))
+    before = {n.name for n in sg.gm.graph.nodes}
+    run_passes(sg, [TreeAttention()], dump_input=False)
+    made = [n for n in sg.gm.graph.nodes if n.target in FACTORIES and n.name not in before]
+    assert {n.target for n in made} == {torch.ops.aten.ones.default, torch.ops.aten.arange.default}
+    for n in made:
+        assert n.kwargs.get("device") == torch.device("cpu"), (n.name, n.kwargs)  # the device capture saw
+    assert sg.structure.inputs["tree_mask"].meta["val"].device == torch.device("cpu")

@@ -35,11 +35,12 @@ class GraphDrafter(Drafter):
     def _run(self, cache, base: int, used: int, tokens, position: int, mask) -> tuple:
         """Run `tokens` (all at `position`) after the prefix and the `used` scratch slots; store their KV. The step's
         outputs (logits [1, k, V] first)."""
-        k = len(tokens)
+        k, device = len(tokens), cache.data.device  # the host builds tokens and masks; the graph runs where the cache is
         with torch.no_grad():
             # past: the accepted prefix + scratch slots filled so far; mask [k, used + k] over those slots and nodes
-            outs = self.step(tokens[None], torch.full((1, k), position, dtype=torch.long),
-                             torch.ones(1, base + used + k, dtype=torch.long), cache.data[..., : base + used, :], mask)
+            outs = self.step(tokens[None].to(device), torch.full((1, k), position, dtype=torch.long, device=device),
+                             torch.ones(1, base + used + k, dtype=torch.long, device=device),
+                             cache.data[..., : base + used, :], mask.to(device))
         cache.data[self.layer_index, :, :, :, base + used : base + used + k, :] = outs[1]
         return outs
 

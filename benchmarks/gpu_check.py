@@ -1,0 +1,291 @@
+"""The checks that need a CUDA GPU, in one run: the Triton kernel compiled for the GPU, every GPU-capable
+backend's greedy decoding against HF greedy on the GPU, and step costs of a SmolLM2-shaped model.
+
+    python benchmarks/gpu_check.py --json benchmarks/results_gpu_check.json     # on a machine with a CUDA GPU
+
+The test suite runs the kernel in Triton's CPU interpreter (no GPU in CI); this script is what a GPU machine
+adds. Sections (each one's failure is recorded and the next one runs):
+
+  kernel      speccomp::tree_attention compiled for the GPU against float64 SDPA: trees (chain, 5 siblings,
+              Medusa's 17 nodes), GQA groups 1/3/4, 0..1000 cached keys, head dims 8 and 64, bool and additive
+              masks, a sliding window, a fully masked row; the output buffer poisoned first (NaN) so an unwritten
+              element fails; then the kernel's time against torch's SDPA at SmolLM2's attention shape
+  tiny        tiny random models of several families (tests/tiny_models.py) on the GPU: backend eager / triton
+              (and inductor for llama), plain decoding and drafters, each equal to HF greedy on the GPU?
+  smollm2     a model with SmolLM2-135M's config and random weights (the real weights do not fit the transfer
+              to the GPU machine): HF greedy vs speccomp eager / triton tokens per second and equality, and
+              the verify step's time for q = 1..64 tokens over 300 cached ones (what a tree costs on a GPU)
+
+Random weights give meaningless text and little acceptance: the smollm2 section measures step costs and
+equality, not speculative speedups.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+DEVICE = "cuda"  # --device cpu: a dry run of this script's logic (tiny section, eager) on a machine without one
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))  # tiny_models
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_ms(fn, warmup: int = 3, repeats: int = 20) -> float:
+    """Median wall time of fn() in ms, the GPU synchronized around each call."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def environment() -> dict:
+    import transformers
+    import triton
+
+    info = {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+            "gpu": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "none", "cuda": torch.version.cuda}
+    try:
+        import onnxruntime as ort
+
+        info["onnxruntime"] = ort.__version__
+        info["ort_providers"] = ort.get_available_providers()
+    except ImportError:
+        info["onnxruntime"] = None
+    return info
+
+
+# ------------------------------------------------------------------------------------------------------
+def kernel() -> dict:
+    from test_triton_attention import TREES, graph_mask  # the suite's trees and the graph's own mask
+
+    import speccomp.backends.triton_attention as ta
+
+    rows, worst = [], 0.0
+    real_empty = torch.empty
+
+    def poisoned_empty(*shape, **kw):  # launch() allocates its output with torch.empty: poison it
+        return real_empty(*shape, **kw).fill_(float("nan"))
+
+    ta.torch.empty = poisoned_empty
+    try:
+        for tree_name, tree in TREES.items():
+            for groups in (1, 3, 4):
+                for past in (0, 1, 37, 1000):
+                    for head_dim in (8, 64):
+                        for window in (None, 16):
+                            g = torch.Generator(device=DEVICE).manual_seed(len(rows))
+                            M, N, Hkv = tree.size, past + tree.size, 3 if groups == 3 else 2
+                            q = torch.randn(1, M, Hkv * groups, head_dim, device=DEVICE, generator=g).transpose(1, 2)
+                            k = torch.randn(1, Hkv, N, head_dim, device=DEVICE, generator=g)
+                            v = torch.randn(1, Hkv, N, head_dim, device=DEVICE, generator=g)
+                            allowed = graph_mask(tree, past, window=window).to(DEVICE)
+                            additive = torch.zeros(allowed.shape, device=DEVICE).masked_fill(
+                                ~allowed, torch.finfo(torch.float32).min)
+                            kk, vv = (t.double().repeat_interleave(groups, 1) for t in (k, v))
+                            ref = torch.nn.functional.scaled_dot_product_attention(q.double(), kk, vv, attn_mask=allowed)
+                            for mask in (allowed, additive):
+                                out = torch.ops.speccomp.tree_attention(q, k, v, mask, None)
+                                err = float((out.double() - ref).norm() / ref.norm())
+                                ok = bool(torch.isfinite(out).all()) and err < 1e-5
+                                worst = max(worst, err if ok else float("inf"))
+                                rows.append({"tree": tree_name, "groups": groups, "past": past, "head_dim": head_dim,
+                                             "window": window, "mask": str(mask.dtype), "rel_err": err, "ok": ok})
+        q = torch.randn(1, 4, 3, 16, device=DEVICE)
+        k, v = torch.randn(1, 2, 5, 16, device=DEVICE), torch.randn(1, 2, 5, 16, device=DEVICE)
+        mask = torch.ones(1, 1, 3, 5, dtype=torch.bool, device=DEVICE)
+        mask[..., 1, :] = False
+        out = torch.ops.speccomp.tree_attention(q, k, v, mask, None)
+        masked_row_zero = bool(torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1])))
+    finally:
+        ta.torch.empty = real_empty
+    # speed at SmolLM2's attention: 9 query heads over 3 KV heads, head dim 64
+    speed = []
+    for M in (1, 8, 32, 64):
+        for past in (300, 4096):
+            N = past + M
+            q = torch.randn(1, 9, M, 64, device=DEVICE)
+            k, v = torch.randn(1, 3, N, 64, device=DEVICE), torch.randn(1, 3, N, 64, device=DEVICE)
+            mask = torch.ones(1, 1, M, N, dtype=torch.bool, device=DEVICE).tril(past)
+            tri = timed_ms(lambda: torch.ops.speccomp.tree_attention(q, k, v, mask, None), repeats=50)
+            sdpa = timed_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=True), repeats=50)
+            speed.append({"q": M, "past": past, "triton_ms": tri, "sdpa_ms": sdpa})
+    return {"cases": len(rows), "failed": [r for r in rows if not r["ok"]], "worst_rel_err": worst,
+            "fully_masked_row_zero": masked_row_zero, "speed": speed}
+
+
+# ------------------------------------------------------------------------------------------------------
+TINY = ["llama", "mistral", "qwen2", "gemma3", "gpt2", "phi3", "starcoder2", "gemma2"]
+
+
+def tiny(models: list[str], backends: list[str], new_tokens: int) -> dict:
+    import speccomp
+    from tiny_models import ARCHITECTURES, hf_greedy_with_margin, seeded_prompt
+
+    rows = []
+    for name in models:
+        model = ARCHITECTURES[name].build().to(DEVICE)
+        base = seeded_prompt(6, model.config.vocab_size)
+        ids = base.repeat(1, 3).to(DEVICE)  # repetitive: drafts get accepted, trees get verified
+        ref, margin = hf_greedy_with_margin(model, ids, new_tokens)
+        captured = speccomp.capture(model)
+        for backend in backends:
+            drafters = [(None, None), ("token_recycling", None), ("ngram", None)]
+            if name == "llama":
+                drafters += [("layer_skip", {"skip": [1]}), ("early_exit", {"exit_layer": 1})]
+            for drafter, options in drafters:
+                row = {"model": name, "backend": backend, "drafter": drafter or "plain", "hf_min_margin": margin}
+                try:
+                    fast = speccomp.compile(captured, drafter=drafter, backend=backend, drafter_options=options)
+                    out = fast.generate(ids, max_new_tokens=new_tokens)
+                    row.update(equal=bool(torch.equal(out.cpu(), ref.cpu())), steps=fast.last_stats["steps"],
+                               new_tokens=out.shape[1] - ids.shape[1], device=str(out.device))
+                    if not row["equal"]:
+                        same = (out[0, ids.shape[1]:].cpu() == ref[0, ids.shape[1]:].cpu()).tolist()
+                        row["first_difference"] = same.index(False) if False in same else None
+                except Exception as exc:  # noqa: BLE001 - recorded, the next row runs
+                    row.update(equal=False, error=f"{type(exc).__name__}: {exc}"[:600])
+                rows.append(row)
+                print("tiny", row, flush=True)
+    return {"rows": rows, "equal": sum(r["equal"] for r in rows), "total": len(rows)}
+
+
+# ------------------------------------------------------------------------------------------------------
+def smollm2(new_tokens: int, context: int) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import speccomp
+    from floor import chain  # the verify step's chain of q tokens
+    from speccomp.runtime.decode import KVCache
+
+    sys.path.insert(0, str(HERE))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                      rope_theta=100000.0, tie_word_embeddings=True, initializer_range=0.1, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=2)
+    model = LlamaForCausalLM(cfg).eval().to(DEVICE)
+    ids = torch.randint(3, 49152, (1, context), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    model.generation_config.eos_token_id = None  # exactly new_tokens tokens, as speccomp decodes without eos_token_id
+    gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=2)
+    with torch.no_grad():
+        model.generate(ids, **{**gen, "max_new_tokens": 4})  # warm-up
+        sync()
+        start = time.perf_counter()
+        ref = model.generate(ids, **gen)
+        sync()
+    hf_s = time.perf_counter() - start
+    result = {"config": "SmolLM2-135M shape, random weights", "context": context, "new_tokens": new_tokens,
+              "hf_tok_s": new_tokens / hf_s, "rows": [], "verify_ms": []}
+    captured = speccomp.capture(model)
+    for backend in ("eager", "triton"):
+        for drafter in (None, "token_recycling"):
+            row = {"backend": backend, "drafter": drafter or "plain"}
+            try:
+                fast = speccomp.compile(captured, drafter=drafter, backend=backend)
+                fast.generate(ids, max_new_tokens=4)  # warm-up
+                sync()
+                start = time.perf_counter()
+                out = fast.generate(ids, max_new_tokens=new_tokens)
+                sync()
+                seconds = time.perf_counter() - start
+                n = out.shape[1] - ids.shape[1]
+                row.update(equal=bool(torch.equal(out.cpu(), ref[:, : out.shape[1]].cpu())), new_tokens=n,
+                           tok_s=n / seconds, x_hf=(n / seconds) / result["hf_tok_s"], steps=fast.last_stats["steps"])
+                if drafter is None:  # the step alone: q tokens over `context` cached ones
+                    for q in (1, 8, 16, 32, 64):
+                        cache = KVCache(fast.kv, context + q, DEVICE)
+                        cache.data.normal_()
+                        cache.length = context
+                        tree = chain(q)
+                        args = (torch.full((1, q), 42, device=DEVICE), tree.positions(context, DEVICE),
+                                torch.ones(1, context + q, dtype=torch.long, device=DEVICE))
+                        mask = tree.mask.to(DEVICE)
+
+                        def step():
+                            with torch.no_grad():
+                                fast.step(*args, cache.past(), mask)
+
+                        result["verify_ms"].append({"backend": backend, "q": q, "ms": timed_ms(step)})
+            except Exception as exc:  # noqa: BLE001
+                row.update(equal=False, error=f"{type(exc).__name__}: {exc}"[:600], trace=traceback.format_exc()[-1500:])
+            result["rows"].append(row)
+            print("smollm2", row, flush=True)
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=str(HERE / "results_gpu_check.json"))
+    ap.add_argument("--sections", default="kernel,smollm2,tiny,ort,inductor")
+    ap.add_argument("--backends", default="eager,triton", help="the tiny section's backends")
+    ap.add_argument("--models", default=",".join(TINY), help="tiny section's families (tests/tiny_models.py)")
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--smollm2-tokens", type=int, default=128)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script's own logic")
+    args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    sys.path.insert(0, str(HERE))
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 as HF computes it by default
+    results = {"environment": environment()}
+    print(results["environment"], flush=True)
+    for name in args.sections.split(","):
+        start = time.perf_counter()
+        try:
+            if name == "kernel":
+                results[name] = kernel()
+            elif name == "tiny":
+                results[name] = tiny(args.models.split(","), args.backends.split(","), args.new_tokens)
+            elif name == "ort":  # ONNX Runtime's GPU providers, where this machine's onnxruntime has them
+                providers = results["environment"].get("ort_providers") or []
+                wanted = [b for b, p in (("onnxruntime:cuda", "CUDAExecutionProvider"),
+                                         ("tensorrt", "TensorrtExecutionProvider")) if p in providers]
+                results[name] = (tiny(["llama"], wanted, args.new_tokens) if wanted
+                                 else {"skipped": f"onnxruntime's providers here: {providers}"})
+            elif name == "inductor":  # last: torch.compile takes the longest
+                results[name] = tiny(["llama"], ["inductor"], args.new_tokens)
+            elif name == "smollm2":
+                results[name] = smollm2(args.smollm2_tokens, args.context)
+        except Exception as exc:  # noqa: BLE001
+            results[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+        results[name]["seconds"] = time.perf_counter() - start
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    summary = {k: {kk: vv for kk, vv in v.items() if kk in ("cases", "worst_rel_err", "equal", "total", "error",
+                                                             "hf_tok_s", "seconds", "fully_masked_row_zero", "failed", "skipped")}
+               for k, v in results.items() if k != "environment"}
+    print(json.dumps(summary, indent=1))
+    if "kernel" in results and "speed" in results["kernel"]:
+        for r in results["kernel"]["speed"]:
+            print(f"kernel q={r['q']:3d} past={r['past']:5d}: triton {r['triton_ms']:.3f} ms, sdpa {r['sdpa_ms']:.3f} ms")
+    for r in results.get("smollm2", {}).get("rows", []):
+        print("smollm2", {k: r.get(k) for k in ("backend", "drafter", "equal", "tok_s", "x_hf", "steps", "error")})
+    for r in results.get("smollm2", {}).get("verify_ms", []):
+        print(f"verify {r['backend']} q={r['q']}: {r['ms']:.2f} ms")
+    for r in results.get("tiny", {}).get("rows", []) + results.get("inductor", {}).get("rows", []) + results.get("ort", {}).get("rows", []):
+        if not r["equal"]:
+            print("tiny NOT EQUAL", r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
