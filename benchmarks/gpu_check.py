@@ -167,6 +167,58 @@ def tiny(models: list[str], backends: list[str], new_tokens: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------
+def drafters(new_tokens: int) -> dict:
+    """Every model-reading drafter (random heads, the target as its own draft model) and a left-padded batch of 4 on
+    the GPU: one sequence and each batch row equal to HF greedy on the GPU; a sampled run that completes."""
+    import tempfile
+
+    import speccomp
+    import test_batch as tb
+    from speccomp.drafters.eagle import save_eagle
+    from speccomp.drafters.hydra import save_hydra
+    from speccomp.drafters.medusa import new_heads, save_medusa
+    from test_eagle import random_eagle
+    from test_medusa import random_hydra
+    from test_speculative import hf_greedy, repetitive_prompt
+
+    llama = tb.tiny_llama(num_hidden_layers=4, initializer_range=0.2, tie_word_embeddings=True)  # test_batch's
+    root = Path(tempfile.mkdtemp())
+    save_medusa(new_heads(llama, 2), root / "medusa")
+    save_hydra(random_hydra(llama, 2, vocab=torch.arange(3, 80)), root / "hydra")
+    save_eagle(random_eagle(llama, vocab=torch.arange(3, 80)), root / "eagle")
+    heads = {k: str(root / k) for k in ("medusa", "hydra", "eagle")}
+    model = llama.to(DEVICE)  # after the heads were made from it on the CPU
+    prompts = [(repetitive_prompt(96, i, n)[0] if i % 2 == 0 else
+                torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(i))) for i, n in enumerate(tb.LENGTHS[:4])]
+    prompts = [p.to(DEVICE) for p in prompts]
+    greedy = [hf_greedy(model, p[None], new_tokens)[0, len(p):].cpu() for p in prompts]
+    captured = speccomp.capture(model)
+    rows = []
+    for case, make in tb.CASES.items():
+        for backend in ("eager", "triton"):
+            row = {"drafter": case, "backend": backend}
+            try:
+                fast = speccomp.compile(captured, **make(heads, model), backend=backend)
+                one = fast.generate(prompts[0][None], max_new_tokens=new_tokens)
+                row["one_equal"] = bool(torch.equal(one[0, len(prompts[0]):].cpu(), greedy[0]))
+                row["one_steps"] = fast.last_stats["steps"]
+                ids, mask = tb.left_padded([p.cpu() for p in prompts])
+                out = fast.generate(ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=new_tokens,
+                                    load_aware=False)
+                row["batch_equal"] = sum(bool(torch.equal(out[i, ids.shape[1]:].cpu(), greedy[i])) for i in range(4))
+                row["batch_forwards"] = fast.last_stats["forwards"]
+                sampled = fast.generate(prompts[0][None], max_new_tokens=new_tokens, do_sample=True, temperature=0.8,
+                                        seed=0)
+                row["sampled_tokens"] = sampled.shape[1] - len(prompts[0])
+                row["equal"] = row["one_equal"] and row["batch_equal"] == 4
+            except Exception as exc:  # noqa: BLE001
+                row.update(equal=False, error=f"{type(exc).__name__}: {exc}"[:600], trace=traceback.format_exc()[-1200:])
+            rows.append(row)
+            print("drafters", {k: v for k, v in row.items() if k != "trace"}, flush=True)
+    return {"rows": rows, "equal": sum(r["equal"] for r in rows), "total": len(rows)}
+
+
+# ------------------------------------------------------------------------------------------------------
 def smollm2(new_tokens: int, context: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -233,7 +285,7 @@ def smollm2(new_tokens: int, context: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=str(HERE / "results_gpu_check.json"))
-    ap.add_argument("--sections", default="kernel,smollm2,tiny,ort,inductor")
+    ap.add_argument("--sections", default="kernel,smollm2,tiny,drafters,ort,inductor")
     ap.add_argument("--backends", default="eager,triton", help="the tiny section's backends")
     ap.add_argument("--models", default=",".join(TINY), help="tiny section's families (tests/tiny_models.py)")
     ap.add_argument("--new-tokens", type=int, default=24)
@@ -262,6 +314,8 @@ def main(argv=None) -> int:
                                          ("tensorrt", "TensorrtExecutionProvider")) if p in providers]
                 results[name] = (tiny(["llama"], wanted, args.new_tokens) if wanted
                                  else {"skipped": f"onnxruntime's providers here: {providers}"})
+            elif name == "drafters":
+                results[name] = drafters(args.new_tokens)
             elif name == "inductor":  # last: torch.compile takes the longest
                 results[name] = tiny(["llama"], ["inductor"], args.new_tokens)
             elif name == "smollm2":
@@ -281,9 +335,10 @@ def main(argv=None) -> int:
         print("smollm2", {k: r.get(k) for k in ("backend", "drafter", "equal", "tok_s", "x_hf", "steps", "error")})
     for r in results.get("smollm2", {}).get("verify_ms", []):
         print(f"verify {r['backend']} q={r['q']}: {r['ms']:.2f} ms")
-    for r in results.get("tiny", {}).get("rows", []) + results.get("inductor", {}).get("rows", []) + results.get("ort", {}).get("rows", []):
-        if not r["equal"]:
-            print("tiny NOT EQUAL", r)
+    for section in ("tiny", "drafters", "ort", "inductor"):
+        for r in results.get(section, {}).get("rows", []):
+            if not r["equal"]:
+                print(section, "NOT EQUAL", {k: v for k, v in r.items() if k != "trace"})
     return 0
 
 

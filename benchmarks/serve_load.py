@@ -62,12 +62,13 @@ async def client(url: str, text: str, max_tokens: int, deadline: float) -> dict:
 
     body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0,
             "stream": True}
-    start, first, ids = time.perf_counter(), None, []
+    start, first, ids, server = time.perf_counter(), None, [], None
     try:
         async with httpx.AsyncClient(timeout=deadline) as http:
             async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
                     return {"status": r.status_code, "error": (await r.aread()).decode()[:200]}
+                server = r.headers.get("x-speccomp-server")  # which process (replica) answered
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -80,7 +81,7 @@ async def client(url: str, text: str, max_tokens: int, deadline: float) -> dict:
                     ids += got
     except httpx.HTTPError as exc:
         return {"status": None, "error": f"{type(exc).__name__}: {exc}"}
-    return {"status": 200, "ttft": first, "latency": time.perf_counter() - start, "ids": ids}
+    return {"status": 200, "ttft": first, "latency": time.perf_counter() - start, "ids": ids, "server": server}
 
 
 async def load(url: str, texts: list[str], args) -> tuple[list[dict], float]:
@@ -105,6 +106,8 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--deadline", type=float, default=300.0, help="seconds a request may take")
+    parser.add_argument("--replicas", type=int, default=None, help="serve through N Ray Serve replicas "
+                        "(speccomp serve --replicas N; the 2 ONNX Runtime threads split between them)")
     parser.add_argument("--json", default=str(HERE / "results_serve_load.json"))
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,20 +117,24 @@ def main(argv=None) -> int:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         url = f"http://127.0.0.1:{port}"
-        server = subprocess.Popen([sys.executable, "-m", "speccomp.cli", "serve", args.engine, "--port", str(port),
-                                   "--max-batch", str(args.concurrency), "--threads", "2"])
+        command = [sys.executable, "-m", "speccomp.cli", "serve", args.engine, "--port", str(port),
+                   "--max-batch", str(args.concurrency), "--threads", str(2 // (args.replicas or 1) or 1)]
+        if args.replicas:
+            command += ["--replicas", str(args.replicas)]
+        server = subprocess.Popen(command)
         try:
-            for _ in range(600):
+            for _ in range(900):  # up to 3 minutes: Ray starts a cluster and loads each replica's engine
                 try:
                     if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                         break
                 except httpx.HTTPError:
-                    time.sleep(0.2)
+                    pass
+                time.sleep(0.2)
             results, wall = asyncio.run(load(url, texts, args))
             metrics = httpx.get(f"{url}/metrics").text
         finally:
-            server.terminate()
-            server.wait(timeout=30)
+            server.terminate()  # SIGTERM: uvicorn stops; with --replicas, Ray Serve's shutdown stops the replicas
+            server.wait(timeout=60)
     ok = [r for r in results if r["status"] == 200]
     equal = sum(r["ids"] == want for r, want in zip(results, replies) if r["status"] == 200)
     latencies = sorted(r["latency"] for r in ok)
@@ -137,9 +144,10 @@ def main(argv=None) -> int:
                "hf_sequential_tokens_per_second": sum(map(len, replies)) / hf_seconds,
                "p50_latency": statistics.median(latencies) if latencies else None,
                "p99_latency": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else None,
-               "p50_ttft": statistics.median(r["ttft"] for r in ok if r["ttft"] is not None) if ok else None}
+               "p50_ttft": statistics.median(r["ttft"] for r in ok if r["ttft"] is not None) if ok else None,
+               "replicas_answering": len({r["server"] for r in ok})}
     print(f"\nspeccomp serve, {args.requests} requests, {args.concurrency} concurrent clients, {args.max_tokens} max "
-          f"tokens, drafter {args.drafter}")
+          f"tokens, drafter {args.drafter}, {args.replicas or 1} replica(s)")
     for key, value in summary.items():
         print(f"  {key:32} {value:.3f}" if isinstance(value, float) else f"  {key:32} {value}")
     for r in results:

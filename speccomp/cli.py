@@ -324,13 +324,20 @@ def cmd_run(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    """Serve an engine over HTTP (OpenAI-compatible, continuous batching): speccomp/serve.py."""
+    """Serve an engine over HTTP (OpenAI-compatible, continuous batching): speccomp/serve.py; with --replicas, as Ray
+    Serve replicas (speccomp/serve_ray.py)."""
     try:
         from speccomp.serve import serve
     except ImportError as exc:
         raise FileNotFoundError(f"speccomp serve needs FastAPI and uvicorn ({exc}): pip install 'speccomp[serve]'") from None
-    serve(args.engine, host=args.host, port=args.port, max_batch=args.max_batch, kv_slots=args.kv_slots,
-          provider=args.provider, threads=args.threads)
+    options = dict(host=args.host, port=args.port, max_batch=args.max_batch, kv_slots=args.kv_slots,
+                   provider=args.provider, threads=args.threads)
+    if args.replicas is None:
+        serve(args.engine, **options)
+    else:
+        from speccomp.serve_ray import serve_replicas
+
+        serve_replicas(args.engine, replicas=args.replicas, **options)
     return 0
 
 
@@ -597,6 +604,8 @@ def _add_autotune_export_run(sub) -> None:
                    "request needs prompt + max_tokens + the tree's room (default 8192)")
     p.add_argument("--provider", default="cpu", help="ONNX Runtime execution provider: cpu, cuda, tensorrt (default cpu)")
     p.add_argument("--threads", type=positive, default=None, help="ONNX Runtime intra-op threads (default: its own)")
+    p.add_argument("--replicas", type=positive, default=None, help="serve N copies as Ray Serve replicas on a local "
+                   "Ray cluster (or RAY_ADDRESS's), each with its own batch; needs pip install 'speccomp[ray]'")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("export-triton", help="write an engine as a Triton Inference Server model repository "

@@ -20,6 +20,8 @@ import asyncio
 import collections
 import contextlib
 import json
+import os
+import socket
 import threading
 import time
 import uuid
@@ -184,6 +186,7 @@ def make_app(engine, max_batch: int = 8, kv_slots: int = 8192, name: str | None 
 
     app = FastAPI(title="speccomp", description=__doc__.split("\n\n")[0], lifespan=lifespan)
     app.state.scheduler = scheduler
+    app.add_middleware(_ServerHeader, server=f"{socket.gethostname()}:{os.getpid()}")
 
     def error(status: int, message: str, param=None) -> JSONResponse:
         scheduler.counts["refused"] += 1
@@ -298,6 +301,22 @@ def make_app(engine, max_batch: int = 8, kv_slots: int = 8192, name: str | None 
         return await run(request, ids, body, True, 256)
 
     return app
+
+
+class _ServerHeader:
+    """`x-speccomp-server: host:pid` on every response: which process answered (one of several Ray Serve replicas).
+    Plain ASGI, not BaseHTTPMiddleware, so streams and client disconnects pass through untouched."""
+
+    def __init__(self, app, server: str):
+        self.app, self.header = app, (b"x-speccomp-server", server.encode())
+
+    async def __call__(self, scope, receive, send):
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header if scope["type"] == "http" else send)
 
 
 async def _body(request) -> dict:

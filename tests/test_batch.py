@@ -212,8 +212,9 @@ def test_budget_predicts_every_smaller_cap_from_accepted_paths():
 
 def test_budget_gives_nodes_where_they_pay():
     """Cheap nodes: the row whose drafts are accepted gets a big cap and the row whose drafts never are stays plain;
-    dear nodes: every row plain but the one that explores the next cap up."""
-    from speccomp.runtime.budget import Budget, FixedCosts
+    dear nodes: every row plain, and only a row without records of its own at the next cap up explores it, until it
+    has them: then the batch decodes plainly (a cap of 1 drafts nothing), exploring again only as records age out."""
+    from speccomp.runtime.budget import HISTORY, MIN_OWN, Budget, FixedCosts
 
     def budget(per_token):
         b = Budget(FixedCosts(1.0, per_token), max_nodes=64)
@@ -223,13 +224,67 @@ def test_budget_gives_nodes_where_they_pay():
         return b
 
     cheap = budget(0.001)
-    for _ in range(2):  # row 0 explores, then row 1
+    for _ in range(2):
         caps = cheap.caps_for([0, 1])
         assert caps[0] >= 16 and caps[1] <= 2
     dear = budget(10.0)  # a node costs ten times the step's fixed part
-    seen = [dear.caps_for([0, 1, 2]) for _ in range(3)]
-    assert all(sorted(c.values()) == [1, 1, 2] for c in seen)  # one explorer a step, in turn
-    assert [max(c, key=c.get) for c in seen] == [0, 1, 2]
+    looks = []
+    for _ in range(2 * HISTORY):
+        caps = dear.caps_for([0, 1, 2])
+        looks.append([r for r, c in caps.items() if c > 1])
+        for r in caps:
+            dear.record(r, [0], caps[r])  # every draft rejected
+    assert all(len(r) <= 1 for r in looks)  # one row looks at a time
+    assert looks[0] == [2]  # the row without records looks first; rows 0 and 1 can tell (8 records each)
+    assert not any(0 in r or 1 in r for r in looks[:HISTORY - 8])  # ... until those records age out
+    row2 = [i for i, r in enumerate(looks) if r == [2]]
+    gaps = [b - a for a, b in zip(row2, row2[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0]  # each rejected look: a longer wait before the next
+    assert sum(map(len, looks)) < len(looks) // 4  # under a quarter of the steps carry a look: nearly plain
+
+
+def test_a_look_that_found_no_draft_is_no_evidence():
+    """A row that looked at cap 2 but whose drafter had nothing to draft (a 1-node tree: Token Recycling's table is
+    empty at first) looks again at once; looks whose drafts are rejected come less and less often, and after MIN_OWN
+    of them the row's records can tell: it stops looking."""
+    from speccomp.runtime.budget import MIN_OWN, Budget, FixedCosts
+
+    budget = Budget(FixedCosts(1.0, 10.0), max_nodes=64)  # dear nodes: looks only where records cannot tell
+    for _ in range(3 * MIN_OWN):
+        assert budget.caps_for([0]) == {0: 2}
+        budget.record(0, [0], 1)  # the drafter offered the root alone
+    assert budget.expected(0, 2) is None
+    waits = []
+    for _ in range(MIN_OWN):  # real drafts, rejected: the row waits longer and longer between looks
+        steps = 0
+        while budget.caps_for([0]) != {0: 2}:
+            budget.record(0, [0], 1)  # a plain step
+            steps += 1
+            assert steps < 100
+        budget.record(0, [0], 2)
+        waits.append(steps)
+    assert waits == sorted(waits) and waits[-1] > waits[0]
+    assert budget.expected(0, 2) == 1.0 and budget.caps_for([0]) == {0: 1}
+
+
+def test_step_costs_are_the_fastest_run_and_never_fall_with_q():
+    """Noise only adds time (the fastest timed run is kept), and a bigger forward never looks cheaper than a smaller
+    one (a slow measurement at q = 2 lifts q = 4's), so the budget never buys nodes on a measurement's noise."""
+    import time as clock
+
+    from speccomp.runtime.budget import StepCosts
+
+    calls = []
+    seconds = {1: 0.002, 2: 0.012, 4: 0.004}
+
+    def run(q):
+        calls.append(q)
+        clock.sleep(seconds[q] * (3 if len(calls) % 4 == 0 else 1))  # every 4th call is slow
+
+    costs = StepCosts(run, repeats=4, warmup=1)
+    assert 0.012 <= costs(2) < 0.02 and calls.count(2) == 5  # 1 untimed + 4 timed, the slow one not kept
+    assert costs(4) == costs(2) and costs(3) == costs(2)  # 4's own 4 ms is lifted to 2's 12 ms
+    assert costs(1) < costs(2)
 
 
 def test_load_aware_batches_follow_the_step_cost(captured, prompts, greedy):

@@ -183,8 +183,9 @@ class EagleStep(nn.Module):
 
         h, a, d = self.head.hidden, self.head.num_heads, self.head.head_dim
         q, past = Dim("q", min=1, max=4096), Dim("past", min=0)
-        example = (torch.zeros(3, h), torch.zeros(3, dtype=torch.long), torch.arange(5, 8), torch.zeros(a, 5, d),
-                   torch.zeros(a, 5, d), torch.ones(3, 8, dtype=torch.bool))
+        on = {"device": self.head.embed.device}  # the step is captured where it runs
+        example = (torch.zeros(3, h, **on), torch.zeros(3, dtype=torch.long, **on), torch.arange(5, 8, **on),
+                   torch.zeros(a, 5, d, **on), torch.zeros(a, 5, d, **on), torch.ones(3, 8, dtype=torch.bool, **on))
         dynamic = ({0: q}, {0: q}, {0: q}, {1: past}, {1: past}, {0: q, 1: Dim.AUTO})
         return DrafterGraphSpec("eagle", EAGLE_INPUTS, EAGLE_OUTPUTS, example, dynamic)
 
@@ -235,8 +236,10 @@ def load_eagle(directory, model) -> EagleHead:
     theta = config.get("rope_theta", 10000.0)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
         raise HeadsError(f"{directory / CONFIG}: rope_theta must be a positive number, got {theta!r}")
+    tensors = {k: v.to(lm.device) for k, v in tensors.items()}  # the file is read on the CPU; the model may be on a GPU
     head = EagleHead(hidden, vocab, num_heads, config["intermediate_size"], lm, _input_embedding(model),
                      tensors["draft_vocab"], float(theta))
     head.load_state_dict({n: tensors[n].float() for n in _PARAMS})
+    head.to(lm.device)
     head.train_steps = config_int(config, "train_steps", directory / CONFIG) if config.get("train_steps") else None
     return head.eval()

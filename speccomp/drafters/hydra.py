@@ -134,7 +134,9 @@ class HydraStep(nn.Module):
         from speccomp.engine.runtime import HYDRA_OUTPUTS  # the engine's names for this graph's outputs
 
         n = torch.export.Dim("n", min=1, max=4096)
-        example = (torch.tensor(0), torch.zeros(2, self.embed.shape[1]), torch.zeros(2, dtype=torch.long))
+        device = self.embed.device  # the step is captured where it runs
+        example = (torch.tensor(0), torch.zeros(2, self.embed.shape[1], device=device),
+                   torch.zeros(2, dtype=torch.long, device=device))
         return DrafterGraphSpec("hydra", ["head", "states", "tokens"], HYDRA_OUTPUTS, example, (None, {0: n}, {0: n}))
 
 
@@ -178,6 +180,7 @@ def load_hydra(directory, model) -> HydraHeads:
         return {"draft_vocab": (config.get("draft_vocab_size"),), **want}
 
     _, tensors = read_head_files(directory, "hydra", WEIGHTS, layout)
+    tensors = {k: v.to(lm.device) for k, v in tensors.items()}  # the file is read on the CPU; the model may be on a GPU
     heads = HydraHeads(shape["heads"], hidden, vocab, shape["layers"], lm, _input_embedding(model), tensors["draft_vocab"])
     heads.load_state_dict({own: tensors[name].float() for name, (own, _) in shape["names"].items()})
-    return heads.eval()
+    return heads.to(lm.device).eval()

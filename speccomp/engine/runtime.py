@@ -1141,7 +1141,7 @@ class EngineBatch:
                 kept = r.accept(tokens, children, mine)
                 r.advance(tokens, kept, mine, own)
                 if self.budget is not None:
-                    self.budget.record(i, kept, caps[i])
+                    self.budget.record(i, kept, len(tokens))  # the tree's nodes, <= caps[i]
             keep += [at + k for k in kept]
             owners += [i] * len(kept)
             emitted[i] = r.out[before:]

@@ -22,6 +22,7 @@ own cache (they would read the other rows' entries), and compressed-KV models.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -33,13 +34,14 @@ from speccomp.runtime.calls import row_slots, run_batch
 from speccomp.runtime.decode import KVCache, Sequence
 
 
-def step_costs(target, kv: KVSpec, device, past: int = 256):
-    """runtime/budget.py's StepCosts for `target`: forwards of q tokens after `past` cached ones (zeros)."""
+def step_costs(target, kv: KVSpec, device, past: int = 256, threads=contextlib.nullcontext):
+    """runtime/budget.py's StepCosts for `target`: forwards of q tokens after `past` cached ones (zeros), each under
+    the `threads()` context decoding runs in (model.py's host_threads)."""
     def run(q: int) -> None:
         n = past + q
         cache = KVCache(kv, n, device)
         cache.length = past
-        with torch.no_grad():
+        with torch.no_grad(), threads():
             target(torch.zeros(1, q, dtype=torch.long, device=device), torch.arange(past, n, device=device)[None],
                    torch.ones(1, n, dtype=torch.long, device=device), cache.past(),
                    torch.ones(q, n, dtype=torch.bool, device=device).tril(past))
@@ -136,7 +138,7 @@ class Batch:
                 kept = seq.accept(draft, mine)
                 seq.advance(draft, kept, mine)
                 if self.budget is not None:
-                    self.budget.record(rid, kept, caps[rid])
+                    self.budget.record(rid, kept, draft.tree.size)  # <= caps[rid]
             seq.stats.seconds = time.perf_counter() - self._joined[rid]
             if draft is None:
                 seq.stats.prefill_seconds = seq.stats.seconds

@@ -10,42 +10,49 @@ for goodput, tokens gained per second (SmartSpec), allocating nodes across rows 
     cost  = t(nodes of all rows + joining prompts)   t: the measured step-cost curve (StepCosts)
 
 E_r[tokens | c] comes from row r's recent accepted paths: a tree lists parents before children, so its first c nodes
-form a tree and a path would have been accepted exactly up to its first node with index >= c; a history taken at cap
-c' predicts every c <= c'. Rows start at cap 1 (plain decoding, E = 1 exactly) and a greedy loop raises the cap of
-whichever row improves gain / cost most, while one does. With few records of its own a row borrows the batch's. One
-row per step (round robin) verifies one cap above its choice, so the histories keep showing what a bigger tree would
-gain. A cap of 1 asks the drafter for nothing.
+form a tree and a path would have been accepted exactly up to its first node with index >= c; a record of a tree of
+n nodes predicts every c <= n. Rows start at cap 1 (plain decoding, E = 1 exactly) and a greedy loop raises the cap of
+whichever row improves gain / cost most, while one does. With few records of its own a row borrows the batch's. A row
+with fewer than MIN_OWN recent records at one cap above its choice verifies that cap instead (one such row a step, in
+turn), so the histories keep showing what a bigger tree would gain without paying for a look every step; where a look
+makes the step at most LOOK_COST dearer (big batches, GPUs), rows look in turn every step. A look whose draft was
+rejected doubles the steps the row waits before its next look (up to MAX_BACKOFF; an accepted draft resets it), so a
+drafter that does not pay in this batch costs next to nothing. A cap of 1 asks the drafter for nothing.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 
 CAPS = (1, 2, 4, 8, 16, 32, 64)  # the caps a row may get (the model's max_tree last)
 HISTORY = 32  # accepted paths remembered per row
 MIN_OWN = 4  # records a row needs before its own estimate is used (else the batch's pooled records)
+MAX_BACKOFF = 64  # steps a row waits at most between looks after its looks kept finding its drafts rejected
+LOOK_COST = 0.02  # a row whose records can tell still looks one cap up when that makes the step at most 2% dearer
 
 
 class StepCosts:
-    """t(q): seconds of one forward of q packed tokens, measured lazily at powers of two by `run(q)` (one untimed
-    call, then the median of `repeats`) and interpolated linearly between them (extrapolated past the largest)."""
+    """t(q): seconds of one forward of q packed tokens, measured lazily at powers of two by `run(q)` (`warmup` untimed
+    calls, then the fastest of `repeats`: noise only ever adds time) and interpolated linearly between them
+    (extrapolated past the largest). Kept non-decreasing in q (t(2q) >= t(q)): one noisy measurement must not make a
+    bigger forward look cheaper than a smaller one, which would buy nodes that cost more than they gain."""
 
     MAX_Q = 1024  # measured up to here; larger q extrapolates the last segment
 
-    def __init__(self, run, repeats: int = 3):
-        self.run, self.repeats, self.measured = run, repeats, {}
+    def __init__(self, run, repeats: int = 5, warmup: int = 2):
+        self.run, self.repeats, self.warmup, self.measured = run, repeats, warmup, {}
 
     def _at(self, q: int) -> float:
         if q not in self.measured:
-            self.run(q)
+            for _ in range(self.warmup):
+                self.run(q)
             times = []
             for _ in range(self.repeats):
                 start = time.perf_counter()
                 self.run(q)
                 times.append(time.perf_counter() - start)
-            self.measured[q] = statistics.median(times)
-        return self.measured[q]
+            self.measured[q] = min(times)
+        return max(self.measured[q], self._at(q // 2)) if q > 1 else self.measured[q]
 
     def __call__(self, q: int) -> float:
         q = max(1, int(q))
@@ -81,6 +88,8 @@ class Budget:
         # running totals, so an estimate is O(1): row id (None: the whole batch) -> [tokens, records] per cap
         self._totals: dict = {None: [[0, 0] for _ in self.caps]}
         self._turn = 0
+        self._looking: dict[int, int] = {}  # row id -> the cap it is looking at this step (above its choice)
+        self._wait: dict[int, tuple[int, int]] = {}  # row id -> (steps before it may look again, its current backoff)
 
     def _count(self, rid: int, record: tuple, sign: int) -> None:
         path, ran = record
@@ -91,15 +100,27 @@ class Budget:
                 self._totals[key][k][0] += sign * _gained(path, cap)
                 self._totals[key][k][1] += sign
 
-    def record(self, rid: int, path: list[int], cap: int) -> None:
+    def record(self, rid: int, path: list[int], nodes: int) -> None:
+        """Row `rid` verified a tree of `nodes` nodes (at most its cap; fewer where the drafter had less to offer) and
+        accepted `path`. It predicts every cap up to `nodes` and says nothing of bigger ones: a look at cap 2 that found
+        no draft (Token Recycling's table still empty) is no evidence that drafts fail, and costs nothing to repeat."""
+        cap = nodes
         history = self.history.setdefault(rid, deque(maxlen=HISTORY))
         self._totals.setdefault(rid, [[0, 0] for _ in self.caps])
         if len(history) == HISTORY:
             self._count(rid, history[0], -1)  # the oldest record leaves
         history.append((tuple(path[1:]), cap))
         self._count(rid, history[-1], +1)
+        looked = self._looking.pop(rid, None)
+        if looked is not None and nodes > 1:  # a look that found no draft cost nothing and says nothing
+            wait, backoff = self._wait.get(rid, (0, 1))
+            paid = len(path) > 1  # a draft was accepted: look again as soon as records allow
+            backoff = 1 if paid else min(2 * backoff, MAX_BACKOFF)
+            self._wait[rid] = (0 if paid else backoff, backoff)
 
     def forget(self, rid: int) -> None:
+        self._looking.pop(rid, None)
+        self._wait.pop(rid, None)
         for record in self.history.pop(rid, ()):
             self._count(rid, record, -1)
         self._totals.pop(rid, None)
@@ -138,8 +159,24 @@ class Budget:
             total += e - gains[r]
             level[r], gains[r], q = level[r] + 1, e, q + dq
         caps = {r: self.caps[level[r]] for r in rids}
-        if rids:  # one row explores the next cap up
-            r = rids[self._turn % len(rids)]
+        for r in rids:  # rows whose last looks found drafts rejected wait longer and longer before the next
+            wait, backoff = self._wait.get(r, (0, 1))
+            self._wait[r] = (max(0, wait - 1), backoff)
+        can = [r for r in rids if level[r] + 1 < len(self.caps) and self._wait[r][0] == 0]
+        curious = [r for r in can if self._unseen(r, self.caps[level[r] + 1])]
+        if not curious and can:  # every row's records can tell: look anyway where a look costs next to nothing
+            r = can[self._turn % len(can)]
+            look = self.costs(q + self.caps[level[r] + 1] - self.caps[level[r]])
+            curious = can if look <= (1 + LOOK_COST) * self.costs(q) else []
+        if curious:  # one row a step, in turn, verifies the next cap up
+            r = curious[self._turn % len(curious)]
             self._turn += 1
-            caps[r] = self.caps[min(level[r] + 1, len(self.caps) - 1)]
+            caps[r] = self._looking[r] = self.caps[level[r] + 1]
         return caps
+
+    def _unseen(self, rid: int, cap: int) -> bool:
+        """Row `rid` has fewer than MIN_OWN recent records that ran at `cap` or above (so its estimate at `cap` is
+        borrowed, stale or missing). Once it has them it does not explore again until they age out of its HISTORY:
+        exploring costs a bigger forward and a draft, so it happens about MIN_OWN / HISTORY of the steps at most."""
+        own = self._totals.get(rid)
+        return own is None or own[self.caps.index(cap)][1] < MIN_OWN

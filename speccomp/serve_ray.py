@@ -1,0 +1,70 @@
+"""`speccomp serve ENGINE_DIR --replicas N`: the OpenAI-compatible server of speccomp/serve.py as N Ray Serve replicas.
+
+    pip install 'speccomp[ray]'
+    speccomp serve engine/ --replicas 2 --port 8000        # starts a local Ray cluster, or joins RAY_ADDRESS's
+
+Each replica is a Ray actor (a process of its own, on any node of the cluster) that loads the engine and builds the
+same FastAPI app as `speccomp serve` (`make_app`): its own scheduler thread and continuous batch. Ray Serve's proxy
+takes the HTTP requests and spreads them over the replicas; a replica that dies is restarted by Ray. There is no
+cluster code here: `ray.init` starts or joins the cluster, `serve.run` deploys, Ray does the rest. Every response
+carries `x-speccomp-server: host:pid`, so a client (and the tests) can see which replica answered.
+"""
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from speccomp.errors import OptionError
+
+INSTALL = "pip install 'speccomp[ray]'"
+
+
+def application(engine_dir, replicas: int = 2, max_batch: int = 8, kv_slots: int = 8192, provider: str = "cpu",
+                threads: int | None = None, cpus_per_replica: float = 1.0):
+    """The Ray Serve application (`serve.run(application(...))`): `replicas` copies of the engine's app."""
+    try:
+        from ray import serve
+    except ImportError as exc:
+        raise ImportError(f"--replicas needs Ray Serve ({exc}): {INSTALL}") from None
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+        raise OptionError("replicas", replicas, "must be a positive int", "e.g. replicas=2")
+    engine_dir = str(Path(engine_dir).resolve())  # replicas may start in another working directory
+
+    def build():  # runs in each replica's process (cloudpickled there): its own engine and scheduler
+        from speccomp.engine.runtime import load
+        from speccomp.serve import make_app
+
+        return make_app(load(engine_dir, provider=provider, threads=threads), max_batch, kv_slots)
+
+    deployment = serve.deployment(serve.ingress(build)(), name="speccomp", num_replicas=replicas,
+                                  max_ongoing_requests=4 * max_batch,
+                                  ray_actor_options={"num_cpus": cpus_per_replica})
+    return deployment.bind()
+
+
+def serve_replicas(engine_dir, host: str = "127.0.0.1", port: int = 8000, replicas: int = 2, max_batch: int = 8,
+                   kv_slots: int = 8192, provider: str = "cpu", threads: int | None = None) -> None:
+    """Deploy `replicas` copies on the Ray cluster (a local one unless RAY_ADDRESS names another) and serve until
+    interrupted."""
+    from speccomp.engine.runtime import load
+
+    load(engine_dir)  # a bad directory fails here, with the engine's own message, not inside a replica
+    try:
+        import ray
+        from ray import serve
+    except ImportError as exc:
+        raise ImportError(f"--replicas needs Ray Serve ({exc}): {INSTALL}") from None
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)  # a plain kill also stops the replicas and the local cluster
+    ray.init(ignore_reinit_error=True)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(application(engine_dir, replicas, max_batch, kv_slots, provider, threads), name="speccomp",
+                  blocking=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,82 @@
+"""`speccomp serve --replicas N` (speccomp/serve_ray.py): the OpenAI-compatible app as two Ray Serve replicas on a
+local Ray cluster of this machine (loopback only). Concurrent requests are spread over both replica processes and
+each gets its prompt's own HF greedy text."""
+import socket
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import speccomp
+from test_serve import EOS, word_tokenizer
+from test_speculative import hf_greedy
+from tiny_models import tiny_llama
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("ray.serve")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(num_hidden_layers=3, initializer_range=0.2, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def replicas(model, tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from speccomp.serve_ray import application
+
+    path = tmp_path_factory.mktemp("ray") / "engine"
+    speccomp.compile(model, drafter="token_recycling", backend="onnxruntime").export(path, tokenizer=word_tokenizer())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # a local cluster of this machine: no dashboard, workers see this test's sys.path (tiny models are not needed
+    # there, but speccomp must import the same way)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ":".join(p for p in sys.path if p)}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(application(path, replicas=2, max_batch=4, kv_slots=1024, threads=1, cpus_per_replica=0.5),
+                  name="speccomp", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_two_replicas_answer_and_each_answer_is_hf_greedy(replicas, model):
+    prompts = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (5, 9, 14, 20, 7, 11, 6, 16)]
+
+    def ask(prompt):
+        r = httpx.post(f"{replicas}/v1/completions", json={"prompt": prompt, "max_tokens": 20, "temperature": 0},
+                       timeout=120)
+        return r.status_code, r.headers.get("x-speccomp-server"), r.json()
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(ask, prompts + prompts))  # each prompt twice
+    for prompt, (status, _, answer) in zip(prompts + prompts, answers):
+        assert status == 200, answer
+        want = hf_greedy(model, torch.tensor([prompt]), 20, eos=EOS)[0, len(prompt):].tolist()
+        assert answer["choices"][0]["token_ids"] == (want[: want.index(EOS) + 1] if EOS in want else want)
+    servers = {server for _, server, _ in answers}
+    assert len(servers) == 2, servers  # both replica processes answered
+    health = httpx.get(f"{replicas}/health", timeout=30)
+    assert health.json() == {"status": "ok"}
+
+
+def test_bad_request_through_the_proxy_is_still_a_400(replicas):
+    r = httpx.post(f"{replicas}/v1/completions", json={"prompt": [5, 6], "max_tokens": 0}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_replicas_option_is_checked():
+    from speccomp.errors import OptionError
+    from speccomp.serve_ray import application
+
+    with pytest.raises(OptionError, match="replicas=0: must be a positive int"):
+        application("unused", replicas=0)
