@@ -37,6 +37,16 @@ def test_onnxruntime_greedy_identical(llama, drafter, tree, tmp_path, monkeypatc
         assert torch.equal(out, hf_greedy(llama, ids, 30)), (drafter, seed)
     if drafter in ("layer_skip", "early_exit"):
         assert isinstance(fast.drafter.step, OrtStep)  # the drafter graph runs in ONNX Runtime too
+    if drafter == "token_recycling":  # host-side torch ops run on one thread while ORT runs the graphs
+        threads, step, before = [], fast.step, torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            fast.step = lambda *args: threads.append(torch.get_num_threads()) or step(*args)
+            fast.generate(ids, max_new_tokens=8, eos_token_id=2)
+            assert set(threads) == {1} and torch.get_num_threads() == 2  # one inside, restored after
+        finally:
+            fast.step = step
+            torch.set_num_threads(before)
 
 
 def test_onnxruntime_sliding_window_past_the_window(tmp_path, monkeypatch):

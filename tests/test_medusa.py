@@ -336,3 +336,18 @@ def test_typical_acceptance_is_opt_in_and_labelled_lossy(model, tmp_path):
     assert fast.last_stats["lossless"] is False and fast.last_stats["acceptance"] == "typical-lossy"
     fast.generate(ids, max_new_tokens=8, do_sample=True, seed=0)
     assert fast.last_stats["lossless"] is True
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
+def test_heads_with_a_model_off_the_cpu_are_refused_by_name(kind):
+    """Draft heads run with CPU models only so far (on a GPU their host-side steps mixed devices: gpu_check.py); a
+    model elsewhere is refused before any file is read, naming the drafters that do run there. The meta device
+    stands in for a GPU here."""
+    from speccomp.drafters.eagle import load_eagle
+    from speccomp.drafters.hydra import load_hydra
+    from speccomp.errors import OptionError
+
+    load = {"medusa": load_medusa, "hydra": load_hydra, "eagle": load_eagle}[kind]
+    with pytest.raises(OptionError, match=rf"drafter='{kind}': runs its heads with a model on the CPU only; this "
+                                          r"model is on meta.*token_recycling"):
+        load("/nonexistent/heads", tiny_llama().to("meta"))

@@ -8,29 +8,20 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-import speccomp
-from test_serve import EOS, word_tokenizer
+from test_serve import EOS, engine_path, model  # noqa: F401 - the same tiny model and engine fixtures
 from test_speculative import hf_greedy
-from tiny_models import tiny_llama
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("ray.serve")
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny_llama(num_hidden_layers=3, initializer_range=0.2, tie_word_embeddings=True)
-
-
-@pytest.fixture(scope="module")
-def replicas(model, tmp_path_factory):
+def replicas(engine_path):
     import ray
     from ray import serve
 
     from speccomp.serve_ray import application
 
-    path = tmp_path_factory.mktemp("ray") / "engine"
-    speccomp.compile(model, drafter="token_recycling", backend="onnxruntime").export(path, tokenizer=word_tokenizer())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -40,7 +31,7 @@ def replicas(model, tmp_path_factory):
              runtime_env={"env_vars": {"PYTHONPATH": ":".join(p for p in sys.path if p)}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(application(path, replicas=2, max_batch=4, kv_slots=1024, threads=1, cpus_per_replica=0.5),
+        serve.run(application(engine_path, replicas=2, max_batch=4, kv_slots=1024, threads=1, cpus_per_replica=0.5),
                   name="speccomp", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:

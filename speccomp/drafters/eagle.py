@@ -36,7 +36,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from speccomp.drafters.hydra import MAX_SIBLINGS, HydraHeads, _input_embedding, save_draft_heads
-from speccomp.drafters.medusa import CONFIG, HeadsError, _lm_head_weight, check_dimensions, config_int, read_head_files
+from speccomp.drafters.medusa import (CONFIG, HeadsError, _lm_head_weight, check_dimensions, check_heads_device,
+                                      config_int, read_head_files)
 
 WEIGHTS = "eagle_head.safetensors"
 
@@ -221,6 +222,7 @@ def save_eagle(head: EagleHead, directory, *, base_model: str = "") -> Path:
 
 def load_eagle(directory, model) -> EagleHead:
     """A head from a directory written by `save_eagle`, checked against `model`."""
+    check_heads_device(model, "eagle")
     directory = Path(directory)
     lm = _lm_head_weight(model)
     vocab, hidden = lm.shape

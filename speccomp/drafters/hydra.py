@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from speccomp.drafters.medusa import (CONFIG, HeadsError, ResBlock, _lm_head_weight, _model_weight, block_names,
-                                      check_dimensions, config_int, count_check, read_head_files, write_head_files)
+                                      check_dimensions, check_heads_device, config_int, count_check, read_head_files,
+                                      write_head_files)
 
 WEIGHTS = "hydra_heads.safetensors"
 
@@ -165,6 +166,7 @@ def save_draft_heads(heads, directory, weights: str, tensors: dict, base_model: 
 
 def load_hydra(directory, model) -> HydraHeads:
     """Heads from a directory written by `save_hydra`, checked against `model`."""
+    check_heads_device(model, "hydra")
     directory = Path(directory)
     lm = _lm_head_weight(model)
     vocab, hidden = lm.shape

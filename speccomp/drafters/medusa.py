@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from speccomp.errors import SpeccompError
+from speccomp.errors import OptionError, SpeccompError
 
 WEIGHTS = "medusa_lm_head.safetensors"
 CONFIG = "config.json"
@@ -88,6 +88,16 @@ def _model_weight(model, getter: str, what: str) -> torch.Tensor:
 
 def _lm_head_weight(model) -> torch.Tensor:
     return _model_weight(model, "get_output_embeddings", "output embedding (LM head) to tie Medusa heads to")
+
+
+def check_heads_device(model, kind: str) -> None:
+    """Draft heads (Medusa, Hydra, EAGLE) run with a model on the CPU only, so far: on a GPU their host-side steps
+    still mix devices (found by benchmarks/gpu_check.py on an H200). Say so before any work, naming what does run."""
+    device = _lm_head_weight(model).device
+    if device.type != "cpu":
+        raise OptionError("drafter", kind, f"runs its heads with a model on the CPU only; this model is on {device}",
+                          "compile the model on the CPU, or on the GPU draft with token_recycling, ngram, suffix, "
+                          "layer_skip, early_exit or a draft model (drafter=small_lm)")
 
 
 def block_names(prefix: str, num_heads: int, num_layers: int, hidden: int) -> dict[str, tuple[str, tuple]]:
@@ -241,6 +251,7 @@ def count_check(where, config_says: str, want: int, header: dict) -> None:
 
 def load_medusa(directory, model) -> MedusaHeads:
     """Heads from a Medusa-layout directory, checked against `model` (hidden size, vocabulary)."""
+    check_heads_device(model, "medusa")
     directory = Path(directory)
     lm = _lm_head_weight(model)
     vocab, hidden = lm.shape

@@ -104,16 +104,14 @@ class Budget:
         """Row `rid` verified a tree of `nodes` nodes (at most its cap; fewer where the drafter had less to offer) and
         accepted `path`. It predicts every cap up to `nodes` and says nothing of bigger ones: a look at cap 2 that found
         no draft (Token Recycling's table still empty) is no evidence that drafts fail, and costs nothing to repeat."""
-        cap = nodes
         history = self.history.setdefault(rid, deque(maxlen=HISTORY))
         self._totals.setdefault(rid, [[0, 0] for _ in self.caps])
         if len(history) == HISTORY:
             self._count(rid, history[0], -1)  # the oldest record leaves
-        history.append((tuple(path[1:]), cap))
+        history.append((tuple(path[1:]), nodes))
         self._count(rid, history[-1], +1)
-        looked = self._looking.pop(rid, None)
-        if looked is not None and nodes > 1:  # a look that found no draft cost nothing and says nothing
-            wait, backoff = self._wait.get(rid, (0, 1))
+        if self._looking.pop(rid, None) is not None and nodes > 1:  # a look that found no draft says nothing
+            _, backoff = self._wait.get(rid, (0, 1))
             paid = len(path) > 1  # a draft was accepted: look again as soon as records allow
             backoff = 1 if paid else min(2 * backoff, MAX_BACKOFF)
             self._wait[rid] = (0 if paid else backoff, backoff)

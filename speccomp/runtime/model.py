@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import time
 
 import numpy as np
@@ -18,23 +19,34 @@ from speccomp.runtime.decode import FullCache, RootOnly, Sequence, decode
 from speccomp.runtime.sampling import Sampler
 
 
+_HOST = {"lock": threading.Lock(), "inside": 0, "before": 1}  # host_threads' calls in flight, process-wide
+
+
 @contextlib.contextmanager
 def host_threads(backend: str):
     """One torch thread while ONNX Runtime runs every graph. torch then only does the host-side work between runs
     (argmax, Token Recycling's top-k, the cache's bookkeeping): with more threads OpenMP's workers spin after each of
     those small ops on the cores ONNX Runtime's pool is about to use (measured on 2 cores, SmolLM2, a batch of 2 with
-    token_recycling: each forward 24.4 instead of 28.7 ms, top-k 0.23 instead of 1.1 ms). Process-wide, restored after."""
+    token_recycling: each forward 24.4 instead of 28.7 ms, top-k 0.23 instead of 1.1 ms). torch's thread count is
+    process-wide (another thread sees it too): the first call in sets it, the last one out restores it, so calls on
+    several models in several threads may overlap."""
     from speccomp.backends import is_onnxruntime
 
-    before = torch.get_num_threads()
-    if not is_onnxruntime(backend) or before == 1:
+    if not is_onnxruntime(backend):
         yield
         return
-    torch.set_num_threads(1)
+    with _HOST["lock"]:
+        if _HOST["inside"] == 0:
+            _HOST["before"] = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _HOST["inside"] += 1
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        with _HOST["lock"]:
+            _HOST["inside"] -= 1
+            if _HOST["inside"] == 0:
+                torch.set_num_threads(_HOST["before"])
 
 
 class SpecModel:
