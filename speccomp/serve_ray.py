@@ -11,6 +11,7 @@ carries `x-speccomp-server: host:pid`, so a client (and the tests) can see which
 """
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -42,6 +43,12 @@ def application(engine_dir, replicas: int = 2, max_batch: int = 8, kv_slots: int
     return deployment.bind()
 
 
+def no_telemetry() -> None:
+    """Ray reports usage statistics to its makers over the network unless told not to; speccomp sends nothing
+    anywhere, so it tells Ray not to (before `ray.init`; a user's own RAY_USAGE_STATS_ENABLED is kept)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
 def serve_replicas(engine_dir, host: str = "127.0.0.1", port: int = 8000, replicas: int = 2, max_batch: int = 8,
                    kv_slots: int = 8192, provider: str = "cpu", threads: int | None = None) -> None:
     """Deploy `replicas` copies on the Ray cluster (a local one unless RAY_ADDRESS names another) and serve until
@@ -58,6 +65,7 @@ def serve_replicas(engine_dir, host: str = "127.0.0.1", port: int = 8000, replic
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupted)  # a plain kill also stops the replicas and the local cluster
+    no_telemetry()
     ray.init(ignore_reinit_error=True)
     try:
         serve.start(http_options={"host": host, "port": port})

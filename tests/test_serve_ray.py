@@ -1,6 +1,7 @@
 """`speccomp serve --replicas N` (speccomp/serve_ray.py): the OpenAI-compatible app as two Ray Serve replicas on a
 local Ray cluster of this machine (loopback only). Concurrent requests are spread over both replica processes and
 each gets its prompt's own HF greedy text."""
+import os
 import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -20,8 +21,10 @@ def replicas(engine_path):
     import ray
     from ray import serve
 
-    from speccomp.serve_ray import application
+    from speccomp.serve_ray import application, no_telemetry
 
+    no_telemetry()  # before ray.init: the cluster's processes read it
+    assert os.environ["RAY_USAGE_STATS_ENABLED"] == "0"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
