@@ -62,20 +62,22 @@ def hf_step(model, context: int, q: int = 1):
     return step
 
 
-def graph_step(fast, context: int, q: int = 1):
+def graph_step(fast, context: int, q: int = 1, device="cpu"):
     """q tokens (a chain: the root and q - 1 drafts) after `context` cached tokens through the compiled model's
     verify step, over the runtime's own preallocated cache (what decoding hands it: a graph may write in place)."""
     from speccomp.runtime.decode import KVCache
 
-    cache = KVCache(fast.kv, context + q)
+    cache = KVCache(fast.kv, context + q, device)
     cache.data.normal_()
     cache.length = context
     tree = chain(q)
-    args = (torch.full((1, q), 42), tree.positions(context), torch.ones(1, context + q, dtype=torch.long))
+    args = (torch.full((1, q), 42, device=device), tree.positions(context, device),
+            torch.ones(1, context + q, dtype=torch.long, device=device))
+    mask = tree.mask.to(device)
 
     def step():
         with torch.no_grad():
-            fast.step(*args, cache.past(), tree.mask)
+            fast.step(*args, cache.past(), mask)
 
     return step
 

@@ -223,10 +223,7 @@ def smollm2(new_tokens: int, context: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import speccomp
-    from floor import chain  # the verify step's chain of q tokens
-    from speccomp.runtime.decode import KVCache
-
-    sys.path.insert(0, str(HERE))
+    from floor import graph_step  # the verify step of q tokens over the runtime's own cache
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
@@ -262,18 +259,7 @@ def smollm2(new_tokens: int, context: int) -> dict:
                            tok_s=n / seconds, x_hf=(n / seconds) / result["hf_tok_s"], steps=fast.last_stats["steps"])
                 if drafter is None:  # the step alone: q tokens over `context` cached ones
                     for q in (1, 8, 16, 32, 64):
-                        cache = KVCache(fast.kv, context + q, DEVICE)
-                        cache.data.normal_()
-                        cache.length = context
-                        tree = chain(q)
-                        args = (torch.full((1, q), 42, device=DEVICE), tree.positions(context, DEVICE),
-                                torch.ones(1, context + q, dtype=torch.long, device=DEVICE))
-                        mask = tree.mask.to(DEVICE)
-
-                        def step():
-                            with torch.no_grad():
-                                fast.step(*args, cache.past(), mask)
-
+                        step = graph_step(fast, context, q, DEVICE)
                         result["verify_ms"].append({"backend": backend, "q": q, "ms": timed_ms(step)})
             except Exception as exc:  # noqa: BLE001
                 row.update(equal=False, error=f"{type(exc).__name__}: {exc}"[:600], trace=traceback.format_exc()[-1500:])

@@ -110,6 +110,8 @@ def main(argv=None) -> int:
                         "(speccomp serve --replicas N; the 2 ONNX Runtime threads split between them)")
     parser.add_argument("--json", default=str(HERE / "results_serve_load.json"))
     args = parser.parse_args(argv)
+    if args.replicas is not None and args.replicas < 1:
+        parser.error(f"--replicas {args.replicas}: must be at least 1")
     with tempfile.TemporaryDirectory() as tmp:
         args.tmp = tmp
         texts, replies, hf_seconds = reference(args)

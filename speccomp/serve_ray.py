@@ -20,13 +20,20 @@ from speccomp.errors import OptionError
 INSTALL = "pip install 'speccomp[ray]'"
 
 
-def application(engine_dir, replicas: int = 2, max_batch: int = 8, kv_slots: int = 8192, provider: str = "cpu",
-                threads: int | None = None, cpus_per_replica: float = 1.0):
-    """The Ray Serve application (`serve.run(application(...))`): `replicas` copies of the engine's app."""
+def _ray():
+    """(ray, ray.serve), or an ImportError naming the install."""
     try:
+        import ray
         from ray import serve
     except ImportError as exc:
         raise ImportError(f"--replicas needs Ray Serve ({exc}): {INSTALL}") from None
+    return ray, serve
+
+
+def application(engine_dir, replicas: int = 2, max_batch: int = 8, kv_slots: int = 8192, provider: str = "cpu",
+                threads: int | None = None, cpus_per_replica: float = 1.0):
+    """The Ray Serve application (`serve.run(application(...))`): `replicas` copies of the engine's app."""
+    _, serve = _ray()
     if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
         raise OptionError("replicas", replicas, "must be a positive int", "e.g. replicas=2")
     engine_dir = str(Path(engine_dir).resolve())  # replicas may start in another working directory
@@ -53,14 +60,14 @@ def serve_replicas(engine_dir, host: str = "127.0.0.1", port: int = 8000, replic
                    kv_slots: int = 8192, provider: str = "cpu", threads: int | None = None) -> None:
     """Deploy `replicas` copies on the Ray cluster (a local one unless RAY_ADDRESS names another) and serve until
     interrupted."""
-    from speccomp.engine.runtime import load
+    from speccomp.engine.runtime import check_provider, read_manifest
 
-    load(engine_dir)  # a bad directory fails here, with the engine's own message, not inside a replica
-    try:
-        import ray
-        from ray import serve
-    except ImportError as exc:
-        raise ImportError(f"--replicas needs Ray Serve ({exc}): {INSTALL}") from None
+    # a bad directory or provider fails here, with the engine's own message, not inside a replica (which loads and
+    # verifies the graphs itself: no sessions are built in this process)
+    read_manifest(engine_dir, verify=False)
+    check_provider(provider)
+    ray, serve = _ray()
+
     def interrupted(*_):
         raise KeyboardInterrupt
 

@@ -214,7 +214,7 @@ def test_budget_gives_nodes_where_they_pay():
     """Cheap nodes: the row whose drafts are accepted gets a big cap and the row whose drafts never are stays plain;
     dear nodes: every row plain, and only a row without records of its own at the next cap up explores it, until it
     has them: then the batch decodes plainly (a cap of 1 drafts nothing), exploring again only as records age out."""
-    from speccomp.runtime.budget import HISTORY, MIN_OWN, Budget, FixedCosts
+    from speccomp.runtime.budget import HISTORY, Budget, FixedCosts
 
     def budget(per_token):
         b = Budget(FixedCosts(1.0, per_token), max_nodes=64)

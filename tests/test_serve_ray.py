@@ -74,3 +74,15 @@ def test_replicas_option_is_checked():
 
     with pytest.raises(OptionError, match="replicas=0: must be a positive int"):
         application("unused", replicas=0)
+
+
+def test_a_bad_engine_directory_fails_before_ray_starts(tmp_path):
+    """The directory is checked in the calling process, with the engine's own message, before a cluster or a replica
+    exists (no ONNX Runtime session is built there)."""
+    from speccomp.engine.runtime import EngineError
+    from speccomp.serve_ray import serve_replicas
+
+    with pytest.raises(EngineError, match="no engine directory"):
+        serve_replicas(tmp_path / "missing", replicas=2)
+    with pytest.raises(EngineError, match="is not a speccomp engine"):
+        serve_replicas(tmp_path, replicas=2)

@@ -238,10 +238,8 @@ def load_eagle(directory, model) -> EagleHead:
     theta = config.get("rope_theta", 10000.0)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
         raise HeadsError(f"{directory / CONFIG}: rope_theta must be a positive number, got {theta!r}")
-    tensors = {k: v.to(lm.device) for k, v in tensors.items()}  # the file is read on the CPU; the model may be on a GPU
     head = EagleHead(hidden, vocab, num_heads, config["intermediate_size"], lm, _input_embedding(model),
                      tensors["draft_vocab"], float(theta))
     head.load_state_dict({n: tensors[n].float() for n in _PARAMS})
-    head.to(lm.device)
     head.train_steps = config_int(config, "train_steps", directory / CONFIG) if config.get("train_steps") else None
     return head.eval()

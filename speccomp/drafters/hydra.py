@@ -182,7 +182,6 @@ def load_hydra(directory, model) -> HydraHeads:
         return {"draft_vocab": (config.get("draft_vocab_size"),), **want}
 
     _, tensors = read_head_files(directory, "hydra", WEIGHTS, layout)
-    tensors = {k: v.to(lm.device) for k, v in tensors.items()}  # the file is read on the CPU; the model may be on a GPU
     heads = HydraHeads(shape["heads"], hidden, vocab, shape["layers"], lm, _input_embedding(model), tensors["draft_vocab"])
     heads.load_state_dict({own: tensors[name].float() for name, (own, _) in shape["names"].items()})
-    return heads.to(lm.device).eval()
+    return heads.eval()

@@ -270,7 +270,6 @@ def load_medusa(directory, model) -> MedusaHeads:
         return want
 
     _, tensors = read_head_files(directory, "medusa", WEIGHTS, layout)
-    tensors = {k: v.to(lm.device) for k, v in tensors.items()}  # the file is read on the CPU; the model may be on a GPU
     k_heads, layers = shape["heads"], shape["layers"]
     projections = [tensors.get(f"medusa_head.{k}.{layers}.weight") for k in range(k_heads)]
     # (a Medusa-layout file whose projections are the frozen LM head shares it instead of copying it)
@@ -279,4 +278,4 @@ def load_medusa(directory, model) -> MedusaHeads:
     state = {own: tensors[name].float() for name, (own, _) in shape["names"].items()}
     state.update({f"proj.{k}": p.float() for k, p in enumerate(projections) if not tied})
     heads.load_state_dict(state)
-    return heads.to(lm.device).eval()
+    return heads.eval()
