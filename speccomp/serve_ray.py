@@ -34,8 +34,13 @@ def application(engine_dir, replicas: int = 2, max_batch: int = 8, kv_slots: int
                 threads: int | None = None, cpus_per_replica: float = 1.0):
     """The Ray Serve application (`serve.run(application(...))`): `replicas` copies of the engine's app."""
     _, serve = _ray()
-    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
-        raise OptionError("replicas", replicas, "must be a positive int", "e.g. replicas=2")
+    # checked here, in the caller's process: inside a replica a bad value would only show in Ray's logs
+    for name, value in (("replicas", replicas), ("max_batch", max_batch), ("kv_slots", kv_slots), ("threads", threads)):
+        if (value is not None or name != "threads") and (not isinstance(value, int) or isinstance(value, bool)
+                                                         or value < 1):
+            raise OptionError(name, value, "must be a positive int", f"e.g. {name}=2")
+    if isinstance(cpus_per_replica, bool) or not isinstance(cpus_per_replica, (int, float)) or cpus_per_replica < 0:
+        raise OptionError("cpus_per_replica", cpus_per_replica, "must be a number >= 0", "e.g. cpus_per_replica=1")
     engine_dir = str(Path(engine_dir).resolve())  # replicas may start in another working directory
 
     def build():  # runs in each replica's process (cloudpickled there): its own engine and scheduler

@@ -68,12 +68,19 @@ def test_bad_request_through_the_proxy_is_still_a_400(replicas):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
-def test_replicas_option_is_checked():
+@pytest.mark.parametrize("options, words", [
+    ({"replicas": 0}, "replicas=0: must be a positive int"),
+    ({"max_batch": "8"}, "max_batch='8': must be a positive int"),
+    ({"kv_slots": 0}, "kv_slots=0: must be a positive int"),
+    ({"threads": True}, "threads=True: must be a positive int"),
+    ({"cpus_per_replica": -1}, "cpus_per_replica=-1: must be a number >= 0"),
+])
+def test_replica_options_are_checked_in_the_callers_process(options, words):
     from speccomp.errors import OptionError
     from speccomp.serve_ray import application
 
-    with pytest.raises(OptionError, match="replicas=0: must be a positive int"):
-        application("unused", replicas=0)
+    with pytest.raises(OptionError, match=words):
+        application("unused", **options)
 
 
 def test_a_bad_engine_directory_fails_before_ray_starts(tmp_path):
