@@ -29,6 +29,8 @@ _LAZY = {  # public name -> module that defines it
     "load_default_model": ".models",
     "search_drafter": ".tuning.search",
     "train_heads": ".tuning.train_heads",
+    "train_draft": ".tuning.train_draft",
+    "load_draft": ".tuning.train_draft",
     "autotune": ".tuning.autotune",
     "load": ".engine",
     "Engine": ".engine",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from speccomp.backends import lower
-from speccomp.drafters.draft_model import make_draft_model
+from speccomp.drafters.draft_model import check_draft_model_options, make_draft_model
 from speccomp.drafters.merge import check_merge, make_merged, split_names
 from speccomp.drafters.registry import DECLARED, DRAFTERS, SEARCHED, max_tree_nodes
 from speccomp.errors import OptionError, OptionTypeError
@@ -45,9 +45,7 @@ def check_options(*, drafter=None, tree=None, kv_cache=None, kv_mode=None, backe
     elif isinstance(drafter, Drafter):
         check_declaration(drafter)
     elif isinstance(drafter, (nn.Module, CapturedModel)):  # a draft model: checked against the target by its factory
-        if drafter_options:
-            raise OptionError("drafter_options", drafter_options, "a draft model takes no options",
-                              "drop drafter_options=")
+        check_draft_model_options(drafter_options)
     elif drafter is not None:
         merged = split_names(drafter)  # "hydra+token_recycling": one tree merged from several drafters
         if merged:

@@ -1,4 +1,4 @@
-"""The `speccomp` command line: demo, generate, search, train-heads, autotune, export, run, bench.
+"""The `speccomp` command line: demo, generate, search, train-heads, train-draft, autotune, export, run, bench.
 
 Every subcommand checks all its flags before it loads the model (seconds to a minute): argparse refuses
 malformed values and plain int ranges (`type=positive`, ...); each command then runs the library's model-free
@@ -264,6 +264,30 @@ def cmd_train_heads(args) -> int:
                 draft_vocab=args.draft_vocab, sampled=args.sampled, soft_labels=args.soft_labels,
                 eos_token_id=tok.eos_token_id, base_model=args.model)
     print(f"heads written to {out}; speccomp.compile(model, drafter={args.kind!r}) finds them there")
+    return 0
+
+
+def cmd_train_draft(args) -> int:
+    """Distil a small draft model for the default model on its own replies to prompt files; store it."""
+    from speccomp.tuning.train_draft import check_draft_directory, drafts_dir
+    from speccomp.models import chat_ids
+    from speccomp.tuning.synthetic_prompts import synthetic_prompts
+    from speccomp.tuning.train_draft import train_draft
+
+    extra = synthetic_prompts(args.synthetic, seed=args.seed) if args.synthetic else []
+    _directory("out", args.out)
+    if args.out:
+        check_draft_directory(args.out)  # never over a folder's own config.json
+    files = args.prompts or list(TRAIN_SETS)
+    texts = _prompts(files, args.limit)
+    model, tok = _load(args)
+    prompts = _chat(tok, texts) + [chat_ids(tok, text) for text in extra]
+    out = Path(args.out) if args.out else drafts_dir(model)
+    print(f"training a {args.layers}-layer draft model on {len(prompts)} prompts from {files} -> {out}", file=sys.stderr)
+    train_draft(model, prompts, out=out, num_layers=args.layers, max_new_tokens=args.max_new_tokens,
+                epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, sampled=args.sampled, seed=args.seed,
+                eos_token_id=tok.eos_token_id, base_model=args.model)
+    print(f"draft written to {out}; speccomp.compile(model, drafter='draft_model') finds it there")
     return 0
 
 
@@ -561,6 +585,23 @@ def _add_train_heads(sub) -> None:
     p.add_argument("--out", default=None, help="output directory (default: the user cache, where compile looks)")
 
 
+def _add_train_draft(sub) -> None:
+    p = sub.add_parser("train-draft", help="distil a small draft model (the model's first layers, its embedding and "
+                       "LM head shared) on the model's own replies, on CPU")
+    _common(p)
+    p.set_defaults(max_new_tokens=256, func=cmd_train_draft)
+    p.add_argument("--prompts", nargs="+", default=None, help="JSONL prompt files or shipped set names (default: alpaca humaneval)")
+    p.add_argument("--limit", type=positive, default=None, help="prompts per file (default: all)")
+    p.add_argument("--layers", type=positive, default=2, help="decoder layers of the draft (default 2)")
+    p.add_argument("--batch-size", type=positive, default=8, help="sequences per batch (default 8)")
+    p.add_argument("--epochs", type=positive, default=3, help="training epochs (default 3)")
+    p.add_argument("--lr", type=positive_float, default=3e-4, help="AdamW peak learning rate, decayed linearly (default 3e-4)")
+    p.add_argument("--synthetic", type=non_negative, default=0, help="also distill from N synthetic instructions (default 0)")
+    p.add_argument("--sampled", type=non_negative, default=1, help="sampled replies per prompt besides the greedy one (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed (data order)")
+    p.add_argument("--out", default=None, help="output directory (default: the user cache, where compile looks)")
+
+
 def _add_autotune_export_run(sub) -> None:
     p = sub.add_parser("autotune", help="pick a drafter's token tree by measured acceptance and step costs on this machine (for tree='auto')")
     _common(p, new_tokens=_int_at_least(2))  # autotune decodes at least 2 new tokens per prompt
@@ -622,7 +663,7 @@ def _add_autotune_export_run(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="speccomp", description="Lossless speculative decoding by graph compilation.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_model_commands, _add_train_heads, _add_autotune_export_run, add_bench_parser):
+    for add in (_add_model_commands, _add_train_heads, _add_train_draft, _add_autotune_export_run, add_bench_parser):
         add(sub)
     return parser
 

@@ -174,7 +174,7 @@ def make_app(engine, max_batch: int = 8, kv_slots: int = 8192, name: str | None 
     """The FastAPI app serving `engine` (a loaded speccomp Engine); its scheduler thread starts now."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse
 
     scheduler = Scheduler(engine, max_batch, kv_slots)
     model_name = name or engine.manifest["model"].get("name") or "speccomp"
@@ -214,93 +214,115 @@ def make_app(engine, max_batch: int = 8, kv_slots: int = 8192, name: str | None 
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "speccomp"}]}
 
     async def run(request: Request, ids: list[int], body: dict, chat: bool, default_max_tokens):
-        job = Job(ids, _options(body, default_max_tokens), asyncio.get_running_loop())
-        scheduler.submit(job)
-        kind = "chat.completion" if chat else "text_completion"
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": model_name}
-        if body.get("stream"):
-            return StreamingResponse(_stream(job, head, kind, chat), media_type="text/event-stream")
-        tokens = []
-        try:
-            while True:
-                try:
-                    item = await asyncio.wait_for(job.queue.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        job.cancelled = True  # the scheduler frees its row
-                        return JSONResponse({}, status_code=499)
-                    continue
-                if isinstance(item, Exception):
-                    raise item
-                if isinstance(item, str):
-                    break
-                tokens += item
-        except asyncio.CancelledError:
-            job.cancelled = True
-            raise
-        text = _text(engine, tokens)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-                  else {"index": 0, "text": text, "logprobs": None})
-        return {**head, "object": kind, "choices": [{**choice, "finish_reason": item, "token_ids": tokens}],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
-                          "total_tokens": len(ids) + len(tokens)}}
-
-    async def _stream(job: Job, head: dict, kind: str, chat: bool):
-        tokens, sent, sent_tokens, done = [], "", 0, False
-        try:
-            if chat:
-                yield _event({**head, "object": kind + ".chunk",
-                              "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
-            while not done:
-                item = await job.queue.get()
-                if isinstance(item, Exception):
-                    yield _event({"error": {"message": str(item), "type": "server_error"}})
-                    return
-                done = isinstance(item, str)
-                tokens += [] if done else item
-                text = _text(engine, tokens)
-                if text.endswith("\ufffd") and not done:
-                    continue  # a character cut between tokens: wait for the rest of its bytes
-                piece, sent = text[len(sent):], text
-                part = {"delta": {"content": piece}} if chat else {"text": piece}
-                yield _event({**head, "object": kind + ".chunk" if chat else kind,
-                              "choices": [{"index": 0, **part, "finish_reason": item if done else None,
-                                           "token_ids": tokens[sent_tokens:]}]})
-                sent_tokens = len(tokens)
-            yield "data: [DONE]\n\n"
-        finally:
-            if not done:
-                job.cancelled = True  # the client went away: the scheduler frees its row
+        return await _respond(scheduler, engine, model_name, request, ids, body, chat, default_max_tokens)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _body(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            ids = engine.text_ids(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = prompt
-        else:
-            raise OptionTypeError("prompt", prompt, "must be a string or a list of token ids (one prompt a request)")
-        return await run(request, list(ids), body, False, 16)
+        return await run(request, _prompt_ids(engine, body), body, False, 16)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _body(request)
-        messages = body.get("messages")
-        ok = isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages)
-        if not ok:
-            raise OptionTypeError("messages", messages, "must be a non-empty list of {role, content} objects with "
-                                  "string content")
-        ids = engine.chat_ids(messages)[0].tolist()
-        return await run(request, ids, body, True, 256)
+        return await run(request, _message_ids(engine, body), body, True, 256)
 
     return app
+
+
+async def _respond(scheduler, engine, model_name: str, request, ids: list[int], body: dict, chat: bool,
+                   default_max_tokens: int):
+    """One completion request, submitted to the scheduler: its JSON reply, or a stream of server-sent events."""
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    job = Job(ids, _options(body, default_max_tokens), asyncio.get_running_loop())
+    scheduler.submit(job)
+    kind = "chat.completion" if chat else "text_completion"
+    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": model_name}
+    if body.get("stream"):
+        return StreamingResponse(_stream(engine, job, head, kind, chat), media_type="text/event-stream")
+    tokens, finish = await _collect(job, request)
+    if finish is None:
+        return JSONResponse({}, status_code=499)
+    text = _text(engine, tokens)
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
+              else {"index": 0, "text": text, "logprobs": None})
+    return {**head, "object": kind, "choices": [{**choice, "finish_reason": finish, "token_ids": tokens}],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens), "total_tokens": len(ids) + len(tokens)}}
+
+
+async def _collect(job: Job, request) -> tuple[list[int], str | None]:
+    """A non-streaming job's tokens and finish reason; (tokens, None) when the client went away (its row freed)."""
+    tokens = []
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(job.queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancelled = True  # the scheduler frees its row
+                    return tokens, None
+                continue
+            if isinstance(item, Exception):
+                raise item
+            if isinstance(item, str):
+                return tokens, item
+            tokens += item
+    except asyncio.CancelledError:
+        job.cancelled = True
+        raise
+
+
+async def _stream(engine, job: Job, head: dict, kind: str, chat: bool):
+    """A streaming job as server-sent events: text pieces as they decode whole characters, then [DONE]."""
+    tokens, sent, sent_tokens, done = [], "", 0, False
+    try:
+        if chat:
+            yield _event({**head, "object": kind + ".chunk",
+                          "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
+        while not done:
+            item = await job.queue.get()
+            if isinstance(item, Exception):
+                yield _event({"error": {"message": str(item), "type": "server_error"}})
+                return
+            done = isinstance(item, str)
+            tokens += [] if done else item
+            text = _text(engine, tokens)
+            if text.endswith("\ufffd") and not done:
+                continue  # a character cut between tokens: wait for the rest of its bytes
+            piece, sent = text[len(sent):], text
+            part = {"delta": {"content": piece}} if chat else {"text": piece}
+            yield _event({**head, "object": kind + ".chunk" if chat else kind,
+                          "choices": [{"index": 0, **part, "finish_reason": item if done else None,
+                                       "token_ids": tokens[sent_tokens:]}]})
+            sent_tokens = len(tokens)
+        yield "data: [DONE]\n\n"
+    finally:
+        if not done:
+            job.cancelled = True  # the client went away: the scheduler frees its row
+
+
+def _prompt_ids(engine, body: dict) -> list[int]:
+    """/v1/completions' prompt: a string or a list of token ids (a batch of one of either)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return list(engine.text_ids(prompt))
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise OptionTypeError("prompt", prompt, "must be a string or a list of token ids (one prompt a request)")
+
+
+def _message_ids(engine, body: dict) -> list[int]:
+    """/v1/chat/completions' messages through the engine's chat template."""
+    messages = body.get("messages")
+    ok = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+    if not ok:
+        raise OptionTypeError("messages", messages, "must be a non-empty list of {role, content} objects with "
+                              "string content")
+    return engine.chat_ids(messages)[0].tolist()
 
 
 class _ServerHeader:

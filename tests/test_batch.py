@@ -228,14 +228,18 @@ def test_budget_gives_nodes_where_they_pay():
         caps = cheap.caps_for([0, 1])
         assert caps[0] >= 16 and caps[1] <= 2
     dear = budget(10.0)  # a node costs ten times the step's fixed part
-    looks = []
+    looks, idles = [], []
     for _ in range(2 * HISTORY):
         caps = dear.caps_for([0, 1, 2])
         looks.append([r for r, c in caps.items() if c > 1])
+        idles.append(set(dear.idle))
         for r in caps:
             dear.record(r, [0], caps[r])  # every draft rejected
     assert all(len(r) <= 1 for r in looks)  # one row looks at a time
     assert looks[0] == [2]  # the row without records looks first; rows 0 and 1 can tell (8 records each)
+    assert idles[0] == {0, 1}  # ... so their drafters are switched off: no look is coming, no upkeep is paid
+    assert all(idle.isdisjoint(look) for idle, look in zip(idles, looks))
+    assert any(2 in idle for idle in idles)  # row 2 too, while it backs off after its rejected looks
     assert not any(0 in r or 1 in r for r in looks[:HISTORY - 8])  # ... until those records age out
     row2 = [i for i, r in enumerate(looks) if r == [2]]
     gaps = [b - a for a, b in zip(row2, row2[1:])]
@@ -251,20 +255,21 @@ def test_a_look_that_found_no_draft_is_no_evidence():
 
     budget = Budget(FixedCosts(1.0, 10.0), max_nodes=64)  # dear nodes: looks only where records cannot tell
     for _ in range(3 * MIN_OWN):
-        assert budget.caps_for([0]) == {0: 2}
+        assert budget.caps_for([0]) == {0: 2} and not budget.idle  # a row that looks keeps its drafter on
         budget.record(0, [0], 1)  # the drafter offered the root alone
     assert budget.expected(0, 2) is None
     waits = []
     for _ in range(MIN_OWN):  # real drafts, rejected: the row waits longer and longer between looks
         steps = 0
         while budget.caps_for([0]) != {0: 2}:
+            assert budget.idle == {0}  # backing off: its drafter is switched off
             budget.record(0, [0], 1)  # a plain step
             steps += 1
             assert steps < 100
         budget.record(0, [0], 2)
         waits.append(steps)
     assert waits == sorted(waits) and waits[-1] > waits[0]
-    assert budget.expected(0, 2) == 1.0 and budget.caps_for([0]) == {0: 1}
+    assert budget.expected(0, 2) == 1.0 and budget.caps_for([0]) == {0: 1} and budget.idle == {0}
 
 
 def test_step_costs_are_the_fastest_run_and_never_fall_with_q():
@@ -299,6 +304,60 @@ def test_load_aware_batches_follow_the_step_cost(captured, prompts, greedy):
     dear = check_rows(fast, prompts, greedy, 4)
     assert free["forwards"] < NEW and dear["forwards"] > free["forwards"]
     assert max(r["tau"] for r in dear["rows"]) < max(r["tau"] for r in free["rows"])
+
+
+def spied_run(batch, rows) -> tuple[dict, dict]:
+    """`rows` to the end in `batch` (a load-aware torch Batch or engine EngineBatch), each row's drafter spied on: per
+    row, one (switched off, nodes its drafter observed, tokens emitted) per step after its prefill; each row's output."""
+    calls, log, outs = {}, {}, {}
+    for row in rows:
+        rid = batch.add(row)
+        calls[rid], log[rid], observe = [0], [], row.drafter.observe
+
+        def spy(*args, _observe=observe, _calls=calls[rid]):
+            _calls[0] += len(args[2])  # the target's logits at every verified node, in both runtimes
+            return _observe(*args)
+
+        row.drafter.observe = spy
+    while batch.rows:
+        before = {rid: (calls[rid][0], bool(row.out)) for rid, row in batch.rows.items()}
+        for rid, tokens in batch.step().items():
+            if before[rid][1]:  # not its prefill
+                log[rid].append((rid in batch.budget.idle, calls[rid][0] - before[rid][0], len(tokens)))
+        for rid in [r for r, row in batch.rows.items() if row.done]:
+            outs[rid] = list(batch.rows[rid].out)
+            batch.remove(rid)
+    return log, outs
+
+
+@pytest.mark.parametrize("b", [2, 4])
+def test_switched_off_rows_skip_their_upkeep_and_resume(captured, prompts, greedy, b, tmp_path):
+    """With dear nodes the budget switches rows' drafters off between looks (runtime/budget.py `idle`): a switched-off
+    Token Recycling row does not observe the step (no top-k over the vocabulary; in an engine no TopK for its node),
+    every other row does; switched back on, its drafts are accepted again; each row's text stays its own greedy text,
+    and the torch runtime and the engine switch, observe and accept alike step by step."""
+    from speccomp.runtime.budget import Budget, FixedCosts
+
+    fast = speccomp.compile(captured, drafter="token_recycling", backend="onnxruntime")
+    engine = speccomp.load(fast.export(tmp_path / "e"))
+    costs = FixedCosts(1.0, 1.0)  # a node costs a whole step: rows decode plainly but for their looks
+    seqs = [Sequence(p.tolist(), fast.drafter.fresh(), Sampler(), NEW, set(), fast.max_tree) for p in prompts[:b]]
+    log, outs = spied_run(Batch(fast.step, fast.kv, 1000, fast.device, fast.max_tree, Budget(costs, fast.max_tree)),
+                          seqs)
+    engine._step_costs = costs
+    topk_rows, run = [], engine.session.run  # the nodes the target graph's TopK reads, each forward
+    engine.session.run = lambda feeds, names: topk_rows.append(len(feeds["top_ids_rows"])) or run(feeds, names)
+    engine_log, engine_outs = spied_run(engine.batch(1000), [engine.row(p.numpy(), NEW, eos_token_id=[])
+                                                             for p in prompts[:b]])
+    for i in range(b):
+        assert outs[i] == engine_outs[i] == greedy[i].tolist(), f"row {i}"
+    assert engine_log == log  # the same switch-offs, observes and accepted drafts, step by step
+    steps = [step for row in log.values() for step in row]
+    assert all(bool(observed) == (not idle) for idle, observed, _ in steps)  # switched off: no observe; else always
+    assert sum(topk_rows) == sum(observed for _, observed, _ in steps)  # an engine's TopK: observed nodes only
+    assert sum(idle for idle, _, _ in steps) >= len(steps) // 4  # the switch-off was active
+    resumed = [n for row in log.values() for k, (_, _, n) in enumerate(row) if any(idle for idle, _, _ in row[:k])]
+    assert max(resumed) > 1  # a row switched off earlier had drafts accepted after
 
 
 def test_what_cannot_batch_is_refused_by_name(captured, prompts, tmp_path):

@@ -93,10 +93,59 @@ def test_bad_draft_models_are_refused_clearly():
     target = tiny_llama()
     with pytest.raises(OptionError, match="vocabulary has 64 tokens and the target's 96"):
         speccomp.compile(target, drafter=tiny_llama(vocab_size=64))
-    with pytest.raises(OptionError, match="takes no options"):
+    with pytest.raises(OptionError, match="takes only draft_tokenizer and target_tokenizer"):
         speccomp.compile(target, drafter=copy.deepcopy(target), drafter_options={"path": "x"})
     short = speccomp.compile(target, drafter=tiny_llama(max_position_embeddings=32), tree=2)
     assert isinstance(short.drafter.tree, Tree)
     with pytest.raises(OptionError, match="draft_model drafter's context of 32 positions"):
         short.generate(seeded_prompt(10, 96), max_new_tokens=30)
     assert speccomp.compile(target, drafter=copy.deepcopy(target)).drafter.tree == DynamicTreeSpec(16, 4)
+
+
+def test_train_draft_distils_a_draft_that_compile_finds_by_name(tmp_path):
+    """speccomp.train_draft: a 1-layer draft of a 4-layer model (its first layer, embedding and head shared) learns
+    the model's greedy tokens on the model's own replies (accuracy up on that text), saves only its own weights,
+    and drafter="draft_model" loads it: HF greedy output with drafts accepted. A draft is refused for another model."""
+    from safetensors.torch import load_file
+
+    from speccomp.tuning.train_draft import draft_accuracy, draft_architecture, train_draft
+
+    target = tiny_llama(num_hidden_layers=4, initializer_range=0.2)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 96, (int(n),), generator=gen) for n in torch.randint(6, 14, (12,), generator=gen)]
+    out = train_draft(target, prompts, out=tmp_path / "draft", num_layers=1, max_new_tokens=24, epochs=4, lr=1e-2,
+                      batch_size=4, progress=False)
+    saved = load_file(str(out / "draft.safetensors"))
+    assert saved and all("embed" not in k and "lm_head" not in k for k in saved)  # the shared tensors stay the model's
+    assert all(".layers.0." in k or "norm" in k for k in saved) and not any(".layers.1." in k for k in saved)
+    from speccomp.tuning.train_heads import distilled_text
+
+    seqs, starts = distilled_text(out)
+    trained = speccomp.load_draft(target, out)
+    before = draft_accuracy(draft_architecture(target, 1), target, seqs, starts)
+    after = draft_accuracy(trained, target, seqs, starts)
+    assert after > before + 0.1, (before, after)
+    fast = speccomp.compile(target, drafter="draft_model", drafter_options={"path": str(out)}, tree=3)
+    assert fast.drafter.describe()["options"] == {"path": str(out)}
+    ids = prompts[0][None]
+    assert torch.equal(fast.generate(ids, max_new_tokens=32), hf_greedy(target, ids, 32))
+    assert fast.last_stats["acceptance_by_depth"][0] > 0.3, fast.last_stats
+    with pytest.raises(OptionError, match="trained for another model"):
+        speccomp.load_draft(tiny_llama(num_hidden_layers=4), out)
+    with pytest.raises(OptionError, match="no trained draft"):
+        speccomp.compile(tiny_llama(num_hidden_layers=4), drafter="draft_model")
+
+
+def test_train_draft_refuses_bad_settings_before_work(tmp_path):
+    from speccomp.tuning.train_draft import train_draft
+
+    target, prompts = tiny_llama(), [torch.arange(3, 9)]
+    with pytest.raises(ValueError, match="num_layers must be an int in \\[1, 2\\]"):
+        train_draft(target, prompts, out=tmp_path / "d", num_layers=3)
+    with pytest.raises(ValueError, match="epochs must be an int >= 1"):
+        train_draft(target, prompts, out=tmp_path / "d", epochs=0)
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "config.json").write_text('{"name": "mine"}')
+    with pytest.raises(OptionError, match="not a speccomp draft's; refusing to overwrite"):
+        train_draft(target, prompts, out=tmp_path / "project", num_layers=1)
+    assert (tmp_path / "project" / "config.json").read_text() == '{"name": "mine"}'

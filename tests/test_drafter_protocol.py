@@ -31,6 +31,16 @@ def test_every_registered_drafter_declares_itself_in_known_words():
     assert DECLARED["hydra"].reads == ("states",) and "dynamic" in DECLARED["hydra"].trees
     assert "path_states" in DECLARED["eagle"].reads and "own_cache" in DECLARED["eagle"].reads
     assert DECLARED["layer_skip"].reads == ("target_cache",) and DECLARED["layer_skip"].graphs == ("draft",)
+    # a switched-off batch row may skip Token Recycling's observe (its table misses a step); a drafter that does not
+    # say is observed every step
+    assert all(isinstance(cls.observe_optional, bool) for cls in DECLARED.values())
+    assert DECLARED["token_recycling"].observe_optional and not Drafter.observe_optional
+    from speccomp.drafters.merge import MergedDrafter
+    from speccomp.drafters.ngram import NGramDrafter, TokenRecyclingDrafter
+
+    text = [TokenRecyclingDrafter(), NGramDrafter()]
+    assert MergedDrafter(text, ["token_recycling", "ngram"]).observe_optional  # skipped: every part's may be
+    assert not MergedDrafter([*text, Counter([])], ["token_recycling", "ngram", "counter"]).observe_optional
 
 
 @pytest.mark.parametrize("name, options, tree", [
@@ -109,6 +119,10 @@ def test_bad_declarations_are_refused_at_compile():
         speccomp.compile(model, drafter=Legacy([], ()))
     with pytest.raises(OptionError, match="declares reads=.*'hidden'"):
         speccomp.compile(model, drafter=Counter([], ("hidden",)))
+    unsure = Counter([], ())
+    unsure.observe_optional = "yes"
+    with pytest.raises(OptionError, match="observe_optional='yes'.*True"):
+        speccomp.compile(model, drafter=unsure)
     undeclared = Counter([], ())
     undeclared.trees = ()
     with pytest.raises(AutotuneError, match="declares no tree kinds"):

@@ -50,7 +50,8 @@ def test_manifest_describes_the_engine(engine_dir, llama):
     assert m["format"] == "speccomp-engine" and m["speccomp_version"] == speccomp.__version__
     assert m["drafter"]["name"] == "token_recycling" and m["drafter"]["options"]["top_k"] == 8
     target = m["graphs"]["target"]
-    assert target["inputs"] == ["input_ids", "position_ids", "attention_mask", "past_kv", "tree_mask"]
+    # ... and the nodes whose top-k the runtime asks for (not a prefill's, nor a switched-off batch row's)
+    assert target["inputs"] == ["input_ids", "position_ids", "attention_mask", "past_kv", "tree_mask", "top_ids_rows"]
     assert target["outputs"][:2] == ["logits", "new_kv"]
     # Token Recycling's top-k is a TopK inside the target graph, which the engine's drafter reads
     assert target["outputs"][-1] == "top_ids" and speccomp.load(engine_dir).drafter.outputs == ("top_ids",)
@@ -318,6 +319,31 @@ TORCH_FREE_CHILD = textwrap.dedent("""
     assert not any(m == "torch" or m.startswith("torch.") for m in sys.modules if sys.modules[m] is not None)
     print(json.dumps(outs))
 """)
+
+
+def test_a_format_2_token_recycling_engine_still_decodes(engine_dir, llama, tmp_path):
+    """Before format 3 an engine's TopK read every node (no top_ids_rows input): such an engine still loads, decodes
+    its greedy text and drafts from the table it observes."""
+    import shutil
+
+    import onnx
+
+    old = tmp_path / "v2"
+    shutil.copytree(engine_dir, old)
+    proto = onnx.load(str(old / "target.onnx"))
+    nodes = proto.graph.node
+    nodes.remove(next(n for n in nodes if n.op_type == "Gather" and "top_ids_rows" in n.input))
+    next(n for n in nodes if n.name == "top_ids").input[0] = "logits"
+    proto.graph.input.remove(next(i for i in proto.graph.input if i.name == "top_ids_rows"))
+    proto.graph.output[-1].type.tensor_type.shape.dim[1].dim_param = "q"
+    onnx.save(proto, str(old / "target.onnx"))
+    m = json.loads((old / "manifest.json").read_text())
+    m["format_version"], m["graphs"]["target"]["inputs"] = 2, m["graphs"]["target"]["inputs"][:-1]
+    (old / "manifest.json").write_text(json.dumps(m))
+    engine = speccomp.load(old, verify=False)
+    ids = repetitive_prompt(0)
+    assert np.array_equal(engine.generate(ids.numpy(), max_new_tokens=30, eos_token_id=2), hf_greedy(llama, ids, 30))
+    assert engine.last_stats["tau"] > 1.2
 
 
 def test_engine_runs_without_torch(llama, engine_dir):

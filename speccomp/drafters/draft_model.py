@@ -2,6 +2,8 @@
 
     speccomp.compile(target, drafter=draft_lm)        # any model `speccomp.capture` accepts, same vocabulary
     speccomp.compile(target, drafter=draft_lm, tree=4)             # a chain of 4; or a choice list, "dynamic:B:K"
+    speccomp.compile(target, drafter=draft_lm,                    # a draft with a tokenizer of its own
+                     drafter_options={"draft_tokenizer": draft_tok, "target_tokenizer": target_tok})
 
 The draft LM goes through the target's pipeline: captured by the same capture, rewritten by the same
 TreeAttention pass, lowered by the same backend (its ONNX Runtime sessions do not spin, as every drafter
@@ -25,6 +27,10 @@ SpecInfer / Recursive Speculative Decoding) then accepts with min(1, p/q) and ke
 distribution exactly. Dynamic trees keep top-k drafts when sampling: which candidates a dynamic tree keeps
 depends on the drawn tokens, which the sampler's q would not describe; point masses are exact whatever the
 drafts (q = 1).
+
+With tokenizers of its own (`CrossTokenizerDrafter`, HF's universal assisted decoding), the text so far is
+re-tokenized for the draft each step and its tree's paths are decoded to text and encoded with the target's tokenizer
+(drafters/text_bridge.py, shared with the engine); those drafts are point masses under sampling too.
 """
 from __future__ import annotations
 
@@ -34,9 +40,10 @@ import torch
 
 from speccomp.drafters.grow import ancestor_rows, grow, torch_top
 from speccomp.drafters.lookup import shared_prefix
+from speccomp.drafters.text_bridge import TextBridge, as_tokenizer, check_vocabulary
 from speccomp.errors import OptionError
-from speccomp.runtime.decode import Draft, DraftContext, Drafter, KVCache, check_tree_kind
-from speccomp.runtime.tree import DynamicTreeSpec, Tree
+from speccomp.runtime.decode import ROOT_ONLY, Draft, DraftContext, Drafter, KVCache, check_tree_kind
+from speccomp.runtime.tree import DynamicTreeSpec, Tree, max_tree_nodes
 
 DEFAULT_TREE = DynamicTreeSpec(16, 4)  # as the self-drafters: autotune or tree= pick another
 START_CAPACITY = 512  # cache slots at the start of a generation; doubled when a longer text needs more
@@ -48,10 +55,9 @@ class DraftModelDrafter(Drafter):
     trees = ("static", "dynamic")
     graphs = ("draft",)
     forward_per_level = True
+    observe_optional = True  # no observe: it catches up on the text at its next propose
 
     def __init__(self, step, graph, tree=DEFAULT_TREE, options: dict | None = None):
-        from speccomp.drafters.registry import max_tree_nodes
-
         self.step, self.graph, self.tree = step, graph, tree
         check_tree_kind(self, tree)
         self._ordered = siblings_in_rank_order(tree)  # a static tree it may sample when the target samples
@@ -166,27 +172,101 @@ def sample_children(logits: torch.Tensor, temperature: float, nodes: list[int], 
     return out
 
 
-def make_draft_model(base, draft, options: dict | None, tree, backend: str) -> DraftModelDrafter:
+class CrossTokenizerDrafter(Drafter):
+    """A draft model with a tokenizer of its own (drafters/text_bridge.py): the text so far re-tokenized for it, its
+    tree (grown in its own tokens by `inner`, a DraftModelDrafter) mapped path by path into target tokens. Its drafts
+    are point masses (q = 1): exact under sampling as under greedy decoding. The engine's twin is engine/runtime.py's
+    _CrossTokenizer."""
+
+    name = "draft_model"
+    reads = ("own_cache",)
+    trees = ("static", "dynamic")
+    graphs = ("draft",)
+    forward_per_level = True
+    observe_optional = True  # no observe: it catches up on the text at its next propose
+
+    def __init__(self, inner: DraftModelDrafter, bridge):
+        self.inner, self.bridge, self.tree = inner, bridge, inner.tree
+        self.options = {"tokenizers": "own"}  # the engine writes both tokenizers beside draft_model.onnx
+
+    def with_tree(self, tree) -> "CrossTokenizerDrafter":
+        return CrossTokenizerDrafter(self.inner.with_tree(tree), self.bridge)
+
+    def begin(self, prompt: list[int]) -> None:
+        self.inner.begin(self.bridge.to_draft(prompt))
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        room = min(ctx.max_nodes, self.inner.max_nodes)
+        context = self.bridge.context(ctx.tokens, room, self.inner.max_positions)
+        if context is None:
+            return Draft(ROOT_ONLY, torch.tensor([ctx.tokens[-1]]))
+        inner = self.inner.propose(dataclasses.replace(ctx, tokens=context, max_nodes=room, sampler=None))
+        parents, tokens = self.bridge.target_tree(ctx.tokens, context, list(inner.tree.parents),
+                                                  inner.tokens.tolist(), ctx.max_depth, ctx.max_nodes)
+        return Draft(Tree.from_parents(parents), torch.tensor(tokens))
+
+
+def check_draft_model_options(options: dict | None) -> None:
+    """A draft model takes no options but its tokenizers, given together (checked before a model is loaded)."""
+    options = options or {}
+    unknown = sorted(set(options) - {"draft_tokenizer", "target_tokenizer"})
+    if unknown:
+        raise OptionError("drafter_options", unknown, "a draft model takes only draft_tokenizer and target_tokenizer "
+                          "(a draft with a tokenizer of its own)", "drop the other options")
+    if len(options) == 1:
+        raise OptionError("drafter_options", sorted(options), "a draft with a tokenizer of its own needs both "
+                          "draft_tokenizer and target_tokenizer", "pass both (or neither for a shared tokenizer)")
+    for param, tok in options.items():
+        as_tokenizer(tok, param)
+
+
+def make_draft_model(base, draft, options: dict | None, tree, backend: str):
     """The drafter for `draft` (an nn.Module LM or a `speccomp.capture` result) beside the target `base`
-    (a SpecGraph): captured, TreeAttention, lowered by `backend`; its vocabulary checked against the target's."""
+    (a SpecGraph): captured, TreeAttention, lowered by `backend`; its vocabulary checked against the target's, or,
+    given both tokenizers in `options`, against its own tokenizer (a CrossTokenizerDrafter)."""
     from speccomp.backends import lower
-    from speccomp.drafters.registry import _default_tree
     from speccomp.frontend import capture
     from speccomp.frontend.convention import CapturedModel
     from speccomp.frontend.graph import SpecGraph, run_passes
     from speccomp.passes.tree_attention import TreeAttention
-    from speccomp.runtime.tree import check_tree_width
+    from speccomp.runtime.tree import AutoTreeSpec, check_tree_width, tree_option
 
+    check_draft_model_options(options)
+    bridge = None
     if options:
-        raise OptionError("drafter_options", options, "a draft model takes no options", "drop drafter_options=")
+        bridge = TextBridge(as_tokenizer(options["target_tokenizer"], "target_tokenizer"),
+                            as_tokenizer(options["draft_tokenizer"], "draft_tokenizer"))
     captured = draft.copy() if isinstance(draft, CapturedModel) else capture(draft)
     target_vocab, draft_vocab = base.captured.vocab_size, captured.vocab_size
-    if draft_vocab != target_vocab:
+    if bridge is not None:
+        check_vocabulary(bridge.target, target_vocab, "target_tokenizer", "target")
+        check_vocabulary(bridge.draft, draft_vocab, "draft_tokenizer", "draft")
+    elif draft_vocab != target_vocab:
         raise OptionError("drafter", type(draft).__name__,
                           f"the draft model's vocabulary has {draft_vocab} tokens and the target's {target_vocab}: "
-                          "a draft model must share the target's tokenizer (its token ids are the target's)",
-                          "use a draft model trained with the target's tokenizer, e.g. a smaller model of its family")
-    spec = _default_tree(tree, DEFAULT_TREE, "draft_model", dynamic_ok=True)
+                          "without its tokenizers a draft model must share the target's (its token ids are the target's)",
+                          "pass drafter_options={'draft_tokenizer': ..., 'target_tokenizer': ...} (drafts go through "
+                          "text), or use a draft model of the target's family")
+    spec = DEFAULT_TREE if tree is None else tree_option(tree)
+    if isinstance(spec, AutoTreeSpec):
+        raise OptionError("tree", tree, "is tuned for named drafters only (drafter='draft_model': the trained draft)",
+                          "pass a choice list, an int k (a chain) or 'dynamic:B:K'")
     check_tree_width(spec, draft_vocab, "draft model", tree)
     sg = run_passes(SpecGraph.from_captured(captured), [TreeAttention()])
-    return DraftModelDrafter(lower(sg, backend, spin=False), sg, spec)
+    drafter = DraftModelDrafter(lower(sg, backend, spin=False), sg, spec)
+    return drafter if bridge is None else CrossTokenizerDrafter(drafter, bridge)
+
+
+# ---- drafter="draft_model": the draft `speccomp train-draft` made (speccomp/tuning/train_draft.py) ----------------
+def make_named_draft_model(base, options: dict, tree, backend: str) -> DraftModelDrafter:
+    """drafter="draft_model": the draft trained for the target (`load_draft`; options: path)."""
+    options = dict(options)
+    path = options.pop("path", None)
+    if options:
+        raise OptionError("drafter_options", sorted(options), "draft_model takes only path (a trained draft's "
+                          "directory)", "drop the other options")
+    from speccomp.tuning.train_draft import load_draft
+
+    drafter = make_draft_model(base, load_draft(base.model, path), None, tree, backend)
+    drafter.options = {} if path is None else {"path": str(path)}
+    return drafter

@@ -27,6 +27,7 @@ class EagleDrafter(Drafter):
     trees = ("static", "dynamic")
     graphs = ("layer_step",)
     forward_per_level = True
+    observe_optional = True  # nothing to observe: the path states it is handed run at its next propose
 
     def __init__(self, head, tree, heads_path: str | None = None, backend: str = "eager", lowered=None):
         self.head, self.tree, self.heads_path, self.backend = head, tree, heads_path, backend

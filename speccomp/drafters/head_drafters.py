@@ -72,6 +72,7 @@ class MedusaDrafter(Drafter):
     name = "medusa"
     reads = ("states",)  # the Medusa head states [K, H] of the newest token, computed inside the target graph
     trees = ("static",)
+    observe_optional = True  # nothing to observe (states are handed every step)
 
     def __init__(self, heads: MedusaHeads, tree: Tree, heads_path: str | None = None):
         check_tree_kind(self, tree)
@@ -117,6 +118,7 @@ class HydraDrafter(Drafter):
     reads = ("states",)
     trees = ("static", "dynamic")
     graphs = ("head_step",)
+    observe_optional = True  # nothing to observe (states are handed every step)
 
     def __init__(self, heads, tree, heads_path: str | None = None, backend: str = "eager", lowered=None):
         check_tree_kind(self, tree)

@@ -56,6 +56,7 @@ class MergedDrafter(Drafter):
         self.tree = drafters[0].tree
         self.options = {n: dict(d.options) for n, d in zip(names, drafters)}
         self.target_passes = [p for d in drafters for p in d.target_passes]
+        self.observe_optional = all(d.observe_optional for d in drafters)  # one skip skips every part's observe
         self._last: list[tuple[Draft, list]] = []  # per drafter: its draft, and its node -> merged node (or None)
 
     def fresh(self) -> "MergedDrafter":

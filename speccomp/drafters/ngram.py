@@ -65,6 +65,7 @@ class NGramDrafter(Drafter):
     max_depth             tokens drafted after each occurrence."""
 
     name = "ngram"
+    observe_optional = True  # nothing to observe: its index catches up on the text at the next propose
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, num_branches: int = 4, max_depth: int = 8):
         self.max_ngram = _int_option("max_ngram", max_ngram, 1)
@@ -104,6 +105,9 @@ class TokenRecyclingDrafter(Drafter):
 
     name = "token_recycling"
     trees = ("static",)
+    # a skipped observe leaves the table without that step's top-k (later drafts may be staler, and the target
+    # verifies every one of them); the n-gram branch reads the text at the next propose, missing nothing
+    observe_optional = True
 
     def __init__(self, top_k: int = 8, tree=None, ngram_branches: int = 1, max_ngram: int = 4, min_ngram: int = 1,
                  ngram_depth: int = 8, persist: bool = False):
@@ -159,6 +163,7 @@ class SuffixDrafter(Drafter):
     memory      trie nodes kept of earlier generations' texts (prompt + reply), oldest dropped first; 0: none"""
 
     name = "suffix"
+    observe_optional = True  # nothing to observe: its index catches up on the text at the next propose
 
     def __init__(self, max_match: int = 16, max_depth: int = 8, budget: int = 16, min_prob: float = 0.1,
                  memory: int = 100_000):

@@ -9,6 +9,7 @@ holds for a model.
 from __future__ import annotations
 
 from speccomp.backends import is_onnxruntime, lower
+from speccomp.drafters.draft_model import DraftModelDrafter, make_named_draft_model
 from speccomp.drafters.eagle_drafter import EagleDrafter, make_eagle
 from speccomp.drafters.graph import GraphDrafter
 from speccomp.drafters.head_drafters import HydraDrafter, MedusaDrafter, make_hydra, make_medusa
@@ -16,9 +17,9 @@ from speccomp.drafters.ngram import (NGramDrafter, SuffixDrafter, TokenRecycling
                                      make_token_recycling)
 from speccomp.errors import OptionError, OptionTypeError
 from speccomp.frontend.graph import SpecGraph, run_passes
-from speccomp.runtime.calls import MAX_TREE, as_int
+from speccomp.runtime.calls import as_int
 from speccomp.runtime.decode import Drafter
-from speccomp.runtime.tree import AutoTreeSpec, DynamicTreeSpec, Tree, check_tree_width, tree_option
+from speccomp.runtime.tree import AutoTreeSpec, DynamicTreeSpec, Tree, check_tree_width, max_tree_nodes, tree_option
 
 
 DRAFTERS: dict[str, object] = {}  # name -> drafter factory
@@ -38,12 +39,6 @@ def register(name: str, cls: type[Drafter]):
 
 def available_drafters() -> list[str]:
     return sorted(DRAFTERS)
-
-
-def max_tree_nodes(structure) -> int:
-    """How many tree nodes fit in one verification: MAX_TREE, or less where a sliding window is smaller (every
-    node of a tree must see the whole tree inside every window: passes/tree_attention.py)."""
-    return min([MAX_TREE] + [s.sliding_window for s in structure.attention if s.sliding_window])
 
 
 def _default_tree(tree, fallback, drafter: str, dynamic_ok: bool | None = None):
@@ -178,3 +173,5 @@ def _head_drafter(name: str, make):
 for _name, _cls, _make in (("medusa", MedusaDrafter, make_medusa), ("hydra", HydraDrafter, make_hydra),
                            ("eagle", EagleDrafter, make_eagle)):
     register(_name, _cls)(_head_drafter(_name, _make))
+
+register("draft_model", DraftModelDrafter)(make_named_draft_model)  # a trained draft (speccomp train-draft)

@@ -33,8 +33,11 @@ import onnx
 
 from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
 from speccomp.engine.runtime import (ENGINE_DRAFTERS, FORMAT, FORMAT_VERSION, GRAPH_FILES, MANIFEST, MEDUSA_FILE,
-                                     SELF_DRAFTERS, TOP_IDS_OUTPUT, EngineError, sha256)
+                                     SELF_DRAFTERS, TOP_IDS_OUTPUT, TOP_ROWS_INPUT, EngineError, sha256)
 from speccomp.models import set_default_mode
+
+# a draft model with a tokenizer of its own: both tokenizers beside draft_model.onnx (engine/runtime.py _text_bridge)
+DRAFT_TOKENIZERS = {"target": "draft_model.target_tokenizer.json", "draft": "draft_model.tokenizer.json"}
 
 
 def drafter_spec(drafter) -> dict:
@@ -61,6 +64,8 @@ def drafter_spec(drafter) -> dict:
         options = dict(num_heads=drafter.head.num_heads, head_dim=drafter.head.head_dim, top=drafter.max_siblings,
                        tree=shape, max_depth=drafter.max_depth)
     elif name == "draft_model":  # the draft LM's graph becomes draft_model.onnx; its cache is the engine's
+        own = drafter.options.get("tokenizers") == "own"  # a draft with a tokenizer of its own: both written too
+        drafter = drafter.inner if own else drafter
         kv, dtype = drafter.kv, str(drafter.kv.dtype).removeprefix("torch.")
         if dtype not in ("float32", "float16"):
             raise EngineError(f"the draft model's KV cache is {dtype}, which the engine's numpy runtime cannot hold; "
@@ -70,6 +75,8 @@ def drafter_spec(drafter) -> dict:
                        kv={"num_layers": kv.num_layers, "num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim,
                            "dtype": dtype},
                        max_nodes=drafter.max_nodes, max_positions=drafter.max_positions)
+        if own:
+            options["tokenizers"] = dict(DRAFT_TOKENIZERS)
     elif name in SELF_DRAFTERS:  # the draft graph becomes NAME.onnx
         if drafter.graph is None and not hasattr(drafter.step, "path"):
             raise EngineError(f"this {name} drafter was built without its graph; compile it with speccomp.compile")
@@ -101,6 +108,10 @@ def _drafter_graphs(fast, spec: dict, target_outputs: list[str], out: Path) -> d
         elif part["name"] in ("hydra", "eagle"):
             file = _module_onnx(drafter, out / part["graph"])
         elif part["name"] in SELF_DRAFTERS or part["name"] == "draft_model":
+            if "tokenizers" in part["options"]:  # CrossTokenizerDrafter: its bridge's two tokenizers
+                for side, tokenizer in (("target", drafter.bridge.target), ("draft", drafter.bridge.draft)):
+                    tokenizer.save(str(out / DRAFT_TOKENIZERS[side]))
+                drafter = drafter.inner
             file = _copy_or_export(drafter.step, drafter.graph, out / part["graph"])
         else:
             continue
@@ -201,10 +212,12 @@ def _copy_or_export(step, sg, path: Path) -> Path:
 
 def _add_top_ids(path: Path, k: int):
     """Token Recycling observes every verified node's top-k tokens: a TopK on the logits inside the target graph
-    (output TOP_IDS_OUTPUT [1, q, k]) instead of a numpy top-k over the vocabulary per node in the loop (numpy's
-    argpartition took ~4% of a hydra+token_recycling engine's time; ONNX Runtime's TopK reads the logits once).
+    (output TOP_IDS_OUTPUT [1, m, k]) instead of a numpy top-k over the vocabulary per node in the loop (numpy's
+    argpartition took ~4% of a hydra+token_recycling engine's time; ONNX Runtime's TopK reads the logits once). It
+    reads only the nodes the runtime names (input TOP_ROWS_INPUT [m]): not a prefill's, nor a batch row's whose
+    drafter is switched off (runtime/budget.py), whose observe is skipped.
 
-        before: ... -> logits                   after: ... -> logits -> TopK(k, axis=-1) -> (scores, top_ids)
+        before: ... -> logits          after: ... -> logits -> Gather(top_ids_rows, axis=1) -> TopK(k) -> top_ids
     """
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
@@ -214,9 +227,12 @@ def _add_top_ids(path: Path, k: int):
     if graph.output[0].name != "logits":
         raise EngineError(f"{path.name}'s first output is {graph.output[0].name!r}, not 'logits'; cannot add the top-k")
     graph.initializer.append(numpy_helper.from_array(np.array([k], dtype=np.int64), "top_ids_k"))
-    graph.node.append(helper.make_node("TopK", ["logits", "top_ids_k"], ["top_ids_scores", TOP_IDS_OUTPUT], axis=-1,
-                                       largest=1, sorted=1, name="top_ids"))
-    graph.output.append(helper.make_tensor_value_info(TOP_IDS_OUTPUT, TensorProto.INT64, [1, "q", k]))
+    graph.input.append(helper.make_tensor_value_info(TOP_ROWS_INPUT, TensorProto.INT64, ["m"]))
+    graph.node.append(helper.make_node("Gather", ["logits", TOP_ROWS_INPUT], ["top_ids_logits"], axis=1,
+                                       name="top_ids_rows"))
+    graph.node.append(helper.make_node("TopK", ["top_ids_logits", "top_ids_k"], ["top_ids_scores", TOP_IDS_OUTPUT],
+                                       axis=-1, largest=1, sorted=1, name="top_ids"))
+    graph.output.append(helper.make_tensor_value_info(TOP_IDS_OUTPUT, TensorProto.INT64, [1, "m", k]))
     onnx.save(proto, str(path))
     return proto  # what export reads next: the graph is not loaded twice (its weights are inline, ~540 MB)
 
@@ -243,6 +259,11 @@ def _engine_files(path: Path) -> set[str] | None:
     tokenizer = manifest.get("tokenizer")
     if isinstance(tokenizer, dict) and isinstance(tokenizer.get("file"), str):
         names.add(tokenizer["file"])
+    drafter = manifest.get("drafter") if isinstance(manifest.get("drafter"), dict) else {}
+    for part in drafter.get("drafters") or [drafter]:  # a draft model's own tokenizers
+        files = (part.get("options") or {}).get("tokenizers") if isinstance(part, dict) else None
+        if isinstance(files, dict):
+            names |= {f for f in files.values() if isinstance(f, str)}
     return names
 
 

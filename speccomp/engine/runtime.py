@@ -6,7 +6,7 @@
     print(engine.decode(out[0, ids.shape[1]:]))
 
 `SpecModel.export(dir)` (speccomp/engine/export.py) writes the directory: manifest.json (what is inside and how to
-call it: MANIFEST_KEYS, format speccomp-engine v2; v1 loads); target.onnx, the target verify graph after TreeAttention, one file
+call it: MANIFEST_KEYS, format speccomp-engine v3; v1 and v2 load); target.onnx, the target verify graph after TreeAttention, one file
 for prefill (causal tree_mask), plain decoding (q = 1) and tree verification (q = tree size); tokenizer.json (when
 export was given a tokenizer); a drafter's graph, GRAPH_FILES[name] (its drafter class below says what it computes).
 
@@ -37,11 +37,13 @@ from speccomp.drafters.eagle_cache import EagleCache
 from speccomp.drafters.grow import ancestor_rows, cut, grow_dynamic, grow_static, state_expander
 from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, merge_trees, own_view, recycle, shared_prefix
 from speccomp.drafters.suffix import SuffixDecoder
+from speccomp.drafters.text_bridge import TextBridge
 from speccomp.kv.cache import all_layers, make_cache, needs_votes
 from speccomp.kv.policies import KVPolicyError, parse_kv_cache, snapkv_window
 
-# version 2: graphs may take the cache one layer per input and write it in place (LAYER_INPUT); 1 still loads
-FORMAT, FORMAT_VERSION, READABLE_VERSIONS = "speccomp-engine", 2, (1, 2)
+# version 2: graphs may take the cache one layer per input and write it in place (LAYER_INPUT); version 3: a Token
+# Recycling target takes TOP_ROWS_INPUT; 1 and 2 still load
+FORMAT, FORMAT_VERSION, READABLE_VERSIONS = "speccomp-engine", 3, (1, 2, 3)
 MANIFEST = "manifest.json"
 MEDUSA_FILE = "medusa.onnx"
 HYDRA_FILE = "hydra.onnx"
@@ -53,6 +55,7 @@ ENGINE_DRAFTERS = (None, "ngram", "suffix", "token_recycling", "medusa", "hydra"
 GRAPH_FILES = {"medusa": MEDUSA_FILE, "hydra": HYDRA_FILE, "eagle": EAGLE_FILE, "draft_model": "draft_model.onnx",
                **{name: f"{name}.onnx" for name in SELF_DRAFTERS}}  # drafters with a graph
 TOP_IDS_OUTPUT = "top_ids"  # the target graph's TopK of the logits, added at export for Token Recycling
+TOP_ROWS_INPUT = "top_ids_rows"  # the nodes that TopK reads (v3; a v2 graph's TopK reads every node)
 HYDRA_OUTPUTS = ["next_states", "top_logp", "top_ids"]
 EAGLE_INPUTS = ["feats", "tokens", "positions", "past_k", "past_v", "mask"]
 EAGLE_OUTPUTS = ["out", "new_k", "new_v", "top_logp", "top_ids"]
@@ -157,6 +160,7 @@ def _kv_layout(v) -> bool:
 
 _positive, _indices = partial(_is_int, minimum=1), partial(_ints, minimum=0)
 _SELF_DRAFT = {"kv_layers": _layer_list, "tree": _grown_tree, "max_depth": _positive}
+_OPTIONAL = {"tokenizers"}  # draft_model: only a draft with a tokenizer of its own has them
 _DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free drafters take
     None: {},
     "ngram": dict.fromkeys(("max_ngram", "min_ngram", "num_branches", "max_depth"), _positive),
@@ -171,7 +175,9 @@ _DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free dra
     "eagle": {**dict.fromkeys(("num_heads", "head_dim", "top", "max_depth"), _positive), "tree": _grown_tree},
     "early_exit": {**_SELF_DRAFT, "exit_layer": partial(_is_int, minimum=0)},
     "draft_model": {**_SELF_DRAFT, "kv": _kv_layout, "max_nodes": _positive,
-                    "max_positions": lambda v: v is None or _is_int(v, 1)},
+                    "max_positions": lambda v: v is None or _is_int(v, 1),
+                    "tokenizers": lambda v: isinstance(v, dict) and set(v) == {"target", "draft"}  # own tokenizer
+                    and all(map(_is_file_name, v.values()))},
     "layer_skip": {**_SELF_DRAFT, "skip": _layer_list},
     "quantized": {**_SELF_DRAFT, "block_size": partial(_is_int, minimum=16)},  # 4-bit weights
     "compressed_kv": {**_SELF_DRAFT, "kv_cache": _kv_policy_ok},  # kv_mode="draft"
@@ -236,7 +242,7 @@ def _check_drafter(drafter: dict, graphs: dict, field: str, need) -> None:
     checks = _DRAFTER_OPTIONS[name]
     for key, value in options.items():
         need(key in checks and checks[key](value), f"{field}.options.{key}", value, f"a valid {name} option")
-    missing = sorted(set(checks) - set(options))
+    missing = sorted(set(checks) - set(options) - _OPTIONAL)
     need(not missing, f"{field}.options", sorted(options), f"complete (missing {missing})")
     if "parents" in options:
         need(len(options["ranks"]) == len(options["parents"]), f"{field}.options.ranks", options["ranks"],
@@ -522,6 +528,9 @@ class _Drafter:
 
     outputs: tuple[str, ...] = ()  # the target graph's outputs it reads (none: a text drafter)
     batches = True  # False: it drafts over the target's cache, which a batch shares between rows
+    # Drafter.observe_optional (runtime/decode.py): skipping observe costs acceptance only. True here, where observe
+    # does nothing and the text drafters catch up on the text at their next propose; Token Recycling says why too
+    observe_optional = True
 
     def fresh(self):
         """The same drafter (sessions shared) with per-generation state of its own, for one row of a batch: a copy,
@@ -576,7 +585,8 @@ class _Suffix(_Drafter):
 
 class _TokenRecycling(_Drafter):
     """Token Recycling (speccomp/drafters/ngram.py). An engine exported with it has a TopK in its target graph
-    (output TOP_IDS_OUTPUT: every node's top_k token ids), so no numpy top-k over the vocabulary runs per step."""
+    (output TOP_IDS_OUTPUT: every node's top_k token ids), so no numpy top-k over the vocabulary runs per step. A
+    skipped observe (a switched-off batch row) leaves the table without that step's top-k: staler drafts, all verified."""
 
     def __init__(self, top_k, parents, ranks, ngram_branches, max_ngram, min_ngram, ngram_depth, persist,
                  target_outputs=()):
@@ -621,21 +631,22 @@ class _Medusa(_Drafter):
     """Medusa heads (speccomp/drafters/head_drafters.py's MedusaDrafter in numpy). The target graph returns the
     head states [1, q, K, H] of every token as the extra output `states_output`; the newest accepted token's
     [K, H] go through medusa.onnx, which returns each head's top token ids, and the next tree gives a node at
-    depth d with sibling rank r head d-1's rank-r token."""
+    depth d with sibling rank r head d-1's rank-r token. The heads run when a tree is asked for, as the torch
+    drafter's: a batch row that drafts nothing (its cap 1) runs none."""
 
     def __init__(self, parents, ranks, num_heads, top, states_output, session: BoundSession):
         self.parents, self.ranks, self.num_heads, self.top = parents, ranks, num_heads, top
         self.outputs = (states_output,)
-        self.session, self.top_ids = session, None
+        self.session, self.states = session, None
 
     def take(self, extras, rows):
-        feed = {self.session.inputs[0]: np.ascontiguousarray(extras[0][0, rows[-1]])}  # [K, H] of the newest token
-        self.top_ids = self.session.run(feed, ["top_ids"])[0]  # [K, top]
+        self.states = extras[0][0, rows[-1]]  # [K, H] of the newest token
 
     def propose(self, tokens, max_depth, max_nodes):
         parents, ranks = cut(self.parents, self.ranks, max_depth, max_nodes)  # as decode.truncate
         depth, _, _ = tree_arrays(parents)
-        return parents, [tokens[-1]] + [int(self.top_ids[depth[i] - 1, ranks[i]]) for i in range(1, len(parents))]
+        top_ids = self.session.run({self.session.inputs[0]: np.ascontiguousarray(self.states)}, ["top_ids"])[0]
+        return parents, [tokens[-1]] + [int(top_ids[depth[i] - 1, ranks[i]]) for i in range(1, len(parents))]
 
 
 class _Grown(_Drafter):
@@ -876,6 +887,7 @@ class _Merged(_Drafter):
         self.drafters, self.drafts, self.wheres = drafters, [], []
         self.outputs = tuple(o for d in drafters for o in d.outputs)
         self.batches = all(d.batches for d in drafters)
+        self.observe_optional = all(d.observe_optional for d in drafters)
 
     def fresh(self):
         return _Merged([d.fresh() for d in self.drafters])
@@ -911,6 +923,48 @@ class _Merged(_Drafter):
             d.observe([own_tokens[i] for i in own], own_path, logits[merged], [e[:, merged] for e in own_extras])
 
 
+class _CrossTokenizer(_Drafter):
+    """A draft model with a tokenizer of its own (drafters/draft_model.py's CrossTokenizerDrafter): the text so far
+    re-tokenized for `inner` (a _DraftModel), its tree mapped into target ids path by path (drafters/text_bridge.py,
+    the same code as torch's). Drafts are point masses (q = 1)."""
+
+    name = "draft_model"
+
+    def __init__(self, inner: _DraftModel, bridge: TextBridge):
+        self.inner, self.bridge = inner, bridge
+
+    def fresh(self):
+        return _CrossTokenizer(self.inner.fresh(), self.bridge)
+
+    def begin(self, prompt, cache):
+        self.inner.begin(self.bridge.to_draft(list(prompt)), cache)
+
+    def propose(self, tokens, max_depth, max_nodes):
+        tokens, room = list(tokens), min(max_nodes, self.inner.max_nodes)
+        context = self.bridge.context(tokens, room, self.inner.max_positions)
+        if context is None:
+            return [-1], [tokens[-1]]
+        parents, drafted = self.inner.propose(context, max_depth, room)
+        return self.bridge.target_tree(tokens, context, list(parents), list(drafted), max_depth, max_nodes)
+
+
+def _text_bridge(files: dict, path: Path) -> TextBridge:
+    """The draft model's two tokenizers, named by the manifest's draft_model.options.tokenizers."""
+    from tokenizers import Tokenizer
+
+    loaded = {}
+    for side in ("target", "draft"):
+        file = path / files[side]
+        if not file.is_file():
+            raise EngineError(f"the draft model's {side} tokenizer {file} is missing; re-export the engine")
+        try:
+            loaded[side] = Tokenizer.from_file(str(file))
+        except Exception as exc:  # tokenizers raises its own Exception type for unreadable files
+            raise EngineError(f"the draft model's {side} tokenizer {file} is corrupt ({str(exc).splitlines()[0]}); "
+                              "re-export the engine") from None
+    return TextBridge(loaded["target"], loaded["draft"])
+
+
 def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | None, target_outputs: list[str],
                  kv: dict, dtype):
     name, options = spec.get("name"), dict(spec.get("options") or {})
@@ -934,7 +988,9 @@ def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | No
         return (_Hydra if name == "hydra" else _Eagle)(**options, session=session)
     check_self_draft(options, session.session, spec["graph"])
     if name == "draft_model":
-        return _DraftModel(**options, session=session)
+        files = options.pop("tokenizers", None)
+        inner = _DraftModel(**options, session=session)
+        return inner if files is None else _CrossTokenizer(inner, _text_bridge(files, path))
     if name == "compressed_kv":
         return _CompressedKV(**options, session=session, kv=kv, dtype=dtype)
     return _SelfDraft(**options, session=session)
@@ -1043,9 +1099,15 @@ class _Row:
         path, self._bonus = accept(tokens, children, lambda node: self.pick(logits[node]))
         return path
 
-    def advance(self, tokens, path, logits, extras) -> None:
-        if self.drafter is not None:
+    def observes(self, idle: bool) -> bool:
+        """Whether `advance` hands the drafter this step's outputs: not where a batch's budget switched the row's
+        drafter off (`idle`, runtime/budget.py) and skipping costs acceptance only (decode.py's Drafter)."""
+        return self.drafter is not None and not (idle and self.drafter.observe_optional)
+
+    def advance(self, tokens, path, logits, extras, idle: bool = False) -> None:
+        if self.observes(idle):
             self.drafter.observe(tokens, path, logits, extras)
+        if self.drafter is not None:
             self.drafter.take(extras, path)
         self.steps += 1
         self._emit([tokens[i] for i in path[1:]] + [self._bonus])
@@ -1121,14 +1183,11 @@ class EngineBatch:
             parts.append((i, tokens, len(self.rows[i].context) - 1 + depth, block, children))  # cached: all but the root
         if not parts:
             return {}
-        past, q = self.cache.length, sum(len(p[1]) for p in parts)
-        mask, at = np.zeros((q, past + q), dtype=bool), 0
-        for i, tokens, _, block, _ in parts:
-            mask[at : at + len(tokens), :past] = self.owner[:past] == i
-            mask[at : at + len(tokens), past + at : past + at + len(tokens)] = block
-            at += len(tokens)
+        idle = set() if self.budget is None else self.budget.idle
+        mask, observed = self._packed(parts, idle)
         logits, new_kv, extras = self.engine._forward(self.cache, [t for p in parts for t in p[1]],
-                                                      np.concatenate([p[2] for p in parts]).astype(np.int64), mask)
+                                                      np.concatenate([p[2] for p in parts]).astype(np.int64), mask,
+                                                      observed)
         self.forwards += 1
         keep, owners, emitted, at = [], [], {}, 0
         for i, tokens, _, _, children in parts:
@@ -1139,7 +1198,7 @@ class EngineBatch:
                 kept = list(range(n))
             else:
                 kept = r.accept(tokens, children, mine)
-                r.advance(tokens, kept, mine, own)
+                r.advance(tokens, kept, mine, own, idle=i in idle)
                 if self.budget is not None:
                     self.budget.record(i, kept, len(tokens))  # the tree's nodes, <= caps[i]
             keep += [at + k for k in kept]
@@ -1149,6 +1208,21 @@ class EngineBatch:
         self.owner[self.cache.length : self.cache.length + len(keep)] = owners
         self.cache.append(new_kv, keep=np.array(keep))
         return emitted
+
+    def _packed(self, parts, idle: set) -> tuple[np.ndarray, list[int]]:
+        """The step's tree mask [q, past + q] (a query sees its own row's cached slots and its own tree) and the nodes
+        whose outputs a drafter observes: not a prefill's, nor a switched-off row's (`_Row.observes`), whose top-k a
+        Token Recycling graph then does not compute."""
+        past, q = self.cache.length, sum(len(p[1]) for p in parts)
+        mask, observed, at = np.zeros((q, past + q), dtype=bool), [], 0
+        for i, tokens, _, block, children in parts:
+            n = len(tokens)
+            mask[at : at + n, :past] = self.owner[:past] == i
+            mask[at : at + n, past + at : past + at + n] = block
+            if children is not None and self.rows[i].observes(i in idle):
+                observed += range(at, at + n)
+            at += n
+        return mask, observed
 
 
 # ---- The engine ------------------------------------------------------------------------------------------
@@ -1275,11 +1349,24 @@ class Engine:
         return self.manifest["model"].get("eos_token_id")
 
     # ---- decoding ---------------------------------------------------------------------
-    def _forward(self, cache: KVCache, tokens: list[int], positions: np.ndarray, tree_mask: np.ndarray):
-        """logits [q, V], new_kv [L, 2, 1, Hkv, q, D], and the extra outputs the drafter reads."""
+    def _forward(self, cache: KVCache, tokens: list[int], positions: np.ndarray, tree_mask: np.ndarray,
+                 observed=None):
+        """logits [q, V], new_kv [L, 2, 1, Hkv, q, D], and the extra outputs the drafter reads. `observed`: the nodes
+        whose outputs the drafter observes (None: all); a v3 Token Recycling graph's TopK reads those alone
+        (TOP_ROWS_INPUT: a vocabulary-wide top-k per node is what a switched-off batch row saves), the other nodes' rows
+        of TOP_IDS_OUTPUT are 0 and read by nobody."""
         feeds = _feeds(tokens, positions, cache.length + len(tokens), cache.view(), tree_mask)
         extra = list(self.drafter.outputs) if self.drafter is not None else []
+        gathered = TOP_ROWS_INPUT in self.session.inputs
+        if gathered:
+            rows = np.arange(len(tokens)) if observed is None else np.asarray(observed, dtype=np.int64)
+            rows = feeds[TOP_ROWS_INPUT] = rows if TOP_IDS_OUTPUT in extra else rows[:0]
         logits, new_kv, *extras = self.session.run(feeds, ["logits", "new_kv", *extra])
+        if gathered and TOP_IDS_OUTPUT in extra:  # one row per node again, as a v2 graph returns it
+            at = extra.index(TOP_IDS_OUTPUT)
+            full = np.zeros((1, len(tokens), extras[at].shape[-1]), dtype=np.int64)
+            full[0, rows] = extras[at][0]
+            extras[at] = full
         return logits[0], new_kv, extras
 
     def generate(self, input_ids, max_new_tokens: int, eos_token_id=None, do_sample: bool = False,
@@ -1307,7 +1394,7 @@ class Engine:
         row = _Row(args, self.drafter, self.max_tree, args.seed)
         cache = KVCache(self.kv, n + args.max_new_tokens + self.max_tree + 1, self.dtype)
         logits, new_kv, extras = self._forward(cache, row.prompt, np.arange(n, dtype=np.int64),
-                                               np.tril(np.ones((n, n), dtype=bool)))
+                                               np.tril(np.ones((n, n), dtype=bool)), observed=[])  # a prefill
         cache.append(new_kv)
         prefill_seconds = time.perf_counter() - start
         row.first(logits, extras, cache)

@@ -13,8 +13,11 @@ per-sequence steps as the one-sequence loop in decode.py); the accepted entries 
 their row's tag, and the slots of a finished row are dropped by compacting the cache.
 
 Rows join between steps (`add`; their prefill rides in the next step's forward) and leave when done: continuous
-batching, which `speccomp serve` runs. Every row's output is its own greedy decoding (its own distribution when
-sampling), because each query sees exactly the keys it would see alone, at the positions it would have alone.
+batching, which `speccomp serve` runs. With a load-aware budget (runtime/budget.py) a row whose drafter it switched
+off (`Budget.idle`) decodes as a plain row would: its drafter is asked for nothing and, where it declares that costs
+acceptance only (`Drafter.observe_optional`), does not observe the step either. Every row's output is its own greedy
+decoding (its own distribution when sampling), because each query sees exactly the keys it would see alone, at the
+positions it would have alone.
 
 What cannot batch this way (refused by `check_batchable`): models with sliding-window attention (the model's window
 is counted in cache slots, and a packed row's slots are not its positions), drafters that draft over the target's
@@ -136,7 +139,7 @@ class Batch:
                 kept = list(range(q))
             else:
                 kept = seq.accept(draft, mine)
-                seq.advance(draft, kept, mine)
+                seq.advance(draft, kept, mine, idle=self.budget is not None and rid in self.budget.idle)
                 if self.budget is not None:
                     self.budget.record(rid, kept, draft.tree.size)  # <= caps[rid]
             seq.stats.seconds = time.perf_counter() - self._joined[rid]

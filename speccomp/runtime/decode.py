@@ -140,6 +140,12 @@ class Drafter:
     - `graphs`: its parts that are captured graphs lowered by the backend (the rest is host-side Python);
       `forward_per_level`: it runs one forward per draft depth (autotune charges its propose time per level).
     - `options`: the JSON options that rebuild it (with its name and `tree`): what an engine manifest records.
+    - `observe_optional`: skipping `observe` costs acceptance, never correctness: observe only learns from the
+      target's outputs (Token Recycling's table) or does nothing, and whatever it needs of the text it reads from
+      the context at its next `propose` (the n-gram and suffix indexes catch up on missed tokens there). A
+      load-aware batch then skips it for a row whose drafter is switched off (runtime/budget.py `Budget.idle`), so
+      that such a row pays no per-step upkeep. False (the default for a drafter that does not say): observe runs
+      at every step.
     """
 
     name = "drafter"
@@ -153,6 +159,7 @@ class Drafter:
     tree = None
     options: dict = {}
     target_passes: tuple = ()  # passes it adds to the target graph (Medusa: head states at every token)
+    observe_optional = False
 
     def begin(self, prompt: list[int]) -> None:
         """A new generation starts with `prompt`."""
@@ -196,6 +203,9 @@ def check_declaration(drafter: Drafter) -> None:
         raise OptionError("drafter", type(drafter).__name__, "sets wants_states, which speccomp no longer reads",
                           "declare reads = ('states',) for the newest token's outputs or ('path_states',) for every "
                           "accepted position's")
+    if not isinstance(drafter.observe_optional, bool):
+        raise OptionError("drafter", type(drafter).__name__, f"declares observe_optional={drafter.observe_optional!r}",
+                          "declare True (skipping observe costs acceptance only) or False")
     for attr, known in (("reads", READS), ("trees", TREES)):
         value = getattr(drafter, attr)
         if not isinstance(value, tuple) or not set(value) <= set(known):
@@ -241,6 +251,7 @@ class RootOnly(Drafter):
     """Drafts nothing: the loop verifies the root alone each step, which is plain decoding."""
 
     name = "plain"
+    observe_optional = True  # nothing to observe
 
     def fresh(self) -> "RootOnly":
         return self  # no state
@@ -303,7 +314,8 @@ class Sequence:
         first(outs)               the prefill's outputs: the drafter begins, the first token is chosen
         draft(cache) -> Draft     what to verify next (the root alone on the last allowed token)
         accept(draft, outs)       the path the target accepts and the bonus token (held until `advance`)
-        advance(draft, path, outs) the drafter observes, the tokens are emitted, the stats counted
+        advance(draft, path, outs, idle) the drafter observes (unless idle allows it not to), the tokens are
+                                  emitted, the stats counted
     """
 
     def __init__(self, prompt: list[int], drafter: Drafter, sampler: Sampler, max_new_tokens: int, eos,
@@ -345,8 +357,11 @@ class Sequence:
         path, self._bonus = accept(draft.tree, draft.tokens, outs[0][0], draft.probs, self.sampler, self.acceptance)
         return path
 
-    def advance(self, draft: Draft, path: list[int], outs: tuple) -> None:
-        self.drafter.observe(draft, path, outs[0][0])
+    def advance(self, draft: Draft, path: list[int], outs: tuple, idle: bool = False) -> None:
+        """`idle`: a batch row whose drafter the budget switched off this step (it verified the root alone and is not
+        among the rows that may look): a drafter with `observe_optional` skips its observe."""
+        if not (idle and self.drafter.observe_optional):
+            self.drafter.observe(draft, path, outs[0][0])
         _hand_states(self.drafter, outs, path)
         self.stats.steps += 1
         self.stats.record(draft.tree, path)

@@ -538,6 +538,14 @@ def tree_option(tree, max_nodes: int | None = None, name: str = "tree"):
         raise (OptionTypeError if isinstance(exc, TypeError) else OptionError)(name, tree, str(exc)) from None
 
 
+def max_tree_nodes(structure) -> int:
+    """How many tree nodes fit in one verification: MAX_TREE, or less where a sliding window is smaller (every
+    node of a tree must see the whole tree inside every window: passes/tree_attention.py)."""
+    from speccomp.runtime.calls import MAX_TREE
+
+    return min([MAX_TREE] + [s.sliding_window for s in structure.attention if s.sliding_window])
+
+
 def check_tree_width(spec, vocab: int, what: str, tree) -> None:
     """A static tree's sibling ranks and a dynamic tree's top_k must be below the number of tokens the drafter
     scores (`vocab`: the model's vocabulary, or a head's draft vocabulary), or drafting fails mid-generate.

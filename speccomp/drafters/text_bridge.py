@@ -1,0 +1,88 @@
+"""Target tokens <-> draft tokens through text, for a draft model with a tokenizer of its own (HF's universal
+assisted decoding). Torch-free: the torch drafter (drafters/draft_model.py `CrossTokenizerDrafter`) and the engine
+(engine/runtime.py) share it.
+
+    text so far (target ids) --target.decode--> text --draft.encode--> the draft model's prompt (draft ids)
+    a draft path (draft ids) --draft.decode--> new text --target.encode--> target ids continuing the text
+
+Only the target's tokens are ever emitted: the target verifies the mapped tree, so a poor mapping costs acceptance,
+never exactness. Two places where the mapping can only guess:
+  - the draft's prompt ends where the target's text ends, which may be mid-word; the draft model drafts from there;
+  - new text is encoded after the root's text (byte-level BPE and SentencePiece-like tokenizers both mark word starts,
+    so encoding the new text alone could add or lose a space). When the root's text and the new text encode to
+    tokens that do not begin with the root (they merge across the boundary), the new text alone is encoded instead.
+"""
+from __future__ import annotations
+
+from speccomp.drafters.lookup import Trie
+from speccomp.errors import OptionError, OptionTypeError
+
+WINDOW = 4  # draft tokens decoded before a path, so that a decoder's word-start rules see the path mid-text
+
+
+def as_tokenizer(tok, param: str):
+    """A `tokenizers.Tokenizer` for `tok`: a transformers fast tokenizer (its backend) or a tokenizers.Tokenizer.
+    One kind of object on both runtimes, serialisable into an engine (tokenizer.json) and fast (Rust)."""
+    backend = getattr(tok, "backend_tokenizer", tok)
+    if all(callable(getattr(backend, a, None)) for a in ("encode", "decode", "get_vocab_size", "to_str")):
+        return backend
+    raise OptionTypeError(param, type(tok).__name__, "must be a transformers *fast* tokenizer or a tokenizers.Tokenizer",
+                          "load it with AutoTokenizer.from_pretrained(..., use_fast=True), or tokenizers.Tokenizer")
+
+
+class TextBridge:
+    """Both tokenizers of a cross-tokenizer draft (tokenizers.Tokenizer objects, as_tokenizer)."""
+
+    def __init__(self, target, draft):
+        self.target, self.draft = target, draft
+
+    def to_draft(self, tokens: list[int]) -> list[int]:
+        """The draft model's tokens for the text of the target's `tokens` (special tokens dropped: the draft's own
+        would differ)."""
+        return self.draft.encode(self.target.decode(tokens, skip_special_tokens=True), add_special_tokens=False).ids
+
+    def context(self, tokens: list[int], room: int, limit: int | None) -> list[int] | None:
+        """The draft's tokens for this step, or None when it drafts nothing: an empty text, or one that with `room`
+        draft nodes no longer fits the draft model's `limit` positions (counted in its own tokens, which generate
+        cannot know up front: such a step decodes plainly, it is never refused or cut)."""
+        context = self.to_draft(tokens)
+        return context if context and (limit is None or len(context) + room + 1 <= limit) else None
+
+    def continuation(self, root: int, context: list[int], path: list[int]) -> list[int]:
+        """Target tokens for the text that draft tokens `path` add after the draft tokens `context`, continuing a
+        target text that ends with token `root`. [] when the path adds no whole character."""
+        before = self.draft.decode(context[-WINDOW:], skip_special_tokens=True)
+        text = self.draft.decode(context[-WINDOW:] + path, skip_special_tokens=True)
+        if not text.startswith(before):  # the path rewrote the decoded window (a decoder's cleanup): no guess
+            return []
+        new = text[len(before):].rstrip("\ufffd")  # a path may end inside a multi-byte character
+        if not new:
+            return []
+        anchored = self.target.encode(self.target.decode([root]) + new, add_special_tokens=False).ids
+        if anchored[:1] == [root]:
+            return anchored[1:]
+        return self.target.encode(new, add_special_tokens=False).ids
+
+    def target_tree(self, tokens: list[int], context: list[int], parents: list[int], draft_tokens: list[int],
+                    max_depth: int, max_nodes: int) -> tuple[list[int], list[int]]:
+        """A draft tree in draft tokens (parents, tokens; node 0 the root, `context` the draft's text so far) as a
+        tree in target tokens under the root tokens[-1]: every root-to-leaf path mapped (`continuation`), the
+        paths merged where they share a prefix, cut in BFS order to max_depth / max_nodes. (parents, tokens)."""
+        leaves = set(range(len(parents))) - set(parents)
+        trie = Trie(tokens[-1])
+        for leaf in sorted(leaves - {0}):
+            path, u = [], leaf
+            while u > 0:
+                path.append(draft_tokens[u])
+                u = parents[u]
+            trie.insert(self.continuation(tokens[-1], context, path[::-1]))
+        return trie.bfs(max_depth, max_nodes)
+
+
+def check_vocabulary(tokenizer, model_vocab: int, param: str, model: str) -> None:
+    """A tokenizer whose ids the model cannot embed is not that model's tokenizer."""
+    size = tokenizer.get_vocab_size()  # added tokens included
+    if size > model_vocab:
+        raise OptionError("drafter_options", f"{param} ({size} tokens)",
+                          f"the {model} model's vocabulary has {model_vocab} tokens: this is not its tokenizer",
+                          f"pass the {model} model's own tokenizer as {param}")

@@ -1,0 +1,208 @@
+"""Distil a small draft LM for a model on CPU (DistillSpec / FastDraft): `speccomp train-draft`.
+
+    draft_dir = speccomp.train_draft(model, prompts=[ids, ...], out="draft/", num_layers=2)
+    fast = speccomp.compile(model, drafter="draft_model")        # finds it in the user cache (or drafter_options path)
+
+The draft is the model's own architecture cut to `num_layers` decoder layers, initialised from the model's first
+layers and final norm, sharing (frozen) its token embedding and LM head: only the layers and the norm train, and only
+they are saved (draft.safetensors + config.json, a few MB), so a draft cannot drift from its model's vocabulary.
+
+Data and labels are train_heads' (speccomp/tuning/train_heads.py): the model's own greedy replies (plus `sampled`
+sampled ones) to the prompts, and at every position the model's greedy next token g_t, which is exactly what
+verification accepts. Loss: cross-entropy to g_t over the reply positions (and the last prompt position, which
+drafts the reply's first token). AdamW, linear decay, resumable from `out/_train/` like the heads.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from speccomp.errors import OptionError
+from speccomp.tuning.train_heads import _fit, _hidden_states, _open_run, _self_distill
+
+CONFIG = "config.json"
+WEIGHTS = "draft.safetensors"
+FORMAT = "speccomp-draft-model"
+
+
+def draft_architecture(model, num_layers: int):
+    """An untrained draft for `model` (a Hugging Face causal LM): its class and config with `num_layers` layers,
+    the first `num_layers` of its layers and its final norm copied, its embedding and LM head shared."""
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.num_hidden_layers = num_layers
+    if isinstance(getattr(config, "layer_types", None), list):  # per-layer attention kinds (sliding windows)
+        config.layer_types = config.layer_types[:num_layers]
+    draft = type(model)(config).eval()
+    state = {k: v for k, v in model.state_dict().items() if _own(k, num_layers)}
+    missing, _ = draft.load_state_dict(state, strict=False)
+    share(draft, model)
+    assert not [k for k in missing if _own(k, num_layers)], missing
+    return draft
+
+
+def _own(key: str, num_layers: int) -> bool:
+    """Whether state key `key` is a draft's own (trained, saved) weight: a kept layer's or the final norm's."""
+    parts = key.split(".")
+    if "layers" in parts:
+        return int(parts[parts.index("layers") + 1]) < num_layers
+    return "norm" in parts[-2] if len(parts) > 1 else False
+
+
+def share(draft, model) -> None:
+    """`draft` reads `model`'s token embedding and LM head (the same tensors, frozen)."""
+    draft.get_input_embeddings().weight = model.get_input_embeddings().weight
+    draft.get_output_embeddings().weight = model.get_output_embeddings().weight
+    for p in (draft.get_input_embeddings().weight, draft.get_output_embeddings().weight):
+        p.requires_grad_(False)
+
+
+def _trainable(draft) -> nn.Module:
+    """The draft's own weights as one module (what _fit trains and checkpoints): the base model's children but the
+    shared embedding (layers, final norm, rotary tables)."""
+    embedding = draft.get_input_embeddings()
+    return nn.ModuleDict({k: m for k, m in draft.base_model.named_children() if m is not embedding})
+
+
+def save_draft(draft, out: Path, model, num_layers: int, base_model: str = "") -> Path:
+    from safetensors.torch import save_file
+
+    from speccomp.models import fingerprint
+
+    own = {k: v.detach().contiguous() for k, v in draft.state_dict().items() if _own(k, num_layers)}
+    save_file(own, str(out / WEIGHTS))
+    (out / CONFIG).write_text(json.dumps({
+        "format": FORMAT, "num_layers": num_layers, "base_model_name_or_path": base_model,
+        "base_fingerprint": fingerprint(model), "shared": ["embedding", "lm_head"],
+        "config": draft.config.to_dict()}, indent=1, default=str) + "\n")
+    return out
+
+
+def train_draft(model, prompts, *, out, num_layers: int = 2, max_new_tokens: int = 128, epochs: int = 3,
+                lr: float = 3e-4, batch_size: int = 8, sampled: int = 1, temperature: float = 0.8, seed: int = 0,
+                eos_token_id=None, progress: bool = True, base_model: str = "") -> Path:
+    """Train a `num_layers`-layer draft for `model` on its own replies to `prompts` (token id tensors); save it to
+    `out` (a new directory or one this function wrote). Returns `out`."""
+    _check(model, prompts, num_layers, epochs=epochs, batch_size=batch_size, max_new_tokens=max_new_tokens, lr=lr)
+    out = check_draft_directory(out)
+    state = out / "_train"
+    state.mkdir(parents=True, exist_ok=True)
+    args = {"kind": "draft_model", "num_layers": num_layers, "max_new_tokens": max_new_tokens, "epochs": epochs,
+            "lr": lr, "batch_size": batch_size, "seed": seed, "prompts": len(prompts), "sampled": sampled,
+            "temperature": temperature, "weight_decay": 0.0}
+    done = _open_run(state, args)
+    seqs, starts = _self_distill(model, [p.reshape(-1) for p in prompts], max_new_tokens, eos_token_id, progress,
+                                 state, sampled, temperature, seed)
+    labels = [g for _, g, _ in _hidden_states(model, seqs, progress)]
+    draft = draft_architecture(model, num_layers)
+    order = torch.Generator().manual_seed(seed)
+    batches = [[[int(i) for i in chunk] for chunk in torch.randperm(len(seqs), generator=order).split(batch_size)]
+               for _ in range(epochs)]
+    loss_of = lambda batch: _loss(draft, [seqs[i] for i in batch], [labels[i] for i in batch],  # noqa: E731
+                                  [starts[i] for i in batch])
+    _fit(_trainable(draft), batches, loss_of, state=state, args=args, done=done, progress=progress, clip=True)
+    return save_draft(draft.eval(), out, model, num_layers, base_model)
+
+
+def _loss(draft, seqs, labels, starts) -> torch.Tensor:
+    """Cross-entropy of the draft's next-token logits to the model's greedy tokens over reply positions (right
+    padding; padded and prompt positions ignored)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    target = torch.full((len(seqs), width), -100, dtype=torch.long)
+    for i, (s, g, start) in enumerate(zip(seqs, labels, starts)):
+        ids[i, : len(s)], mask[i, : len(s)] = s, 1
+        target[i, start - 1 : len(s)] = g[start - 1 :]
+    logits = draft(input_ids=ids, attention_mask=mask).logits
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def draft_accuracy(draft, model, seqs, starts) -> float:
+    """How often the draft's greedy next token is the model's, over reply positions (teacher-forced)."""
+    right = total = 0
+    with torch.no_grad():
+        for s, start in zip(seqs, starts):
+            want = model(s[None]).logits[0, start - 1 :].argmax(-1)
+            got = draft(s[None]).logits[0, start - 1 :].argmax(-1)
+            right, total = right + int((want == got).sum()), total + len(want)
+    return right / max(total, 1)
+
+
+def _check(model, prompts, num_layers, **values) -> None:
+    """Refuse bad settings before minutes of work, naming the setting and the value."""
+    if not hasattr(model, "config") or not hasattr(model, "get_input_embeddings"):
+        raise ValueError(f"train_draft needs a Hugging Face causal LM (its config builds the draft), got "
+                         f"{type(model).__name__}")
+    layers = model.config.num_hidden_layers
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers < layers:
+        raise ValueError(f"num_layers must be an int in [1, {layers - 1}] (the model has {layers}), got {num_layers!r}")
+    for name, value in values.items():
+        if isinstance(value, bool) or not value > 0 or (name != "lr" and not isinstance(value, int)):
+            raise ValueError(f"{name} must be {'> 0' if name == 'lr' else 'an int >= 1'}, got {value!r}")
+    if not prompts:
+        raise ValueError("train_draft needs at least one prompt (token ids) to self-distill from")
+
+
+def check_draft_directory(directory) -> Path:
+    """A directory a draft may be written to: new, or one whose config.json (if any) is a draft's. Nothing else in
+    it is touched, so a project folder's own config.json is never overwritten."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise OptionError("out", str(directory), "exists and is not a directory", "choose a directory for the draft")
+    config = _read_config(directory / CONFIG) if (directory / CONFIG).exists() else {"format": FORMAT}
+    if config.get("format") != FORMAT:
+        raise OptionError("out", str(directory), "holds a config.json that is not a speccomp draft's; refusing to "
+                          "overwrite it", "choose a new directory for the draft")
+    return directory
+
+
+def _read_config(file: Path) -> dict:
+    try:
+        config = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError, OSError):
+        config = None
+    return config if isinstance(config, dict) else {}
+
+
+def drafts_dir(model) -> Path:
+    """Where `speccomp train-draft` stores the draft for `model` (the user cache)."""
+    from speccomp.models import cache_dir, fingerprint
+
+    return cache_dir() / "drafts" / fingerprint(model)
+
+
+def load_draft(model, path=None):
+    """The draft `train_draft` saved for `model` (at `path`, else the user cache, else the drafts shipped with speccomp),
+    rebuilt around the model's own embedding and LM head. Safetensors only: nothing is unpickled."""
+    from importlib import resources
+
+    from safetensors.torch import load_file
+
+    from speccomp.models import fingerprint
+
+    shipped = Path(str(resources.files("speccomp").joinpath(f"data/drafts/{fingerprint(model)}")))
+    candidates = [Path(path)] if path is not None else [drafts_dir(model), shipped]
+    found = next((c for c in candidates if (c / CONFIG).is_file()), None)
+    if found is None:
+        raise OptionError("drafter", "draft_model", f"no trained draft for this model in {[str(c) for c in candidates]}",
+                          "train one with `speccomp train-draft` (default model) or speccomp.train_draft(model, "
+                          "prompts, out=DIR), or pass drafter_options={'path': DIR}")
+    config = _read_config(found / CONFIG)
+    if config.get("format") != FORMAT or not isinstance(config.get("num_layers"), int):
+        raise OptionError("drafter_options", str(found), "is not a speccomp draft (config.json)", "pass a directory "
+                          "written by speccomp train-draft")
+    if config.get("base_fingerprint") != fingerprint(model):
+        raise OptionError("drafter_options", str(found), f"holds a draft trained for another model "
+                          f"({config.get('base_model_name_or_path') or config.get('base_fingerprint')})",
+                          "train a draft for this model with speccomp.train_draft")
+    draft = draft_architecture(model, config["num_layers"])
+    own = load_file(str(found / WEIGHTS))
+    _, unexpected = draft.load_state_dict(own, strict=False)
+    missing = sorted(k for k in draft.state_dict() if _own(k, config["num_layers"]) and k not in own)
+    if unexpected or missing:
+        raise OptionError("drafter_options", str(found), f"{WEIGHTS} does not fit the model (unexpected "
+                          f"{unexpected[:3]}, missing {missing[:3]})", "train the draft again for this model")
+    return draft.to(next(model.parameters()).dtype).eval()

@@ -1,0 +1,207 @@
+"""A draft model with a tokenizer of its own (speccomp/drafters/text_bridge.py, HF's universal assisted decoding): the
+text goes through both tokenizers, only the target's tokens are emitted, greedy output is HF's own, drafts are really
+accepted where the draft agrees with the target. The second tokenizers are built here with the `tokenizers` library
+on the repository's own text (tests/data/long_text.txt)."""
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers.implementations import ByteLevelBPETokenizer
+
+import speccomp
+from speccomp.drafters.draft_model import CrossTokenizerDrafter
+from speccomp.drafters.text_bridge import TextBridge
+from speccomp.engine.runtime import EngineError
+from speccomp.errors import OptionError, OptionTypeError
+from tiny_models import seeded_prompt, tiny_llama
+
+TEXT = (Path(__file__).parent / "data" / "long_text.txt").read_text()
+VOCAB = 96  # tiny_llama's
+
+
+def word_tokenizer(permutation=None) -> Tokenizer:
+    """Whole lowercase words of TEXT, one token each ([UNK] = 0): decoding joins words with spaces and encoding that
+    text gives the same ids back. `permutation`: the same words under other ids (another tokenizer of the same text)."""
+    words = list(dict.fromkeys(re.findall(r"[a-z]+", TEXT.lower())))[: VOCAB - 1]
+    ids = list(range(1, VOCAB)) if permutation is None else permutation
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i for w, i in zip(words, ids)}}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok
+
+
+def byte_bpe(vocab_size: int) -> Tokenizer:
+    """A byte-level BPE trained on TEXT: cuts the same text into quite different pieces than word_tokenizer."""
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator([TEXT], vocab_size=vocab_size, min_frequency=2, show_progress=False)
+    return Tokenizer.from_str(tok._tokenizer.to_str())
+
+
+def permuted_copy(model, perm: list[int]):
+    """`model` reading and writing token perm[i] where it read and wrote token i (embedding and LM head rows)."""
+    draft = copy.deepcopy(model)
+    index = torch.empty(len(perm), dtype=torch.long)
+    index[torch.tensor(perm)] = torch.arange(len(perm))  # new row perm[i] = old row i
+    with torch.no_grad():
+        for weight in {id(w): w for w in (draft.get_input_embeddings().weight, draft.get_output_embeddings().weight)
+                       }.values():
+            weight.copy_(weight[index])
+    return draft
+
+
+def hf_greedy(model, ids, n, eos=None):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          pad_token_id=0, eos_token_id=eos)
+
+
+def shuffled(n: int, seed: int, keep: int = 1) -> list[int]:
+    """0..n-1 with every id from `keep` on shuffled (ids below `keep`, e.g. [UNK] or special tokens, stay)."""
+    rest = torch.randperm(n - keep, generator=torch.Generator().manual_seed(seed)) + keep
+    return list(range(keep)) + rest.tolist()
+
+
+def test_the_bridge_maps_text_not_ids():
+    """Two tokenizers of one text: the draft's prompt is the same text in its ids; a draft path comes back as the
+    target's ids of the text it adds (here each word one token on both sides, under different ids)."""
+    target, draft = word_tokenizer(), word_tokenizer(shuffled(VOCAB, 3)[1:])
+    bridge = TextBridge(target, draft)
+    words = target.encode("the lamp still turns").ids
+    assert len(words) == 4 and 0 not in words
+    context = bridge.to_draft(words[:2])
+    assert context == draft.encode("the lamp").ids != words[:2]
+    path = draft.encode("still turns").ids
+    assert bridge.continuation(words[1], context, path) == words[2:]
+    parents, tokens = bridge.target_tree(words[:2], context, [-1, 0, 1, 0], [context[-1]] + path + path[:1], 8, 8)
+    assert (parents, tokens) == ([-1, 0, 1], words[1:])  # the leaf "still" is a prefix of "still turns": merged
+
+
+@pytest.mark.parametrize("tree", [4, "dynamic:8:2"])
+def test_the_target_under_other_token_ids_drafts_and_is_exact(tree):
+    """The draft is the target itself reading another tokenizer's ids for the same words: its drafts, carried over
+    as text, are the target's own next words, so they are accepted; the output is HF greedy's."""
+    target = tiny_llama(initializer_range=0.2)
+    perm = shuffled(VOCAB, 5)
+    fast = speccomp.compile(target, drafter=permuted_copy(target, perm), tree=tree, drafter_options={
+        "target_tokenizer": word_tokenizer(), "draft_tokenizer": word_tokenizer(perm[1:])})
+    assert isinstance(fast.drafter, CrossTokenizerDrafter)
+    ids = seeded_prompt(10, VOCAB)
+    assert torch.equal(fast.generate(ids, max_new_tokens=40), hf_greedy(target, ids, 40))
+    stats = fast.last_stats
+    assert stats["tau"] > 2 and stats["acceptance_by_depth"][0] > 0.8, stats
+
+
+def test_a_draft_that_cuts_text_differently_is_exact():
+    """Target: whole words over 96 ids; draft: a byte-level BPE of 300 ids (another vocabulary size, other pieces)
+    and random weights: it drafts (trees of target ids reach the verifier) and the output is HF greedy's, greedy and
+    with a chain, in one generation and in a batch of two."""
+    target = tiny_llama(initializer_range=0.2)
+    fast = speccomp.compile(target, drafter=tiny_llama(vocab_size=300), tree=3, drafter_options={
+        "target_tokenizer": word_tokenizer(), "draft_tokenizer": byte_bpe(300)})
+    drafted = []
+    propose = fast.drafter.propose
+    fast.drafter.propose = lambda ctx: drafted.append(propose(ctx)) or drafted[-1]
+    ids = seeded_prompt(12, VOCAB)
+    assert torch.equal(fast.generate(ids, max_new_tokens=24), hf_greedy(target, ids, 24))
+    assert max(d.tree.size for d in drafted) > 1  # drafts were made and verified, in target ids
+    batch = torch.cat([ids, seeded_prompt(12, VOCAB).flip(1)])
+    out = fast.generate(batch, max_new_tokens=16)
+    for row in range(2):
+        assert torch.equal(out[row : row + 1], hf_greedy(target, batch[row : row + 1], 16))
+
+
+def test_an_engine_carries_both_tokenizers(tmp_path):
+    """Exported (ONNX Runtime), the engine drafts through the same text bridge with the two tokenizers it wrote beside
+    draft_model.onnx: HF greedy's output in as many steps as torch's; a lost tokenizer file is named at load."""
+    import numpy as np
+
+    target = tiny_llama(initializer_range=0.2)
+    perm = shuffled(VOCAB, 5)
+    fast = speccomp.compile(target, drafter=permuted_copy(target, perm), tree=[[0], [0, 0], [0, 0, 0], [1]],
+                            backend="onnxruntime", drafter_options={"target_tokenizer": word_tokenizer(),
+                                                                    "draft_tokenizer": word_tokenizer(perm[1:])})
+    path = fast.export(tmp_path / "engine")
+    engine = speccomp.load(path)
+    files = engine.manifest["drafter"]["options"]["tokenizers"]
+    assert all((path / f).is_file() for f in files.values())
+    ids = seeded_prompt(11, VOCAB)
+    want = hf_greedy(target, ids, 32)
+    assert torch.equal(fast.generate(ids, max_new_tokens=32), want)
+    assert np.array_equal(engine.generate(ids.numpy(), max_new_tokens=32), want.numpy())
+    assert engine.last_stats["steps"] == fast.last_stats["steps"] < 20  # the same drafts, really accepted
+    (path / files["draft"]).unlink()
+    with pytest.raises(EngineError, match="draft tokenizer .* is missing"):
+        speccomp.load(path)
+
+
+def test_sampling_with_another_tokenizer_keeps_the_targets_distribution():
+    """Its drafts are point masses (q = 1): sampling accepts by the target's p alone. One seeded token sampled many
+    times through speculative steps matches the target's softmax (chi-square), as test_sampling does for q = 1."""
+    from scipy.stats import chisquare
+
+    target = tiny_llama(initializer_range=0.2)
+    perm = shuffled(VOCAB, 5)
+    fast = speccomp.compile(target, drafter=permuted_copy(target, perm), tree=3, drafter_options={
+        "target_tokenizer": word_tokenizer(), "draft_tokenizer": word_tokenizer(perm[1:])})
+    ids = seeded_prompt(10, VOCAB)
+    with torch.no_grad():
+        p = torch.softmax(target(ids).logits[0, -1].double() / 0.7, -1)
+    # the second token's distribution depends on the first: count (first token) only, over 400 seeded generations
+    counts = torch.zeros(VOCAB, dtype=torch.long)
+    for seed in range(400):
+        out = fast.generate(ids, max_new_tokens=3, do_sample=True, temperature=0.7, seed=seed)
+        counts[out[0, ids.shape[1]]] += 1
+    likely = p * 400 >= 5
+    observed = torch.cat([counts[likely], counts[~likely].sum()[None]]).double()
+    expected = torch.cat([p[likely], p[~likely].sum()[None]]) * 400
+    assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_bad_tokenizer_options_are_refused_by_name():
+    target, other = tiny_llama(), tiny_llama(vocab_size=300)
+    with pytest.raises(OptionError, match="draft_tokenizer"):  # another vocabulary, no tokenizers: the fix is named
+        speccomp.compile(target, drafter=other)
+    with pytest.raises(OptionError, match="needs both"):
+        speccomp.compile(target, drafter=other, drafter_options={"draft_tokenizer": byte_bpe(300)})
+    with pytest.raises(OptionError, match="exit_layer"):
+        speccomp.compile(target, drafter=other, drafter_options={"exit_layer": 1})
+    with pytest.raises(OptionTypeError, match="target_tokenizer"):
+        speccomp.check_options(drafter=other, drafter_options={"draft_tokenizer": byte_bpe(300),
+                                                               "target_tokenizer": "gpt2"})
+    with pytest.raises(OptionError, match="not its tokenizer"):  # 300 ids do not fit a 96-token target
+        speccomp.compile(target, drafter=other, drafter_options={"draft_tokenizer": byte_bpe(300),
+                                                                 "target_tokenizer": byte_bpe(300)})
+
+
+def smollm_with_fewer_merges(tokenizer, merges: int, seed: int) -> tuple[Tokenizer, list[int]]:
+    """SmolLM2's byte-level BPE with only its first `merges` merges (words cut into more, shorter pieces) and its
+    non-special ids shuffled: a tokenizer that shares no ids' meaning and few segmentations with the original."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    keep = 1 + max(t["id"] for t in spec["added_tokens"])  # special tokens keep their ids
+    perm = shuffled(len(spec["model"]["vocab"]), seed, keep)
+    spec["model"]["vocab"] = {t: perm[i] for t, i in spec["model"]["vocab"].items()}
+    spec["model"]["merges"] = spec["model"]["merges"][:merges]
+    return Tokenizer.from_str(json.dumps(spec)), perm
+
+
+@pytest.mark.real_model
+def test_smollm2_with_a_differently_tokenized_draft(smollm, two_threads):
+    """Real text: SmolLM2 drafts for itself through a tokenizer with a fifth of its merges and shuffled ids (its
+    embedding rows shuffled to match). Words split differently, ids mean different things: the drafts that survive
+    the round trip through text are accepted, and the reply is HF greedy's."""
+    model, tok = smollm
+    draft_tok, perm = smollm_with_fewer_merges(tok, 10_000, seed=7)
+    fast = speccomp.compile(model, drafter=permuted_copy(model, perm), tree=4, drafter_options={
+        "target_tokenizer": tok, "draft_tokenizer": draft_tok})
+    text = "The lighthouse on the northern edge of the island"
+    assert len(draft_tok.encode(text).ids) > len(tok.encode(text))  # it really cuts text into more pieces
+    ids = tok.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow."}],
+                                  add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
+    out = fast.generate(ids, max_new_tokens=40, eos_token_id=tok.eos_token_id)
+    assert torch.equal(out, hf_greedy(model, ids, 40, eos=tok.eos_token_id))
+    assert fast.last_stats["acceptance_by_depth"][0] > 0.3 and fast.last_stats["tau"] > 1.5, fast.last_stats
