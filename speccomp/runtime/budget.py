@@ -9,7 +9,9 @@ for goodput, tokens gained per second (SmartSpec), allocating nodes across rows 
     gain  = sum over rows of E_r[tokens | cap_r]     cap_r: row r verifies at most the first cap_r nodes of its tree
     cost  = t(nodes of all rows + joining prompts)   t: the measured step-cost curve (StepCosts)
 
-E_r[tokens | c] comes from row r's recent accepted paths: a tree lists parents before children, so its first c nodes
+E_r[tokens | c] comes from row r's recent accepted paths (shrunk toward "no draft accepted" by PRIOR pseudo-records,
+and a node is bought only where it raises the predicted goodput by more than MARGIN: measured, raw means over a few
+lucky records bought nodes that did not pay, benchmarks/README.md "Batches"): a tree lists parents before children, so its first c nodes
 form a tree and a path would have been accepted exactly up to its first node with index >= c; a record of a tree of
 n nodes predicts every c <= n. Rows start at cap 1 (plain decoding, E = 1 exactly) and a greedy loop raises the cap of
 whichever row improves gain / cost most, while one does. With few records of its own a row borrows the batch's. A row
@@ -35,6 +37,8 @@ CAPS = (1, 2, 4, 8, 16, 32, 64)  # the caps a row may get (the model's max_tree 
 HISTORY = 32  # accepted paths remembered per row
 MIN_OWN = 4  # records a row needs before its own estimate is used (else the batch's pooled records)
 MAX_BACKOFF = 64  # steps a row waits at most between looks after its looks kept finding its drafts rejected
+MARGIN = 0.03  # a node is bought only where it raises the predicted goodput by more than this: estimates are noisy
+PRIOR = 4  # pseudo-records of a step that accepted no draft, added to every estimate (Budget.expected)
 LOOK_COST = 0.02  # a row whose records can tell still looks one cap up when that makes the step at most 2% dearer
 
 
@@ -138,7 +142,9 @@ class Budget:
         k = self.caps.index(cap)
         own = self._totals.get(rid)
         tokens, records = own[k] if own is not None and own[k][1] >= MIN_OWN else self._totals[None][k]
-        return tokens / records if records else None
+        # shrunk toward "no draft accepted" (PRIOR pseudo-records of 1 token): a cap chosen on a few lucky records
+        # keeps producing records at that cap, so raw means over few records overpay (benchmarks/README.md, batches)
+        return (tokens + PRIOR) / (records + PRIOR) if records else None
 
     def caps_for(self, rids: list[int], extra_q: int = 0) -> dict[int, int]:
         """Each row's cap this step; `extra_q`: tokens of joining prompts riding in the same forward."""
@@ -157,7 +163,7 @@ class Budget:
                     continue
                 dq = nxt - self.caps[level[r]]
                 score = (total - gains[r] + e) / self.costs(q + dq)
-                if score > best and (pick is None or score > pick[0]):
+                if score > best * (1 + MARGIN) and (pick is None or score > pick[0]):
                     pick = (score, r, e, dq)
             if pick is None:
                 break

@@ -75,7 +75,7 @@ def save_draft(draft, out: Path, model, num_layers: int, base_model: str = "") -
     save_file(own, str(out / WEIGHTS))
     (out / CONFIG).write_text(json.dumps({
         "format": FORMAT, "num_layers": num_layers, "base_model_name_or_path": base_model,
-        "base_fingerprint": fingerprint(model), "shared": ["embedding", "lm_head"],
+        "base_fingerprint": fingerprint(model), "reads_from_the_model": ["embedding", "lm_head"],
         "config": draft.config.to_dict()}, indent=1, default=str) + "\n")
     return out
 
