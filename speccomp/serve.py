@@ -213,18 +213,15 @@ def make_app(engine, max_batch: int = 8, kv_slots: int = 8192, name: str | None 
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "speccomp"}]}
 
-    async def run(request: Request, ids: list[int], body: dict, chat: bool, default_max_tokens):
-        return await _respond(scheduler, engine, model_name, request, ids, body, chat, default_max_tokens)
-
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _body(request)
-        return await run(request, _prompt_ids(engine, body), body, False, 16)
+        return await _respond(scheduler, engine, model_name, request, _prompt_ids(engine, body), body, False, 16)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _body(request)
-        return await run(request, _message_ids(engine, body), body, True, 256)
+        return await _respond(scheduler, engine, model_name, request, _message_ids(engine, body), body, True, 256)
 
     return app
 

@@ -51,14 +51,21 @@ class TextBridge:
     def continuation(self, root: int, context: list[int], path: list[int]) -> list[int]:
         """Target tokens for the text that draft tokens `path` add after the draft tokens `context`, continuing a
         target text that ends with token `root`. [] when the path adds no whole character."""
-        before = self.draft.decode(context[-WINDOW:], skip_special_tokens=True)
-        text = self.draft.decode(context[-WINDOW:] + path, skip_special_tokens=True)
+        return self._mapped(*self._anchors(root, context), path)
+
+    def _anchors(self, root: int, context: list[int]) -> tuple:
+        """What every path of one step is decoded and encoded after (computed once a step, not once a path)."""
+        window = context[-WINDOW:]
+        return root, self.target.decode([root]), window, self.draft.decode(window, skip_special_tokens=True)
+
+    def _mapped(self, root: int, root_text: str, window: list[int], before: str, path: list[int]) -> list[int]:
+        text = self.draft.decode(window + path, skip_special_tokens=True)
         if not text.startswith(before):  # the path rewrote the decoded window (a decoder's cleanup): no guess
             return []
         new = text[len(before):].rstrip("\ufffd")  # a path may end inside a multi-byte character
         if not new:
             return []
-        anchored = self.target.encode(self.target.decode([root]) + new, add_special_tokens=False).ids
+        anchored = self.target.encode(root_text + new, add_special_tokens=False).ids
         if anchored[:1] == [root]:
             return anchored[1:]
         return self.target.encode(new, add_special_tokens=False).ids
@@ -69,13 +76,13 @@ class TextBridge:
         tree in target tokens under the root tokens[-1]: every root-to-leaf path mapped (`continuation`), the
         paths merged where they share a prefix, cut in BFS order to max_depth / max_nodes. (parents, tokens)."""
         leaves = set(range(len(parents))) - set(parents)
-        trie = Trie(tokens[-1])
+        trie, anchors = Trie(tokens[-1]), self._anchors(tokens[-1], context)
         for leaf in sorted(leaves - {0}):
             path, u = [], leaf
             while u > 0:
                 path.append(draft_tokens[u])
                 u = parents[u]
-            trie.insert(self.continuation(tokens[-1], context, path[::-1]))
+            trie.insert(self._mapped(*anchors, path[::-1]))
         return trie.bfs(max_depth, max_nodes)
 
 
