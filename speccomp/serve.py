@@ -145,6 +145,8 @@ class Scheduler:
             ("requests_refused_total", "counter", "requests answered 4xx", c["refused"]),
             ("tokens_generated_total", "counter", "tokens generated", c["tokens"]),
             ("forwards_total", "counter", "target forwards (one per batch step)", c["forwards"]),
+            ("row_steps_total", "counter", "rows summed over forwards (/ forwards_total: the mean batch size)",
+             c["row_steps"]),
             ("tokens_per_row_step", "gauge", "tokens a row gained per step it took part in (speculation's tau)",
              c["tokens"] / c["row_steps"] if c["row_steps"] else 0.0),
             ("tokens_per_second", "gauge", "tokens generated per second over the last 10 s", tps),

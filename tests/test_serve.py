@@ -96,8 +96,13 @@ def test_concurrent_requests_batch_and_each_gets_its_own_greedy_text(server, mod
     tokens = sum(len(a["choices"][0]["token_ids"]) for a in answers)
     assert after["requests_total"] - before["requests_total"] == len(prompts)
     assert after["tokens_generated_total"] - before["tokens_generated_total"] == tokens
-    # rows shared forwards (a batch of up to 4): far fewer forwards than tokens
-    assert after["forwards_total"] - before["forwards_total"] < tokens / 2
+    # rows shared forwards (a batch of up to 4): some forward carried several rows, so there were fewer forwards than
+    # row steps, and fewer than tokens. How many rows overlap depends on when the threads' requests arrive (a slow
+    # machine staggers them), so the test asserts that they did share, not by how much.
+    forwards = after["forwards_total"] - before["forwards_total"]
+    row_steps = after["row_steps_total"] - before["row_steps_total"]
+    assert forwards < row_steps and forwards < tokens
+    assert row_steps / forwards <= 4  # --max-batch
     assert after["running_requests"] == after["waiting_requests"] == 0
 
 

@@ -14,19 +14,29 @@ and a node is bought only where it raises the predicted goodput by more than MAR
 lucky records bought nodes that did not pay, benchmarks/README.md "Batches"): a tree lists parents before children, so its first c nodes
 form a tree and a path would have been accepted exactly up to its first node with index >= c; a record of a tree of
 n nodes predicts every c <= n. Rows start at cap 1 (plain decoding, E = 1 exactly) and a greedy loop raises the cap of
-whichever row improves gain / cost most, while one does. With few records of its own a row borrows the batch's. A row
-with fewer than MIN_OWN recent records at one cap above its choice verifies that cap instead (one such row a step, in
-turn), so the histories keep showing what a bigger tree would gain without paying for a look every step; where a look
-makes the step at most LOOK_COST dearer (big batches, GPUs), rows look in turn every step. A look whose draft was
-rejected doubles the steps the row waits before its next look (up to MAX_BACKOFF; an accepted draft resets it), so a
-drafter that does not pay in this batch costs next to nothing. A cap of 1 asks the drafter for nothing.
+whichever row improves gain / cost most, while one does.
 
-A row at cap 1 that may not look this step (it backs off, or its records already tell that a tree does not pay here
-and looks are dear) has its drafter switched off (`idle`): nothing is asked of it, and the runtimes skip its per-step
-upkeep too where the drafter declares that this costs acceptance only (`Drafter.observe_optional`: Token Recycling's
-top-k over the vocabulary and table update, an engine's in-graph top-k of the row's node). A profile found that upkeep,
-paid by every row every step, behind load-aware batches running at 0.92-0.94x of plain batched decoding while they
-hardly drafted. A row that may look keeps its drafter learning, so that its look finds what the text suggests.
+Estimates need records at bigger caps, so rows look: one row a step, in turn, verifies the cap one above its choice
+(rows with fewer than MIN_OWN recent records at that cap first). Looks are paid from a ledger, so that exploring can
+never make a batch much slower than plain decoding (benchmarks/README.md "Batches"):
+
+    ledger += LOOK_SHARE * t(q) every step     q: the step's nodes without the look
+    ledger -= t(q + look's nodes) - t(q)       for a look, taken only while the ledger is not in debt
+    ledger += the tokens the look gained over its row's choice, each at what a row costs a step: t(q) - t(q - 1)
+
+(a token gained saves its row one step; in a batch that waits for its last row, that is the row's share of a forward,
+not the step's mean price per token, which is what it is worth only where a queued request takes the freed place), so
+looks cost at most LOOK_SHARE of the time plus one look beyond what they bring back; where they pay (one sequence,
+cheap nodes) they fund themselves and happen every step. A look whose drafter offered fewer nodes is refunded the rest
+(an empty Token Recycling table drafts nothing; that is no evidence and costs nothing). A look whose draft was
+rejected also doubles the steps its row waits before its next look (up to MAX_BACKOFF; an accepted draft resets it).
+A cap of 1 asks the drafter for nothing.
+
+A row at cap 1 (not looking this step) has its drafter switched off (`idle`): nothing is asked of it, and the runtimes
+skip its per-step upkeep too where the drafter declares that this costs acceptance only (`Drafter.observe_optional`:
+Token Recycling's top-k over the vocabulary and table update, an engine's in-graph top-k of the row's node). Measured
+(B = 8, 64 tokens, cProfile): keeping the drafters of every row that might look next learning cost ~3% of the batch's
+time, ten times the looks' own nodes; a row learns from the nodes it verifies when it does look.
 """
 from __future__ import annotations
 
@@ -39,7 +49,7 @@ MIN_OWN = 4  # records a row needs before its own estimate is used (else the bat
 MAX_BACKOFF = 64  # steps a row waits at most between looks after its looks kept finding its drafts rejected
 MARGIN = 0.03  # a node is bought only where it raises the predicted goodput by more than this: estimates are noisy
 PRIOR = 4  # pseudo-records of a step that accepted no draft, added to every estimate (Budget.expected)
-LOOK_COST = 0.02  # a row whose records can tell still looks one cap up when that makes the step at most 2% dearer
+LOOK_SHARE = 0.01  # looks may cost this share of the batch's step time, plus what they gain (the ledger above)
 
 
 class StepCosts:
@@ -52,6 +62,7 @@ class StepCosts:
 
     def __init__(self, run, repeats: int = 5, warmup: int = 2):
         self.run, self.repeats, self.warmup, self.measured = run, repeats, warmup, {}
+        self._curve: dict[int, float] = {}  # q -> the interpolated, monotone t(q): asked for every step
 
     def _at(self, q: int) -> float:
         if q not in self.measured:
@@ -67,12 +78,11 @@ class StepCosts:
 
     def __call__(self, q: int) -> float:
         q = max(1, int(q))
-        lo = min(1 << (q.bit_length() - 1), self.MAX_Q // 2)  # the power of two at or below q
-        if lo == q:
-            return self._at(q)
-        hi = lo * 2
-        a, b = self._at(lo), self._at(hi)
-        return a + (b - a) * (q - lo) / (hi - lo)
+        if q not in self._curve:
+            lo = min(1 << (q.bit_length() - 1), self.MAX_Q // 2)  # the power of two at or below q
+            a = self._at(lo)
+            self._curve[q] = a if lo == q else a + (self._at(lo * 2) - a) * (q - lo) / lo
+        return self._curve[q]
 
 
 class FixedCosts:
@@ -100,6 +110,8 @@ class Budget:
         self._totals: dict = {None: [[0, 0] for _ in self.caps]}
         self._turn = 0
         self._looking: dict[int, int] = {}  # row id -> the cap it is looking at this step (above its choice)
+        self.ledger = 0.0  # seconds looks may still spend (module docstring); below 0: in debt, no look
+        self._look: tuple = ()  # this step's look: (row, its chosen cap, its nodes, the step's q without it, s/token)
         self._wait: dict[int, tuple[int, int]] = {}  # row id -> (steps before it may look again, its current backoff)
         self.idle: set[int] = set()  # rows whose drafter is switched off this step (set by caps_for)
 
@@ -122,14 +134,22 @@ class Budget:
             self._count(rid, history[0], -1)  # the oldest record leaves
         history.append((tuple(path[1:]), nodes))
         self._count(rid, history[-1], +1)
-        if self._looking.pop(rid, None) is not None and nodes > 1:  # a look that found no draft says nothing
-            _, backoff = self._wait.get(rid, (0, 1))
-            paid = len(path) > 1  # a draft was accepted: look again as soon as records allow
-            backoff = 1 if paid else min(2 * backoff, MAX_BACKOFF)
-            self._wait[rid] = (0 if paid else backoff, backoff)
+        if self._looking.pop(rid, None) is not None and self._look and self._look[0] == rid:
+            _, chosen, extra, q, per_token = self._look
+            # refund what the look did not use (its drafter offered fewer nodes), credit what it gained
+            self.ledger += self.costs(q + extra) - self.costs(q + max(0, nodes - chosen))
+            self.ledger += (_gained(path[1:], nodes) - _gained(path[1:], chosen)) * per_token
+            self._look = ()
+            if nodes > chosen:  # a look that found no draft says nothing
+                _, backoff = self._wait.get(rid, (0, 1))
+                paid = len(path) > 1  # a draft was accepted: look again as soon as records allow
+                backoff = 1 if paid else min(2 * backoff, MAX_BACKOFF)
+                self._wait[rid] = (0 if paid else backoff, backoff)
 
     def forget(self, rid: int) -> None:
         self._looking.pop(rid, None)
+        if self._look and self._look[0] == rid:
+            self._look = ()
         self._wait.pop(rid, None)
         for record in self.history.pop(rid, ()):
             self._count(rid, record, -1)
@@ -175,24 +195,22 @@ class Budget:
             wait, backoff = self._wait.get(r, (0, 1))
             self._wait[r] = (max(0, wait - 1), backoff)
         can = [r for r in rids if level[r] + 1 < len(self.caps) and self._wait[r][0] == 0]
-        curious = [r for r in can if self._unseen(r, self.caps[level[r] + 1])]
-        if not curious and can:  # every row's records can tell: look anyway where a look costs next to nothing
-            r = can[self._turn % len(can)]
-            look = self.costs(q + self.caps[level[r] + 1] - self.caps[level[r]])
-            curious = can if look <= (1 + LOOK_COST) * self.costs(q) else []
-        if curious:  # one row a step, in turn, verifies the next cap up
+        curious = [r for r in can if self._unseen(r, self.caps[level[r] + 1])] or can
+        step = self.costs(q)
+        self.ledger = min(self.ledger + LOOK_SHARE * step, step)  # not hoarded past one step's time
+        if curious and self.ledger >= 0:  # one row a step, in turn, verifies the next cap up (module docstring)
             r = curious[self._turn % len(curious)]
             self._turn += 1
+            chosen = self.caps[level[r]]
             caps[r] = self._looking[r] = self.caps[level[r] + 1]
-        # switched off: verifying the root alone and not among the rows that may look (backing off after rejected
-        # looks, or its records already tell that a tree does not pay here); its upkeep may be skipped (docstring)
-        looks = set(curious)
-        self.idle = {r for r in rids if caps[r] == 1 and r not in looks}
+            self.ledger -= self.costs(q + caps[r] - chosen) - step
+            self._look = (r, chosen, caps[r] - chosen, q, step - (self.costs(q - 1) if q > 1 else 0.0))
+        # switched off: verifying the root alone (a looking row verifies more); its upkeep may be skipped (docstring)
+        self.idle = {r for r in rids if caps[r] == 1}
         return caps
 
     def _unseen(self, rid: int, cap: int) -> bool:
         """Row `rid` has fewer than MIN_OWN recent records that ran at `cap` or above (so its estimate at `cap` is
-        borrowed, stale or missing). Once it has them it does not explore again until they age out of its HISTORY:
-        exploring costs a bigger forward and a draft, so it happens about MIN_OWN / HISTORY of the steps at most."""
+        borrowed, stale or missing): such rows look before rows whose records can tell."""
         own = self._totals.get(rid)
         return own is None or own[self.caps.index(cap)][1] < MIN_OWN
