@@ -130,6 +130,20 @@ def test_train_draft_distils_a_draft_that_compile_finds_by_name(tmp_path):
     ids = prompts[0][None]
     assert torch.equal(fast.generate(ids, max_new_tokens=32), hf_greedy(target, ids, 32))
     assert fast.last_stats["acceptance_by_depth"][0] > 0.3, fast.last_stats
+    # merged with a text drafter (its tree and Token Recycling's verified as one), either order
+    for name in ("draft_model+token_recycling", "token_recycling+draft_model"):
+        merged = speccomp.compile(target, drafter=name, drafter_options={"draft_model": {"path": str(out)}})
+        assert torch.equal(merged.generate(ids, max_new_tokens=32), hf_greedy(target, ids, 32)), name
+        assert merged.last_stats["tau"] > 1.5, (name, merged.last_stats)
+    # autotuned like any graph drafter (its draft forward timed per width over its own cache); autotune decodes every
+    # configuration it measures and raises where one differs from plain greedy decoding
+    from speccomp.tuning.autotune import autotune
+
+    tuned = autotune(target, "draft_model", prompts[:6], drafter_options={"path": str(out)}, save=False,
+                     max_new_tokens=24, repeats=1, max_nodes=8)
+    assert tuned.timing["widths"] and all(s > 0 for s in tuned.timing["draft_s"])
+    fast = speccomp.compile(target, drafter="draft_model", drafter_options={"path": str(out)}, tree=tuned.tree)
+    assert torch.equal(fast.generate(ids, max_new_tokens=32), hf_greedy(target, ids, 32))
     with pytest.raises(OptionError, match="trained for another model"):
         speccomp.load_draft(tiny_llama(num_hidden_layers=4), out)
     with pytest.raises(OptionError, match="no trained draft"):

@@ -93,6 +93,19 @@ class DraftModelDrafter(Drafter):
         self.cache.data[..., past : past + k, :] = outs[1]
         return outs[0][0]
 
+    def level_forward(self, cache, base: int, tokens) -> None:
+        """One draft level, as autotune's time_steps times it per width: `tokens`, children of a root at `base`, scored
+        over `base` + 1 slots of the draft's own cache (`cache`, the target's, is not its; what the slots hold does not
+        change a timing, so a fresh buffer's zeros serve)."""
+        k = len(tokens)
+        if self.cache is None:
+            self.begin([])
+        self._reserve(base + 1 + k)
+        rows = torch.cat([torch.ones(k, 1, dtype=torch.bool), torch.eye(k, dtype=torch.bool)], 1)  # root + itself
+        self._run([int(t) for t in tokens], torch.full((k,), base + 1, device=self.device), base + 1,
+                  rows.to(self.device))
+        self.cached = []  # its cache no longer holds a text: the next propose starts from scratch
+
     def propose(self, ctx: DraftContext) -> Draft:
         ctx = dataclasses.replace(ctx, max_nodes=min(ctx.max_nodes, self.max_nodes))
         tokens = ctx.tokens

@@ -48,6 +48,11 @@ class GraphDrafter(Drafter):
         """Logits [k, V] of `tokens` (all at `depth`) after the prefix and the `used` scratch slots."""
         return self._run(cache, base, used, tokens, base + depth, mask)[0][0]
 
+    def level_forward(self, cache, base: int, tokens) -> None:
+        """One draft level: `tokens` scored together after `base` cached tokens of the target's `cache` (what
+        autotune's time_steps times per width; DraftModelDrafter has the same method over its own cache)."""
+        self._forward(cache, base, 0, tokens, 0, torch.eye(len(tokens), dtype=torch.bool))
+
     def propose(self, ctx: DraftContext) -> Draft:
         cache, base, slot = ctx.cache, ctx.cache.length, {}  # slot: candidate -> its scratch slot past `base`
 

@@ -424,7 +424,7 @@ def time_steps(sm, prompts, *, context_len: int, sizes, widths=(), repeats: int 
             path, _ = greedy_accept(tree, tokens[:n], outs[0][0].argmax(-1))
             cache.append(outs[1], keep=torch.tensor(path))
         else:
-            drafter._forward(cache, base, 0, tokens[:n], 0, torch.eye(n, dtype=torch.bool))
+            drafter.level_forward(cache, base, tokens[:n])
         seconds = time.perf_counter() - start
         cache.length = base
         return seconds
