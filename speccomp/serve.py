@@ -108,6 +108,8 @@ class Scheduler:
                 if self.stopped:
                     return
                 self._admit()
+                if self.batch.budget is not None:  # a freed place is taken at once: tokens at the mean price
+                    self.batch.budget.queued = bool(self.waiting)
             try:
                 emitted = self.batch.step()
             except Exception as exc:  # a failing step fails the rows in it, not the server

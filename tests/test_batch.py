@@ -225,6 +225,7 @@ def test_budget_gives_nodes_where_they_pay():
         return b
 
     cheap = budget(0.001)
+    cheap.queued = True  # requests wait for a place: every token counts (goodput); see the next test otherwise
     for _ in range(2):
         caps = cheap.caps_for([0, 1])
         assert caps[0] >= 16 and caps[1] <= 2
@@ -243,6 +244,27 @@ def test_budget_gives_nodes_where_they_pay():
     assert any(idle == {0, 1, 2} for idle in idles)  # while no look is affordable every drafter is off
     # a look (10) costs a third of the step (t(3) = 31): the 1% share pays for one every ~32 steps
     assert 1 < sum(map(len, looks)) <= 1 + 2 * HISTORY * 0.01 * 31 / 10
+
+
+def test_a_batch_with_nothing_waiting_raises_its_slowest_rows():
+    """Nothing queued: the batch runs until its slowest row is done, so a tree pays only where it shortens that row.
+    Cheap nodes: rows that both accept drafts get big caps together; a row whose drafts are never accepted holds the
+    batch, so neither gets a tree; a row with few tokens left does not hold it, so the other gets its tree alone."""
+    from speccomp.runtime.budget import Budget, FixedCosts
+
+    def chosen(accepting, remaining=None):
+        b = Budget(FixedCosts(1.0, 0.001), max_nodes=64)
+        for i in range(8):
+            for r in (0, 1):
+                b.record(r, [0, 1, 3, 7, 15] if r in accepting and i % 2 else [0], 64)
+        caps = b.caps_for([0, 1], remaining=remaining)
+        return {r: c if b._looking.get(r) is None else b.caps[b.caps.index(c) - 1] for r, c in caps.items()}  # no look
+
+    both = chosen({0, 1})
+    assert both[0] >= 16 and both[1] >= 16
+    assert chosen({0}) == {0: 1, 1: 1}  # row 1 needs as many steps with or without row 0's tree
+    alone = chosen({0}, remaining={0: 64, 1: 4})
+    assert alone[0] >= 16 and alone[1] == 1
 
 
 def test_looks_spend_at_most_their_share_unless_they_pay():
@@ -392,7 +414,7 @@ def test_switched_off_rows_skip_their_upkeep_and_resume(captured, prompts, greed
 
     fast = speccomp.compile(captured, drafter="token_recycling", backend="onnxruntime")
     engine = speccomp.load(fast.export(tmp_path / "e"))
-    costs = FixedCosts(1.0, 1.0)  # a node costs a whole step: rows decode plainly but for their looks
+    costs = FixedCosts(1.0, 0.1)  # a node costs a tenth of a step: rows decode plainly but for their looks
     seqs = [Sequence(p.tolist(), fast.drafter.fresh(), Sampler(), NEW, set(), fast.max_tree) for p in prompts[:b]]
     log, outs = spied_run(Batch(fast.step, fast.kv, 1000, fast.device, fast.max_tree, Budget(costs, fast.max_tree)),
                           seqs)

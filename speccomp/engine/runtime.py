@@ -1172,7 +1172,8 @@ class EngineBatch:
         running = [i for i, r in self.rows.items() if r.out and not r.done]
         joining = [i for i, r in self.rows.items() if not r.out]
         caps = {} if self.budget is None else self.budget.caps_for(
-            running, extra_q=sum(len(self.rows[i].prompt) for i in joining))
+            running, extra_q=sum(len(self.rows[i].prompt) for i in joining),
+            remaining={i: self.rows[i].max_new_tokens - len(self.rows[i].out) for i in running})
         parts = []  # (row id, tokens, positions, block mask, children or None for a prefill)
         for i in joining:
             n = len(self.rows[i].prompt)

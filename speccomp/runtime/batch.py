@@ -119,7 +119,8 @@ class Batch:
         running = [rid for rid, seq in self.rows.items() if seq.out and not seq.done]
         joining = [rid for rid, seq in self.rows.items() if not seq.out]
         caps = {} if self.budget is None else self.budget.caps_for(
-            running, extra_q=sum(len(self.rows[r].prompt) for r in joining))
+            running, extra_q=sum(len(self.rows[r].prompt) for r in joining),
+            remaining={r: self.rows[r].max_new_tokens - len(self.rows[r].out) for r in running})
         for rid in joining:
             n = len(self.rows[rid].prompt)
             parts.append((rid, None, torch.tensor(self.rows[rid].prompt), torch.arange(n),

@@ -3,18 +3,26 @@ runtime's Batch (runtime/batch.py) and the engine's (engine/runtime.py) share it
 
 A batch step is one forward of every row's nodes packed together; on a CPU (and on a GPU once the batch is large)
 its cost grows with the nodes, so trees that pay for one sequence make a big batch slower than plain decoding
-(benchmarks/batch.py measured 0.42x plain at B = 8 with Token Recycling's full trees). The budget is chosen per step
-for goodput, tokens gained per second (SmartSpec), allocating nodes across rows (TETRIS):
+(benchmarks/batch.py measured 0.42x plain at B = 8 with Token Recycling's full trees). The budget allocates nodes
+across rows step by step (TETRIS), for goodput (SmartSpec) of the kind the batch has:
 
-    gain  = sum over rows of E_r[tokens | cap_r]     cap_r: row r verifies at most the first cap_r nodes of its tree
-    cost  = t(nodes of all rows + joining prompts)   t: the measured step-cost curve (StepCosts)
+    requests queue for a place (`speccomp serve`, `Budget.queued`):  maximise  sum over rows of E_r / t(q)
+    otherwise (generate's batches; a server with room):             maximise  1 / (t(q) * max over rows of S_r)
+
+    E_r = E[tokens a step | cap_r]   cap_r: row r verifies its tree's first cap_r nodes   S_r = tokens left_r / E_r
+    q   = the step's nodes (sum of caps + joining prompts)   t: the measured step-cost curve (StepCosts)
+
+A queued request takes a freed place at once, so every token counts; a batch with nothing waiting runs until its
+slowest row is done, so only raising that row (with every row tied with it) can shorten it: trees for the rows that
+accept drafts while the batch waits for one that does not only cost (measured: 37% more nodes than plain for 2% fewer
+forwards, benchmarks/README.md "Batches"). For one sequence both are its goodput E / t(q).
 
 E_r[tokens | c] comes from row r's recent accepted paths (shrunk toward "no draft accepted" by PRIOR pseudo-records,
-and a node is bought only where it raises the predicted goodput by more than MARGIN: measured, raw means over a few
-lucky records bought nodes that did not pay, benchmarks/README.md "Batches"): a tree lists parents before children, so its first c nodes
-form a tree and a path would have been accepted exactly up to its first node with index >= c; a record of a tree of
-n nodes predicts every c <= n. Rows start at cap 1 (plain decoding, E = 1 exactly) and a greedy loop raises the cap of
-whichever row improves gain / cost most, while one does.
+and a raise is made only where it raises the score by more than MARGIN: raw means over a few lucky records bought
+nodes that did not pay): a tree lists parents before children, so its first c nodes form a tree and a path would have been
+accepted exactly up to its first node with index >= c; a record of a tree of n nodes predicts every c <= n. Rows
+start at cap 1 (plain decoding, E = 1 exactly) and a greedy loop makes the raise that scores best (queued: one row's
+next cap; else the next caps of all the slowest rows together), while one does.
 
 Estimates need records at bigger caps, so rows look: one row a step, in turn, verifies the cap one above its choice
 (rows with fewer than MIN_OWN recent records at that cap first). Looks are paid from a ledger, so that exploring can
@@ -22,11 +30,9 @@ never make a batch much slower than plain decoding (benchmarks/README.md "Batche
 
     ledger += LOOK_SHARE * t(q) every step     q: the step's nodes without the look
     ledger -= t(q + look's nodes) - t(q)       for a look, taken only while the ledger is not in debt
-    ledger += the tokens the look gained over its row's choice, each at what a row costs a step: t(q) - t(q - 1)
+    ledger += the seconds the tokens the look gained over its row's choice save (Budget._worth)
 
-(a token gained saves its row one step; in a batch that waits for its last row, that is the row's share of a forward,
-not the step's mean price per token, which is what it is worth only where a queued request takes the freed place), so
-looks cost at most LOOK_SHARE of the time plus one look beyond what they bring back; where they pay (one sequence,
+so looks cost at most LOOK_SHARE of the time plus one look beyond what they bring back; where they pay (one sequence,
 cheap nodes) they fund themselves and happen every step. A look whose drafter offered fewer nodes is refunded the rest
 (an empty Token Recycling table drafts nothing; that is no evidence and costs nothing). A look whose draft was
 rejected also doubles the steps its row waits before its next look (up to MAX_BACKOFF; an accepted draft resets it).
@@ -114,6 +120,7 @@ class Budget:
         self._look: tuple = ()  # this step's look: (row, its chosen cap, its nodes, the step's q without it, s/token)
         self._wait: dict[int, tuple[int, int]] = {}  # row id -> (steps before it may look again, its current backoff)
         self.idle: set[int] = set()  # rows whose drafter is switched off this step (set by caps_for)
+        self.queued = False  # requests wait for a place in the batch (`speccomp serve` sets it each step)
 
     def _count(self, rid: int, record: tuple, sign: int) -> None:
         path, ran = record
@@ -166,30 +173,34 @@ class Budget:
         # keeps producing records at that cap, so raw means over few records overpay (benchmarks/README.md, batches)
         return (tokens + PRIOR) / (records + PRIOR) if records else None
 
-    def caps_for(self, rids: list[int], extra_q: int = 0) -> dict[int, int]:
-        """Each row's cap this step; `extra_q`: tokens of joining prompts riding in the same forward."""
+    def caps_for(self, rids: list[int], extra_q: int = 0, remaining: dict | None = None) -> dict[int, int]:
+        """Each row's cap this step; `extra_q`: tokens of joining prompts riding in the same forward; `remaining`: row
+        id -> tokens it may still emit (its max_new_tokens left; default: the same for every row)."""
+        if not rids:  # every row is joining (its prompt's forward)
+            self.idle = set()
+            return {}
         level = {r: 0 for r in rids}  # index into self.caps
         gains = {r: 1.0 for r in rids}
-        q, total = extra_q + len(rids), float(len(rids))
-        best = total / self.costs(q)
-        while True:
-            pick = None
-            for r in rids:
-                if level[r] + 1 >= len(self.caps):
-                    continue
-                nxt = self.caps[level[r] + 1]
-                e = self.expected(r, nxt)
-                if e is None:
-                    continue
-                dq = nxt - self.caps[level[r]]
-                score = (total - gains[r] + e) / self.costs(q + dq)
-                if score > best * (1 + MARGIN) and (pick is None or score > pick[0]):
-                    pick = (score, r, e, dq)
-            if pick is None:
+        left = {r: float(remaining[r]) if remaining else 1.0 for r in rids}
+        q = extra_q + len(rids)
+
+        def score(q: int, gains: dict) -> float:
+            if self.queued:  # requests wait: every token counts, goodput sum(E) / t(q)
+                return sum(gains.values()) / self.costs(q)
+            return 1.0 / (self.costs(q) * max(left[r] / gains[r] for r in rids))  # the batch waits for its slowest row
+
+        def nodes(move: dict) -> int:
+            return sum(self.caps[level[r] + 1] - self.caps[level[r]] for r in move)
+
+        best = score(q, gains)
+        while True:  # make the raise that scores best, while one raises the score by more than MARGIN
+            scored = [(score(q + nodes(m), {**gains, **m}), m) for m in self._moves(rids, level, gains, left)]
+            new, move = max(scored, key=lambda o: o[0], default=(0.0, {}))
+            if new <= best * (1 + MARGIN):
                 break
-            best, r, e, dq = pick
-            total += e - gains[r]
-            level[r], gains[r], q = level[r] + 1, e, q + dq
+            best, q = new, q + nodes(move)
+            for r, e in move.items():
+                level[r], gains[r] = level[r] + 1, e
         caps = {r: self.caps[level[r]] for r in rids}
         for r in rids:  # rows whose last looks found drafts rejected wait longer and longer before the next
             wait, backoff = self._wait.get(r, (0, 1))
@@ -204,10 +215,34 @@ class Budget:
             chosen = self.caps[level[r]]
             caps[r] = self._looking[r] = self.caps[level[r] + 1]
             self.ledger -= self.costs(q + caps[r] - chosen) - step
-            self._look = (r, chosen, caps[r] - chosen, q, step - (self.costs(q - 1) if q > 1 else 0.0))
+            self._look = (r, chosen, caps[r] - chosen, q, self._worth(r, q, chosen, gains, left))
         # switched off: verifying the root alone (a looking row verifies more); its upkeep may be skipped (docstring)
         self.idle = {r for r in rids if caps[r] == 1}
         return caps
+
+    def _worth(self, rid: int, q: int, nodes: int, gains: dict, left: dict) -> float:
+        """Seconds one more token of row `rid` saves (it verifies `nodes` of the step's `q`). Queued: the step's mean
+        price per token. Else a token saves its row 1 / E of a step: the whole step where the batch waits for that row,
+        only what the row adds to a forward, t(q) - t(q - nodes), where it does not."""
+        if self.queued:
+            return self.costs(q) / sum(gains.values())
+        if left[rid] / gains[rid] >= max(left[r] / gains[r] for r in gains) * (1 - 1e-9):
+            return self.costs(q) / gains[rid]
+        return (self.costs(q) - (self.costs(q - nodes) if q > nodes else 0.0)) / gains[rid]
+
+    def _moves(self, rids, level, gains, left) -> list[dict]:
+        """Candidate raises, each {row: E at its next cap}. Queued (goodput): any one row. Else only a raise of every
+        row that needs the most steps helps (the batch waits for it): those rows together, or nothing."""
+        nxt = {}
+        for r in rids:
+            e = self.expected(r, self.caps[level[r] + 1]) if level[r] + 1 < len(self.caps) else None
+            if e is not None and e > gains[r]:
+                nxt[r] = e
+        if self.queued:
+            return [{r: e} for r, e in nxt.items()]
+        worst = max(left[r] / gains[r] for r in rids)
+        slowest = [r for r in rids if left[r] / gains[r] >= worst * (1 - 1e-9)]
+        return [{r: nxt[r] for r in slowest}] if all(r in nxt for r in slowest) else []
 
     def _unseen(self, rid: int, cap: int) -> bool:
         """Row `rid` has fewer than MIN_OWN recent records that ran at `cap` or above (so its estimate at `cap` is
