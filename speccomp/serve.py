@@ -109,7 +109,7 @@ class Scheduler:
                     return
                 self._admit()
                 if self.batch.budget is not None:  # a freed place is taken at once: tokens at the mean price
-                    self.batch.budget.queued = bool(self.waiting)
+                    self.batch.budget.queued = any(not job.cancelled for job in self.waiting)
             try:
                 emitted = self.batch.step()
             except Exception as exc:  # a failing step fails the rows in it, not the server

@@ -213,8 +213,8 @@ def test_budget_predicts_every_smaller_cap_from_accepted_paths():
 
 def test_budget_gives_nodes_where_they_pay():
     """Cheap nodes: the row whose drafts are accepted gets a big cap and the row whose drafts never are stays plain;
-    dear nodes: every row plain, and only a row without records of its own at the next cap up explores it, until it
-    has them: then the batch decodes plainly (a cap of 1 drafts nothing), exploring again only as records age out."""
+    dear nodes: every row plain, and a row without records of its own at the next cap up explores it first, until it
+    has them: then the batch decodes plainly (a cap of 1 drafts nothing) but for the looks its ledger pays for."""
     from speccomp.runtime.budget import HISTORY, Budget, FixedCosts
 
     def budget(per_token):
@@ -284,8 +284,8 @@ def test_looks_spend_at_most_their_share_unless_they_pay():
                 nodes = cap if offered is None else min(cap, offered)
                 b.record(r, [0, 1] if accept and cap > 1 else [0], nodes)
                 b._wait[r] = (0, 1)  # no backoff: the ledger alone limits the looks here
-                b._totals[r] = [[0, 0] for _ in b.caps]  # nor records (the greedy loop never buys a node)
-                b.history[r].clear()
+                b.history[r].clear()  # nor records: the greedy loop never buys a node, every extra node is a look
+            b._totals = {key: [[0, 0] for _ in b.caps] for key in b._totals}
         return spent / base
 
     share = run(accept=False)
@@ -324,7 +324,7 @@ def test_few_lucky_records_do_not_buy_nodes():
 def test_a_look_that_found_no_draft_is_no_evidence():
     """A row that looked at cap 2 but whose drafter had nothing to draft (a 1-node tree: Token Recycling's table is
     empty at first) looks again at once; looks whose drafts are rejected come less and less often, and after MIN_OWN
-    of them the row's records can tell: it stops looking."""
+    of them the row's records tell that cap 2 does not pay: it stays at cap 1, its drafter off, between looks."""
     from speccomp.runtime.budget import MIN_OWN, Budget, FixedCosts
 
     budget = Budget(FixedCosts(1.0, 0.005), max_nodes=64)  # looks that cost less than LOOK_SHARE: backoff alone

@@ -25,8 +25,9 @@ start at cap 1 (plain decoding, E = 1 exactly) and a greedy loop makes the raise
 next cap; else the next caps of all the slowest rows together), while one does.
 
 Estimates need records at bigger caps, so rows look: one row a step, in turn, verifies the cap one above its choice
-(rows with fewer than MIN_OWN recent records at that cap first). Looks are paid from a ledger, so that exploring can
-never make a batch much slower than plain decoding (benchmarks/README.md "Batches"):
+(rows with fewer than MIN_OWN recent records at that cap first; with nothing queued only the slowest rows, whose
+estimates alone can change the caps). Looks are paid from a ledger, never more than one step's time, so that
+exploring cannot make a batch much slower than plain decoding (benchmarks/README.md "Batches"):
 
     ledger += LOOK_SHARE * t(q) every step     q: the step's nodes without the look
     ledger -= t(q + look's nodes) - t(q)       for a look, taken only while the ledger is not in debt
@@ -149,7 +150,7 @@ class Budget:
             self._look = ()
             if nodes > chosen:  # a look that found no draft says nothing
                 _, backoff = self._wait.get(rid, (0, 1))
-                paid = len(path) > 1  # a draft was accepted: look again as soon as records allow
+                paid = _gained(path[1:], nodes) > _gained(path[1:], chosen)  # the look's own nodes paid: again soon
                 backoff = 1 if paid else min(2 * backoff, MAX_BACKOFF)
                 self._wait[rid] = (0 if paid else backoff, backoff)
 
@@ -181,7 +182,8 @@ class Budget:
             return {}
         level = {r: 0 for r in rids}  # index into self.caps
         gains = {r: 1.0 for r in rids}
-        left = {r: float(remaining[r]) if remaining else 1.0 for r in rids}
+        left = {r: max(1.0, float(remaining[r])) if remaining else 1.0 for r in rids}
+        self._looking, self._look = {}, ()  # a step that failed before its records leaves no look behind
         q = extra_q + len(rids)
 
         def score(q: int, gains: dict) -> float:
@@ -205,7 +207,10 @@ class Budget:
         for r in rids:  # rows whose last looks found drafts rejected wait longer and longer before the next
             wait, backoff = self._wait.get(r, (0, 1))
             self._wait[r] = (max(0, wait - 1), backoff)
-        can = [r for r in rids if level[r] + 1 < len(self.caps) and self._wait[r][0] == 0]
+        # rows that may look: not backing off, and, where the batch waits for its slowest rows, among them (only
+        # their estimates can change the caps; another row's look would only break even on the ledger)
+        can = [r for r in (rids if self.queued else self._slowest(gains, left))
+               if level[r] + 1 < len(self.caps) and self._wait[r][0] == 0]
         curious = [r for r in can if self._unseen(r, self.caps[level[r] + 1])] or can
         step = self.costs(q)
         self.ledger = min(self.ledger + LOOK_SHARE * step, step)  # not hoarded past one step's time
@@ -223,10 +228,11 @@ class Budget:
     def _worth(self, rid: int, q: int, nodes: int, gains: dict, left: dict) -> float:
         """Seconds one more token of row `rid` saves (it verifies `nodes` of the step's `q`). Queued: the step's mean
         price per token. Else a token saves its row 1 / E of a step: the whole step where the batch waits for that row,
-        only what the row adds to a forward, t(q) - t(q - nodes), where it does not."""
+        only what the row adds to a forward, t(q) - t(q - nodes), where it does not (or not alone: rows tied with it
+        hold the batch as long)."""
         if self.queued:
             return self.costs(q) / sum(gains.values())
-        if left[rid] / gains[rid] >= max(left[r] / gains[r] for r in gains) * (1 - 1e-9):
+        if self._slowest(gains, left) == [rid]:  # alone the slowest: the batch ends when it does
             return self.costs(q) / gains[rid]
         return (self.costs(q) - (self.costs(q - nodes) if q > nodes else 0.0)) / gains[rid]
 
@@ -240,9 +246,14 @@ class Budget:
                 nxt[r] = e
         if self.queued:
             return [{r: e} for r, e in nxt.items()]
-        worst = max(left[r] / gains[r] for r in rids)
-        slowest = [r for r in rids if left[r] / gains[r] >= worst * (1 - 1e-9)]
+        slowest = self._slowest(gains, left)
         return [{r: nxt[r] for r in slowest}] if all(r in nxt for r in slowest) else []
+
+    @staticmethod
+    def _slowest(gains: dict, left: dict) -> list[int]:
+        """The rows that need the most steps still (tokens left / E), ties included."""
+        worst = max(left[r] / gains[r] for r in gains)
+        return [r for r in gains if left[r] / gains[r] >= worst * (1 - 1e-9)]
 
     def _unseen(self, rid: int, cap: int) -> bool:
         """Row `rid` has fewer than MIN_OWN recent records that ran at `cap` or above (so its estimate at `cap` is
