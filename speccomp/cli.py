@@ -269,10 +269,9 @@ def cmd_train_heads(args) -> int:
 
 def cmd_train_draft(args) -> int:
     """Distil a small draft model for the default model on its own replies to prompt files; store it."""
-    from speccomp.tuning.train_draft import check_draft_directory, drafts_dir
     from speccomp.models import chat_ids
     from speccomp.tuning.synthetic_prompts import synthetic_prompts
-    from speccomp.tuning.train_draft import train_draft
+    from speccomp.tuning.train_draft import check_draft_directory, drafts_dir, train_draft
 
     extra = synthetic_prompts(args.synthetic, seed=args.seed) if args.synthetic else []
     _directory("out", args.out)

@@ -49,13 +49,18 @@ DEFAULT_TREE = DynamicTreeSpec(16, 4)  # as the self-drafters: autotune or tree=
 START_CAPACITY = 512  # cache slots at the start of a generation; doubled when a longer text needs more
 
 
-class DraftModelDrafter(Drafter):
+class _DraftLM(Drafter):
+    """What a draft model declares (decode.py's Drafter protocol), with its target's tokenizer or its own."""
+
     name = "draft_model"
     reads = ("own_cache",)
     trees = ("static", "dynamic")
     graphs = ("draft",)
     forward_per_level = True
     observe_optional = True  # no observe: it catches up on the text at its next propose
+
+
+class DraftModelDrafter(_DraftLM):
 
     def __init__(self, step, graph, tree=DEFAULT_TREE, options: dict | None = None):
         self.step, self.graph, self.tree = step, graph, tree
@@ -185,18 +190,11 @@ def sample_children(logits: torch.Tensor, temperature: float, nodes: list[int], 
     return out
 
 
-class CrossTokenizerDrafter(Drafter):
+class CrossTokenizerDrafter(_DraftLM):
     """A draft model with a tokenizer of its own (drafters/text_bridge.py): the text so far re-tokenized for it, its
     tree (grown in its own tokens by `inner`, a DraftModelDrafter) mapped path by path into target tokens. Its drafts
     are point masses (q = 1): exact under sampling as under greedy decoding. The engine's twin is engine/runtime.py's
     _CrossTokenizer."""
-
-    name = "draft_model"
-    reads = ("own_cache",)
-    trees = ("static", "dynamic")
-    graphs = ("draft",)
-    forward_per_level = True
-    observe_optional = True  # no observe: it catches up on the text at its next propose
 
     def __init__(self, inner: DraftModelDrafter, bridge):
         self.inner, self.bridge, self.tree = inner, bridge, inner.tree

@@ -116,12 +116,16 @@ class Budget:
         # running totals, so an estimate is O(1): row id (None: the whole batch) -> [tokens, records] per cap
         self._totals: dict = {None: [[0, 0] for _ in self.caps]}
         self._turn = 0
-        self._looking: dict[int, int] = {}  # row id -> the cap it is looking at this step (above its choice)
         self.ledger = 0.0  # seconds looks may still spend (module docstring); below 0: in debt, no look
         self._look: tuple = ()  # this step's look: (row, its chosen cap, its nodes, the step's q without it, s/token)
         self._wait: dict[int, tuple[int, int]] = {}  # row id -> (steps before it may look again, its current backoff)
         self.idle: set[int] = set()  # rows whose drafter is switched off this step (set by caps_for)
         self.queued = False  # requests wait for a place in the batch (`speccomp serve` sets it each step)
+
+    @property
+    def _looking(self) -> dict[int, int]:
+        """Row id -> the cap it is looking at this step (above its choice): this step's look, if any."""
+        return {self._look[0]: self._look[1] + self._look[2]} if self._look else {}
 
     def _count(self, rid: int, record: tuple, sign: int) -> None:
         path, ran = record
@@ -142,20 +146,20 @@ class Budget:
             self._count(rid, history[0], -1)  # the oldest record leaves
         history.append((tuple(path[1:]), nodes))
         self._count(rid, history[-1], +1)
-        if self._looking.pop(rid, None) is not None and self._look and self._look[0] == rid:
+        if self._look and self._look[0] == rid:
             _, chosen, extra, q, per_token = self._look
             # refund what the look did not use (its drafter offered fewer nodes), credit what it gained
             self.ledger += self.costs(q + extra) - self.costs(q + max(0, nodes - chosen))
-            self.ledger += (_gained(path[1:], nodes) - _gained(path[1:], chosen)) * per_token
+            gained = _gained(path[1:], nodes) - _gained(path[1:], chosen)  # tokens from the look's own nodes
+            self.ledger += gained * per_token
             self._look = ()
             if nodes > chosen:  # a look that found no draft says nothing
                 _, backoff = self._wait.get(rid, (0, 1))
-                paid = _gained(path[1:], nodes) > _gained(path[1:], chosen)  # the look's own nodes paid: again soon
+                paid = gained > 0  # look again as soon as records allow
                 backoff = 1 if paid else min(2 * backoff, MAX_BACKOFF)
                 self._wait[rid] = (0 if paid else backoff, backoff)
 
     def forget(self, rid: int) -> None:
-        self._looking.pop(rid, None)
         if self._look and self._look[0] == rid:
             self._look = ()
         self._wait.pop(rid, None)
@@ -183,7 +187,7 @@ class Budget:
         level = {r: 0 for r in rids}  # index into self.caps
         gains = {r: 1.0 for r in rids}
         left = {r: max(1.0, float(remaining[r])) if remaining else 1.0 for r in rids}
-        self._looking, self._look = {}, ()  # a step that failed before its records leaves no look behind
+        self._look = ()  # a step that failed before its records leaves no look behind
         q = extra_q + len(rids)
 
         def score(q: int, gains: dict) -> float:
@@ -218,7 +222,7 @@ class Budget:
             r = curious[self._turn % len(curious)]
             self._turn += 1
             chosen = self.caps[level[r]]
-            caps[r] = self._looking[r] = self.caps[level[r] + 1]
+            caps[r] = self.caps[level[r] + 1]
             self.ledger -= self.costs(q + caps[r] - chosen) - step
             self._look = (r, chosen, caps[r] - chosen, q, self._worth(r, q, chosen, gains, left))
         # switched off: verifying the root alone (a looking row verifies more); its upkeep may be skipped (docstring)

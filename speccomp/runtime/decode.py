@@ -358,8 +358,8 @@ class Sequence:
         return path
 
     def advance(self, draft: Draft, path: list[int], outs: tuple, idle: bool = False) -> None:
-        """`idle`: a batch row whose drafter the budget switched off this step (it verified the root alone and is not
-        among the rows that may look): a drafter with `observe_optional` skips its observe."""
+        """`idle`: a batch row whose drafter the budget switched off this step (it verified the root alone): a drafter
+        with `observe_optional` skips its observe."""
         if not (idle and self.drafter.observe_optional):
             self.drafter.observe(draft, path, outs[0][0])
         _hand_states(self.drafter, outs, path)
