@@ -16,10 +16,12 @@ of each kept); HF's batches run once untimed, then --repeats times. Rows stop at
                       forward a step (speccomp/runtime/batch.py)
     speculative       the same with --drafter (default token_recycling) and --tree (default: the drafter's), its
                       trees capped step by step by the load-aware budget (speccomp/runtime/budget.py; its step-cost
-                      curve is measured before any timing)
+                      curve t(q, past), q <= 256, past <= 8192, is measured before any timing)
     spec_full         the same drafter, every row verifying its whole tree (load_aware=False)
 
-Throughput = new tokens of all rows / wall seconds of the batch. Latency = seconds from the batch's start to a
+Throughput = new tokens of all rows / wall seconds of the batch (the best round); `paired` = the median over rounds
+of plain's seconds / the row's seconds in the same round (back to back, so the machine's drift between rounds,
+up to 10% here, cancels). Latency = seconds from the batch's start to a
 row's last token (HF returns every row at the end, so each of its rows' latency is the batch's). Every speccomp row
 is compared with that prompt's own HF greedy reply (alone, unpadded, computed in the child): `rows_equal` counts
 equal ones; HF's batched rows are compared too (padding changes HF's own numerics a little).
@@ -120,9 +122,10 @@ def speccomp_rows(args, alone: list) -> dict:
     rows = prompts_ids(tok, max(args.batches))
     captured = speccomp.capture(model)
     spec = speccomp.compile(captured, backend=args.backend, drafter=args.drafter, tree=args.tree)
-    costs = spec.step_costs()  # the load-aware budget's step-cost curve, measured before any timing (first use)
-    for q in (1 << i for i in range(11)):
-        costs(q)
+    costs = spec.step_costs()  # the load-aware budget's step-cost curve t(q, past), measured before any timing, on
+    for q in (1 << i for i in range(9)):  # the grid autotune stores (tuning/step_curve.py), past up to 16 rows' cache
+        for past in (costs.PAST0 << i for i in range(6)):
+            costs(q, past)
     # spec_full gets sessions of its own: its forwards of hundreds of tokens would otherwise grow the ONNX Runtime
     # arenas that the load-aware row's small forwards then run in (seen: up to 8% slower)
     full = speccomp.compile(captured, backend=args.backend, drafter=args.drafter, tree=args.tree)
@@ -133,18 +136,25 @@ def speccomp_rows(args, alone: list) -> dict:
     for b in args.batches:  # at each B the variants take turns, repeat after repeat (drift hits them alike)
         ids, mask = left_padded(rows[:b], 0)
         best = {name: (float("inf"), None, None) for name in variants}
+        rounds = {name: [] for name in variants}  # every timed round's seconds, for the paired ratio
         for repeat in range(args.repeats + 1):  # the first round untimed: a warm-up of every variant
             for name, (fast, options) in variants.items():
                 start = time.perf_counter()
                 result = fast.generate(ids, max_new_tokens=args.max_new_tokens, attention_mask=mask, eos_token_id=eos,
                                        **options)
                 seconds = time.perf_counter() - start
+                if repeat:
+                    rounds[name].append(seconds)
                 if repeat and seconds < best[name][0]:
                     best[name] = (seconds, result, fast.last_stats)
         for name, (seconds, result, stats) in best.items():
             got = replies(result, ids.shape[1], eos)
             per_row = stats["rows"] if b > 1 else [stats]
-            out[name][str(b)] = {"seconds": seconds, "new_tokens": sum(len(g) for g in got),
+            # paired: plain's time / this variant's within each round (they ran back to back, so a drift of the
+            # machine's speed between rounds cancels), the median over rounds; every row's text is the same
+            paired = statistics.median(p / v for p, v in zip(rounds["plain"], rounds[name]))
+            out[name][str(b)] = {"seconds": seconds, "rounds": rounds[name], "paired_x_plain": paired,
+                                 "new_tokens": sum(len(g) for g in got),
                                  "latencies": [r["seconds"] for r in per_row],
                                  "forwards": stats.get("forwards", stats.get("steps")),
                                  "tau": [round(r["tau"], 3) for r in per_row],
@@ -178,8 +188,8 @@ def main(argv=None) -> int:
     rows = {"hf_batched": hf["batches"], **speccomp_rows(args, hf["alone"])}
     print(f"\nSmolLM2-135M, {args.max_new_tokens} new tokens (eos stops a row), backend {args.backend}, "
           f"drafter {args.drafter}, tree {args.tree or 'default'}, {args.threads} threads")
-    print(f"{'B':>3} {'row':<12} {'tok/s':>7} {'x HF':>6} {'x plain':>8} {'p50 lat s':>10} {'forwards':>9} "
-          f"{'equal':>6}")
+    print(f"{'B':>3} {'row':<12} {'tok/s':>7} {'x HF':>6} {'x plain':>8} {'paired':>7} {'p50 lat s':>10} "
+          f"{'forwards':>9} {'equal':>6}")
     for b in map(str, args.batches):
         for name, table in rows.items():
             r = table[b]
@@ -188,7 +198,8 @@ def main(argv=None) -> int:
             plain_tps = rows["plain"][b]["new_tokens"] / rows["plain"][b]["seconds"]
             r |= {"tokens_per_second": tps, "x_hf": tps / hf_tps, "x_plain": tps / plain_tps,
                   "p50_latency": statistics.median(r["latencies"])}
-            print(f"{b:>3} {name:<12} {tps:7.1f} {tps / hf_tps:6.2f} {tps / plain_tps:8.2f} "
+            paired = f"{r['paired_x_plain']:7.2f}" if "paired_x_plain" in r else f"{'':>7}"
+            print(f"{b:>3} {name:<12} {tps:7.1f} {tps / hf_tps:6.2f} {tps / plain_tps:8.2f} {paired} "
                   f"{r['p50_latency']:10.2f} {str(r.get('forwards', '')):>9} {r['rows_equal']:>3}/{b}")
     Path(args.json).write_text(json.dumps({"command": "python benchmarks/batch.py " + " ".join(argv or sys.argv[1:]),
                                            "machine": platform.processor() or platform.machine(),

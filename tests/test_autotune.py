@@ -386,6 +386,9 @@ def fast_options(model) -> dict:
 
 
 def test_autotune_token_recycling_static_tree(cache):
+    from speccomp.runtime.budget import StepCosts
+    from speccomp.tuning.step_curve import CURVE_PAST, CURVE_Q, load_curve
+
     model = tiny_llama(initializer_range=0.2)
     with pytest.raises(AutotuneError, match="static trees only"):
         speccomp.autotune(model, "token_recycling", prompts(), mode="dynamic", save=False)
@@ -396,6 +399,11 @@ def test_autotune_token_recycling_static_tree(cache):
     assert all(0.0 <= f <= 1.0 for f in result.timing["presence"])
     fast = speccomp.compile(model, drafter="token_recycling", tree="auto")
     assert fast.drafter.tree == Tree.from_choices(result.tree) and fast.drafter.ngram_branches == 0
+    # the batch budget's step-cost curve over batch size x tree size, stored beside the tree and planned with by
+    # every later compile of this model on this backend (its grid not measured again), by no other backend's
+    curve = load_curve(model, "eager")
+    assert result.step_curve and (CURVE_Q, CURVE_PAST) in curve and (1, StepCosts.PAST0) in curve
+    assert fast.step_costs().measured == curve and load_curve(model, "onnxruntime") is None
     for ids in prompts():
         assert torch.equal(fast.generate(ids, max_new_tokens=20, eos_token_id=2), hf_greedy(model, ids, 20))
     with pytest.warns(UserWarning, match="tuned with drafter_options"):

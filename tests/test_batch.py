@@ -269,17 +269,20 @@ def test_a_batch_with_nothing_waiting_raises_its_slowest_rows():
 
 def test_looks_spend_at_most_their_share_unless_they_pay():
     """Looks are paid from a ledger: LOOK_SHARE of the step time plus what the looks gained. Where every look is
-    rejected they cost at most that share (and one look); where they are accepted they fund a look every step; a look
-    whose drafter offered nothing costs nothing."""
+    rejected they cost at most that share (and one look), their drafters' host time included; where they are accepted
+    they fund a look every step; a look whose drafter offered nothing costs nothing."""
     from speccomp.runtime.budget import LOOK_SHARE, Budget, FixedCosts
 
-    def run(accept: bool, steps=400, rows=(0, 1, 2, 3), offered=None):
+    def run(accept: bool, steps=400, rows=(0, 1, 2, 3), offered=None, host=0.0):
         b = Budget(FixedCosts(1.0, 0.2), max_nodes=64)  # a look's node: a fifth of the step (t(4) = 1.8, t(5) = 2.0)
         spent = base = 0.0
         for _ in range(steps):
             caps = b.caps_for(list(rows))
             base += b.costs(len(rows))
             spent += b.costs(sum(caps.values())) - b.costs(len(rows))
+            for r in caps:  # every row's drafter reports its host seconds; only a look's are the ledger's
+                spent += host if r in b._looking else 0.0
+                b.charge(r, host if r in b._looking else 1e9)
             for r, cap in caps.items():
                 nodes = cap if offered is None else min(cap, offered)
                 b.record(r, [0, 1] if accept and cap > 1 else [0], nodes)
@@ -290,6 +293,8 @@ def test_looks_spend_at_most_their_share_unless_they_pay():
 
     share = run(accept=False)
     assert 0.5 * LOOK_SHARE < share <= LOOK_SHARE + 0.2 / (1.8 * 400) + 1e-9  # the share, plus at most one look
+    dear = run(accept=False, host=0.3)  # a look's drafter works for 0.3 s besides its node's 0.2 s: fewer looks
+    assert 0.5 * LOOK_SHARE < dear <= LOOK_SHARE + 0.5 / (1.8 * 400) + 1e-9
     paid = run(accept=True)
     assert paid > 0.9 * (2.0 - 1.8) / 1.8  # a look nearly every step: a gained token is worth more than a node
     b = Budget(FixedCosts(1.0, 0.2), max_nodes=64)
@@ -346,24 +351,49 @@ def test_a_look_that_found_no_draft_is_no_evidence():
     assert budget.expected(0, 2) == 1.0 and budget.caps_for([0]) == {0: 1} and budget.idle == {0}
 
 
-def test_step_costs_are_the_fastest_run_and_never_fall_with_q():
+def test_step_costs_are_the_fastest_run_and_never_fall_with_q_or_past():
     """Noise only adds time (the fastest timed run is kept), and a bigger forward never looks cheaper than a smaller
-    one (a slow measurement at q = 2 lifts q = 4's), so the budget never buys nodes on a measurement's noise."""
+    one, in tokens or in cached slots (a slow measurement at q = 2 lifts q = 4's), so the budget never buys nodes on
+    a measurement's noise; between grid points the curve interpolates, and a seeded grid is not measured again."""
     import time as clock
 
     from speccomp.runtime.budget import StepCosts
 
     calls = []
-    seconds = {1: 0.002, 2: 0.012, 4: 0.004}
+    seconds = {(1, 256): 0.002, (2, 256): 0.012, (4, 256): 0.004, (1, 512): 0.001, (2, 512): 0.020}
 
-    def run(q):
-        calls.append(q)
-        clock.sleep(seconds[q] * (3 if len(calls) % 4 == 0 else 1))  # every 4th call is slow
+    def run(q, past):
+        calls.append((q, past))
+        clock.sleep(seconds[(q, past)] * (3 if len(calls) % 4 == 0 else 1))  # every 4th call is slow
 
     costs = StepCosts(run, repeats=4, warmup=1)
-    assert 0.012 <= costs(2) < 0.02 and calls.count(2) == 5  # 1 untimed + 4 timed, the slow one not kept
+    assert 0.012 <= costs(2) < 0.02 and calls.count((2, 256)) == 5  # 1 untimed + 4 timed, the slow one not kept
     assert costs(4) == costs(2) and costs(3) == costs(2)  # 4's own 4 ms is lifted to 2's 12 ms
     assert costs(1) < costs(2)
+    assert costs(1, 512) == costs(1, 256)  # 512's own 1 ms is lifted to 256's 2 ms
+    assert costs(2, 512) > costs(2, 256) and costs(2, 0) == costs(2, 256)  # below the grid: its first row
+    assert costs(2, 384) == (costs(2, 256) + costs(2, 512)) / 2  # halfway between two grid rows
+    n = len(calls)
+    seeded = StepCosts(run, measured=costs.measured)
+    assert seeded(2, 384) == costs(2, 384) and len(calls) == n  # a stored curve (tuning/step_curve.py) is used as is
+
+
+def test_a_bigger_batch_cache_makes_nodes_dearer():
+    """Every query is scored against every cached slot of the batch, so the same acceptance buys fewer nodes over a
+    long batch cache than over a short one (StepCosts measures t(q, past); FixedCosts' per_slot models it)."""
+    from speccomp.runtime.budget import Budget, FixedCosts
+
+    def caps(past):
+        b = Budget(FixedCosts(1.0, 0.02, per_slot=1e-4), max_nodes=64)  # a node: 0.03 of a step at 100 slots, 1.02 at 10k
+        b.queued, b.ledger = True, float("-inf")  # goodput: any row's raise may be bought; no look
+        for _ in range(16):
+            for rid in (0, 1):
+                b.record(rid, [0, 1, 2, 3], 8)  # three drafts accepted, then none: E[tokens | cap 2] ~ 1.44
+                b.record(rid, [0], 8)
+        return sum(b.caps_for([0, 1], past=past).values())
+
+    short, long = caps(100), caps(10_000)
+    assert short > long == 2, (short, long)  # the long cache: plain decoding
 
 
 def test_load_aware_batches_follow_the_step_cost(captured, prompts, greedy):

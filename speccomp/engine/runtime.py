@@ -1173,13 +1173,17 @@ class EngineBatch:
         joining = [i for i, r in self.rows.items() if not r.out]
         caps = {} if self.budget is None else self.budget.caps_for(
             running, extra_q=sum(len(self.rows[i].prompt) for i in joining),
-            remaining={i: self.rows[i].max_new_tokens - len(self.rows[i].out) for i in running})
+            remaining={i: self.rows[i].max_new_tokens - len(self.rows[i].out) for i in running},
+            past=self.cache.length)
         parts = []  # (row id, tokens, positions, block mask, children or None for a prefill)
         for i in joining:
             n = len(self.rows[i].prompt)
             parts.append((i, self.rows[i].prompt, np.arange(n), np.tril(np.ones((n, n), dtype=bool)), None))
         for i in running:
+            start = time.perf_counter()
             parents, tokens = self.rows[i].draft(caps.get(i))
+            if self.budget is not None:
+                self.budget.charge(i, time.perf_counter() - start)  # a look's drafting is part of its price
             depth, block, children = tree_arrays(parents)
             parts.append((i, tokens, len(self.rows[i].context) - 1 + depth, block, children))  # cached: all but the root
         if not parts:
@@ -1199,8 +1203,10 @@ class EngineBatch:
                 kept = list(range(n))
             else:
                 kept = r.accept(tokens, children, mine)
+                start = time.perf_counter()
                 r.advance(tokens, kept, mine, own, idle=i in idle)
                 if self.budget is not None:
+                    self.budget.charge(i, time.perf_counter() - start)  # and so is its drafter's learning
                     self.budget.record(i, kept, len(tokens))  # the tree's nodes, <= caps[i]
             keep += [at + k for k in kept]
             owners += [i] * len(kept)
@@ -1475,12 +1481,15 @@ class Engine:
         return _Row(args, None if self.drafter is None else self.drafter.fresh(), self.max_tree, args.seed)
 
     def step_costs(self):
-        """The target's step-cost curve (runtime/budget.py's StepCosts), measured once, at first use."""
+        """The target's step-cost curve (runtime/budget.py's StepCosts), measured at first use of each grid point."""
         if getattr(self, "_step_costs", None) is None:
-            past = 256
+            held = {}
 
-            def run(q: int) -> None:
-                cache = KVCache(self.kv, past + q, self.dtype)
+            def run(q: int, past: int) -> None:
+                if held.get("cache") is None or held["cache"].shape[4] < past + q:  # allocated in a warm-up call
+                    held["cache"] = None
+                    held["cache"] = KVCache(self.kv, past + q, self.dtype)
+                cache = held["cache"]
                 cache.length = past
                 self._forward(cache, [0] * q, np.arange(past, past + q, dtype=np.int64),
                               np.tril(np.ones((q, past + q), dtype=bool), past))

@@ -37,19 +37,25 @@ from speccomp.runtime.calls import row_slots, run_batch
 from speccomp.runtime.decode import KVCache, Sequence
 
 
-def step_costs(target, kv: KVSpec, device, past: int = 256, threads=contextlib.nullcontext):
-    """runtime/budget.py's StepCosts for `target`: forwards of q tokens after `past` cached ones (zeros), each under
-    the `threads()` context decoding runs in (model.py's host_threads)."""
-    def run(q: int) -> None:
+def step_costs(target, kv: KVSpec, device, threads=contextlib.nullcontext, measured: dict | None = None):
+    """runtime/budget.py's StepCosts for `target`: forwards of q tokens over `past` cached slots (zeros), each under
+    the `threads()` context decoding runs in (model.py's host_threads). The cache is allocated outside the timing
+    (in a warm-up call): a fresh one per forward timed its zeroing too (3x t(1) at 3k slots)."""
+    held = {}
+
+    def run(q: int, past: int) -> None:
         n = past + q
-        cache = KVCache(kv, n, device)
+        if held.get("cache") is None or held["cache"].capacity < n:
+            held["cache"] = None  # the old one freed first
+            held["cache"] = KVCache(kv, n, device)
+        cache = held["cache"]
         cache.length = past
         with torch.no_grad(), threads():
             target(torch.zeros(1, q, dtype=torch.long, device=device), torch.arange(past, n, device=device)[None],
                    torch.ones(1, n, dtype=torch.long, device=device), cache.past(),
                    torch.ones(q, n, dtype=torch.bool, device=device).tril(past))
 
-    return StepCosts(run)
+    return StepCosts(run, measured=measured)
 
 
 def check_batchable(model, rows: int) -> None:
@@ -120,13 +126,17 @@ class Batch:
         joining = [rid for rid, seq in self.rows.items() if not seq.out]
         caps = {} if self.budget is None else self.budget.caps_for(
             running, extra_q=sum(len(self.rows[r].prompt) for r in joining),
-            remaining={r: self.rows[r].max_new_tokens - len(self.rows[r].out) for r in running})
+            remaining={r: self.rows[r].max_new_tokens - len(self.rows[r].out) for r in running},
+            past=self.cache.length)
         for rid in joining:
             n = len(self.rows[rid].prompt)
             parts.append((rid, None, torch.tensor(self.rows[rid].prompt), torch.arange(n),
                           torch.ones(n, n, dtype=torch.bool).tril()))
         for rid in running:
+            start = time.perf_counter()
             draft = self.rows[rid].draft(self.cache, caps.get(rid))
+            if self.budget is not None:
+                self.budget.charge(rid, time.perf_counter() - start)  # a look's drafting is part of its price
             parts.append((rid, draft, draft.tokens, len(self.rows[rid].context) - 1 + draft.tree.depth, draft.tree.mask))
         if not parts:
             return {}
@@ -140,8 +150,10 @@ class Batch:
                 kept = list(range(q))
             else:
                 kept = seq.accept(draft, mine)
+                start = time.perf_counter()
                 seq.advance(draft, kept, mine, idle=self.budget is not None and rid in self.budget.idle)
                 if self.budget is not None:
+                    self.budget.charge(rid, time.perf_counter() - start)  # and so is its drafter's learning
                     self.budget.record(rid, kept, draft.tree.size)  # <= caps[rid]
             seq.stats.seconds = time.perf_counter() - self._joined[rid]
             if draft is None:

@@ -10,7 +10,8 @@ across rows step by step (TETRIS), for goodput (SmartSpec) of the kind the batch
     otherwise (generate's batches; a server with room):             maximise  1 / (t(q) * max over rows of S_r)
 
     E_r = E[tokens a step | cap_r]   cap_r: row r verifies its tree's first cap_r nodes   S_r = tokens left_r / E_r
-    q   = the step's nodes (sum of caps + joining prompts)   t: the measured step-cost curve (StepCosts)
+    q   = the step's nodes (sum of caps + joining prompts)
+    t   = the measured step-cost curve (StepCosts) at the batch's cached slots: a node costs more in a big batch
 
 A queued request takes a freed place at once, so every token counts; a batch with nothing waiting runs until its
 slowest row is done, so only raising that row (with every row tied with it) can shorten it: trees for the rows that
@@ -31,6 +32,7 @@ exploring cannot make a batch much slower than plain decoding (benchmarks/README
 
     ledger += LOOK_SHARE * t(q) every step     q: the step's nodes without the look
     ledger -= t(q + look's nodes) - t(q)       for a look, taken only while the ledger is not in debt
+    ledger -= the looking row's drafter host time (drafting and observing: Budget.charge)
     ledger += the seconds the tokens the look gained over its row's choice save (Budget._worth)
 
 so looks cost at most LOOK_SHARE of the time plus one look beyond what they bring back; where they pay (one sequence,
@@ -60,46 +62,68 @@ LOOK_SHARE = 0.01  # looks may cost this share of the batch's step time, plus wh
 
 
 class StepCosts:
-    """t(q): seconds of one forward of q packed tokens, measured lazily at powers of two by `run(q)` (`warmup` untimed
-    calls, then the fastest of `repeats`: noise only ever adds time) and interpolated linearly between them
-    (extrapolated past the largest). Kept non-decreasing in q (t(2q) >= t(q)): one noisy measurement must not make a
-    bigger forward look cheaper than a smaller one, which would buy nodes that cost more than they gain."""
+    """t(q, past): seconds of one forward of q packed tokens over `past` cached slots, measured lazily by
+    `run(q, past)` on a grid of powers of two (q from 1, past from PAST0; `warmup` untimed calls, then the fastest of
+    `repeats`: noise only ever adds time) and interpolated linearly between grid points (extrapolated past the
+    largest). A batch of B rows, each verifying c_r nodes over its own L_r cached tokens, is one such forward with
+    q = sum of c_r and past = sum of L_r: every query is scored against every cached slot (the mask hides other rows'
+    slots, it does not skip them), so a node costs more in a big batch than alone (SmolLM2-135M on onnxruntime, 2
+    threads: t(16) - t(8) = 8 ms at past 256, 18 ms at past 3072). Kept non-decreasing in both: one noisy
+    measurement must not make a bigger forward look cheaper than a smaller one, which would buy nodes that cost more
+    than they gain. `measured` seeds the grid (a curve autotune stored: tuning/step_curve.py)."""
 
-    MAX_Q = 1024  # measured up to here; larger q extrapolates the last segment
+    MAX_Q, PAST0, MAX_PAST = 1024, 256, 16384  # measured up to here; larger extrapolates the last segment
 
-    def __init__(self, run, repeats: int = 5, warmup: int = 2):
-        self.run, self.repeats, self.warmup, self.measured = run, repeats, warmup, {}
-        self._curve: dict[int, float] = {}  # q -> the interpolated, monotone t(q): asked for every step
+    def __init__(self, run, repeats: int = 5, warmup: int = 2, measured: dict | None = None):
+        self.run, self.repeats, self.warmup = run, repeats, warmup
+        self.measured: dict[tuple[int, int], float] = dict(measured or {})  # (q, past) -> fastest seconds
+        self._grid: dict[tuple[int, int], float] = {}  # (q, past) -> the monotone value at a grid point
 
-    def _at(self, q: int) -> float:
-        if q not in self.measured:
-            for _ in range(self.warmup):
-                self.run(q)
-            times = []
-            for _ in range(self.repeats):
-                start = time.perf_counter()
-                self.run(q)
-                times.append(time.perf_counter() - start)
-            self.measured[q] = min(times)
-        return max(self.measured[q], self._at(q // 2)) if q > 1 else self.measured[q]
+    def _at(self, q: int, past: int) -> float:
+        if (q, past) not in self._grid:
+            if (q, past) not in self.measured:
+                for _ in range(self.warmup):
+                    self.run(q, past)
+                times = []
+                for _ in range(self.repeats):
+                    start = time.perf_counter()
+                    self.run(q, past)
+                    times.append(time.perf_counter() - start)
+                self.measured[(q, past)] = min(times)
+            below = [self._at(q // 2, past)] if q > 1 else []
+            below += [self._at(q, past // 2)] if past > self.PAST0 else []
+            self._grid[(q, past)] = max([self.measured[(q, past)], *below])
+        return self._grid[(q, past)]
 
-    def __call__(self, q: int) -> float:
-        q = max(1, int(q))
-        if q not in self._curve:
-            lo = min(1 << (q.bit_length() - 1), self.MAX_Q // 2)  # the power of two at or below q
-            a = self._at(lo)
-            self._curve[q] = a if lo == q else a + (self._at(lo * 2) - a) * (q - lo) / lo
-        return self._curve[q]
+    @staticmethod
+    def _segment(x: int, first: int, last: int) -> tuple[int, float]:
+        """The grid point at or below x (clamped to [first, last / 2]) and x's fraction of the way to the next."""
+        lo = first
+        while lo * 2 <= min(x, last // 2):
+            lo *= 2
+        return lo, (max(x, first) - lo) / lo
+
+    def __call__(self, q: int, past: int = 0) -> float:
+        q, past = max(1, int(q)), max(0, int(past))
+        ql, qf = self._segment(q, 1, self.MAX_Q)
+        pl, pf = self._segment(past, self.PAST0, self.MAX_PAST)
+
+        def along_q(p: int) -> float:
+            a = self._at(ql, p)
+            return a if qf == 0 else a + (self._at(ql * 2, p) - a) * qf
+
+        a = along_q(pl)
+        return a if pf == 0 else a + (along_q(pl * 2) - a) * pf
 
 
 class FixedCosts:
-    """A given curve t(q) = fixed + per_token * q (tests; or a model fitted elsewhere)."""
+    """A given curve t(q, past) = fixed + per_token * q + per_slot * q * past (tests; or a model fitted elsewhere)."""
 
-    def __init__(self, fixed: float, per_token: float):
-        self.fixed, self.per_token = fixed, per_token
+    def __init__(self, fixed: float, per_token: float, per_slot: float = 0.0):
+        self.fixed, self.per_token, self.per_slot = fixed, per_token, per_slot
 
-    def __call__(self, q: int) -> float:
-        return self.fixed + self.per_token * q
+    def __call__(self, q: int, past: int = 0) -> float:
+        return self.fixed + self.per_token * q + self.per_slot * q * past
 
 
 def _gained(path_nodes: tuple[int, ...], cap: int) -> int:
@@ -120,7 +144,12 @@ class Budget:
         self._look: tuple = ()  # this step's look: (row, its chosen cap, its nodes, the step's q without it, s/token)
         self._wait: dict[int, tuple[int, int]] = {}  # row id -> (steps before it may look again, its current backoff)
         self.idle: set[int] = set()  # rows whose drafter is switched off this step (set by caps_for)
+        self._past = 0  # the batch's cached slots this step (caps_for's `past`)
         self.queued = False  # requests wait for a place in the batch (`speccomp serve` sets it each step)
+
+    def _t(self, q: int) -> float:
+        """The step-cost curve at this step's cached slots (every row's, set by caps_for)."""
+        return self.costs(q, self._past)
 
     @property
     def _looking(self) -> dict[int, int]:
@@ -149,7 +178,7 @@ class Budget:
         if self._look and self._look[0] == rid:
             _, chosen, extra, q, per_token = self._look
             # refund what the look did not use (its drafter offered fewer nodes), credit what it gained
-            self.ledger += self.costs(q + extra) - self.costs(q + max(0, nodes - chosen))
+            self.ledger += self._t(q + extra) - self._t(q + max(0, nodes - chosen))
             gained = _gained(path[1:], nodes) - _gained(path[1:], chosen)  # tokens from the look's own nodes
             self.ledger += gained * per_token
             self._look = ()
@@ -158,6 +187,12 @@ class Budget:
                 paid = gained > 0  # look again as soon as records allow
                 backoff = 1 if paid else min(2 * backoff, MAX_BACKOFF)
                 self._wait[rid] = (0 if paid else backoff, backoff)
+
+    def charge(self, rid: int, seconds: float) -> None:
+        """Host seconds row `rid`'s drafter spent this step (drafting, observing). A looking row's are part of its
+        look's price (a row at cap 1 would have spent none), so the ledger pays them; any other row's are not looks."""
+        if self._look and self._look[0] == rid:
+            self.ledger -= seconds
 
     def forget(self, rid: int) -> None:
         if self._look and self._look[0] == rid:
@@ -178,9 +213,12 @@ class Budget:
         # keeps producing records at that cap, so raw means over few records overpay (benchmarks/README.md, batches)
         return (tokens + PRIOR) / (records + PRIOR) if records else None
 
-    def caps_for(self, rids: list[int], extra_q: int = 0, remaining: dict | None = None) -> dict[int, int]:
+    def caps_for(self, rids: list[int], extra_q: int = 0, remaining: dict | None = None,
+                 past: int = 0) -> dict[int, int]:
         """Each row's cap this step; `extra_q`: tokens of joining prompts riding in the same forward; `remaining`: row
-        id -> tokens it may still emit (its max_new_tokens left; default: the same for every row)."""
+        id -> tokens it may still emit (its max_new_tokens left; default: the same for every row); `past`: the slots
+        cached for the batch (every query is scored against all of them, so they set what a node costs)."""
+        self._past = past
         if not rids:  # every row is joining (its prompt's forward)
             self.idle = set()
             return {}
@@ -192,8 +230,8 @@ class Budget:
 
         def score(q: int, gains: dict) -> float:
             if self.queued:  # requests wait: every token counts, goodput sum(E) / t(q)
-                return sum(gains.values()) / self.costs(q)
-            return 1.0 / (self.costs(q) * max(left[r] / gains[r] for r in rids))  # the batch waits for its slowest row
+                return sum(gains.values()) / self._t(q)
+            return 1.0 / (self._t(q) * max(left[r] / gains[r] for r in rids))  # the batch waits for its slowest row
 
         def nodes(move: dict) -> int:
             return sum(self.caps[level[r] + 1] - self.caps[level[r]] for r in move)
@@ -216,14 +254,14 @@ class Budget:
         can = [r for r in (rids if self.queued else self._slowest(gains, left))
                if level[r] + 1 < len(self.caps) and self._wait[r][0] == 0]
         curious = [r for r in can if self._unseen(r, self.caps[level[r] + 1])] or can
-        step = self.costs(q)
+        step = self._t(q)
         self.ledger = min(self.ledger + LOOK_SHARE * step, step)  # not hoarded past one step's time
         if curious and self.ledger >= 0:  # one row a step, in turn, verifies the next cap up (module docstring)
             r = curious[self._turn % len(curious)]
             self._turn += 1
             chosen = self.caps[level[r]]
             caps[r] = self.caps[level[r] + 1]
-            self.ledger -= self.costs(q + caps[r] - chosen) - step
+            self.ledger -= self._t(q + caps[r] - chosen) - step
             self._look = (r, chosen, caps[r] - chosen, q, self._worth(r, q, chosen, gains, left))
         # switched off: verifying the root alone (a looking row verifies more); its upkeep may be skipped (docstring)
         self.idle = {r for r in rids if caps[r] == 1}
@@ -235,10 +273,10 @@ class Budget:
         only what the row adds to a forward, t(q) - t(q - nodes), where it does not (or not alone: rows tied with it
         hold the batch as long)."""
         if self.queued:
-            return self.costs(q) / sum(gains.values())
+            return self._t(q) / sum(gains.values())
         if self._slowest(gains, left) == [rid]:  # alone the slowest: the batch ends when it does
-            return self.costs(q) / gains[rid]
-        return (self.costs(q) - (self.costs(q - nodes) if q > nodes else 0.0)) / gains[rid]
+            return self._t(q) / gains[rid]
+        return (self._t(q) - (self._t(q - nodes) if q > nodes else 0.0)) / gains[rid]
 
     def _moves(self, rids, level, gains, left) -> list[dict]:
         """Candidate raises, each {row: E at its next cap}. Queued (goodput): any one row. Else only a raise of every

@@ -17,6 +17,7 @@ from speccomp.runtime.budget import Budget
 from speccomp.runtime.calls import ACCEPTANCE, CallGuard, batch_rows, check_context, choice, generate_args, pad_id
 from speccomp.runtime.decode import FullCache, RootOnly, Sequence, decode
 from speccomp.runtime.sampling import Sampler
+from speccomp.tuning.step_curve import load_curve
 
 
 _HOST = {"lock": threading.Lock(), "inside": 0, "before": 1}  # host_threads' calls in flight, process-wide
@@ -137,9 +138,11 @@ class SpecModel:
         return torch.cat([prompt, new[None].to(device)], dim=1)
 
     def step_costs(self):
-        """The target's step-cost curve (seconds per forward of q packed tokens), measured once, at first use."""
+        """The target's step-cost curve t(q, past) (runtime/budget.py's StepCosts): the grid autotune stored for this
+        model, backend and machine (tuning/step_curve.py), any other point measured at its first use."""
         if getattr(self, "_step_costs", None) is None:
-            self._step_costs = step_costs(self.step, self.kv, self.device, threads=lambda: host_threads(self.backend))
+            self._step_costs = step_costs(self.step, self.kv, self.device, threads=lambda: host_threads(self.backend),
+                                          measured=load_curve(self.model, self.backend))
         return self._step_costs
 
     def _check_call(self, args, acceptance: str) -> None:

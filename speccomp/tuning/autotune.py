@@ -54,7 +54,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import platform
 import statistics
 import sys
 import time
@@ -67,6 +66,7 @@ import torch
 from speccomp.errors import SpeccompError
 from speccomp.runtime.decode import Draft, DraftContext, Drafter, RootOnly
 from speccomp.runtime.tree import DEFAULT_DYNAMIC_TOP_K, AutoTreeSpec, DynamicTreeSpec, Tree, parse_tree_spec
+from speccomp.tuning.step_curve import machine_key, store_curve
 from speccomp.tuning.tree_dp import expected_accepted, optimal_trees
 
 PROBE_DEPTH = 6
@@ -111,13 +111,7 @@ def is_auto(tree) -> bool:
 
 def cache_key(model, drafter: str, backend: str) -> dict:
     """What an autotune result is valid for: the model, drafter, backend, device, dtype, threads and CPU."""
-    from speccomp.models import fingerprint
-
-    p = next(iter(model.parameters()), None)
-    return {"fingerprint": fingerprint(model), "drafter": drafter, "backend": backend,
-            "device": str(p.device) if p is not None else "cpu",
-            "dtype": str(p.dtype).replace("torch.", "") if p is not None else "float32",
-            "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
+    return {**machine_key(model, backend), "drafter": drafter}
 
 
 def result_path(model, drafter: str, backend: str) -> Path:
@@ -465,6 +459,7 @@ class AutotuneResult:
     measured: list = field(default_factory=list)  # decoded configurations: predicted vs measured tokens/s
     plain_tokens_per_s: float = float("nan")  # the same target graph, one token per step
     check: dict = field(default_factory=dict)  # held-back prompts: the tuned and the default tree's decode speed
+    step_curve: str | None = None  # where the batch step-cost curve was stored (tuning/step_curve.py)
     path: str | None = None
     schema: int = SCHEMA
 
@@ -502,6 +497,8 @@ class AutotuneResult:
         lines += [f"| {r['n']}{chosen(r['choices'])} | {r['depth']} | {r['expected']:.2f} | "
                   f"{1e3 * r['step_s']:.1f} | {r['tokens_per_s']:.1f} |"
                   for r in self.static if r["n"] in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) or chosen(r["choices"])]
+        if self.step_curve:
+            lines.append(f"batch step-cost curve t(q, past) stored: {self.step_curve}")
         if self.dynamic:
             lines += ["| dynamic budget | E[tokens/step] | mean nodes | step ms | predicted tok/s | measured tok/s |",
                       "|---:|---:|---:|---:|---:|---:|"]
@@ -932,7 +929,8 @@ def autotune(
     measure_sizes  static tree sizes to decode for predicted-vs-measured rows besides the chosen one
     check_prompts  prompts the tuned tree must beat the drafter's default tree on (else the default is stored);
                    None: every third of `prompts` when there are 3 or more (they are then not calibrated on)
-    save           store the result where compile(tree="auto") finds it
+    save           store the result where compile(tree="auto") finds it, and the target's batch step-cost curve
+                   over batch size x tree size (tuning/step_curve.py), which every later compile's batches plan with
     The tree stored is the configuration that decoded the calibration prompts fastest among the DP's best
     predictions, the dynamic budgets, hand-made shapes (HAND_TREES) and the default, and then beat the default on
     the held-back prompts. Every decoded configuration is compared with plain greedy decoding; a mismatch raises.
@@ -979,6 +977,8 @@ def autotune(
     if save:
         from speccomp.models import write_atomically
 
+        if not getattr(sm, "batch_refusal", None):  # a model that batches: its budget's curve, learnt here
+            result.step_curve = str(store_curve(model, backend, sm.step_costs()))
         path = result_path(model, drafter, backend)
         result.path = str(path)
         write_atomically(path, json.dumps(result.to_dict(), indent=1, default=float))
