@@ -27,6 +27,7 @@ import time
 import uuid
 
 from speccomp.errors import OptionError, OptionTypeError, SpeccompError
+from speccomp.runtime.budget import AHEAD_PAST, AHEAD_Q
 
 UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "stop": None,
                "suffix": None, "tools": None, "logit_bias": None}  # accepted only at these values
@@ -53,10 +54,8 @@ class Scheduler:
         self.engine, self.max_batch = engine, max_batch
         self.batch = engine.batch(kv_slots)
         if self.batch.budget is not None:  # measure the step-cost curve now, not during the first requests
-            q = 1
-            while q <= min(max_batch * engine.max_tree, 1024):
-                self.batch.budget.costs(q)
-                q *= 2
+            costs = self.batch.budget.costs
+            costs.measure_ahead(min(max_batch * engine.max_tree, AHEAD_Q), min(kv_slots, AHEAD_PAST))
         self.waiting: collections.deque[Job] = collections.deque()
         self.jobs: dict[int, Job] = {}
         self.wake = threading.Condition()

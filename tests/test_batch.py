@@ -366,16 +366,42 @@ def test_step_costs_are_the_fastest_run_and_never_fall_with_q_or_past():
         calls.append((q, past))
         clock.sleep(seconds[(q, past)] * (3 if len(calls) % 4 == 0 else 1))  # every 4th call is slow
 
+    released = []
+    run.release = lambda: released.append(1)
     costs = StepCosts(run, repeats=4, warmup=1)
     assert 0.012 <= costs(2) < 0.02 and calls.count((2, 256)) == 5  # 1 untimed + 4 timed, the slow one not kept
     assert costs(4) == costs(2) and costs(3) == costs(2)  # 4's own 4 ms is lifted to 2's 12 ms
     assert costs(1) < costs(2)
     assert costs(1, 512) == costs(1, 256)  # 512's own 1 ms is lifted to 256's 2 ms
     assert costs(2, 512) > costs(2, 256) and costs(2, 0) == costs(2, 256)  # below the grid: its first row
-    assert costs(2, 384) == (costs(2, 256) + costs(2, 512)) / 2  # halfway between two grid rows
+    assert costs(2, 384) == pytest.approx((costs(2, 256) + costs(2, 512)) / 2)  # halfway between two grid rows
+    assert len(released) == len(costs.measured) == 5  # what each measurement allocated was let go of
     n = len(calls)
     seeded = StepCosts(run, measured=costs.measured)
     assert seeded(2, 384) == costs(2, 384) and len(calls) == n  # a stored curve (tuning/step_curve.py) is used as is
+
+
+def test_a_stored_step_curve_is_what_later_batches_plan_with(llama, prompts, greedy, tmp_path, monkeypatch):
+    """The curve autotune stores (tuning/step_curve.py, measured afresh over a stale seed) is found by a later
+    compile's batches on onnxruntime, whose forwards run with torch at one thread: it is keyed by the user's count."""
+    from speccomp.runtime.budget import AHEAD_Q
+    from speccomp.tuning.step_curve import load_curve, store_curve
+
+    monkeypatch.setenv("SPECCOMP_CACHE", str(tmp_path))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        costs = speccomp.compile(llama, drafter="token_recycling", backend="onnxruntime").step_costs()
+        costs.measured[(1, 256)] = 123.0  # a stale point: storing measures again
+        store_curve(llama, "onnxruntime", costs, max_q=AHEAD_Q, max_past=512)
+        stored = load_curve(llama, "onnxruntime")
+        assert stored[(1, 256)] < 1 and (AHEAD_Q, 512) in stored
+        assert load_curve(llama, "onnxruntime", threads=1) is None and load_curve(llama, "eager") is None
+        fast = speccomp.compile(llama, drafter="token_recycling", backend="onnxruntime")
+        check_rows(fast, prompts, greedy, 2)
+        assert fast._step_costs.measured == stored  # planned with the stored grid; nothing measured in generate
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_bigger_batch_cache_makes_nodes_dearer():

@@ -1494,6 +1494,7 @@ class Engine:
                 self._forward(cache, [0] * q, np.arange(past, past + q, dtype=np.int64),
                               np.tril(np.ones((q, past + q), dtype=bool), past))
 
+            run.release = held.clear  # StepCosts lets go of the cache after each grid point
             self._step_costs = StepCosts(run)
         return self._step_costs
 

@@ -55,6 +55,7 @@ def step_costs(target, kv: KVSpec, device, threads=contextlib.nullcontext, measu
                    torch.ones(1, n, dtype=torch.long, device=device), cache.past(),
                    torch.ones(q, n, dtype=torch.bool, device=device).tril(past))
 
+    run.release = held.clear  # StepCosts lets go of the cache after each grid point: a long-lived model keeps none
     return StepCosts(run, measured=measured)
 
 

@@ -58,6 +58,7 @@ MIN_OWN = 4  # records a row needs before its own estimate is used (else the bat
 MAX_BACKOFF = 64  # steps a row waits at most between looks after its looks kept finding its drafts rejected
 MARGIN = 0.03  # a node is bought only where it raises the predicted goodput by more than this: estimates are noisy
 PRIOR = 4  # pseudo-records of a step that accepted no draft, added to every estimate (Budget.expected)
+AHEAD_Q, AHEAD_PAST = 256, 4096  # the grid measured ahead (StepCosts.measure_ahead): 16 rows x 16 nodes, x 256 tokens
 LOOK_SHARE = 0.01  # looks may cost this share of the batch's step time, plus what they gain (the ledger above)
 
 
@@ -90,10 +91,28 @@ class StepCosts:
                     self.run(q, past)
                     times.append(time.perf_counter() - start)
                 self.measured[(q, past)] = min(times)
+                release = getattr(self.run, "release", None)
+                if release is not None:  # let go of what the measurement allocated (a cache of past + q slots)
+                    release()
             below = [self._at(q // 2, past)] if q > 1 else []
             below += [self._at(q, past // 2)] if past > self.PAST0 else []
             self._grid[(q, past)] = max([self.measured[(q, past)], *below])
         return self._grid[(q, past)]
+
+    def measure_ahead(self, max_q: int = AHEAD_Q, max_past: int = AHEAD_PAST) -> None:
+        """Measure the grid up to max_q x max_past now (autotune, `speccomp serve`'s start), not during batches."""
+        q = 1
+        while q <= max_q:
+            past = self.PAST0
+            while past <= max_past:
+                self(q, past)
+                past *= 2
+            q *= 2
+
+    def reset(self) -> None:
+        """Forget every measurement (the next calls measure afresh)."""
+        self.measured.clear()
+        self._grid.clear()
 
     @staticmethod
     def _segment(x: int, first: int, last: int) -> tuple[int, float]:
@@ -189,9 +208,10 @@ class Budget:
                 self._wait[rid] = (0 if paid else backoff, backoff)
 
     def charge(self, rid: int, seconds: float) -> None:
-        """Host seconds row `rid`'s drafter spent this step (drafting, observing). A looking row's are part of its
-        look's price (a row at cap 1 would have spent none), so the ledger pays them; any other row's are not looks."""
-        if self._look and self._look[0] == rid:
+        """Host seconds row `rid`'s drafter spent this step (drafting, observing). Where a row looks from cap 1 they
+        are part of its look's price (at cap 1 its drafter is switched off and spends none), so the ledger pays them;
+        a row that looks from a bigger cap would have drafted anyway, and any other row's are not looks."""
+        if self._look and self._look[0] == rid and self._look[1] == 1:
             self.ledger -= seconds
 
     def forget(self, rid: int) -> None:

@@ -23,6 +23,12 @@ from speccomp.tuning.step_curve import load_curve
 _HOST = {"lock": threading.Lock(), "inside": 0, "before": 1}  # host_threads' calls in flight, process-wide
 
 
+def user_threads() -> int:
+    """torch's thread count as the user set it: inside host_threads (ONNX Runtime runs) it is 1 for the while."""
+    with _HOST["lock"]:
+        return _HOST["before"] if _HOST["inside"] else torch.get_num_threads()
+
+
 @contextlib.contextmanager
 def host_threads(backend: str):
     """One torch thread while ONNX Runtime runs every graph. torch then only does the host-side work between runs
@@ -142,7 +148,7 @@ class SpecModel:
         model, backend and machine (tuning/step_curve.py), any other point measured at its first use."""
         if getattr(self, "_step_costs", None) is None:
             self._step_costs = step_costs(self.step, self.kv, self.device, threads=lambda: host_threads(self.backend),
-                                          measured=load_curve(self.model, self.backend))
+                                          measured=load_curve(self.model, self.backend, user_threads()))
         return self._step_costs
 
     def _check_call(self, args, acceptance: str) -> None:
