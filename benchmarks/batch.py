@@ -123,9 +123,7 @@ def speccomp_rows(args, alone: list) -> dict:
     captured = speccomp.capture(model)
     spec = speccomp.compile(captured, backend=args.backend, drafter=args.drafter, tree=args.tree)
     costs = spec.step_costs()  # the load-aware budget's step-cost curve t(q, past), measured before any timing, on
-    for q in (1 << i for i in range(9)):  # autotune's grid (tuning/step_curve.py), past up to 16 rows' cache
-        for past in (costs.PAST0 << i for i in range(6)):
-            costs(q, past)
+    costs.measure_ahead(256, costs.PAST0 << 5)  # autotune's grid (tuning/step_curve.py), past up to 16 rows' cache
     # spec_full gets sessions of its own: its forwards of hundreds of tokens would otherwise grow the ONNX Runtime
     # arenas that the load-aware row's small forwards then run in (seen: up to 8% slower)
     full = speccomp.compile(captured, backend=args.backend, drafter=args.drafter, tree=args.tree)

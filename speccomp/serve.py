@@ -54,8 +54,7 @@ class Scheduler:
         self.engine, self.max_batch = engine, max_batch
         self.batch = engine.batch(kv_slots)
         if self.batch.budget is not None:  # measure the step-cost curve now, not during the first requests
-            costs = self.batch.budget.costs
-            costs.measure_ahead(min(max_batch * engine.max_tree, AHEAD_Q), min(kv_slots, AHEAD_PAST))
+            self.batch.budget.costs.measure_ahead(min(max_batch * engine.max_tree, AHEAD_Q), min(kv_slots, AHEAD_PAST))
         self.waiting: collections.deque[Job] = collections.deque()
         self.jobs: dict[int, Job] = {}
         self.wake = threading.Condition()

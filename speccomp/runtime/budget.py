@@ -163,12 +163,15 @@ class Budget:
         self._look: tuple = ()  # this step's look: (row, its chosen cap, its nodes, the step's q without it, s/token)
         self._wait: dict[int, tuple[int, int]] = {}  # row id -> (steps before it may look again, its current backoff)
         self.idle: set[int] = set()  # rows whose drafter is switched off this step (set by caps_for)
-        self._past = 0  # the batch's cached slots this step (caps_for's `past`)
+        self._past, self._step_t = 0, {}  # the batch's cached slots this step (caps_for's `past`); t(q) at them
         self.queued = False  # requests wait for a place in the batch (`speccomp serve` sets it each step)
 
     def _t(self, q: int) -> float:
-        """The step-cost curve at this step's cached slots (every row's, set by caps_for)."""
-        return self.costs(q, self._past)
+        """The step-cost curve at this step's cached slots (every row's, set by caps_for), memoised for the step: the
+        greedy loop asks for the same q many times, and the past changes every step."""
+        if q not in self._step_t:
+            self._step_t[q] = self.costs(q, self._past)
+        return self._step_t[q]
 
     @property
     def _looking(self) -> dict[int, int]:
@@ -238,7 +241,7 @@ class Budget:
         """Each row's cap this step; `extra_q`: tokens of joining prompts riding in the same forward; `remaining`: row
         id -> tokens it may still emit (its max_new_tokens left; default: the same for every row); `past`: the slots
         cached for the batch (every query is scored against all of them, so they set what a node costs)."""
-        self._past = past
+        self._past, self._step_t = past, {}
         if not rids:  # every row is joining (its prompt's forward)
             self.idle = set()
             return {}

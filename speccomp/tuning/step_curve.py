@@ -79,6 +79,7 @@ def store_curve(model, backend: str, costs, max_q: int = CURVE_Q, max_past: int 
     costs.reset()
     costs.measure_ahead(max_q, max_past)
     key = curve_key(model, backend)
+    path = curve_path(key)
     seconds = [[q, past, s] for (q, past), s in sorted(costs.measured.items())]
-    write_atomically(curve_path(key), json.dumps({"schema": SCHEMA, "key": key, "seconds": seconds}))
-    return curve_path(key)
+    write_atomically(path, json.dumps({"schema": SCHEMA, "key": key, "seconds": seconds}))
+    return path
