@@ -393,7 +393,9 @@ def test_autotune_token_recycling_static_tree(cache):
     with pytest.raises(AutotuneError, match="static trees only"):
         speccomp.autotune(model, "token_recycling", prompts(), mode="dynamic", save=False)
     result = speccomp.autotune(model, "token_recycling", prompts(), max_new_tokens=24, repeats=2, max_nodes=12, measure_sizes=[4])
-    assert result.mode == "static" and not result.dynamic
+    # a static tree: the DP's or a hand-made one ("static"), or the drafter's own where it decoded fastest ("default":
+    # on a tiny model the candidates' speeds differ by little, so which one wins is timing)
+    assert result.mode in ("static", "default") and not result.dynamic
     assert result.drafter_options == {**fast_options(model), "ngram_branches": 0}  # pure Token Recycling, all options
     assert result.acceptance["probe_ranks"] == 8 and {r["n"] for r in result.measured} >= {4}
     assert all(0.0 <= f <= 1.0 for f in result.timing["presence"])
