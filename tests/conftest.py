@@ -47,4 +47,13 @@ def smollm():
 def smollm_compiled(smollm):
     import speccomp
 
-    return speccomp.compile(smollm[0])
+    return speccomp.compile(smollm[0])  # compile(model) itself, capture included
+
+
+@pytest.fixture(scope="session")
+def smollm_captured(smollm):
+    """`speccomp.capture` of the default model, done once: every compile of it rewrites a copy (the documented
+    way to compile one model several ways), which saves a 13 s torch.export per real-model compile."""
+    import speccomp
+
+    return speccomp.capture(smollm[0])

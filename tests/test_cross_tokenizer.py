@@ -189,13 +189,13 @@ def smollm_with_fewer_merges(tokenizer, merges: int, seed: int) -> tuple[Tokeniz
 
 
 @pytest.mark.real_model
-def test_smollm2_with_a_differently_tokenized_draft(smollm, two_threads):
+def test_smollm2_with_a_differently_tokenized_draft(smollm, smollm_captured, two_threads):
     """Real text: SmolLM2 drafts for itself through a tokenizer with a fifth of its merges and shuffled ids (its
     embedding rows shuffled to match). Words split differently, ids mean different things: the drafts that survive
     the round trip through text are accepted, and the reply is HF greedy's."""
     model, tok = smollm
     draft_tok, perm = smollm_with_fewer_merges(tok, 10_000, seed=7)
-    fast = speccomp.compile(model, drafter=permuted_copy(model, perm), tree=4, drafter_options={
+    fast = speccomp.compile(smollm_captured, drafter=permuted_copy(model, perm), tree=4, drafter_options={
         "target_tokenizer": tok, "draft_tokenizer": draft_tok})
     text = "The lighthouse on the northern edge of the island"
     assert len(draft_tok.encode(text).ids) > len(tok.encode(text))  # it really cuts text into more pieces

@@ -70,12 +70,12 @@ def hf_refs(smollm):
     # one tree merged from the Hydra heads' and Token Recycling's (speccomp/drafters/merge.py)
     ("hydra+token_recycling", {"token_recycling": {"tree": [[0], [1], [0, 0]]}}, ("vicuna_bench",)),
 ])
-def test_greedy_256_tokens_identical(smollm, hf_refs, drafter, options, files):
+def test_greedy_256_tokens_identical(smollm, smollm_captured, hf_refs, drafter, options, files):
     """Plain decoding and every drafter (default tree) equal HF greedy token for token."""
     import speccomp
 
     model, tok = smollm
-    fast = speccomp.compile(model, drafter=drafter, drafter_options=options)
+    fast = speccomp.compile(smollm_captured, drafter=drafter, drafter_options=options)
     for name, (ids, ref) in hf_refs.items():
         if files is not None and name.split("-")[0] not in files:
             continue
@@ -140,7 +140,7 @@ def _assert_ort_logits_as_close_as_torch(model, fast, ids):
     assert ort_err <= 3 * torch_err + 1e-5, f"ORT is {ort_err:.3g} from float64, torch {torch_err:.3g}"
 
 
-def test_onnxruntime_and_torch_free_engine_256_tokens_identical(smollm, hf_refs, tmp_path):
+def test_onnxruntime_and_torch_free_engine_256_tokens_identical(smollm, smollm_captured, hf_refs, tmp_path):
     """backend="onnxruntime" with the shipped Medusa heads on one prompt; its engine directory (target.onnx
     copied from the backend, returning head states; medusa.onnx projecting them) run by `speccomp run
     --engine --no-draft` (plain decoding on the same graph) and `speccomp.load` with the heads, in a process where
@@ -155,7 +155,7 @@ def test_onnxruntime_and_torch_free_engine_256_tokens_identical(smollm, hf_refs,
 
     model, tok = smollm
     texts = {p.id.split("-")[0]: (p.id, p.values[0]) for p in PROMPTS}
-    fast = speccomp.compile(model, drafter="medusa", backend="onnxruntime")
+    fast = speccomp.compile(smollm_captured, drafter="medusa", backend="onnxruntime")
     ids, ref = hf_refs[texts["vicuna_bench"][0]]
     _assert_ort_logits_as_close_as_torch(model, fast, ids)
     assert torch.equal(fast.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=tok.eos_token_id), ref)
@@ -180,7 +180,7 @@ def test_onnxruntime_and_torch_free_engine_256_tokens_identical(smollm, hf_refs,
 LONG_TEXT = Path(__file__).resolve().parent / "data" / "long_text.txt"
 
 
-def test_kv_compression_on_long_text(smollm):
+def test_kv_compression_on_long_text(smollm, smollm_captured):
     """Past the budget: sink:128 drafting (lossless) equals HF greedy after a 700-token prompt, and KIVI int4
     read by the model itself (LOSSY) holds >= 3.5x fewer bytes (= the closed form) at a small KL."""
     import speccomp
@@ -189,12 +189,12 @@ def test_kv_compression_on_long_text(smollm):
     ids = torch.tensor([tok(LONG_TEXT.read_text(), add_special_tokens=False)["input_ids"]])
     assert ids.shape[1] > 4200, "the shipped text must reach past a 4k-token context"
     prompt = ids[:, :700]
-    fast = speccomp.compile(model, kv_cache="sink:128")
+    fast = speccomp.compile(smollm_captured, kv_cache="sink:128")
     out = fast.generate(prompt, max_new_tokens=48, eos_token_id=tok.eos_token_id)
     assert torch.equal(out, hf_greedy(model, prompt, 48, tok.eos_token_id))
     s = fast.last_stats
     assert s["lossless"] and s["kv_bytes_draft"] == s["kv_bytes_draft_closed_form"] < s["kv_bytes_full"] / 4
-    lossy = speccomp.compile(model, kv_cache="kivi4", kv_mode="target")
+    lossy = speccomp.compile(smollm_captured, kv_cache="kivi4", kv_mode="target")
     q = lossy.quality(ids[:, :1400], 1336)  # 64 tokens decoded through the int4 cache, scored against the text
     assert q["kv_bytes_compressed"] == q["kv_bytes_compressed_closed_form"]
     assert q["kv_bytes_full"] / q["kv_bytes_compressed"] >= 3.5
