@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 import uuid
+import warnings
 
 from speccomp.errors import OptionError, OptionTypeError, SpeccompError
 from speccomp.runtime.budget import AHEAD_PAST, AHEAD_Q
@@ -53,8 +54,12 @@ class Scheduler:
         engine.check_batchable(max(max_batch, 2))
         self.engine, self.max_batch = engine, max_batch
         self.batch = engine.batch(kv_slots)
-        if self.batch.budget is not None:  # measure the step-cost curve now, not during the first requests
-            self.batch.budget.costs.measure_ahead(min(max_batch * engine.max_tree, AHEAD_Q), min(kv_slots, AHEAD_PAST))
+        if self.batch.budget is not None:  # the step-cost curve now (stored after a first start), not in requests
+            try:
+                engine.store_step_curve(min(max_batch * engine.max_tree, AHEAD_Q), min(kv_slots, AHEAD_PAST))
+            except OSError as exc:  # measured all the same; only the next start measures again
+                warnings.warn(f"speccomp serve: could not store the step-cost curve ({exc}); set SPECCOMP_CACHE to a "
+                              "writable folder to keep it between starts")
         self.waiting: collections.deque[Job] = collections.deque()
         self.jobs: dict[int, Job] = {}
         self.wake = threading.Condition()

@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -9,6 +12,10 @@ import torch
 torch.set_num_threads(1)
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
+# The suite never reads or writes the user's cache (stored searches, trees, step curves would change what it tests);
+# tests that store something use their own folder, the rest share this one (child processes inherit it).
+os.environ["SPECCOMP_CACHE"] = tempfile.mkdtemp(prefix="speccomp-test-cache-")
+atexit.register(shutil.rmtree, os.environ["SPECCOMP_CACHE"], True)  # it holds the converted default model (0.5 GB)
 
 
 def pytest_collection_modifyitems(config, items):

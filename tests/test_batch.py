@@ -404,6 +404,35 @@ def test_a_stored_step_curve_is_what_later_batches_plan_with(llama, prompts, gre
         torch.set_num_threads(before)
 
 
+def test_an_engine_stores_its_step_curve_and_later_engines_start_from_it(captured, tmp_path, monkeypatch):
+    """`speccomp serve` measures the engine's grid at its first start and stores it (Engine.store_step_curve, keyed
+    by the target graph's SHA-256, providers, threads, spinning): a later Engine of the same directory on this
+    machine measures nothing; another thread count, or a damaged file, starts from nothing."""
+    from speccomp.tuning.step_curve import curve_path
+
+    monkeypatch.setenv("SPECCOMP_CACHE", str(tmp_path / "cache"))
+    path = speccomp.compile(captured, drafter="token_recycling").export(tmp_path / "e")
+    first = speccomp.load(path, threads=1)
+    assert first.step_costs().measured == {}  # nothing stored yet
+    stored = first.store_step_curve(max_q=4, max_past=512)
+    assert stored == curve_path(first._curve_key) and stored.is_file()
+    points = dict(first.step_costs().measured)
+    assert set(points) == {(q, past) for q in (1, 2, 4) for past in (256, 512)}
+
+    def no_forward(q, past):
+        raise AssertionError(f"measured t({q}, {past}) although it was stored")
+
+    later = speccomp.load(path, threads=1)
+    costs = later.step_costs()
+    assert costs.measured == points
+    costs.run = no_forward
+    later.store_step_curve(max_q=4, max_past=512)  # a second serve start: nothing to measure
+    assert first.step_costs()(3, 300) == costs(3, 300) > 0  # interpolated from the stored grid
+    assert speccomp.load(path, threads=2).step_costs().measured == {}  # another key
+    stored.write_text("{not json")
+    assert speccomp.load(path, threads=1).step_costs().measured == {}  # damaged: measured afresh, not an error
+
+
 def test_a_bigger_batch_cache_makes_nodes_dearer():
     """Every query is scored against every cached slot of the batch, so the same acceptance buys fewer nodes over a
     long batch cache than over a short one (StepCosts measures t(q, past); FixedCosts' per_slot models it)."""

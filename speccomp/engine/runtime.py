@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speccomp.runtime.budget import Budget, StepCosts
+from speccomp.runtime.budget import AHEAD_PAST, AHEAD_Q, Budget, StepCosts
 from speccomp.runtime.calls import (MAX_TREE, CallGuard, as_int, batch_rows, check_context, generate_args, pad_id,
                                     row_slots, run_batch)
 from speccomp.errors import OptionTypeError, SpeccompError
@@ -38,6 +38,7 @@ from speccomp.drafters.grow import ancestor_rows, cut, grow_dynamic, grow_static
 from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, merge_trees, own_view, recycle, shared_prefix
 from speccomp.drafters.suffix import SuffixDecoder
 from speccomp.drafters.text_bridge import TextBridge
+from speccomp.tuning.step_curve import engine_key, read_curve, write_curve
 from speccomp.kv.cache import all_layers, make_cache, needs_votes
 from speccomp.kv.policies import KVPolicyError, parse_kv_cache, snapkv_window
 
@@ -1270,6 +1271,7 @@ class Engine:
         # single session spins (Token Recycling alone ran ~7% faster so): benchmarks/README.md
         second = draft and any(p.get("graph") for p in m["drafter"].get("drafters") or [m["drafter"]])
         self.session = BoundSession(self.path / target["file"], providers, threads, spin=not second)
+        self._curve_key = engine_key(target["sha256"], self.session.providers, threads, spin=not second)
         check_target(self.session, m, self.dtype)
         # draft=False: plain decoding on the same target graph (extra outputs a drafter would read go unused)
         self.drafter = make_drafter(m["drafter"], self.path, providers, threads, target["outputs"], self.kv,
@@ -1481,7 +1483,8 @@ class Engine:
         return _Row(args, None if self.drafter is None else self.drafter.fresh(), self.max_tree, args.seed)
 
     def step_costs(self):
-        """The target's step-cost curve (runtime/budget.py's StepCosts), measured at first use of each grid point."""
+        """The target's step-cost curve (runtime/budget.py's StepCosts): the grid stored for this engine on this
+        machine (`store_step_curve`, `speccomp serve`'s first start), other points measured at first use."""
         if getattr(self, "_step_costs", None) is None:
             held = {}
 
@@ -1495,8 +1498,15 @@ class Engine:
                               np.tril(np.ones((q, past + q), dtype=bool), past))
 
             run.release = held.clear  # StepCosts lets go of the cache after each grid point
-            self._step_costs = StepCosts(run)
+            self._step_costs = StepCosts(run, measured=read_curve(self._curve_key))
         return self._step_costs
+
+    def store_step_curve(self, max_q: int = AHEAD_Q, max_past: int = AHEAD_PAST) -> Path:
+        """Measure the step-cost grid up to max_q x max_past (what is not stored yet) and store all it holds for
+        this engine on this machine (tuning/step_curve.py), where every later Engine on it starts from it."""
+        costs = self.step_costs()
+        costs.measure_ahead(max_q, max_past)
+        return write_curve(self._curve_key, costs.measured)
 
     def __repr__(self) -> str:
         d = (self.manifest["drafter"].get("name") if self.drafter is not None else None) or "plain"

@@ -6,7 +6,9 @@ past is the curve over batch size x tree size (issue 24). Measured lazily, a poi
 forwards; `speccomp autotune` (and `store_curve`) measures the grid up to CURVE_Q x CURVE_PAST (runtime/budget.py's
 AHEAD_Q x AHEAD_PAST) afresh and stores it next to the tuned trees, where every later `compile` of the same model on
 the same backend and machine finds it (`load_curve`, read by SpecModel.step_costs). Points beyond the grid are still
-measured at first use. An engine (torch-free) measures its own at first use, `speccomp serve` at its start.
+measured at first use. An engine's curve is keyed by its target graph's SHA-256 instead (`engine_key`; this module
+is torch-free at import, so the engine runtime reads and writes curves too): `speccomp serve` measures the grid at its
+first start on a machine and stores it, and every later start (and `Engine.step_costs`) begins from it.
 
     {"schema": 1, "key": {fingerprint, backend, device, dtype, threads, cpu, versions}, "seconds": [[q, past, s], ...]}
 """
@@ -17,8 +19,6 @@ import json
 import platform
 from pathlib import Path
 
-import torch
-
 from speccomp.runtime.budget import AHEAD_PAST as CURVE_PAST
 from speccomp.runtime.budget import AHEAD_Q as CURVE_Q
 
@@ -28,6 +28,8 @@ SCHEMA = 1
 def machine_key(model, backend: str, threads: int | None = None) -> dict:
     """What a measurement is valid for: the model, backend, device, dtype, threads (default: torch's now; give the
     user's where a caller runs inside runtime/model.py's host_threads, which sets one) and CPU."""
+    import torch
+
     from speccomp.models import fingerprint
 
     p = next(iter(model.parameters()), None)
@@ -37,17 +39,29 @@ def machine_key(model, backend: str, threads: int | None = None) -> dict:
             "threads": threads or torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
 
 
-def curve_key(model, backend: str, threads: int | None = None) -> dict:
-    """machine_key plus the versions of what runs the forward: a new torch or ONNX Runtime times differently."""
+def _versions(*packages: str) -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     versions = {}
-    for package in ("torch", "onnxruntime", "onnxruntime-gpu"):
+    for package in packages:
         try:
             versions[package] = version(package)
         except PackageNotFoundError:
             pass
-    return {**machine_key(model, backend, threads), "versions": versions}
+    return versions
+
+
+def curve_key(model, backend: str, threads: int | None = None) -> dict:
+    """machine_key plus the versions of what runs the forward: a new torch or ONNX Runtime times differently."""
+    return {**machine_key(model, backend, threads), "versions": _versions("torch", "onnxruntime", "onnxruntime-gpu")}
+
+
+def engine_key(target_sha256: str, providers: list[str], threads: int | None, spin: bool) -> dict:
+    """What an engine's curve is valid for: its target graph (the manifest's SHA-256), the providers its session runs
+    on, ONNX Runtime's threads (None: its default) and whether they spin, the CPU and ONNX Runtime's version."""
+    return {"engine": target_sha256, "backend": "engine", "providers": list(providers), "threads": threads,
+            "spin": spin, "cpu": platform.processor() or platform.machine(),
+            "versions": _versions("onnxruntime", "onnxruntime-gpu")}
 
 
 def curve_path(key: dict) -> Path:
@@ -57,29 +71,40 @@ def curve_path(key: dict) -> Path:
     return cache_dir() / "step_costs" / f"{key['backend']}-{digest}.json"
 
 
-def load_curve(model, backend: str, threads: int | None = None) -> dict | None:
-    """The stored grid {(q, past): seconds} for this model, backend and machine; None where there is none (a damaged
-    or foreign file, or a model that cannot be fingerprinted, counts as none: the curve is then measured at first
-    use, as without autotune)."""
+def read_curve(key: dict) -> dict | None:
+    """The stored grid {(q, past): seconds} for `key`; None where there is none (a damaged or foreign file counts as
+    none: the curve is then measured at first use)."""
     try:
-        key = curve_key(model, backend, threads)
         data = json.loads(curve_path(key).read_text())
         if data.get("schema") != SCHEMA or data["key"] != key:
             return None
         return {(int(q), int(past)): float(s) for q, past, s in data["seconds"] if s > 0}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError):
+    except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def write_curve(key: dict, measured: dict) -> Path:
+    """Store `measured` ({(q, past): seconds}, a StepCosts' points) under `key`, atomically."""
+    from speccomp.models import write_atomically
+
+    path = curve_path(key)
+    seconds = [[q, past, s] for (q, past), s in sorted(measured.items())]
+    write_atomically(path, json.dumps({"schema": SCHEMA, "key": key, "seconds": seconds}))
+    return path
+
+
+def load_curve(model, backend: str, threads: int | None = None) -> dict | None:
+    """read_curve for this model, backend and machine (a model that cannot be fingerprinted has none)."""
+    try:
+        key = curve_key(model, backend, threads)
+    except (RuntimeError, AttributeError, TypeError, ValueError):
+        return None
+    return read_curve(key)
 
 
 def store_curve(model, backend: str, costs, max_q: int = CURVE_Q, max_past: int = CURVE_PAST) -> Path:
     """Measure `costs` (a StepCosts) afresh on its grid up to max_q x max_past and store every point it holds (a
     curve it was seeded with is measured again: autotune run anew re-learns this machine)."""
-    from speccomp.models import write_atomically
-
     costs.reset()
     costs.measure_ahead(max_q, max_past)
-    key = curve_key(model, backend)
-    path = curve_path(key)
-    seconds = [[q, past, s] for (q, past), s in sorted(costs.measured.items())]
-    write_atomically(path, json.dumps({"schema": SCHEMA, "key": key, "seconds": seconds}))
-    return path
+    return write_curve(curve_key(model, backend), costs.measured)
