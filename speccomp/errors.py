@@ -4,6 +4,7 @@ Bad arguments raise `OptionError` (a bad value) or `OptionTypeError` (a value of
 are also `ValueError` / `TypeError`, so code that catches the builtin types keeps working, and both
 carry `.parameter`, `.value` and `.fix` for programs that want to react to them.
 """
+import os
 
 
 class SpeccompError(Exception):
@@ -19,8 +20,11 @@ class GraphStructureError(SpeccompError):
 
 
 def _describe(value) -> str:
+    """repr(value) on one line, cut in the middle when long: a path keeps its file name (up to 300 characters whole),
+    a tensor or list its first and last items."""
     text = " ".join(repr(value).split())  # tensors and arrays print over several lines
-    return text if len(text) <= 80 else text[:77] + "..."
+    limit = 300 if isinstance(value, (str, os.PathLike)) else 80
+    return text if len(text) <= limit else f"{text[:limit * 2 // 3]}...{text[-(limit // 3 - 3):]}"
 
 
 class _BadOption:

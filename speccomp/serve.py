@@ -50,16 +50,20 @@ class Job:
 class Scheduler:
     """The engine's batch, run by one thread; requests join and leave between steps (continuous batching)."""
 
-    def __init__(self, engine, max_batch: int = 8, kv_slots: int = 8192):
+    def __init__(self, engine, max_batch: int = 8, kv_slots: int = 8192, store_curve: bool = False):
         engine.check_batchable(max(max_batch, 2))
         self.engine, self.max_batch = engine, max_batch
         self.batch = engine.batch(kv_slots)
-        if self.batch.budget is not None:  # the step-cost curve now (stored after a first start), not in requests
-            try:
-                engine.store_step_curve(min(max_batch * engine.max_tree, AHEAD_Q), min(kv_slots, AHEAD_PAST))
-            except OSError as exc:  # measured all the same; only the next start measures again
-                warnings.warn(f"speccomp serve: could not store the step-cost curve ({exc}); set SPECCOMP_CACHE to a "
-                              "writable folder to keep it between starts")
+        if self.batch.budget is not None:  # the step-cost curve now, not during the first requests
+            grid = min(max_batch * engine.max_tree, AHEAD_Q), min(kv_slots, AHEAD_PAST)
+            if not store_curve:
+                self.batch.budget.costs.measure_ahead(*grid)
+            else:  # `speccomp serve` (one process on the machine): a later start begins from the stored curve
+                try:
+                    engine.store_step_curve(*grid)
+                except OSError as exc:  # measured all the same; only the next start measures again
+                    warnings.warn(f"speccomp serve: could not store the step-cost curve ({exc}); set SPECCOMP_CACHE "
+                                  "to a writable folder to keep it between starts")
         self.waiting: collections.deque[Job] = collections.deque()
         self.jobs: dict[int, Job] = {}
         self.wake = threading.Condition()
@@ -177,13 +181,15 @@ def _options(body: dict, default_max_tokens: int | None) -> dict:
             "top_p": body.get("top_p", 1.0), "seed": body.get("seed")}
 
 
-def make_app(engine, max_batch: int = 8, kv_slots: int = 8192, name: str | None = None):
-    """The FastAPI app serving `engine` (a loaded speccomp Engine); its scheduler thread starts now."""
+def make_app(engine, max_batch: int = 8, kv_slots: int = 8192, name: str | None = None, store_curve: bool = False):
+    """The FastAPI app serving `engine` (a loaded speccomp Engine); its scheduler thread starts now. store_curve: store
+    the step-cost curve measured at the start for later starts (`speccomp serve`; not Ray replicas, which start
+    together and would store what they measured while competing for the cores)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse
 
-    scheduler = Scheduler(engine, max_batch, kv_slots)
+    scheduler = Scheduler(engine, max_batch, kv_slots, store_curve)
     model_name = name or engine.manifest["model"].get("name") or "speccomp"
 
     @contextlib.asynccontextmanager
@@ -370,5 +376,5 @@ def serve(engine_dir, host: str = "127.0.0.1", port: int = 8000, max_batch: int 
 
     from speccomp.engine.runtime import load
 
-    app = make_app(load(engine_dir, provider=provider, threads=threads), max_batch, kv_slots)
+    app = make_app(load(engine_dir, provider=provider, threads=threads), max_batch, kv_slots, store_curve=True)
     uvicorn.run(app, host=host, port=port, log_level="info")

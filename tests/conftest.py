@@ -3,19 +3,27 @@ import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+
+from speccomp.models import cache_dir
 
 # Tiny models gain nothing from a second thread, and OpenMP threads spin badly when the
 # cores are shared; real-model tests raise this to 2 with the `two_threads` fixture.
 torch.set_num_threads(1)
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
-# The suite never reads or writes the user's cache (stored searches, trees, step curves would change what it tests);
-# tests that store something use their own folder, the rest share this one (child processes inherit it).
+# The suite never reads or writes the user's cache (stored searches, trees, step curves would change what it tests):
+# tests that store something use their own folder, the rest share this one (child processes inherit it). Only the
+# default model converted from its GGUF (0.5 GB, ~30 s to make) is the user's, linked in.
+# (pytest-xdist's workers inherit the first process's SPECCOMP_CACHE: the user's folder is passed on by name)
+_USER_MODELS = Path(os.environ.setdefault("SPECCOMP_TEST_USER_MODELS", str(cache_dir() / "models")))
 os.environ["SPECCOMP_CACHE"] = tempfile.mkdtemp(prefix="speccomp-test-cache-")
-atexit.register(shutil.rmtree, os.environ["SPECCOMP_CACHE"], True)  # it holds the converted default model (0.5 GB)
+atexit.register(shutil.rmtree, os.environ["SPECCOMP_CACHE"], True)  # removes the link, not what it points at
+_USER_MODELS.mkdir(parents=True, exist_ok=True)
+os.symlink(_USER_MODELS, os.path.join(os.environ["SPECCOMP_CACHE"], "models"))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,6 +41,10 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "real_model" in item.keywords:
                 item.add_marker(skip)
+    # `-n 2` (pytest-xdist, --dist loadgroup): a file's tests run in one worker (its module fixtures are made once),
+    # and every real-model test in one worker (the model, its capture and HF's references are made once)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("smollm" if "real_model" in item.keywords else item.path.name))
 
 
 @pytest.fixture

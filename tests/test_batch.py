@@ -429,8 +429,9 @@ def test_an_engine_stores_its_step_curve_and_later_engines_start_from_it(capture
     later.store_step_curve(max_q=4, max_past=512)  # a second serve start: nothing to measure
     assert first.step_costs()(3, 300) == costs(3, 300) > 0  # interpolated from the stored grid
     assert speccomp.load(path, threads=2).step_costs().measured == {}  # another key
-    stored.write_text("{not json")
-    assert speccomp.load(path, threads=1).step_costs().measured == {}  # damaged: measured afresh, not an error
+    for damaged in ("{not json", "[]", "null"):
+        stored.write_text(damaged)
+        assert speccomp.load(path, threads=1).step_costs().measured == {}, damaged  # measured afresh, not an error
 
 
 def test_a_bigger_batch_cache_makes_nodes_dearer():

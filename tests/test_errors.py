@@ -891,3 +891,14 @@ def test_cli_reports_bad_flags_before_loading_the_model(cli_main, engine_dir, tm
         alternatives = tuple(fill(a) for a in (needle if isinstance(needle, tuple) else (needle,)))
         assert any(a in err for a in alternatives), f"stderr does not name {alternatives}: {err[-500:]}"
     assert (mine / "notes.txt").read_text() == "precious"
+
+
+def test_long_values_are_cut_in_the_middle_so_a_path_keeps_its_file_name():
+    from speccomp.errors import OptionError
+
+    path = "/tmp/" + "deep/" * 40 + "notes.txt"  # 214 characters: named whole
+    assert repr(path) in str(OptionError("out", path, "is a file"))
+    longer = "/tmp/" + "deep/" * 100 + "notes.txt"
+    message = str(OptionError("out", longer, "is a file", "give a directory"))
+    assert "notes.txt'" in message and "..." in message and len(message) < 340
+    assert str(OptionError("tree", list(range(100)), "bad")).endswith("98, 99]: bad")

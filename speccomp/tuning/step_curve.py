@@ -36,7 +36,22 @@ def machine_key(model, backend: str, threads: int | None = None) -> dict:
     return {"fingerprint": fingerprint(model), "backend": backend,
             "device": str(p.device) if p is not None else "cpu",
             "dtype": str(p.dtype).replace("torch.", "") if p is not None else "float32",
-            "threads": threads or torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
+            "threads": threads or torch.get_num_threads(), "cpu": cpu()}
+
+
+def cpu() -> str:
+    """This machine's CPU as timing depends on it: the model name (/proc/cpuinfo where there is one; Linux's
+    platform.processor() is empty) and the cores this process may use."""
+    import os
+
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name} x{cores}"
 
 
 def _versions(*packages: str) -> dict:
@@ -53,15 +68,16 @@ def _versions(*packages: str) -> dict:
 
 def curve_key(model, backend: str, threads: int | None = None) -> dict:
     """machine_key plus the versions of what runs the forward: a new torch or ONNX Runtime times differently."""
-    return {**machine_key(model, backend, threads), "versions": _versions("torch", "onnxruntime", "onnxruntime-gpu")}
+    return {**machine_key(model, backend, threads),
+            "versions": _versions("speccomp", "torch", "onnxruntime", "onnxruntime-gpu")}
 
 
 def engine_key(target_sha256: str, providers: list[str], threads: int | None, spin: bool) -> dict:
     """What an engine's curve is valid for: its target graph (the manifest's SHA-256), the providers its session runs
-    on, ONNX Runtime's threads (None: its default) and whether they spin, the CPU and ONNX Runtime's version."""
+    on, ONNX Runtime's threads (None: its default, set by the cores in `cpu()`) and whether they spin, the CPU and
+    the versions of what runs the step."""
     return {"engine": target_sha256, "backend": "engine", "providers": list(providers), "threads": threads,
-            "spin": spin, "cpu": platform.processor() or platform.machine(),
-            "versions": _versions("onnxruntime", "onnxruntime-gpu")}
+            "spin": spin, "cpu": cpu(), "versions": _versions("speccomp", "numpy", "onnxruntime", "onnxruntime-gpu")}
 
 
 def curve_path(key: dict) -> Path:
@@ -79,7 +95,7 @@ def read_curve(key: dict) -> dict | None:
         if data.get("schema") != SCHEMA or data["key"] != key:
             return None
         return {(int(q), int(past)): float(s) for q, past, s in data["seconds"] if s > 0}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # AttributeError: JSON that is not an object
         return None
 
 
