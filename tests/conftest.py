@@ -49,7 +49,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def two_threads():
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    """Up to 2 torch threads, but never more than this worker's share of the cores: under `-n 2` on 2 cores a
+    second OpenMP thread waits at every barrier for a core the other worker holds (SmolLM2 decoded 5x slower)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // workers)))
     yield
     torch.set_num_threads(1)
 
