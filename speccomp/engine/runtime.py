@@ -38,7 +38,7 @@ from speccomp.drafters.grow import ancestor_rows, cut, grow_dynamic, grow_static
 from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, merge_trees, own_view, recycle, shared_prefix
 from speccomp.drafters.suffix import SuffixDecoder
 from speccomp.drafters.text_bridge import TextBridge
-from speccomp.tuning.step_curve import engine_key, read_curve, write_curve
+from speccomp.tuning.step_curve import curve_path, engine_key, read_curve, write_curve
 from speccomp.kv.cache import all_layers, make_cache, needs_votes
 from speccomp.kv.policies import KVPolicyError, parse_kv_cache, snapkv_window
 
@@ -1505,8 +1505,10 @@ class Engine:
         """Measure the step-cost grid up to max_q x max_past (what is not stored yet) and store all it holds for
         this engine on this machine (tuning/step_curve.py), where every later Engine on it starts from it."""
         costs = self.step_costs()
+        known = len(costs.measured)
         costs.measure_ahead(max_q, max_past)
-        return write_curve(self._curve_key, costs.measured)
+        path = curve_path(self._curve_key)
+        return write_curve(self._curve_key, costs.measured) if len(costs.measured) > known or not path.is_file() else path
 
     def __repr__(self) -> str:
         d = (self.manifest["drafter"].get("name") if self.drafter is not None else None) or "plain"

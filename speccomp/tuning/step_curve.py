@@ -14,8 +14,10 @@ first start on a machine and stores it, and every later start (and `Engine.step_
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -39,11 +41,10 @@ def machine_key(model, backend: str, threads: int | None = None) -> dict:
             "threads": threads or torch.get_num_threads(), "cpu": cpu()}
 
 
+@functools.cache  # once per process: platform.processor() runs `uname -p`, and every key asks
 def cpu() -> str:
     """This machine's CPU as timing depends on it: the model name (/proc/cpuinfo where there is one; Linux's
     platform.processor() is empty) and the cores this process may use."""
-    import os
-
     name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
