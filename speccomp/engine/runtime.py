@@ -32,6 +32,7 @@ import numpy as np
 from speccomp.runtime.budget import AHEAD_PAST, AHEAD_Q, Budget, StepCosts
 from speccomp.runtime.calls import (MAX_TREE, CallGuard, as_int, batch_rows, check_context, generate_args, pad_id,
                                     row_slots, run_batch)
+from speccomp.runtime.packed import PackedBatch, Part
 from speccomp.errors import OptionTypeError, SpeccompError
 from speccomp.drafters.eagle_cache import EagleCache
 from speccomp.drafters.grow import ancestor_rows, cut, grow_dynamic, grow_static, state_expander
@@ -1096,8 +1097,9 @@ class _Row:
             return [-1], [self.out[-1]]
         return self.drafter.propose(self.context, room - 1, cap)
 
-    def accept(self, tokens, children, logits) -> list[int]:
-        path, self._bonus = accept(tokens, children, lambda node: self.pick(logits[node]))
+    def accept(self, draft: tuple, mine: tuple) -> list[int]:
+        """draft: (tokens, children); mine: the target's (logits [n, V], extras) over its nodes."""
+        path, self._bonus = accept(*draft, lambda node: self.pick(mine[0][node]))
         return path
 
     def observes(self, idle: bool) -> bool:
@@ -1105,7 +1107,8 @@ class _Row:
         drafter off (`idle`, runtime/budget.py) and skipping costs acceptance only (decode.py's Drafter)."""
         return self.drafter is not None and not (idle and self.drafter.observe_optional)
 
-    def advance(self, tokens, path, logits, extras, idle: bool = False) -> None:
+    def advance(self, draft: tuple, path: list[int], mine: tuple, idle: bool = False) -> None:
+        tokens, (logits, extras) = draft[0], mine
         if self.observes(idle):
             self.drafter.observe(tokens, path, logits, extras)
         if self.drafter is not None:
@@ -1127,110 +1130,42 @@ class _Row:
         return about
 
 
-class EngineBatch:
-    """Rows of one engine decoding together (speccomp/runtime/batch.py's Batch in numpy): `add` a row between steps,
-    `step` (one target forward for every row: joining rows' prompts, the others' draft trees, packed; a query sees its
-    own row's cached slots and its own tree), `remove` a row (its slots are dropped). Rows are `Engine.row`s."""
+class EngineBatch(PackedBatch):
+    """Rows of one engine decoding together (speccomp/runtime/batch.py's Batch in numpy; the step is
+    runtime/packed.py's): `add` a row between steps, `step`, `remove` a row. Rows are `Engine.row`s."""
+
+    error = EngineError
 
     def __init__(self, engine, capacity: int, budget=None):
-        self.engine, self.budget = engine, budget
+        super().__init__(capacity, engine.max_tree, budget)
+        self.engine = engine
         self.cache = KVCache(engine.kv, capacity, engine.dtype)
-        self.owner = np.full(capacity, -1)  # row id of each cache slot
-        self.rows: dict[int, _Row] = {}
-        self.reserved: dict[int, int] = {}
-        self.forwards, self._next = 0, 0
 
-    def need(self, prompt_len: int, max_new_tokens: int) -> int:
-        return row_slots(prompt_len, max_new_tokens, self.engine.max_tree)
+    def _prefill(self, rid: int) -> Part:
+        n = len(self.rows[rid].prompt)
+        return Part(rid, self.rows[rid].prompt, np.arange(n), np.tri(n, dtype=bool))
 
-    def free(self) -> int:
-        return self.cache.shape[4] - sum(self.reserved.values())
+    def _draft(self, rid: int, cap: int | None) -> Part:
+        row = self.rows[rid]
+        parents, tokens = row.draft(cap)
+        depth, block, children = tree_arrays(parents)
+        return Part(rid, tokens, len(row.context) - 1 + depth, block, (tokens, children))  # cached: all but the root
 
-    def add(self, row) -> int:
-        need = self.need(len(row.prompt), row.max_new_tokens)
-        if need > self.free():
-            raise EngineError(f"the batch's cache has {self.free()} free slots, the row needs {need}")
-        rid, self._next = self._next, self._next + 1
-        self.rows[rid], self.reserved[rid] = row, need
-        return rid
+    def _forward(self, parts: list[Part], mask: np.ndarray, observed: list[int]) -> tuple:
+        return self.engine._forward(self.cache, [t for p in parts for t in p.tokens],
+                                    np.concatenate([p.positions for p in parts]).astype(np.int64), mask, observed)
 
-    def remove(self, rid: int) -> None:
-        self.rows.pop(rid)
-        self.reserved.pop(rid)
-        if self.budget is not None:
-            self.budget.forget(rid)
-        length = self.cache.length  # as runtime/batch.py's _compact: untag now, move once half the slots are dead
-        live = np.isin(self.owner[:length], list(self.rows))
-        self.owner[:length][~live] = -1
-        if int((~live).sum()) >= int(live.sum()) and not live.all():
-            m = int(live.sum())
-            self.cache.data[..., :m, :] = self.cache.data[..., :length, :][..., live, :]
-            self.owner[:m], self.owner[m:length] = self.owner[:length][live], -1
-            self.cache.length = m
+    def _share(self, outs: tuple, at: int, n: int) -> tuple:
+        return outs[0][at:at + n], [e[:, at:at + n] for e in outs[2]]
 
-    def step(self) -> dict[int, list[int]]:
-        """One forward for every unfinished row; the tokens each emitted (finished rows stay until `remove`)."""
-        running = [i for i, r in self.rows.items() if r.out and not r.done]
-        joining = [i for i, r in self.rows.items() if not r.out]
-        caps = {} if self.budget is None else self.budget.caps_for(
-            running, extra_q=sum(len(self.rows[i].prompt) for i in joining),
-            remaining={i: self.rows[i].max_new_tokens - len(self.rows[i].out) for i in running},
-            past=self.cache.length)
-        parts = []  # (row id, tokens, positions, block mask, children or None for a prefill)
-        for i in joining:
-            n = len(self.rows[i].prompt)
-            parts.append((i, self.rows[i].prompt, np.arange(n), np.tril(np.ones((n, n), dtype=bool)), None))
-        for i in running:
-            start = time.perf_counter()
-            parents, tokens = self.rows[i].draft(caps.get(i))
-            if self.budget is not None:
-                self.budget.charge(i, time.perf_counter() - start)  # a look's drafting is part of its price
-            depth, block, children = tree_arrays(parents)
-            parts.append((i, tokens, len(self.rows[i].context) - 1 + depth, block, children))  # cached: all but the root
-        if not parts:
-            return {}
-        idle = set() if self.budget is None else self.budget.idle
-        mask, observed = self._packed(parts, idle)
-        logits, new_kv, extras = self.engine._forward(self.cache, [t for p in parts for t in p[1]],
-                                                      np.concatenate([p[2] for p in parts]).astype(np.int64), mask,
-                                                      observed)
-        self.forwards += 1
-        keep, owners, emitted, at = [], [], {}, 0
-        for i, tokens, _, _, children in parts:
-            r, n = self.rows[i], len(tokens)
-            mine, own, before = logits[at : at + n], [e[:, at : at + n] for e in extras], len(r.out)
-            if children is None:
-                r.first(mine, own, self.cache)
-                kept = list(range(n))
-            else:
-                kept = r.accept(tokens, children, mine)
-                start = time.perf_counter()
-                r.advance(tokens, kept, mine, own, idle=i in idle)
-                if self.budget is not None:
-                    self.budget.charge(i, time.perf_counter() - start)  # and so is its drafter's learning
-                    self.budget.record(i, kept, len(tokens))  # the tree's nodes, <= caps[i]
-            keep += [at + k for k in kept]
-            owners += [i] * len(kept)
-            emitted[i] = r.out[before:]
-            at += n
-        self.owner[self.cache.length : self.cache.length + len(keep)] = owners
-        self.cache.append(new_kv, keep=np.array(keep))
-        return emitted
+    def _first(self, row: "_Row", mine: tuple) -> None:
+        row.first(*mine, self.cache)
 
-    def _packed(self, parts, idle: set) -> tuple[np.ndarray, list[int]]:
-        """The step's tree mask [q, past + q] (a query sees its own row's cached slots and its own tree) and the nodes
-        whose outputs a drafter observes: not a prefill's, nor a switched-off row's (`_Row.observes`), whose top-k a
-        Token Recycling graph then does not compute."""
-        past, q = self.cache.length, sum(len(p[1]) for p in parts)
-        mask, observed, at = np.zeros((q, past + q), dtype=bool), [], 0
-        for i, tokens, _, block, children in parts:
-            n = len(tokens)
-            mask[at : at + n, :past] = self.owner[:past] == i
-            mask[at : at + n, past + at : past + at + n] = block
-            if children is not None and self.rows[i].observes(i in idle):
-                observed += range(at, at + n)
-            at += n
-        return mask, observed
+    def _append(self, outs: tuple, keep: list[int]) -> None:
+        self.cache.append(outs[1], keep=np.array(keep))
+
+    def _move(self, idx: np.ndarray) -> None:
+        self.cache.data[..., :len(idx), :] = self.cache.data[..., idx, :]
 
 
 # ---- The engine ------------------------------------------------------------------------------------------
@@ -1411,9 +1346,9 @@ class Engine:
             parents, tokens = row.draft()
             depth, mask, children = tree_arrays(parents)
             logits, new_kv, extras = self._forward(cache, tokens, cache.length + depth, mask)
-            path = row.accept(tokens, children, logits)
+            path = row.accept((tokens, children), (logits, extras))
             cache.append(new_kv, keep=path)
-            row.advance(tokens, path, logits, extras)
+            row.advance((tokens, children), path, (logits, extras))
         seconds = time.perf_counter() - start
         return row.out, {**row.stats(seconds), "prefill_seconds": prefill_seconds, "kv_bytes": cache.nbytes(),
                          "lossless": True, "providers": self.providers}

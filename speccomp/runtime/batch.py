@@ -26,8 +26,8 @@ own cache (they would read the other rows' entries), and compressed-KV models.
 from __future__ import annotations
 
 import contextlib
-import time
 
+import numpy as np
 import torch
 
 from speccomp.errors import OptionError
@@ -35,6 +35,7 @@ from speccomp.frontend.convention import KVSpec
 from speccomp.runtime.budget import Budget, StepCosts
 from speccomp.runtime.calls import row_slots, run_batch
 from speccomp.runtime.decode import KVCache, Sequence
+from speccomp.runtime.packed import PackedBatch, Part
 
 
 def step_costs(target, kv: KVSpec, device, threads=contextlib.nullcontext, measured: dict | None = None):
@@ -79,131 +80,48 @@ def check_batchable(model, rows: int) -> None:
                           f"hydra, eagle, a draft model), or {fix}")
 
 
-class Batch:
-    """Rows decoding together over one target graph (`target`: the calling convention plus tree_mask)."""
+class Batch(PackedBatch):
+    """Rows decoding together over one target graph (`target`: the calling convention plus tree_mask); the step
+    itself is runtime/packed.py's."""
 
     def __init__(self, target, kv: KVSpec, capacity: int, device, max_tree: int, budget: Budget | None = None):
-        """`budget`: load-aware caps on each row's tree (runtime/budget.py); None: every row its drafter's whole tree."""
-        self.target, self.max_tree, self.device, self.budget = target, max_tree, device, budget
+        super().__init__(capacity, max_tree, budget)
+        self.target, self.device = target, device
         self.cache = KVCache(kv, capacity, device)
-        self.owner = torch.full((capacity,), -1, dtype=torch.long)  # row id of each cache slot
-        self.rows: dict[int, Sequence] = {}
-        self.reserved: dict[int, int] = {}  # row id -> slots set aside for it (its whole generation)
-        self.forwards = 0
-        self._next_id = 0
-        self._joined: dict[int, float] = {}  # row id -> when it joined (its stats' seconds count from there)
 
-    def need(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Cache slots a row needs at most: its text, plus the room its last step's tree is verified in."""
-        return row_slots(prompt_len, max_new_tokens, self.max_tree)
+    def _prefill(self, rid: int) -> Part:
+        n = len(self.rows[rid].prompt)
+        return Part(rid, torch.tensor(self.rows[rid].prompt), np.arange(n), np.tri(n, dtype=bool))
 
-    def free(self) -> int:
-        return self.cache.capacity - sum(self.reserved.values())
+    def _draft(self, rid: int, cap: int | None) -> Part:
+        seq = self.rows[rid]
+        draft = seq.draft(self.cache, cap)
+        return Part(rid, draft.tokens, len(seq.context) - 1 + draft.tree.depth.cpu().numpy(),
+                    draft.tree.mask.cpu().numpy(), draft)
 
-    def add(self, seq: Sequence) -> int:
-        """A row joins (its prompt is prefilled by the next step); its id."""
-        need = self.need(len(seq.prompt), seq.max_new_tokens)
-        if need > self.free():
-            raise RuntimeError(f"the batch's cache has {self.free()} free slots, the row needs {need}")
-        rid, self._next_id = self._next_id, self._next_id + 1
-        self.rows[rid], self.reserved[rid] = seq, need
-        self._joined[rid] = time.perf_counter()
-        return rid
-
-    def remove(self, rid: int) -> None:
-        """A row leaves (done, or its client went away): its slots are freed."""
-        self.rows.pop(rid)
-        self.reserved.pop(rid)
-        self._joined.pop(rid)
-        if self.budget is not None:
-            self.budget.forget(rid)
-        self._compact()
-
-    def step(self) -> dict[int, list[int]]:
-        """One forward for every row: joining rows' prompts, the others' drafts. The tokens each row emitted this step
-        (finished rows stay until `remove`, done)."""
-        parts = []  # (row id, Draft or None for a prefill, tokens, positions, block mask)
-        running = [rid for rid, seq in self.rows.items() if seq.out and not seq.done]
-        joining = [rid for rid, seq in self.rows.items() if not seq.out]
-        caps = {} if self.budget is None else self.budget.caps_for(
-            running, extra_q=sum(len(self.rows[r].prompt) for r in joining),
-            remaining={r: self.rows[r].max_new_tokens - len(self.rows[r].out) for r in running},
-            past=self.cache.length)
-        for rid in joining:
-            n = len(self.rows[rid].prompt)
-            parts.append((rid, None, torch.tensor(self.rows[rid].prompt), torch.arange(n),
-                          torch.ones(n, n, dtype=torch.bool).tril()))
-        for rid in running:
-            start = time.perf_counter()
-            draft = self.rows[rid].draft(self.cache, caps.get(rid))
-            if self.budget is not None:
-                self.budget.charge(rid, time.perf_counter() - start)  # a look's drafting is part of its price
-            parts.append((rid, draft, draft.tokens, len(self.rows[rid].context) - 1 + draft.tree.depth, draft.tree.mask))
-        if not parts:
-            return {}
-        outs = self._forward(parts)
-        emitted, keep, owners, offset = {}, [], [], 0
-        for rid, draft, tokens, _, _ in parts:
-            q, seq, before = len(tokens), self.rows[rid], len(self.rows[rid].out)
-            mine = (outs[0][:, offset:offset + q], None, *(x[:, offset:offset + q] for x in outs[2:]))
-            if draft is None:
-                seq.first(mine)
-                kept = list(range(q))
-            else:
-                kept = seq.accept(draft, mine)
-                start = time.perf_counter()
-                seq.advance(draft, kept, mine, idle=self.budget is not None and rid in self.budget.idle)
-                if self.budget is not None:
-                    self.budget.charge(rid, time.perf_counter() - start)  # and so is its drafter's learning
-                    self.budget.record(rid, kept, draft.tree.size)  # <= caps[rid]
-            seq.stats.seconds = time.perf_counter() - self._joined[rid]
-            if draft is None:
-                seq.stats.prefill_seconds = seq.stats.seconds
-            keep += [offset + i for i in kept]
-            owners += [rid] * len(kept)
-            emitted[rid] = seq.out[before:]
-            offset += q
-        start = self.cache.length
-        self.cache.append(outs[1], keep=torch.tensor(keep, device=self.cache.data.device))
-        self.owner[start:self.cache.length] = torch.tensor(owners)
-        return emitted
-
-    def _forward(self, parts) -> tuple:
-        past = self.cache.length
-        q = sum(len(p[2]) for p in parts)
-        if past + q > self.cache.capacity:
-            raise RuntimeError(f"KV cache overflow: {past} + {q} > capacity {self.cache.capacity}")
-        mask = torch.zeros(q, past + q, dtype=torch.bool)
-        owners, offset = self.owner[:past], 0
-        for rid, _, tokens, _, block in parts:
-            n = len(tokens)
-            mask[offset:offset + n, :past] = owners == rid
-            mask[offset:offset + n, past + offset:past + offset + n] = block
-            offset += n
-        tokens = torch.cat([p[2] for p in parts])[None].to(self.device)
-        positions = torch.cat([p[3] for p in parts])[None].to(self.device)
-        ones = torch.ones(1, past + q, dtype=torch.long, device=self.device)
+    def _forward(self, parts: list[Part], mask: np.ndarray, observed) -> tuple:
+        tokens = torch.cat([p.tokens.cpu() for p in parts])[None].to(self.device)
+        positions = torch.from_numpy(np.concatenate([p.positions for p in parts]))[None].to(self.device)
+        ones = torch.ones(1, mask.shape[1], dtype=torch.long, device=self.device)
         with torch.no_grad():
-            outs = self.target(tokens, positions, ones, self.cache.past(), mask.to(self.device))
-        self.forwards += 1
-        return outs
+            return self.target(tokens, positions, ones, self.cache.past(), torch.from_numpy(mask).to(self.device))
 
-    def _compact(self) -> None:
-        """Drop the slots of rows that left, keeping the others' in order (attention does not care where a key sits:
-        its row tag and rotary position say all). Lazily: a left row's slots are untagged at once (no query sees
-        them), and moved only once they are as many as the live ones, so a copy of the cache is amortised."""
-        length = self.cache.length
-        gone = ~torch.isin(self.owner[:length], torch.tensor(list(self.rows), dtype=torch.long))
-        self.owner[:length][gone] = -1
-        dead = int(gone.sum())
-        if dead == 0 or dead < length - dead:
-            return
-        idx = (~gone).nonzero()[:, 0]
-        m = len(idx)
-        self.cache.data[..., :m, :] = self.cache.data.index_select(4, idx.to(self.cache.data.device))
-        self.owner[:m] = self.owner[idx].clone()
-        self.owner[m:length] = -1
-        self.cache.length = m
+    def _share(self, outs: tuple, at: int, n: int) -> tuple:
+        return (outs[0][:, at:at + n], None, *(x[:, at:at + n] for x in outs[2:]))
+
+    def _first(self, seq: Sequence, mine: tuple) -> None:
+        seq.first(mine)
+
+    def _append(self, outs: tuple, keep: list[int]) -> None:
+        self.cache.append(outs[1], keep=torch.tensor(keep, device=self.cache.data.device))
+
+    def _move(self, idx: np.ndarray) -> None:
+        self.cache.data[..., :len(idx), :] = self.cache.data.index_select(4, torch.from_numpy(idx).to(self.cache.data.device))
+
+    def _settled(self, seq: Sequence, seconds: float, prefill: bool) -> None:
+        seq.stats.seconds = seconds
+        if prefill:
+            seq.stats.prefill_seconds = seconds
 
 
 def decode_batch(target, kv: KVSpec, device, seqs: list[Sequence], max_tree: int, budget: Budget | None = None) -> int:

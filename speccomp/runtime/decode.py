@@ -357,10 +357,14 @@ class Sequence:
         path, self._bonus = accept(draft.tree, draft.tokens, outs[0][0], draft.probs, self.sampler, self.acceptance)
         return path
 
+    def observes(self, idle: bool) -> bool:
+        """Whether `advance` hands the drafter this step: not where a batch's budget switched it off (`idle`) and its
+        drafter declares that skipping costs acceptance only (`observe_optional`)."""
+        return not (idle and self.drafter.observe_optional)
+
     def advance(self, draft: Draft, path: list[int], outs: tuple, idle: bool = False) -> None:
-        """`idle`: a batch row whose drafter the budget switched off this step (it verified the root alone): a drafter
-        with `observe_optional` skips its observe."""
-        if not (idle and self.drafter.observe_optional):
+        """`idle`: a batch row whose drafter the budget switched off this step (it verified the root alone)."""
+        if self.observes(idle):
             self.drafter.observe(draft, path, outs[0][0])
         _hand_states(self.drafter, outs, path)
         self.stats.steps += 1
