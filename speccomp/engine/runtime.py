@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from speccomp.runtime.budget import AHEAD_PAST, AHEAD_Q, Budget, StepCosts
-from speccomp.runtime.calls import (MAX_TREE, CallGuard, as_int, batch_rows, check_context, generate_args, pad_id,
-                                    row_slots, run_batch)
+from speccomp.runtime.calls import (MAX_TREE, CallGuard, Generation, as_int, batch_rows, check_context, generate_args,
+                                    pad_id, row_slots, run_batch)
 from speccomp.runtime.packed import PackedBatch, Part
 from speccomp.errors import OptionTypeError, SpeccompError
 from speccomp.drafters.eagle_cache import EagleCache
@@ -1062,19 +1062,15 @@ def check_head_step(name: str, options: dict, session) -> None:
 
 
 # ---- One generation in the loop -----------------------------------------------------------------------------
-class _Row:
+class _Row(Generation):
     """One generation (speccomp/runtime/decode.py's Sequence in numpy): first(prefill outputs), draft(), accept(),
     advance(); Engine._decode runs one, Engine._decode_batch many packed into one forward a step."""
 
     def __init__(self, args, drafter, max_tree: int, seed):
-        self.prompt, self.max_new_tokens, self.eos = args.prompt.tolist(), args.max_new_tokens, args.eos
-        self.drafter, self.max_tree, self.args = drafter, max_tree, args
+        super().__init__(args.prompt.tolist(), args.max_new_tokens, args.eos, max_tree)
+        self.drafter, self.args = drafter, args
         self.rng = np.random.default_rng(seed)
-        self.out, self.context, self.steps, self._bonus = [], list(self.prompt), 0, None
-
-    @property
-    def done(self) -> bool:
-        return bool(self.out) and (len(self.out) >= self.max_new_tokens or self.out[-1] in self.eos)
+        self.steps, self._bonus = 0, None
 
     def pick(self, logits_row: np.ndarray) -> int:
         if not self.args.do_sample:
@@ -1090,9 +1086,8 @@ class _Row:
             self.drafter.take(extras, list(range(len(self.prompt))))
 
     def draft(self, max_nodes: int | None = None) -> tuple[list[int], list[int]]:
-        """`max_nodes`: a batch's cap for this row this step (runtime/budget.py); 1 asks the drafter for nothing."""
-        room = self.max_new_tokens - len(self.out)  # tokens still allowed, the bonus included
-        cap = self.max_tree if max_nodes is None else min(max_nodes, self.max_tree)
+        """`max_nodes`: a batch's cap for this row this step (Generation.room)."""
+        room, cap = self.room(max_nodes)
         if self.drafter is None or room <= 1 or cap <= 1:
             return [-1], [self.out[-1]]
         return self.drafter.propose(self.context, room - 1, cap)
@@ -1115,13 +1110,6 @@ class _Row:
             self.drafter.take(extras, path)
         self.steps += 1
         self._emit([tokens[i] for i in path[1:]] + [self._bonus])
-
-    def _emit(self, tokens: list[int]) -> None:
-        for t in tokens:
-            self.out.append(int(t))
-            if t in self.eos or len(self.out) >= self.max_new_tokens:
-                break
-        self.context.extend(self.out[len(self.context) - len(self.prompt):])
 
     def stats(self, seconds) -> dict:
         about = {"new_tokens": len(self.out), "steps": self.steps, "tau": len(self.out) / self.steps}

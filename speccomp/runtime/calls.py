@@ -89,6 +89,33 @@ class GenerateArgs:
     seed: int | None
 
 
+class Generation:
+    """One generation's text, for both runtimes' loops (decode.py's Sequence, the engine's _Row): the prompt, the
+    tokens emitted so far (`context` is both; its last token is the next tree's root), and when it is done."""
+
+    def __init__(self, prompt, max_new_tokens: int, eos, max_tree: int):
+        self.prompt, self.max_new_tokens, self.eos, self.max_tree = list(prompt), max_new_tokens, set(eos), max_tree
+        self.out: list[int] = []
+        self.context = list(self.prompt)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.out) and (len(self.out) >= self.max_new_tokens or self.out[-1] in self.eos)
+
+    def room(self, max_nodes: int | None) -> tuple[int, int]:
+        """(tokens still allowed, the bonus included; the tree's node cap). `max_nodes`: a batch's cap for this row
+        this step (runtime/budget.py); a cap of 1 asks the drafter for nothing."""
+        return self.max_new_tokens - len(self.out), self.max_tree if max_nodes is None else min(max_nodes, self.max_tree)
+
+    def _emit(self, tokens) -> None:
+        """Accepted tokens, up to the first eos or max_new_tokens."""
+        for t in tokens:
+            self.out.append(int(t))
+            if t in self.eos or len(self.out) >= self.max_new_tokens:
+                break
+        self.context.extend(self.out[len(self.context) - len(self.prompt):])
+
+
 def _prompt(input_ids, vocab_size: int):
     """The prompt as a 1-D int64 numpy array (an integer array/tensor is checked without a Python loop)."""
     shape = getattr(input_ids, "shape", None)

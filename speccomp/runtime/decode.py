@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speccomp.frontend.convention import KV_ROOM, KVSpec
+from speccomp.runtime.calls import Generation
 from speccomp.runtime.sampling import Sampler
 from speccomp.runtime.tree import Tree, greedy_accept, sample_accept, typical_accept_lossy
 
@@ -307,7 +308,7 @@ def accept(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, draft_probs, 
     return greedy_accept(tree, tokens, logits.argmax(-1))
 
 
-class Sequence:
+class Sequence(Generation):
     """One generation as the decode loops see it: its text, drafter, sampler and stats. `decode` (one sequence over a
     verifier) and runtime/batch.py's `Batch` (many, packed into one forward) drive the same steps:
 
@@ -320,18 +321,12 @@ class Sequence:
 
     def __init__(self, prompt: list[int], drafter: Drafter, sampler: Sampler, max_new_tokens: int, eos,
                  max_tree: int, acceptance: str = "exact"):
-        self.prompt, self.drafter, self.sampler, self.max_new_tokens = prompt, drafter, sampler, max_new_tokens
-        self.eos, self.max_tree, self.acceptance = set(eos), max_tree, acceptance
-        self.out: list[int] = []
-        self.context = list(prompt)  # prompt + emitted tokens (the last one is the next root)
+        super().__init__(prompt, max_new_tokens, eos, max_tree)
+        self.drafter, self.sampler, self.acceptance = drafter, sampler, acceptance
         self.stats = Stats()
         self._bonus = None
         # when the target samples (exact acceptance) a drafter may sample its drafts too
         self._drafts_sampler = sampler if sampler.do_sample and acceptance == "exact" else None
-
-    @property
-    def done(self) -> bool:
-        return bool(self.out) and (len(self.out) >= self.max_new_tokens or self.out[-1] in self.eos)
 
     def first(self, outs: tuple) -> None:
         """After the prefill: outs are the target's outputs over the prompt ([1, n, ...])."""
@@ -341,9 +336,8 @@ class Sequence:
         self._emit([int(self.sampler(outs[0][0, -1]))])
 
     def draft(self, cache: KVCache, max_nodes: int | None = None) -> Draft:
-        """`max_nodes`: a batch's cap for this row this step (runtime/budget.py); 1 asks the drafter for nothing."""
-        room = self.max_new_tokens - len(self.out)  # tokens still allowed, the bonus included
-        cap = self.max_tree if max_nodes is None else min(max_nodes, self.max_tree)
+        """`max_nodes`: a batch's cap for this row this step (Generation.room)."""
+        room, cap = self.room(max_nodes)
         ctx = DraftContext(self.context, cache, max_depth=room - 1, max_nodes=cap, sampler=self._drafts_sampler)
         root_only = room <= 1 or cap <= 1
         draft = Draft(ROOT_ONLY, torch.tensor([self.out[-1]])) if root_only else self.drafter.propose(ctx)
@@ -372,11 +366,7 @@ class Sequence:
         self._emit(draft.tokens[path[1:]].tolist() + [int(self._bonus)])
 
     def _emit(self, tokens: list[int]) -> None:
-        for t in tokens:
-            self.out.append(t)
-            if t in self.eos or len(self.out) >= self.max_new_tokens:
-                break
-        self.context.extend(self.out[len(self.context) - len(self.prompt):])
+        super()._emit(tokens)
         self.stats.new_tokens = len(self.out)
 
 
