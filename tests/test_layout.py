@@ -84,7 +84,8 @@ def test_the_checker_finds_a_cycle():
 
 
 def test_torch_free_modules_import_no_torch():
-    code = ("import sys; import speccomp, speccomp.engine, speccomp.runtime.calls, speccomp.drafters.lookup, "
+    code = ("import sys; import speccomp, speccomp.engine, speccomp.runtime.calls, speccomp.runtime.packed, "
+            "speccomp.runtime.budget, speccomp.drafters.lookup, "
             "speccomp.drafters.text_bridge, "
             "speccomp.errors, speccomp.prompts; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)

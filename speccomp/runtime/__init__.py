@@ -1,3 +1,3 @@
 """Decoding: the loops, the KV cache they own, token trees and acceptance, sampling, SpecModel.
 
-No import here: `calls.py` is torch-free and the engine imports it alone."""
+No import here: `calls.py`, `packed.py` and `budget.py` are torch-free and the engine imports them alone."""

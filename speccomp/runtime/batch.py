@@ -100,7 +100,7 @@ class Batch(PackedBatch):
                     draft.tree.mask.cpu().numpy(), draft)
 
     def _forward(self, parts: list[Part], mask: np.ndarray, observed) -> tuple:
-        tokens = torch.cat([p.tokens.cpu() for p in parts])[None].to(self.device)
+        tokens = torch.cat([p.tokens.to(self.device) for p in parts])[None]
         positions = torch.from_numpy(np.concatenate([p.positions for p in parts]))[None].to(self.device)
         ones = torch.ones(1, mask.shape[1], dtype=torch.long, device=self.device)
         with torch.no_grad():
@@ -116,7 +116,8 @@ class Batch(PackedBatch):
         self.cache.append(outs[1], keep=torch.tensor(keep, device=self.cache.data.device))
 
     def _move(self, idx: np.ndarray) -> None:
-        self.cache.data[..., :len(idx), :] = self.cache.data.index_select(4, torch.from_numpy(idx).to(self.cache.data.device))
+        data = self.cache.data
+        data[..., :len(idx), :] = data.index_select(4, torch.from_numpy(idx).to(data.device))
 
     def _settled(self, seq: Sequence, seconds: float, prefill: bool) -> None:
         seq.stats.seconds = seconds

@@ -1,5 +1,5 @@
 """What `generate` means in both runtimes, SpecModel (torch) and the exported Engine (numpy only), written
-once: its arguments' checks and its calling discipline. This module imports neither torch nor anything that does.
+once: its arguments' checks, its calling discipline and `Generation`, the text both loops emit. This module imports neither torch nor anything that does.
 
 Calling discipline (`CallGuard`): one generate runs at a time per model (a lock: drafters keep per-generation
 state, sessions keep bindings), and `last_stats` is the stats of the calling thread's own last call, so
@@ -109,8 +109,8 @@ class Generation:
 
     def _emit(self, tokens) -> None:
         """Accepted tokens, up to the first eos or max_new_tokens."""
-        for t in tokens:
-            self.out.append(int(t))
+        for t in map(int, tokens):
+            self.out.append(t)
             if t in self.eos or len(self.out) >= self.max_new_tokens:
                 break
         self.context.extend(self.out[len(self.context) - len(self.prompt):])

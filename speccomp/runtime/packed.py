@@ -30,6 +30,8 @@ class Part:
 
 
 class PackedBatch:
+    """Rows decoding together, one packed forward a step (the module docstring); subclassed per runtime."""
+
     error = RuntimeError  # what a full cache raises
 
     def __init__(self, capacity: int, max_tree: int, budget=None):
