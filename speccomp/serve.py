@@ -57,12 +57,12 @@ class Scheduler:
         if self.batch.budget is not None:  # the step-cost curve now, not during the first requests
             grid = min(max_batch * engine.max_tree, AHEAD_Q), min(kv_slots, AHEAD_PAST)
             self.batch.budget.costs.measure_ahead(*grid)
-            try:  # `speccomp serve` (one process on the machine): a later start begins from the stored curve
-                if store_curve:
+            if store_curve:  # `speccomp serve` (one process on the machine): a later start begins from it
+                try:
                     engine.store_step_curve(*grid)  # measures nothing more: it writes what was just measured
-            except OSError as exc:  # measured all the same; only the next start measures again
-                warnings.warn(f"speccomp serve: could not store the step-cost curve ({exc}); set SPECCOMP_CACHE "
-                              "to a writable folder to keep it between starts")
+                except OSError as exc:  # measured all the same; only the next start measures again
+                    warnings.warn(f"speccomp serve: could not store the step-cost curve ({exc}); set "
+                                  "SPECCOMP_CACHE to a writable folder to keep it between starts")
         self.waiting: collections.deque[Job] = collections.deque()
         self.jobs: dict[int, Job] = {}
         self.wake = threading.Condition()

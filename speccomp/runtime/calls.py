@@ -1,5 +1,6 @@
 """What `generate` means in both runtimes, SpecModel (torch) and the exported Engine (numpy only), written
-once: its arguments' checks, its calling discipline and `Generation`, the text both loops emit. This module imports neither torch nor anything that does.
+once: its arguments' checks, its calling discipline and `Generation`, the text both loops emit. This module imports
+neither torch nor anything that does.
 
 Calling discipline (`CallGuard`): one generate runs at a time per model (a lock: drafters keep per-generation
 state, sessions keep bindings), and `last_stats` is the stats of the calling thread's own last call, so
