@@ -960,28 +960,40 @@ def autotune(
     measured = _decode_candidates(s, candidates, ref["outputs"]) + [_measured_dynamic(r) for r in dynamic_rows]
     s.bar.total += (FINALISTS + 2) * len(check_prompts)
     chosen, check = _final_choice(sm, _finalists(measured), check_prompts, max_new_tokens, eos_token_id, s.bar)  # 3.
-    chosen_mode, tree, predicted = chosen["mode"], chosen["tree"], chosen["predicted_tokens_per_s"]
-    measured_rate = chosen["measured_tokens_per_s"]
-    if check.get("kept") == "default":  # measured: the default tree's speed on the held-back prompts
-        chosen_mode, tree, measured_rate = "default", check["default"], check["default_tokens_per_s"]
-        predicted = next((r["predicted_tokens_per_s"] for r in measured if r["tree"] == tree), float("nan"))
     s.bar.close()
     result = AutotuneResult(
         drafter=drafter, backend=backend, key=cache_key(model, drafter, backend), drafter_options=options,
-        mode=chosen_mode, tree=tree, predicted_tokens_per_s=predicted, measured_tokens_per_s=measured_rate,
-        context_len=s.context_len, acceptance={"p": acc.p, "p_raw": acc.p_raw, "hits": acc.hits, "visits": acc.visits,
-                                               "probe_depth": s.depth, "probe_ranks": s.ranks, "warmup": warmup},
+        **_kept(chosen, check, measured), context_len=s.context_len,
+        acceptance={"p": acc.p, "p_raw": acc.p_raw, "hits": acc.hits, "visits": acc.visits,
+                    "probe_depth": s.depth, "probe_ranks": s.ranks, "warmup": warmup},
         timing=timing, static=static_rows, dynamic=dynamic_rows, measured=measured,
         plain_tokens_per_s=ref["tokens_per_s"], check=check,
     )
-    if save:
-        from speccomp.models import write_atomically
+    return _store(result, sm, model) if save else result
 
-        if not getattr(sm, "batch_refusal", None):  # a model that batches: its budget's curve, learnt here
-            result.step_curve = str(store_curve(model, backend, sm.step_costs()))
-        path = result_path(model, drafter, backend)
-        result.path = str(path)
-        write_atomically(path, json.dumps(result.to_dict(), indent=1, default=float))
+
+def _kept(chosen: dict, check: dict, measured: list[dict]) -> dict:
+    """The stored configuration's fields: the final choice, or the drafter's default tree where the held-back
+    prompts kept it (its speed is then what the default measured on them)."""
+    if check.get("kept") != "default":
+        return {"mode": chosen["mode"], "tree": chosen["tree"], "predicted_tokens_per_s": chosen["predicted_tokens_per_s"],
+                "measured_tokens_per_s": chosen["measured_tokens_per_s"]}
+    tree = check["default"]
+    predicted = next((r["predicted_tokens_per_s"] for r in measured if r["tree"] == tree), float("nan"))
+    return {"mode": "default", "tree": tree, "predicted_tokens_per_s": predicted,
+            "measured_tokens_per_s": check["default_tokens_per_s"]}
+
+
+def _store(result: AutotuneResult, sm, model) -> AutotuneResult:
+    """Write `result` where compile(tree="auto") finds it, with the batch step-cost curve of a model that batches
+    (its budget's curve, learnt here; tuning/step_curve.py)."""
+    from speccomp.models import write_atomically
+
+    if not getattr(sm, "batch_refusal", None):
+        result.step_curve = str(store_curve(model, result.backend, sm.step_costs()))
+    path = result_path(model, result.drafter, result.backend)
+    result.path = str(path)
+    write_atomically(path, json.dumps(result.to_dict(), indent=1, default=float))
     return result
 
 
