@@ -161,6 +161,33 @@ def test_sampling_with_another_tokenizer_keeps_the_targets_distribution():
     assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
 
 
+def test_a_draft_with_its_own_tokenizer_is_autotuned_under_its_tokenizers():
+    """autotune takes a draft LM with its tokenizers (its draft level timed in its own ids): the tree is stored under
+    the draft's fingerprint and both tokenizers, so the same draft read through the target's ids is another
+    tuning; compile(tree="auto") with the same tokenizers finds it (no warning about options) and is exact."""
+    import warnings
+
+    from speccomp.tuning.autotune import autotune, drafter_key
+
+    target = tiny_llama(initializer_range=0.2)
+    perm = shuffled(VOCAB, 5)
+    draft = permuted_copy(target, perm)
+    options = {"target_tokenizer": word_tokenizer(), "draft_tokenizer": word_tokenizer(perm[1:])}
+    prompts = [torch.randint(3, VOCAB, (1, 10 + i), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    tuned = autotune(target, draft, prompts, drafter_options=options, max_new_tokens=24, repeats=1, max_nodes=8)
+    assert "-tokens-" in tuned.drafter and tuned.drafter == drafter_key(draft, options) != drafter_key(draft, None)
+    assert tuned.drafter_options == {"tokenizers": "own"} and tuned.timing["widths"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast = speccomp.compile(target, drafter=draft, tree="auto", drafter_options=options)
+    assert isinstance(fast.drafter, CrossTokenizerDrafter)
+    ids = prompts[0]
+    assert torch.equal(fast.generate(ids, max_new_tokens=24), hf_greedy(target, ids, 24))
+    assert fast.last_stats["tau"] > 1.5, fast.last_stats
+    with pytest.raises(OptionError, match="needs both"):  # its options are checked before any work
+        autotune(target, draft, prompts, drafter_options={"draft_tokenizer": options["draft_tokenizer"]})
+
+
 def test_bad_tokenizer_options_are_refused_by_name():
     target, other = tiny_llama(), tiny_llama(vocab_size=300)
     with pytest.raises(OptionError, match="draft_tokenizer"):  # another vocabulary, no tokenizers: the fix is named

@@ -150,6 +150,35 @@ def test_train_draft_distils_a_draft_that_compile_finds_by_name(tmp_path):
         speccomp.compile(tiny_llama(num_hidden_layers=4), drafter="draft_model")
 
 
+def test_a_draft_lm_given_itself_is_autotuned_and_tree_auto_finds_its_tree(capsys):
+    """autotune takes the draft LM itself (as compile does) and stores its tree under the draft's fingerprint;
+    compile(drafter=draft, tree="auto") then finds that tree (for the module or its capture) without tuning again,
+    and decodes HF greedy's text. Another draft is another tuning: with no tokenizer to tune it on first use, the
+    error names the draft's key and the call that tunes it."""
+    from speccomp.tuning.autotune import AutotuneError, autotune
+    from speccomp.tuning.train_draft import draft_architecture
+
+    target = tiny_llama(num_hidden_layers=4, initializer_range=0.2)
+    draft = draft_architecture(target, 2)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 96, (int(n),), generator=gen) for n in torch.randint(6, 14, (9,), generator=gen)]
+    tuned = autotune(target, draft, prompts, max_new_tokens=24, repeats=1, max_nodes=8)
+    assert tuned.drafter.startswith("draft_lm-") and tuned.path and tuned.timing["widths"]
+    capsys.readouterr()
+    for given in (draft, speccomp.capture(draft)):
+        fast = speccomp.compile(target, drafter=given, tree="auto")
+        expected = tuned.tree if isinstance(tuned.tree, str) else Tree.from_choices(tuned.tree)
+        assert str(fast.drafter.tree) == str(expected)
+        ids = prompts[0][None]
+        assert torch.equal(fast.generate(ids, max_new_tokens=24), hf_greedy(target, ids, 24))
+    assert "tuning it now" not in capsys.readouterr().err  # found, not tuned again
+    other = draft_architecture(target, 2)
+    with torch.no_grad():
+        other.model.norm.weight.mul_(1.5)  # another draft's weights: another fingerprint
+    with pytest.raises(AutotuneError, match=r"'draft_lm-\w+'.*speccomp.autotune\(model, draft_lm"):
+        speccomp.compile(target, drafter=other, tree="auto")
+
+
 def test_train_draft_refuses_bad_settings_before_work(tmp_path):
     from speccomp.tuning.train_draft import train_draft
 

@@ -206,6 +206,11 @@ class CrossTokenizerDrafter(_DraftLM):
     def begin(self, prompt: list[int]) -> None:
         self.inner.begin(self.bridge.to_draft(prompt))
 
+    def level_forward(self, cache, base: int, tokens) -> None:
+        """The draft's level as autotune times it (DraftModelDrafter.level_forward); `tokens` are the target's ids,
+        which the draft's vocabulary may not hold: a timing does not depend on which ids, so they are folded into it."""
+        self.inner.level_forward(cache, base, [int(t) % self.inner.graph.captured.vocab_size for t in tokens])
+
     def propose(self, ctx: DraftContext) -> Draft:
         room = min(ctx.max_nodes, self.inner.max_nodes)
         context = self.bridge.context(ctx.tokens, room, self.inner.max_positions)
@@ -240,7 +245,7 @@ def make_draft_model(base, draft, options: dict | None, tree, backend: str):
     from speccomp.frontend.convention import CapturedModel
     from speccomp.frontend.graph import SpecGraph, run_passes
     from speccomp.passes.tree_attention import TreeAttention
-    from speccomp.runtime.tree import AutoTreeSpec, check_tree_width, tree_option
+    from speccomp.runtime.tree import check_tree_width, tree_option
 
     check_draft_model_options(options)
     bridge = None
@@ -258,10 +263,7 @@ def make_draft_model(base, draft, options: dict | None, tree, backend: str):
                           "without its tokenizers a draft model must share the target's (its token ids are the target's)",
                           "pass drafter_options={'draft_tokenizer': ..., 'target_tokenizer': ...} (drafts go through "
                           "text), or use a draft model of the target's family")
-    spec = DEFAULT_TREE if tree is None else tree_option(tree)
-    if isinstance(spec, AutoTreeSpec):
-        raise OptionError("tree", tree, "is tuned for named drafters only (drafter='draft_model': the trained draft)",
-                          "pass a choice list, an int k (a chain) or 'dynamic:B:K'")
+    spec = DEFAULT_TREE if tree is None else tree_option(tree)  # tree="auto" was resolved by compile (autotune.py)
     check_tree_width(spec, draft_vocab, "draft model", tree)
     sg = run_passes(SpecGraph.from_captured(captured), [TreeAttention()])
     drafter = DraftModelDrafter(lower(sg, backend, spin=False), sg, spec)

@@ -41,7 +41,12 @@
    back (`resolve_auto`), and with nothing stored tunes on first use, on the shipped prompts in the model's
    own tokenizer (`first_use_prompts`).
 
-Drafters: early_exit, layer_skip, token_recycling, medusa, hydra, eagle. `ngram` builds its tree from
+Drafters: early_exit, layer_skip, token_recycling, medusa, hydra, eagle, draft_model, and a draft LM given
+itself (`autotune(model, draft_lm, prompts)`, with its tokenizers in drafter_options where it has its own),
+stored under its weights' fingerprint (and both tokenizers': `drafter_key`), where compile(drafter=draft_lm,
+tree="auto") finds it. Through its own tokenizer a draft's tree reaches the target mapped through text, so the
+probe's acceptance by rank is only roughly the draft's: the DP's ranking is rougher, the measured choice is not.
+`ngram` builds its tree from
 the matches it finds and takes no tree, so it cannot be tuned (a clear error says so). Token
 recycling is tuned as pure Token Recycling (`ngram_branches=0`) unless drafter_options say
 otherwise: its prompt-lookup branch adds nodes the tree model does not see (with it, the
@@ -109,6 +114,34 @@ def is_auto(tree) -> bool:
 # ---- Cache -----------------------------------------------------------------------------------
 
 
+def is_draft_lm(drafter) -> bool:
+    """A draft LM given itself (drafter=draft_lm: a module or a `speccomp.capture`), not a name or a Drafter."""
+    from torch import nn
+
+    from speccomp.frontend.convention import CapturedModel
+
+    return isinstance(drafter, (nn.Module, CapturedModel))
+
+
+def drafter_key(drafter, options: dict | None) -> str:
+    """The name a tuned tree is stored under: a named drafter's name; for a draft LM given itself, "draft_lm-" and
+    its weights' fingerprint, and where it drafts through text, "-tokens-" and a digest of both tokenizers: another
+    draft, or the same draft with other tokenizers, is another tuning."""
+    if not is_draft_lm(drafter):
+        return drafter
+    from speccomp.drafters.draft_model import check_draft_model_options
+    from speccomp.drafters.text_bridge import as_tokenizer
+    from speccomp.frontend.convention import CapturedModel
+    from speccomp.models import fingerprint
+
+    check_draft_model_options(options)
+    key = f"draft_lm-{fingerprint(drafter.model if isinstance(drafter, CapturedModel) else drafter)}"
+    if options:
+        text = "\n".join(as_tokenizer(options[p], p).to_str() for p in ("target_tokenizer", "draft_tokenizer"))
+        key += "-tokens-" + hashlib.sha256(text.encode()).hexdigest()[:12]
+    return key
+
+
 def cache_key(model, drafter: str, backend: str) -> dict:
     """What an autotune result is valid for: the model, drafter, backend, device, dtype, threads and CPU."""
     return {**machine_key(model, backend), "drafter": drafter}
@@ -139,7 +172,11 @@ def load_result(model, drafter: str, backend: str = "eager") -> "AutotuneResult 
 
 
 def resolve_auto(model, drafter, backend: str, drafter_options: dict | None):
-    """`tree="auto"` for compile: the stored tree and the drafter options it was tuned with."""
+    """`tree="auto"` for compile: the stored tree and the drafter options it was tuned with (a draft LM's options,
+    its tokenizers, are part of its key and come back as given)."""
+    if is_draft_lm(drafter):
+        result = load_result(model, drafter_key(drafter, drafter_options), backend)
+        return (result or _tune_on_first_use(model, drafter, backend, drafter_options)).tree, drafter_options
     if not isinstance(drafter, str):
         raise AutotuneError(
             "tree='auto' looks up the tree tuned for a named drafter; give drafter= a name from "
@@ -175,21 +212,23 @@ def first_use_prompts(model, per_file: int = FIRST_USE_PROMPTS):
     return ids, tok.eos_token_id
 
 
-def _tune_on_first_use(model, drafter: str, backend: str, drafter_options: dict | None) -> "AutotuneResult":
+def _tune_on_first_use(model, drafter, backend: str, drafter_options: dict | None) -> "AutotuneResult":
     """tree="auto" with nothing stored: tune now (progress bar on stderr), store, and use the result."""
     found = first_use_prompts(model)
+    name = drafter_key(drafter, drafter_options)
     if found is None:
-        key = cache_key(model, drafter, backend)
+        key = cache_key(model, name, backend)
+        given = "draft_lm" if is_draft_lm(drafter) else repr(drafter)
         raise AutotuneError(
-            f"tree='auto': no autotuned tree for drafter {drafter!r} on backend {backend!r} for this model and machine "
+            f"tree='auto': no autotuned tree for drafter {name!r} on backend {backend!r} for this model and machine "
             f"(fingerprint {key['fingerprint']}, {key['device']}, {key['dtype']}, {key['threads']} threads), and no "
             "tokenizer beside the model's weights to tune it on first use with. Run "
-            f"`speccomp.autotune(model, {drafter!r}, prompts, backend={backend!r})` with your prompts as token ids "
+            f"`speccomp.autotune(model, {given}, prompts, backend={backend!r})` with your prompts as token ids "
             "(or `speccomp autotune` for the default model) first; or pass an explicit tree (a choice list, an int k, "
             "'dynamic:B:K')"
         )
     prompts, eos = found
-    print(f"tree='auto': no tree tuned for {drafter!r} on {backend!r} on this machine yet; tuning it now on "
+    print(f"tree='auto': no tree tuned for {name!r} on {backend!r} on this machine yet; tuning it now on "
           f"{len(prompts)} shipped prompts (once: the result is stored for the next compile)", file=sys.stderr)
     return autotune(model, drafter, prompts, backend=backend, drafter_options=drafter_options, eos_token_id=eos,
                     progress=True)
@@ -641,9 +680,9 @@ def plan_static(p, timing: dict, max_nodes: int, max_depth: int) -> list[dict]:
 # ---- The whole thing -------------------------------------------------------------------------
 
 
-def _default_options(model, drafter: str, options: dict | None) -> dict | None:
-    if options is not None:
-        return dict(options)
+def _default_options(model, drafter, options: dict | None) -> dict | None:
+    if options is not None or not isinstance(drafter, str):
+        return None if options is None else dict(options)
     if drafter == "token_recycling":
         return {"ngram_branches": 0}
     from speccomp.drafters.registry import SEARCHED
@@ -660,14 +699,16 @@ def _check_arguments(drafter, mode: str, **ints) -> None:
     from speccomp.drafters.merge import split_names
     from speccomp.drafters.registry import DRAFTERS
 
-    if split_names(drafter):
+    if is_draft_lm(drafter):
+        pass  # a draft LM given itself: its options were checked by drafter_key
+    elif split_names(drafter):
         raise AutotuneError(
             f"cannot autotune the merged drafter {drafter!r} as a whole: autotune its first drafter "
             f"({split_names(drafter)[0]!r}); compile(drafter={drafter!r}, tree='auto') then uses that drafter's tree"
         )
-    if not isinstance(drafter, str) or drafter not in DRAFTERS:
-        raise AutotuneError(f"unknown drafter {drafter!r}; accepted values: {sorted(DRAFTERS)}")
-    if untunable(drafter):
+    elif not isinstance(drafter, str) or drafter not in DRAFTERS:
+        raise AutotuneError(f"unknown drafter {drafter!r}; accepted values: {sorted(DRAFTERS)}, or a draft LM itself")
+    elif untunable(drafter):
         raise AutotuneError(f"cannot autotune {drafter!r}: {untunable(drafter)}; tune token_recycling or a self-drafter instead")
     if mode not in ("auto", "static", "dynamic"):
         raise AutotuneError(f"unknown mode {mode!r}; accepted values: ['auto', 'dynamic', 'static']")
@@ -910,7 +951,7 @@ def _finalists(measured: list[dict]) -> list[dict]:
 
 
 def autotune(
-    model, drafter: str, prompts, *, backend: str = "eager", drafter_options: dict | None = None,
+    model, drafter, prompts, *, backend: str = "eager", drafter_options: dict | None = None,
     max_nodes: int = DEFAULT_MAX_NODES, max_depth: int = PROBE_DEPTH, ranks: int = PROBE_RANKS, mode: str = "auto",
     dynamic_budgets=DYNAMIC_BUDGETS, dynamic_top_k: int = DEFAULT_DYNAMIC_TOP_K, max_new_tokens: int = 128,
     warmup: int | None = None, eos_token_id=None, repeats: int = 5, measure_sizes=None, check_prompts=None,
@@ -918,6 +959,8 @@ def autotune(
 ) -> AutotuneResult:
     """Measure acceptance and step costs of `drafter` on `model`, pick the fastest tree, store it.
 
+    drafter        a name from available_drafters(), or a draft LM itself (as compile takes it; drafter_options
+                   its tokenizers where it has its own): stored under its fingerprint (`drafter_key`)
     prompts        calibration prompts (token id tensors [1, n] or [n])
     max_nodes      largest tree considered, root included (also capped by the model's sliding windows)
     max_depth, ranks   the probe tree: depths measured and candidates per node (the DP uses no more)
@@ -939,18 +982,20 @@ def autotune(
     from tqdm import tqdm
 
     warmup = max_new_tokens // 4 if warmup is None else warmup
+    name = drafter_key(drafter, drafter_options)  # stored under: a drafter's name, or a draft LM's fingerprint
     _check_arguments(drafter, mode, max_nodes=max_nodes, max_depth=max_depth, ranks=ranks,
                      max_new_tokens=max_new_tokens, repeats=repeats, dynamic_top_k=dynamic_top_k, warmup=warmup)
     prompts, check_prompts = _split_prompts(prompts, check_prompts)
     options = _default_options(model, drafter, drafter_options)
     sm = speccomp.compile(model, drafter=drafter, drafter_options=None if options is None else dict(options),
                           backend=backend)
-    options = dict(sm.drafter.options or options or {})
-    s = _session(sm, drafter, mode, prompts, max_nodes=max_nodes, max_depth=max_depth, ranks=ranks,
+    # stored with the result; a draft LM's tokenizers are in its key, not stored (its drafter says "tokenizers": "own")
+    options = dict(sm.drafter.options or {}) if is_draft_lm(drafter) else dict(sm.drafter.options or options or {})
+    s = _session(sm, name, mode, prompts, max_nodes=max_nodes, max_depth=max_depth, ranks=ranks,
                  dynamic_budgets=dynamic_budgets, measure_sizes=measure_sizes, max_new_tokens=max_new_tokens,
                  eos=eos_token_id, warmup=warmup)
     runs = 2 * len(prompts) + repeats + len(s.budgets) * len(prompts)
-    s.bar = tqdm(total=runs, desc=f"autotune {drafter}", disable=not progress, unit="run")
+    s.bar = tqdm(total=runs, desc=f"autotune {name}", disable=not progress, unit="run")
     ref, acc, timing, dynamic = _measure(s, dynamic_top_k, repeats)
     static_rows = plan_static(acc.p, timing, s.max_nodes, s.depth) if s.do_static else []  # 2. optimise
     dynamic_rows = [_dynamic_row(timing, b, dynamic_top_k, steps, run) for b, steps, run in dynamic]
@@ -962,7 +1007,7 @@ def autotune(
     chosen, check = _final_choice(sm, _finalists(measured), check_prompts, max_new_tokens, eos_token_id, s.bar)  # 3.
     s.bar.close()
     result = AutotuneResult(
-        drafter=drafter, backend=backend, key=cache_key(model, drafter, backend), drafter_options=options,
+        drafter=name, backend=backend, key=cache_key(model, name, backend), drafter_options=options,
         **_kept(chosen, check, measured), context_len=s.context_len,
         acceptance={"p": acc.p, "p_raw": acc.p_raw, "hits": acc.hits, "visits": acc.visits,
                     "probe_depth": s.depth, "probe_ranks": s.ranks, "warmup": warmup},
