@@ -180,9 +180,9 @@ def test_batch_sampling_follows_each_rows_distribution(runtime, tmp_path):
         fast = speccomp.load(speccomp.compile(model, drafter="ngram", backend="onnxruntime").export(tmp_path / "e"))
         generate = fast.generate
     counts, accepted, b = np.zeros(V**3), 0, 8
-    for call in range(75):  # 600 draws, 8 rows (seeds call * 8 + row) a call
+    for call in range(75):  # 600 draws, 8 rows a call (each row its own seed, calls.row_seed)
         out = generate(np.array([PROMPT] * b), max_new_tokens=NEW_TOKENS, do_sample=True,
-                       temperature=TEMPERATURE, seed=call * b, load_aware=False)
+                       temperature=TEMPERATURE, seed=call, load_aware=False)
         for row, stats in zip(np.asarray(out)[:, len(PROMPT):].tolist(), fast.last_stats["rows"]):
             a, c, d = row[:3]
             counts[(a * V + c) * V + d] += 1
@@ -190,6 +190,28 @@ def test_batch_sampling_follows_each_rows_distribution(runtime, tmp_path):
     assert accepted / 600 >= MIN_ACCEPTED
     p = chi2_pvalue(counts, exact)
     assert p > 1e-3, f"batched samples do not follow the model's distribution (chi-square p={p:.2g})"
+
+
+@pytest.mark.parametrize("runtime", ["torch", "engine"])
+def test_a_batch_per_seed_never_draws_one_sample_twice(runtime, tmp_path):
+    """Row r of a call seeded s samples with calls.row_seed(s, r): row 0 with s itself (a batch of one samples as a
+    single call does), the others with a hash of (s, r). Best-of-n with a batch per seed so never repeats a
+    sample (with seeds s + r, row 1 of seed 0 was row 0 of seed 1, the same text)."""
+    from speccomp.runtime.calls import row_seed
+
+    seeds = {row_seed(s, r) for s in range(64) for r in range(16)}
+    assert len(seeds) == 64 * 16 and all(row_seed(s, 0) == s and 0 <= row_seed(s, 9) < 2**63 for s in range(64))
+    model = tiny_llama(num_hidden_layers=1, initializer_range=0.3)
+    fast = speccomp.compile(model)
+    if runtime == "engine":
+        fast = speccomp.load(speccomp.compile(model, backend="onnxruntime").export(tmp_path / "e"))
+    prompt = np.arange(3, 11)[None]
+    options = dict(max_new_tokens=24, do_sample=True, temperature=1.5)
+    pair = np.asarray(fast.generate(np.repeat(prompt, 2, 0), **options, seed=0))
+    alone = [np.asarray(fast.generate(torch.as_tensor(prompt) if runtime == "torch" else prompt, **options, seed=s))[0]
+             for s in (0, 1)]
+    assert np.array_equal(pair[0], alone[0]) and not np.array_equal(pair[1], alone[1])
+    assert not np.array_equal(pair[0], pair[1])
 
 
 def test_budget_predicts_every_smaller_cap_from_accepted_paths():

@@ -96,7 +96,11 @@ def heads(model, tmp_path_factory):
             for w in module.parameters():
                 w.copy_(torch.randn(w.shape, generator=g) * 0.5)
         save(module, root / kind)
-    return {kind: str(root / kind) for kind in made}
+    from speccomp.tuning.train_draft import draft_architecture, save_draft
+
+    (root / "draft").mkdir()
+    save_draft(draft_architecture(model, 1), root / "draft", model, 1)  # the model's first layer, as train-draft saves
+    return {kind: str(root / kind) for kind in [*made, "draft"]}
 
 
 # torch runtime: case -> (compile arguments given the heads' directories, top_p). top_p 0.8 makes the target give
@@ -128,6 +132,9 @@ def draft_lm():
 # drafts sampled from a real q (not point masses): the recursive rejection sampler's min(1, p/q) path
 TORCH_CASES["draft_model"] = (lambda h: dict(drafter=draft_lm(), tree=WIDE), 1.0)
 TORCH_CASES["draft_model-top_p"] = (lambda h: dict(drafter=draft_lm(), tree=WIDE), 0.8)
+# merged: every part drafts its top tokens (point masses: a merged node may come from several parts)
+TORCH_CASES["draft_model+token_recycling"] = (lambda h: dict(drafter="draft_model+token_recycling", tree=WIDE,
+                                                            drafter_options={"draft_model": {"path": h["draft"]}}), 0.8)
 
 POWER_CASE = "token_recycling"  # the power test's case: cheap (no drafter forward), and it drafts the likely tokens
 CASE_DRAWS = {POWER_CASE: POWER_DRAWS}  # the other cases take DRAWS
@@ -180,7 +187,8 @@ def run_torch(case, captured, heads, exact):
 def test_sampling_distribution_equals_model(case, captured, heads, exact):
     """Speculative sampling draws from the model's own distribution, with drafts accepted in most runs."""
     p, accepted, deep, trees, probs = run_torch(case, captured, heads, exact)
-    assert all(q is not None for q in probs) if case.startswith("draft_model") else not any(q is not None for q in probs)
+    sampled_drafts = case.startswith("draft_model") and "+" not in case
+    assert all(q is not None for q in probs) if sampled_drafts else not any(q is not None for q in probs)
     assert accepted >= MIN_ACCEPTED, f"drafts were accepted in only {accepted:.0%} of the runs: little is tested"
     assert deep >= MIN_DEEP, f"two drafts were accepted in one step in only {deep:.1%} of the runs"
     assert max(t.max_depth for t in trees) == 2  # trees two deep were verified

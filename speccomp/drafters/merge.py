@@ -28,6 +28,8 @@ Recycling after the first drafter defaults to a small 7-node tree (MERGED_RECYCL
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from speccomp.drafters.lookup import merge_trees, own_view
@@ -74,6 +76,9 @@ class MergedDrafter(Drafter):
                 d.take_states(states)
 
     def propose(self, ctx: DraftContext) -> Draft:
+        # each part drafts its top tokens even when the target samples (a draft model would sample its tree): a
+        # merged node may come from several parts, so it must be a point mass, which verification keeps exact
+        ctx = dataclasses.replace(ctx, sampler=None)
         drafts = [d.propose(ctx) for d in self.drafters]
         for d, draft in zip(self.drafters, drafts):
             if draft.probs is not None:  # sampled drafts carry their distributions; a merged node has several

@@ -31,7 +31,7 @@ import numpy as np
 
 from speccomp.runtime.budget import AHEAD_PAST, AHEAD_Q, Budget, StepCosts
 from speccomp.runtime.calls import (MAX_TREE, CallGuard, Generation, as_int, batch_rows, check_context, generate_args,
-                                    pad_id, row_slots, run_batch)
+                                    pad_id, row_seed, row_slots, run_batch)
 from speccomp.runtime.packed import PackedBatch, Part
 from speccomp.errors import OptionTypeError, SpeccompError
 from speccomp.drafters.eagle_cache import EagleCache
@@ -484,7 +484,9 @@ def tree_arrays(parents: list[int]) -> tuple[np.ndarray, np.ndarray, list[list[i
 
 
 def warp(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
-    """Probabilities after temperature and nucleus filtering, as speccomp.runtime.sampling.warp (HF's warpers)."""
+    """Probabilities after temperature and nucleus filtering, as speccomp.runtime.sampling.warp (HF's warpers).
+    Where logits tie exactly at the nucleus cut, which of the tied tokens stay is up to the sort: torch's (HF's) is
+    not stable, this one is, so the two may keep different tied tokens (never seen with float32 logits here)."""
     x = logits.astype(np.float64) / temperature
     if top_p < 1.0:
         order = np.argsort(x, kind="stable")  # ascending
@@ -1356,7 +1358,7 @@ class Engine:
         with self._calls.lock:
             start = time.perf_counter()
             seqs = [_Row(a, None if self.drafter is None else self.drafter.fresh(), self.max_tree,
-                         None if a.seed is None else a.seed + i) for i, a in enumerate(args)]
+                         row_seed(a.seed, i)) for i, a in enumerate(args)]
             forwards = self._decode_batch(seqs, load_aware)
             seconds = time.perf_counter() - start
             new_tokens = sum(len(r.out) for r in seqs)

@@ -241,6 +241,15 @@ def check_context(drafter, prompt_len: int, max_new_tokens: int) -> None:
                           "shorten the prompt, ask for fewer tokens, or use a drafter with a longer context")
 
 
+def row_seed(seed: int | None, row: int) -> int | None:
+    """The sampling seed of row `row` of a batch generated with `seed` (both runtimes): `seed` itself for the first
+    row (a batch of one samples as a single call does), a hash of (seed, row) for the others, so that no row repeats
+    a row of a call with a nearby seed (seed + row would: row 1 of seed 0 was row 0 of seed 1)."""
+    if seed is None or row == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, row]).generate_state(1, np.uint64)[0] >> np.uint64(1))  # < 2**63
+
+
 def generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed, *,
                   vocab_size: int, max_positions: int | None) -> GenerateArgs:
     """Check everything generate() was given, before any work; returns the normalised values."""

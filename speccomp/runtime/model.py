@@ -14,7 +14,8 @@ from speccomp.errors import OptionError, OptionTypeError
 from speccomp.frontend.graph import SpecGraph
 from speccomp.runtime.batch import check_batchable, decode_batch, step_costs
 from speccomp.runtime.budget import Budget
-from speccomp.runtime.calls import ACCEPTANCE, CallGuard, batch_rows, check_context, choice, generate_args, pad_id
+from speccomp.runtime.calls import (ACCEPTANCE, CallGuard, batch_rows, check_context, choice, generate_args, pad_id,
+                                    row_seed)
 from speccomp.runtime.decode import FullCache, RootOnly, Sequence, decode
 from speccomp.runtime.sampling import Sampler
 from speccomp.tuning.step_curve import load_curve
@@ -124,8 +125,9 @@ class SpecModel:
         drafter's whole tree). eos_token_id: an int or a list of ints. acceptance: "exact"
         (lossless: greedy equality / rejection sampling) or "typical-lossy" (Medusa's typical acceptance with
         do_sample=True; LOSSY, the text no longer follows the model's distribution; `last_stats["lossless"]` says
-        which ran). A batch's rows sample with seeds seed, seed + 1, ... Every argument is checked before any work
-        (speccomp/runtime/calls.py); a bad one raises OptionError / OptionTypeError naming it."""
+        which ran). A batch's first row samples with `seed`, the others with seeds derived from (seed, row)
+        (calls.row_seed). Every argument is checked before any work (speccomp/runtime/calls.py); a bad one raises
+        OptionError / OptionTypeError naming it."""
         rows = batch_rows(input_ids, attention_mask)
         if rows is not None:
             return self._generate_batch(input_ids, rows, max_new_tokens, eos_token_id, do_sample, temperature, top_p,
@@ -174,7 +176,7 @@ class SpecModel:
         pad = pad_id(pad_token_id, eos, vocab)
         a = args[0]
         seqs = [Sequence(r.prompt.tolist(), (self.drafter or RootOnly()).fresh(),
-                         Sampler(a.do_sample, a.temperature, a.top_p, None if a.seed is None else a.seed + i),
+                         Sampler(a.do_sample, a.temperature, a.top_p, row_seed(a.seed, i)),
                          a.max_new_tokens, eos, self.max_tree, acceptance) for i, r in enumerate(args)]
         with self._calls.lock, host_threads(self.backend):
             start = time.perf_counter()
