@@ -170,14 +170,17 @@ def _options(body: dict, default_max_tokens: int | None) -> dict:
         value = body.get(key)
         if value not in (None, allowed) and (allowed is not None or value):  # logprobs: false is no request
             raise OptionError(key, body[key], "is not supported by speccomp serve", f"leave it out or use {allowed!r}")
-    temperature = body.get("temperature", 1.0)
+    def given(key: str, default):  # null asks for the default, as in OpenAI's API (clients send it for "unset")
+        return default if body.get(key) is None else body[key]
+
+    temperature = given("temperature", 1.0)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
         raise OptionError("temperature", temperature, "must be a number >= 0", "0 for greedy decoding")
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens", default_max_tokens))
+    max_tokens = given("max_tokens", given("max_completion_tokens", default_max_tokens))
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise OptionError("max_tokens", max_tokens, "must be a positive int")
     return {"max_new_tokens": max_tokens, "do_sample": temperature > 0, "temperature": temperature or 1.0,
-            "top_p": body.get("top_p", 1.0), "seed": body.get("seed")}
+            "top_p": given("top_p", 1.0), "seed": body.get("seed")}
 
 
 def make_app(engine, max_batch: int = 8, kv_slots: int = 8192, name: str | None = None, store_curve: bool = False):

@@ -104,6 +104,9 @@ def test_concurrent_requests_batch_and_each_gets_its_own_greedy_text(server, mod
     assert forwards < row_steps and forwards < tokens
     assert row_steps / forwards <= 4  # --max-batch
     assert after["running_requests"] == after["waiting_requests"] == 0
+    # null asks for the default (OpenAI clients send it for options they leave unset): top_p 1, no seed
+    nulls = {"prompt": prompts[0], "max_tokens": 24, "temperature": 0, "top_p": None, "seed": None, "stop": None}
+    assert httpx.post(f"{url}/v1/completions", json=nulls, timeout=60).json()["choices"] == answers[0]["choices"]
 
 
 def test_chat_stream_carries_the_same_tokens(server, model):
