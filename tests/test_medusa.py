@@ -128,6 +128,11 @@ def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
     assert all(t > u + 0.05 for t, u in zip(trained, untrained)), (trained, untrained)
     with pytest.raises(ValueError, match="other settings"):
         train_heads(model, train, out=tmp_path / "a", **{**kw, "lr": 1.0})
+    # a finished run's folder is no cache for other prompts (as many) or another model: refused, never handed back
+    with pytest.raises(ValueError, match="other settings"):
+        train_heads(model, prompts(8, seed=2), out=tmp_path / "a", **kw)
+    with pytest.raises(ValueError, match="other settings"):
+        train_heads(tiny_llama(initializer_range=0.3), train, out=tmp_path / "a", **kw)
 
 
 @pytest.mark.parametrize("bad, match", [

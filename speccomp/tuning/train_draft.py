@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from speccomp.errors import OptionError
-from speccomp.tuning.train_heads import _fit, _hidden_states, _open_run, _self_distill
+from speccomp.tuning.train_heads import _fit, _hidden_states, _open_run, _self_distill, run_identity
 
 CONFIG = "config.json"
 WEIGHTS = "draft.safetensors"
@@ -90,7 +90,7 @@ def train_draft(model, prompts, *, out, num_layers: int = 2, max_new_tokens: int
     state = out / "_train"
     state.mkdir(parents=True, exist_ok=True)
     args = {"kind": "draft_model", "num_layers": num_layers, "max_new_tokens": max_new_tokens, "epochs": epochs,
-            "lr": lr, "batch_size": batch_size, "seed": seed, "prompts": len(prompts), "sampled": sampled,
+            "lr": lr, "batch_size": batch_size, "seed": seed, **run_identity(model, prompts), "sampled": sampled,
             "temperature": temperature, "weight_decay": 0.0}
     done = _open_run(state, args)
     seqs, starts = _self_distill(model, [p.reshape(-1) for p in prompts], max_new_tokens, eos_token_id, progress,

@@ -247,6 +247,20 @@ def _check_settings(model, prompts, kind, *, lr, sampled: int, temperature: floa
         raise ValueError(f"soft_labels={soft_labels} is more than the model's vocabulary ({_vocab_size(model)} tokens)")
 
 
+def run_identity(model, prompts) -> dict:
+    """What a stored run was distilled from, for `_open_run` to compare: the model (its fingerprint) and the prompts
+    (their count and a digest of their ids). A resumed run on another model or other prompts would otherwise hand
+    back the earlier run's weights."""
+    import hashlib
+
+    from speccomp.models import fingerprint
+
+    digest = hashlib.sha256()
+    for p in prompts:
+        digest.update(torch.as_tensor(p).reshape(-1).to(torch.int64).numpy().tobytes() + b"|")
+    return {"model": fingerprint(model), "prompts": len(prompts), "prompts_sha256": digest.hexdigest()[:16]}
+
+
 def _open_run(state: Path, args: dict) -> dict:
     """The progress stored in `state` by an earlier run with the same `args` ({} for a new run)."""
     progress_file = state / "progress.json"
@@ -309,7 +323,7 @@ def train_heads(
     state = out / "_train"
     state.mkdir(parents=True, exist_ok=True)
     args = {"kind": kind, "num_heads": num_heads, "num_layers": num_layers, "max_new_tokens": max_new_tokens,
-            "epochs": epochs, "lr": lr, "batch_size": batch_size, "seed": seed, "prompts": len(prompts),
+            "epochs": epochs, "lr": lr, "batch_size": batch_size, "seed": seed, **run_identity(model, prompts),
             "sampled": sampled, "temperature": temperature, "weight_decay": weight_decay}
     if kind in ("hydra", "eagle"):
         args["draft_vocab"] = draft_vocab
