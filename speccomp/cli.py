@@ -40,6 +40,7 @@ def _int_at_least(low: int):
 
 
 positive, non_negative = _int_at_least(1), _int_at_least(0)
+port_number = _parsed(int, lambda v: 1 <= v <= 65535, "a TCP port in [1, 65535]")
 positive_float = _parsed(float, lambda v: v > 0 and math.isfinite(v), "a finite number > 0")
 _unit_interval = _parsed(positive_float, lambda v: v <= 1, "in (0, 1]")  # top-p
 
@@ -354,7 +355,7 @@ def cmd_serve(args) -> int:
     except ImportError as exc:
         raise FileNotFoundError(f"speccomp serve needs FastAPI and uvicorn ({exc}): pip install 'speccomp[serve]'") from None
     options = dict(host=args.host, port=args.port, max_batch=args.max_batch, kv_slots=args.kv_slots,
-                   provider=args.provider, threads=args.threads)
+                   provider=args.provider, threads=args.threads, draft=not args.no_draft)
     if args.replicas is None:
         serve(args.engine, **options)
     else:
@@ -638,7 +639,7 @@ def _add_autotune_export_run(sub) -> None:
                        "/v1/chat/completions (streaming), /health, /metrics; requests batched continuously")
     p.add_argument("engine", help="engine directory written by `speccomp export` / compiled.export()")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=positive, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--max-batch", type=positive, default=8, help="rows decoding together at most (default 8)")
     p.add_argument("--kv-slots", type=positive, default=8192, help="KV cache slots shared by the running rows; a "
                    "request needs prompt + max_tokens + the tree's room (default 8192)")
@@ -646,6 +647,8 @@ def _add_autotune_export_run(sub) -> None:
     p.add_argument("--threads", type=positive, default=None, help="ONNX Runtime intra-op threads (default: its own)")
     p.add_argument("--replicas", type=positive, default=None, help="serve N copies as Ray Serve replicas on a local "
                    "Ray cluster (or RAY_ADDRESS's), each with its own batch; needs pip install 'speccomp[ray]'")
+    p.add_argument("--no-draft", action="store_true", help="plain decoding on the engine's target graph (for engines "
+                   "whose drafter cannot batch: early_exit, layer_skip, quantized, a compressed cache)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("export-triton", help="write an engine as a Triton Inference Server model repository "

@@ -31,7 +31,9 @@ from speccomp.errors import OptionError, OptionTypeError, SpeccompError
 from speccomp.runtime.budget import AHEAD_PAST, AHEAD_Q
 
 UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "stop": None,
-               "suffix": None, "tools": None, "logit_bias": None}  # accepted only at these values
+               "suffix": None, "tools": None, "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
+               "repetition_penalty": 1, "top_k": None, "min_p": 0, "response_format": {"type": "text"}}
+# accepted only at these values (or null): anything else would change the text, so it is refused, never ignored
 
 
 class Job:
@@ -372,11 +374,13 @@ def _event(obj: dict) -> str:
 
 
 def serve(engine_dir, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, kv_slots: int = 8192,
-          provider: str = "cpu", threads: int | None = None) -> None:
-    """Load the engine and serve it until interrupted."""
+          provider: str = "cpu", threads: int | None = None, draft: bool = True) -> None:
+    """Load the engine and serve it until interrupted (`draft=False`: plain decoding on its target graph, for
+    engines whose drafter cannot batch)."""
     import uvicorn
 
     from speccomp.engine.runtime import load
 
-    app = make_app(load(engine_dir, provider=provider, threads=threads), max_batch, kv_slots, store_curve=True)
+    app = make_app(load(engine_dir, provider=provider, threads=threads, draft=draft), max_batch, kv_slots,
+                   store_curve=True)
     uvicorn.run(app, host=host, port=port, log_level="info")

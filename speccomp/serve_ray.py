@@ -31,7 +31,7 @@ def _ray():
 
 
 def application(engine_dir, replicas: int = 2, max_batch: int = 8, kv_slots: int = 8192, provider: str = "cpu",
-                threads: int | None = None, cpus_per_replica: float = 1.0):
+                threads: int | None = None, cpus_per_replica: float = 1.0, draft: bool = True):
     """The Ray Serve application (`serve.run(application(...))`): `replicas` copies of the engine's app."""
     _, serve = _ray()
     # checked here, in the caller's process: inside a replica a bad value would only show in Ray's logs
@@ -47,7 +47,7 @@ def application(engine_dir, replicas: int = 2, max_batch: int = 8, kv_slots: int
         from speccomp.engine.runtime import load
         from speccomp.serve import make_app
 
-        return make_app(load(engine_dir, provider=provider, threads=threads), max_batch, kv_slots)
+        return make_app(load(engine_dir, provider=provider, threads=threads, draft=draft), max_batch, kv_slots)
 
     deployment = serve.deployment(serve.ingress(build)(), name="speccomp", num_replicas=replicas,
                                   max_ongoing_requests=4 * max_batch,
@@ -62,7 +62,7 @@ def no_telemetry() -> None:
 
 
 def serve_replicas(engine_dir, host: str = "127.0.0.1", port: int = 8000, replicas: int = 2, max_batch: int = 8,
-                   kv_slots: int = 8192, provider: str = "cpu", threads: int | None = None) -> None:
+                   kv_slots: int = 8192, provider: str = "cpu", threads: int | None = None, draft: bool = True) -> None:
     """Deploy `replicas` copies on the Ray cluster (a local one unless RAY_ADDRESS names another) and serve until
     interrupted."""
     from speccomp.engine.runtime import check_provider, read_manifest
@@ -81,7 +81,7 @@ def serve_replicas(engine_dir, host: str = "127.0.0.1", port: int = 8000, replic
     ray.init(ignore_reinit_error=True)
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(application(engine_dir, replicas, max_batch, kv_slots, provider, threads), name="speccomp",
+        serve.run(application(engine_dir, replicas, max_batch, kv_slots, provider, threads, draft=draft), name="speccomp",
                   blocking=True)
     except KeyboardInterrupt:
         pass

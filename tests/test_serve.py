@@ -139,6 +139,9 @@ def test_chat_stream_carries_the_same_tokens(server, model):
     ({"prompt": "w5 w6", "temperature": -1}, "temperature"),
     ({"prompt": {"text": "w5"}}, "prompt"),
     ({"messages": "hello"}, "messages"),
+    ({"prompt": "w5 w6", "presence_penalty": 0.5}, "presence_penalty"),  # would change the text: refused, not ignored
+    ({"prompt": "w5 w6", "top_k": 5}, "top_k"),
+    ({"prompt": "w5 w6", "response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_bad_requests_get_400_naming_the_parameter(server, body, param):
     url, _ = server
@@ -174,6 +177,30 @@ def test_a_client_that_goes_away_frees_its_row(server):
     assert m["requests_cancelled_total"] == before["requests_cancelled_total"] + 1 and m["running_requests"] == 0
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["object"] == "model"
+
+
+def test_an_engine_whose_drafter_cannot_batch_is_served_plainly_with_no_draft(model, tmp_path, monkeypatch):
+    """early_exit drafts over the target's own cache, which a batch shares: serve refuses it naming --no-draft, and
+    with it (load(draft=False)) serves plain decoding on the same target graph, HF greedy's text."""
+    from fastapi.testclient import TestClient
+
+    from speccomp import cli
+    from speccomp.engine.runtime import EngineError
+    from speccomp.serve import make_app
+
+    path = tmp_path / "early_exit"
+    speccomp.compile(model, drafter="early_exit", drafter_options={"exit_layer": 1}, backend="onnxruntime").export(
+        path, tokenizer=word_tokenizer())
+    with pytest.raises(EngineError, match="--no-draft"):
+        make_app(speccomp.load(path), max_batch=1)
+    with TestClient(make_app(speccomp.load(path, draft=False), max_batch=2, kv_slots=256)) as client:
+        answer = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}).json()
+    want = hf_greedy(model, torch.tensor([[5, 6, 7]]), 8, eos=EOS)[0, 3:].tolist()
+    assert answer["choices"][0]["token_ids"] == (want[: want.index(EOS) + 1] if EOS in want else want)
+    seen = {}
+    monkeypatch.setattr("speccomp.serve.serve", lambda engine, **options: seen.update(options))
+    assert cli.main(["serve", str(path), "--no-draft"]) == 0 and seen["draft"] is False
+    assert cli.main(["serve", str(path), "--port", "99999"]) == 2  # no such port: refused, not bound elsewhere
 
 
 REPEATED = ("input", "output", "parameters", "instance_group")  # Triton's repeated message fields

@@ -1386,7 +1386,7 @@ class Engine:
         if self.drafter is not None and not self.drafter.batches:
             raise EngineError(f"a batch of {rows}: the {self.manifest['drafter']['name']} drafter drafts over the "
                               f"target's own KV cache, which a batch shares between rows; load the engine with "
-                              f"draft=False, or {fix}")
+                              f"draft=False (`speccomp serve --no-draft`: plain decoding), or {fix}")
 
     def _decode_batch(self, rows: list, load_aware: bool = True) -> int:
         """All rows to the end together; the number of target forwards."""
