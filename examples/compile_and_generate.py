@@ -18,6 +18,7 @@ import speccomp
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of SmolLM2")
 parser.add_argument("--drafter", default="token_recycling", help=f"one of {speccomp.available_drafters()}")
+parser.add_argument("--backend", default="eager", help="eager (default), onnxruntime (the quantized drafter needs it), ...")
 parser.add_argument("--max-new-tokens", type=int, default=None)
 args = parser.parse_args()
 
@@ -48,7 +49,7 @@ start = time.perf_counter()
 ref = hf_greedy(ids)
 hf_tps = (ref.shape[1] - ids.shape[1]) / (time.perf_counter() - start)
 
-fast = speccomp.compile(model, drafter=args.drafter)
+fast = speccomp.compile(model, drafter=args.drafter, backend=args.backend)
 print(fast)
 out = fast.generate(ids, max_new_tokens=n, eos_token_id=eos)
 stats = fast.last_stats

@@ -13,7 +13,7 @@ from torch import nn
 from speccomp.backends import lower
 from speccomp.drafters.draft_model import check_draft_model_options, make_draft_model
 from speccomp.drafters.merge import check_merge, make_merged, split_names
-from speccomp.drafters.registry import DECLARED, DRAFTERS, SEARCHED, max_tree_nodes
+from speccomp.drafters.registry import DECLARED, DRAFTERS, SEARCHED, check_named, max_tree_nodes
 from speccomp.errors import OptionError, OptionTypeError
 from speccomp.frontend import capture
 from speccomp.frontend.convention import CapturedModel
@@ -52,6 +52,8 @@ def check_options(*, drafter=None, tree=None, kv_cache=None, kv_mode=None, backe
             check_merge(merged, drafter_options, tree, DECLARED)
         else:
             choice("drafter", drafter, DRAFTERS)
+        for i, name in enumerate(merged or [drafter]):  # tree= shapes the first drafter's tree
+            check_named(name, tree if i == 0 else None, backend)
     elif tree is not None:
         raise OptionError("tree", tree, "shapes the drafter's token tree, but no drafter was given",
                           "give a drafter too (see speccomp.available_drafters())")

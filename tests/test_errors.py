@@ -490,6 +490,18 @@ def test_generate_accepts_numpy_and_tensor_ints(runtime, make, check):
         assert out.shape[1] == n + 8
 
 
+def test_sampling_options_without_do_sample_warn_and_decode_greedily(runtime):
+    """temperature / top_p without do_sample=True do nothing (greedy decoding): said, as HF says it, not silent."""
+    import warnings
+
+    with pytest.warns(UserWarning, match="ignored without do_sample=True"):
+        out = runtime.generate(temperature=0.5)
+    assert np.asarray(out).tolist() == runtime.ref.tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        runtime.generate(temperature=1.0, top_p=1.0)  # the defaults: nothing to say
+
+
 # ---------------------------------------------------------------------------------------------
 # SpecModel.export(): arguments checked before any export work
 # ---------------------------------------------------------------------------------------------
@@ -862,6 +874,17 @@ CLI_ERRORS = [
     ("run-seed", ["run", "--engine", "{engine}", "--prompt", "w3 w4", "--do-sample", "--seed", "-1"], ("seed", "-1")),
     ("run-threads", ["run", "--engine", "{engine}", "--prompt", "w3 w4", "--threads", "-1"], ("threads", "-1")),
     ("run-tokenizer-missing", ["run", "--engine", "{notok}", "--prompt", "w3 w4"], ("tokenizer.json",)),
+    ("export-under-a-file", ["export", "{tmp}/mine/notes.txt/engine"], ("notes.txt",)),
+    ("export-triton-under-a-file", ["export-triton", "{engine}", "{tmp}/mine/notes.txt"], ("notes.txt",)),
+    ("demo-prompts-directory", ["demo", "--prompts", "{tmp}/mine"], ("{tmp}/mine", "directory")),
+    ("bench-tree-for-ngram", ["bench", "--drafters", "ngram", "--tree", "3"], ("tree", "ngram")),
+    ("generate-quantized-eager", ["generate", "--prompt", "hi", "--drafter", "quantized"], ("backend", "quantized")),
+    ("serve-port", ["serve", "{engine}", "--port", "99999"], ("port", "99999")),
+    ("search-backend", ["search", "--backend", "onnxruntime"], ("backend", "eager")),  # it times eager only
+    ("train-heads-backend", ["train-heads", "--kind", "eagle", "--backend", "x"], ("--backend",)),  # compiles nothing
+    ("train-draft-drafter", ["train-draft", "--drafter", "eagle"], ("--drafter",)),
+    ("bench-json-directory", ["bench", "--drafters", "none", "--json", "{tmp}/mine"], ("json", "directory")),
+    ("bench-json-under-a-file", ["bench", "--drafters", "none", "--json", "{tmp}/mine/notes.txt/b.json"], ("notes.txt",)),
     # good ones stay good
     ("good-max-new-tokens", ["generate", "--prompt", "hi", "--max-new-tokens", "0"], ("max-new-tokens",)),
     ("good-bench-drafters", ["bench", "--drafters", "nope"], ("nope",)),

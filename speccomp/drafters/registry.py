@@ -106,20 +106,34 @@ def _layer_skip_passes(base: SpecGraph, options: dict):
     return [SkipLayers(layers)], options
 
 
-def _own_trees(make, name: str, how: str, knobs: str):
-    """The factory of a text drafter that shapes its own trees: tree= is refused, naming the options that shape it."""
+# text drafters that shape their own trees: how, and the options that shape them (tree= is refused)
+OWN_TREES = {"ngram": ("builds its tree from the matches it finds", "max_depth / num_branches"),
+             "suffix": ("grows its tree from the continuations it has counted", "budget / max_depth / min_prob")}
+
+
+def check_named(name: str, tree, backend: str) -> None:
+    """What a registered drafter refuses before any model is loaded (check_options, so the CLI fails at once, and
+    its factory): tree= where it shapes its own trees, a backend it cannot run on."""
+    if tree is not None and name in OWN_TREES:
+        how, knobs = OWN_TREES[name]
+        raise OptionError("tree", tree, f"the {name} drafter {how}", f"drop tree= (use the {knobs} options)")
+    if name == "quantized" and not is_onnxruntime(backend):
+        raise OptionError("backend", backend, "the quantized drafter runs ONNX Runtime's 4-bit MatMulNBits kernels "
+                          "(torch's int8 weight-only CPU matmul measured 5x slower than float32 here)",
+                          "use backend='onnxruntime'")
+
+
+def _own_trees(make, name: str):
+    """The factory of a text drafter that shapes its own trees (OWN_TREES)."""
     def factory(base: SpecGraph, options: dict, tree, backend: str):
-        if tree is not None:
-            raise OptionError("tree", tree, f"the {name} drafter {how}", f"drop tree= (use the {knobs} options)")
+        check_named(name, tree, backend)
         return make(**options)
 
     return factory
 
 
-register("ngram", NGramDrafter)(_own_trees(make_ngram, "ngram", "builds its tree from the matches it finds",
-                                           "max_depth / num_branches"))
-register("suffix", SuffixDrafter)(_own_trees(make_suffix, "suffix", "grows its tree from the continuations it has "
-                                             "counted", "budget / max_depth / min_prob"))
+register("ngram", NGramDrafter)(_own_trees(make_ngram, "ngram"))
+register("suffix", SuffixDrafter)(_own_trees(make_suffix, "suffix"))
 
 
 @register("token_recycling", TokenRecyclingDrafter)
@@ -144,10 +158,7 @@ def _quantized(base: SpecGraph, options: dict, tree, backend: str):
     from speccomp.backends.onnx_export import quantize_weights_int4
     from speccomp.passes.tree_attention import TreeAttention
 
-    if not is_onnxruntime(backend):
-        raise OptionError("backend", backend, "the quantized drafter runs ONNX Runtime's 4-bit MatMulNBits kernels "
-                          "(torch's int8 weight-only CPU matmul measured 5x slower than float32 here)",
-                          "use backend='onnxruntime'")
+    check_named("quantized", tree, backend)
     block = as_int("block_size", options.pop("block_size", 32), "pass a power of two >= 16, e.g. 32")
     if block < 16 or block & (block - 1):
         raise OptionError("block_size", block, "must be a power of two >= 16", "e.g. 32 (the default) or 64")

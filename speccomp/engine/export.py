@@ -284,6 +284,9 @@ def check_destination(path, overwrite: bool) -> Path:
         raise EngineError(f"{path} is a symbolic link; export to a real directory path")
     if path.exists() and not path.is_dir():
         raise EngineError(f"{path} exists and is not a directory; choose another path")
+    above = next((a for a in path.parents if a.exists()), None)  # where the new directories would be made
+    if above is not None and not above.is_dir():
+        raise EngineError(f"{above} is a file, so {path} cannot be made under it; choose another path")
     if path.is_dir() and any(path.iterdir()):
         _check_replaceable(path, overwrite, path)
     return path

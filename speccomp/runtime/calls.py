@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import operator
 import threading
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -273,6 +274,9 @@ def generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperatur
         seed = as_int("seed", seed, "pass an int >= 0, or None for a fresh seed")
         if not 0 <= seed < 2**63:
             raise OptionError("seed", seed, "must be in [0, 2**63)")
+    if not do_sample and (t != 1.0 or p != 1.0):  # as HF does: greedy decoding reads neither
+        warnings.warn(f"temperature={temperature!r} / top_p={top_p!r} are ignored without do_sample=True (greedy "
+                      "decoding); pass do_sample=True to sample", UserWarning, stacklevel=3)
     return GenerateArgs(prompt, n, eos, bool(do_sample), t, p, seed)
 
 
