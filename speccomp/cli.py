@@ -1,4 +1,5 @@
-"""The `speccomp` command line: demo, generate, search, train-heads, train-draft, autotune, export, run, bench.
+"""The `speccomp` command line: demo, generate, search, train-heads, train-draft, autotune, export, run, bench,
+serve, export-triton.
 
 Every subcommand checks all its flags before it loads the model (seconds to a minute): argparse refuses
 malformed values and plain int ranges (`type=positive`, ...); each command then runs the library's model-free

@@ -9,7 +9,7 @@
         emit tokens[path[1:]] + [bonus]; bonus is the next root
 
 Plain decoding is the same loop with `RootOnly`, which drafts nothing: every step verifies the root alone.
-The target side is a `Verifier`: `FullCache` runs the target graph (after TreeAttention) over a `KVCache`;
+The target side is a verifier (any object with prefill / verify / commit / cache): `FullCache` runs the target graph (after TreeAttention) over a `KVCache`;
 speccomp/kv/target.py's reads a compressed cache. The engine (speccomp/engine/runtime.py) runs this
 algorithm in numpy; tests/test_engine.py pins the two together step by step.
 

@@ -120,7 +120,7 @@ class SpecModel:
         """input_ids: [seq] or [1, seq] token ids (a LongTensor, an integer array or a list), or a batch [B, seq]
         left-padded with `attention_mask` (0 on padding) as for HF generate: each row is decoded as if alone
         (speccomp/runtime/batch.py) and the result is [B, seq + m], rows that stopped early padded on the right with
-        `pad_token_id` (default: the first eos id); `load_aware` caps each row's tree step by step where the batch's
+        `pad_token_id` (default: the smallest eos id); `load_aware` caps each row's tree step by step where the batch's
         goodput says trees cost more than they gain (speccomp/runtime/budget.py; False: every row verifies its
         drafter's whole tree). eos_token_id: an int or a list of ints. acceptance: "exact"
         (lossless: greedy equality / rejection sampling) or "typical-lossy" (Medusa's typical acceptance with

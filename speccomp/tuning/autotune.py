@@ -41,13 +41,13 @@
    back (`resolve_auto`), and with nothing stored tunes on first use, on the shipped prompts in the model's
    own tokenizer (`first_use_prompts`).
 
-Drafters: early_exit, layer_skip, token_recycling, medusa, hydra, eagle, draft_model, and a draft LM given
-itself (`autotune(model, draft_lm, prompts)`, with its tokenizers in drafter_options where it has its own),
-stored under its weights' fingerprint (and both tokenizers': `drafter_key`), where compile(drafter=draft_lm,
-tree="auto") finds it. Through its own tokenizer a draft's tree reaches the target mapped through text, so the
-probe's acceptance by rank is only roughly the draft's: the DP's ranking is rougher, the measured choice is not.
-`ngram` builds its tree from
-the matches it finds and takes no tree, so it cannot be tuned (a clear error says so). Token
+Drafters: early_exit, layer_skip, token_recycling, medusa, hydra, eagle, draft_model, quantized (backend
+onnxruntime), and a draft LM given itself (`autotune(model, draft_lm, prompts)`, with its tokenizers in
+drafter_options where it has its own), stored under its weights' fingerprint (and both tokenizers': `drafter_key`),
+where compile(drafter=draft_lm, tree="auto") finds it. Through its own tokenizer a draft's tree reaches the target
+mapped through text, so the probe's acceptance by rank is only roughly the draft's: the DP's ranking is rougher,
+the measured choice is not. `ngram` and `suffix` shape their own trees from what they find and take none, so they
+cannot be tuned (a clear error says so). Token
 recycling is tuned as pure Token Recycling (`ngram_branches=0`) unless drafter_options say
 otherwise: its prompt-lookup branch adds nodes the tree model does not see (with it, the
 prediction is a lower bound). Its table learns from every verified node, so a big probe fills it
