@@ -486,7 +486,7 @@ def tree_arrays(parents: list[int]) -> tuple[np.ndarray, np.ndarray, list[list[i
 def warp(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
     """Probabilities after temperature and nucleus filtering, as speccomp.runtime.sampling.warp (HF's warpers).
     Where logits tie exactly at the nucleus cut, which of the tied tokens stay is up to the sort: torch's (HF's) is
-    not stable, this one is, so the two may keep different tied tokens (never seen with float32 logits here)."""
+    not stable, this one is, so the two may keep different tied tokens (exact ties are rare with float32 logits)."""
     x = logits.astype(np.float64) / temperature
     if top_p < 1.0:
         order = np.argsort(x, kind="stable")  # ascending
