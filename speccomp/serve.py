@@ -11,9 +11,9 @@ temperature 0 is greedy decoding (the engine's output is the model's own greedy 
 
 One thread owns the engine (`Scheduler`): between two steps of the running batch (speccomp/engine/runtime.py's
 `EngineBatch`, which packs every row into one forward) it admits waiting requests while the batch has room for the
-whole generation (prompt + max_tokens + the tree's room, in cache slots) and rows are fewer than --max-batch, and removes rows that
-finished or whose client went away. The event loop only parses, queues and streams. A request that could never
-fit, or with a bad parameter, is answered 400 with OpenAI's error body naming the parameter.
+whole generation (prompt + max_tokens + the tree's room, in cache slots) and rows are fewer than --max-batch, and
+removes rows that finished or whose client went away. The event loop only parses, queues and streams. A request that
+could never fit, or with a bad parameter, is answered 400 with OpenAI's error body naming the parameter.
 """
 
 import asyncio

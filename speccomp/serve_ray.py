@@ -81,8 +81,8 @@ def serve_replicas(engine_dir, host: str = "127.0.0.1", port: int = 8000, replic
     ray.init(ignore_reinit_error=True)
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(application(engine_dir, replicas, max_batch, kv_slots, provider, threads, draft=draft), name="speccomp",
-                  blocking=True)
+        serve.run(application(engine_dir, replicas, max_batch, kv_slots, provider, threads, draft=draft),
+                  name="speccomp", blocking=True)
     except KeyboardInterrupt:
         pass
     finally:

@@ -9,9 +9,9 @@
         emit tokens[path[1:]] + [bonus]; bonus is the next root
 
 Plain decoding is the same loop with `RootOnly`, which drafts nothing: every step verifies the root alone.
-The target side is a verifier (any object with prefill / verify / commit / cache): `FullCache` runs the target graph (after TreeAttention) over a `KVCache`;
-speccomp/kv/target.py's reads a compressed cache. The engine (speccomp/engine/runtime.py) runs this
-algorithm in numpy; tests/test_engine.py pins the two together step by step.
+The target side is a verifier (any object with prefill / verify / commit / cache): `FullCache` runs the target graph
+(after TreeAttention) over a `KVCache`; speccomp/kv/target.py's reads a compressed cache. The engine
+(speccomp/engine/runtime.py) runs this algorithm in numpy; tests/test_engine.py pins the two together step by step.
 
 `target` is any callable with the captured graph's convention (speccomp/frontend/convention.py) plus the
 tree mask: logits, new_kv, hidden[, extra outputs] = target(input_ids, position_ids, attention_mask, past_kv,
