@@ -81,13 +81,16 @@ def _directory(parameter: str, path) -> None:
         raise OptionError(parameter, path, "is a file, not a directory", "give a directory path")
 
 
-def check_plot_flag(parameter: str, path) -> None:
-    """A PNG flag (bench --plot, autotune --report) needs matplotlib: fail now, not after the run."""
+def check_plot_flag(parameter: str, path):
+    """A PNG flag (bench --plot, autotune --report) needs matplotlib: fail now, not after the run. Returns the file
+    written: matplotlib adds .png to a name without a suffix, so the messages name that file."""
     if path:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise OptionError(parameter, path, "writing a plot needs matplotlib", "pip install matplotlib") from None
+        return path if Path(path).suffix else f"{path}.png"
+    return path
 
 
 def check_text_drafter_options(drafter: str, options: dict | None) -> None:
@@ -309,7 +312,7 @@ def cmd_autotune(args) -> int:
     tunable = [d for d in speccomp.available_drafters() if not untunable(d)]
     _drafter_among(args.drafter, tunable, untunable(args.drafter) or "autotune tunes the tree of one drafter (of a "
                                                                      "merged drafter: autotune its first one)")
-    check_plot_flag("report", args.report)
+    args.report = check_plot_flag("report", args.report)
     texts = _prompts(args.prompts or [None], args.limit)  # None: the prompts shipped with speccomp
     model, tok = _load(args)
     result = autotune(model, args.drafter, _chat(tok, texts), backend=args.backend, max_nodes=args.max_nodes,
@@ -507,7 +510,7 @@ def cmd_bench(args) -> int:
         check_options(drafter=d, tree=args.tree, backend=args.backend, drafter_options=options.get(d))
         check_text_drafter_options(d, options.get(d))
     extra_rows = kv_rows(args.kv, args.kv_mode) if args.kv else []
-    check_plot_flag("plot", args.plot)
+    args.plot = check_plot_flag("plot", args.plot)
     prompts = load_bench_prompts(args.prompts, args.limit)
     for flag, out in (("json", args.json), ("plot", args.plot)):  # before minutes of benchmarking, not after
         if out and Path(out).is_dir():

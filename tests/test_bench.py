@@ -202,3 +202,11 @@ def test_kv_rows_report_bytes_and_label_lossy():
 def test_kv_rows_bad_mode():
     with pytest.raises(ValueError, match="unknown --kv-mode"):
         bench.kv_rows("sink:8", "both")
+
+
+def test_a_plot_flag_names_the_file_matplotlib_writes():
+    """matplotlib adds .png to a name without a suffix: --plot / --report report (and check) that file."""
+    from speccomp.cli import check_plot_flag
+
+    assert check_plot_flag("plot", "out/speed") == "out/speed.png"
+    assert check_plot_flag("plot", "speed.svg") == "speed.svg" and check_plot_flag("report", None) is None
