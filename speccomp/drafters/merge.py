@@ -78,7 +78,7 @@ class MergedDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> Draft:
         # each part drafts its top tokens even when the target samples (a draft model would sample its tree): a
         # merged node may come from several parts, so it must be a point mass, which verification keeps exact
-        ctx = dataclasses.replace(ctx, sampler=None)
+        ctx = ctx if ctx.sampler is None else dataclasses.replace(ctx, sampler=None)
         drafts = [d.propose(ctx) for d in self.drafters]
         for d, draft in zip(self.drafters, drafts):
             if draft.probs is not None:  # sampled drafts carry their distributions; a merged node has several

@@ -33,7 +33,8 @@ import onnx
 
 from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
 from speccomp.engine.runtime import (ENGINE_DRAFTERS, FORMAT, FORMAT_VERSION, GRAPH_FILES, MANIFEST, MEDUSA_FILE,
-                                     SELF_DRAFTERS, TOP_IDS_OUTPUT, TOP_ROWS_INPUT, EngineError, sha256)
+                                     SELF_DRAFTERS, TOP_IDS_OUTPUT, TOP_ROWS_INPUT, EngineError, check_makeable,
+                                     sha256)
 from speccomp.models import set_default_mode
 
 # a draft model with a tokenizer of its own: both tokenizers beside draft_model.onnx (engine/runtime.py _text_bridge)
@@ -284,9 +285,7 @@ def check_destination(path, overwrite: bool) -> Path:
         raise EngineError(f"{path} is a symbolic link; export to a real directory path")
     if path.exists() and not path.is_dir():
         raise EngineError(f"{path} exists and is not a directory; choose another path")
-    above = next((a for a in path.parents if a.exists()), None)  # where the new directories would be made
-    if above is not None and not above.is_dir():
-        raise EngineError(f"{above} is a file, so {path} cannot be made under it; choose another path")
+    check_makeable(path)
     if path.is_dir() and any(path.iterdir()):
         _check_replaceable(path, overwrite, path)
     return path

@@ -68,6 +68,14 @@ class EngineError(SpeccompError, RuntimeError):
     """An engine directory is missing, corrupt or does not match; the message names the fix."""
 
 
+def check_makeable(path: Path) -> None:
+    """A directory can be made at absolute `path`: the nearest existing folder above it is a folder, not a file
+    (refused before an export's work, not when it finally writes)."""
+    above = next((a for a in path.parents if a.exists()), None)
+    if above is not None and not above.is_dir():
+        raise EngineError(f"{above} is a file, so {path} cannot be made under it; choose another path")
+
+
 def _corrupt(message: str) -> EngineError:
     return EngineError(f"{message}; the engine is corrupt, re-export it")
 

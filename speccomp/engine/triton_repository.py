@@ -18,7 +18,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from speccomp.engine.runtime import EngineError, read_manifest
+from speccomp.engine.runtime import EngineError, check_makeable, read_manifest
 
 CONFIG = """name: "{name}"
 backend: "python"
@@ -131,9 +131,7 @@ def export_triton_repository(engine_dir, out, name: str = "speccomp", max_new_to
     model = Path(out).expanduser().absolute() / name
     if model.is_symlink() or (model.exists() and not model.is_dir()):
         raise EngineError(f"{model} exists and is not a directory; choose another --name or repository")
-    above = next(a for a in model.parents if a.exists())  # where the new directories would be made
-    if not above.is_dir():
-        raise EngineError(f"{above} is a file, so the repository cannot be made under it; choose another path")
+    check_makeable(model)
     if model.is_dir() and any(model.iterdir()):
         ours = {p.name for p in model.iterdir()} <= {"config.pbtxt", "1"} and (model / "1" / "model.py").is_file() \
             and (model / "1" / "model.py").read_text().startswith(MODEL_PY.splitlines()[0])

@@ -681,8 +681,10 @@ def plan_static(p, timing: dict, max_nodes: int, max_depth: int) -> list[dict]:
 
 
 def _default_options(model, drafter, options: dict | None) -> dict | None:
-    if options is not None or not isinstance(drafter, str):
-        return None if options is None else dict(options)
+    if options is not None:
+        return dict(options)
+    if not isinstance(drafter, str):  # a draft LM given itself: no stored defaults
+        return None
     if drafter == "token_recycling":
         return {"ngram_branches": 0}
     from speccomp.drafters.registry import SEARCHED
