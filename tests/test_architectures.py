@@ -114,3 +114,21 @@ def test_unsupported_model_raises(name):
         speccomp.compile(model)
     message = str(info.value).lower()
     assert all(w in message for w in words), f"{name}: message should name {words}: {info.value}"
+
+
+def test_the_capture_check_scales_its_tolerance_with_the_outputs_magnitude():
+    """The graph-vs-model check must refuse a wrong branch (an O(1) difference) but not float32 rounding of large
+    values: on an H200 a real SmolLM2's logits (up to ~30) differed by 1.7e-4 between the graph and the model, two
+    kernel choices for one matmul, and a fixed atol of 1e-4 refused the model."""
+    from types import SimpleNamespace
+
+    from speccomp.errors import UnsupportedModelError
+    from speccomp.frontend.convention import check_outputs
+
+    want = (torch.linspace(-30, 30, 101), torch.zeros(3), torch.ones(4))  # logits pass through 0 at index 50
+    rounding = (want[0] + 2e-4, *want[1:])
+    check_outputs(SimpleNamespace(model_type="llama"), rounding, want, 1e-4, "model", "q=1", "why")
+    wrong = (want[0].clone(), *want[1:])
+    wrong[0][50] += 0.5
+    with pytest.raises(UnsupportedModelError, match=r"disagrees with the model on `logits` for q=1 \(max diff 0\.5"):
+        check_outputs(SimpleNamespace(model_type="llama"), wrong, want, 1e-4, "model", "q=1", "why")

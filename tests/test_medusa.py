@@ -344,15 +344,24 @@ def test_typical_acceptance_is_opt_in_and_labelled_lossy(model, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
-def test_heads_with_a_model_off_the_cpu_are_refused_by_name(kind):
-    """Draft heads run with CPU models only so far (on a GPU their host-side steps mixed devices: gpu_check.py); a
-    model elsewhere is refused before any file is read, naming the drafters that do run there. The meta device
-    stands in for a GPU here."""
-    from speccomp.drafters.eagle import load_eagle
-    from speccomp.drafters.hydra import load_hydra
-    from speccomp.errors import OptionError
+def test_heads_load_onto_the_models_device_and_their_steps_are_captured_there(kind, tmp_path):
+    """Heads are read on the CPU and run where the model is (gpu_check.py ran them on an H200 once they moved): every
+    weight and index of the heads and of their step graph, and the step's capture example, on the model's device.
+    The meta device stands in for a GPU (nothing can run there, so a tensor left on the CPU shows)."""
+    from test_eagle import random_eagle
 
-    load = {"medusa": load_medusa, "hydra": load_hydra, "eagle": load_eagle}[kind]
-    with pytest.raises(OptionError, match=rf"drafter='{kind}': runs its heads with a model on the CPU only; this "
-                                          r"model is on meta.*token_recycling"):
-        load("/nonexistent/heads", tiny_llama().to("meta"))
+    from speccomp.drafters.eagle import EagleStep, load_eagle, save_eagle
+    from speccomp.drafters.hydra import HydraStep, load_hydra, save_hydra
+
+    model = tiny_llama()
+    save, load, step = {"medusa": (lambda d: save_medusa(new_heads(model, 2), d), load_medusa, None),
+                        "hydra": (lambda d: save_hydra(random_hydra(model, 2), d), load_hydra, HydraStep),
+                        "eagle": (lambda d: save_eagle(random_eagle(model), d), load_eagle, EagleStep)}[kind]
+    save(tmp_path)
+    heads = load(tmp_path, model.to("meta"))
+    tensors = [*heads.parameters(), *heads.buffers(), heads.lm_head,
+               *([] if kind == "medusa" else [heads.embed, heads.draft_lm, heads.draft_vocab])]
+    if step is not None:
+        graph = step(heads)
+        tensors += [*graph.buffers(), *graph.graph_spec().example]
+    assert tensors and {t.device.type for t in tensors} == {"meta"}

@@ -36,8 +36,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from speccomp.drafters.hydra import MAX_SIBLINGS, HydraHeads, _input_embedding, save_draft_heads
-from speccomp.drafters.medusa import (CONFIG, HeadsError, _lm_head_weight, check_dimensions, check_heads_device,
-                                      config_int, read_head_files)
+from speccomp.drafters.medusa import (CONFIG, HeadsError, _lm_head_weight, check_dimensions, config_int,
+                                      on_model_device, read_head_files)
 
 WEIGHTS = "eagle_head.safetensors"
 
@@ -206,7 +206,8 @@ def new_eagle(model, draft_vocab, num_heads: int | None = None, intermediate: in
     if rope_theta is None:
         rope = getattr(cfg, "rope_parameters", None) or {}
         rope_theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or getattr(cfg, "rope_theta", None) or 10000.0
-    return EagleHead(hidden, vocab, int(num_heads), int(intermediate), lm, _input_embedding(model), draft_vocab, rope_theta)
+    head = EagleHead(hidden, vocab, int(num_heads), int(intermediate), lm, _input_embedding(model), draft_vocab, rope_theta)
+    return on_model_device(head, lm)
 
 
 _PARAMS = ("fc.weight", "fc.bias", "norm1.weight", "qkv.weight", "o.weight", "norm2.weight", "gate_up.weight", "down.weight")
@@ -222,7 +223,6 @@ def save_eagle(head: EagleHead, directory, *, base_model: str = "") -> Path:
 
 def load_eagle(directory, model) -> EagleHead:
     """A head from a directory written by `save_eagle`, checked against `model`."""
-    check_heads_device(model, "eagle")
     directory = Path(directory)
     lm = _lm_head_weight(model)
     vocab, hidden = lm.shape
@@ -242,4 +242,4 @@ def load_eagle(directory, model) -> EagleHead:
                      tensors["draft_vocab"], float(theta))
     head.load_state_dict({n: tensors[n].float() for n in _PARAMS})
     head.train_steps = config_int(config, "train_steps", directory / CONFIG) if config.get("train_steps") else None
-    return head.eval()
+    return on_model_device(head, lm).eval()

@@ -34,7 +34,7 @@ class EagleDrafter(Drafter):
         check_tree_kind(self, tree)
         lower_step(self, EagleStep, head, tree, lowered, backend, "EAGLE layer step")
         self.options = {} if heads_path is None else {"heads": heads_path}
-        self.cache = EagleCache(partial(run_step, self.step), head.num_heads, head.head_dim)
+        self.cache = EagleCache(partial(run_step, self.step, self.device), head.num_heads, head.head_dim)
         # no deeper than the head was trained to draft: its guesses past that are rarely accepted
         self.max_depth = min(MAX_DYNAMIC_DEPTH, head.train_steps or MAX_DYNAMIC_DEPTH)
 
@@ -45,7 +45,7 @@ class EagleDrafter(Drafter):
         self.cache.begin(prompt)
 
     def take_states(self, states) -> None:
-        self.cache.take(states[0].float().numpy())  # [m, H]: the prompt after the prefill, the accepted path after a step
+        self.cache.take(states[0].float().cpu().numpy())  # [m, H]: the prompt after the prefill, the accepted path after a step
 
     def propose(self, ctx: DraftContext) -> Draft:
         return grow(self.tree, ctx, self.cache.expander(ctx.tokens), self.max_depth)

@@ -103,7 +103,7 @@ class MedusaDrafter(Drafter):
 
     def propose(self, ctx: DraftContext) -> Draft:
         tree, _ = truncate(self.tree, ctx.max_depth, ctx.max_nodes)
-        top = self._head_logits().topk(self.top, dim=-1).indices  # [K, top]
+        top = self._head_logits().topk(self.top, dim=-1).indices.cpu()  # [K, top]; drafts are host tensors
         children = top[tree.depth[1:] - 1, torch.tensor(tree.ranks[1:], dtype=torch.long)]  # head d-1's rank-r token
         return Draft(tree, torch.cat([torch.tensor([ctx.tokens[-1]], dtype=torch.long), children]))
 
@@ -138,7 +138,7 @@ class HydraDrafter(Drafter):
 
     def propose(self, ctx: DraftContext) -> Draft:
         # grow.py's expander, shared with the engine
-        expand = state_expander(partial(run_step, self.step), self.h.float().numpy())
+        expand = state_expander(partial(run_step, self.step, self.device), self.h.float().cpu().numpy())
         return grow(self.tree, ctx, expand, min(MAX_DYNAMIC_DEPTH, self.heads.num_heads))
 
 
@@ -155,12 +155,14 @@ def lower_step(drafter, module_cls, heads, tree, lowered, backend: str, what: st
 
         lowered = module, lower_module(module, module.graph_spec(), backend)
     drafter.module, drafter.step = lowered
+    drafter.device = drafter.module.draft_lm.device  # where the step's weights are (the model's device)
 
 
-def run_step(step, *arrays) -> list:
-    """A lowered step on numpy arrays (and ints: 0-d tensors), numpy out."""
+def run_step(step, device, *arrays) -> list:
+    """A lowered step on numpy arrays (and ints: 0-d tensors) moved to `device`, numpy out (grow.py's host side
+    and the engine share the numpy convention; on the CPU nothing is copied)."""
     with torch.no_grad():
-        return [t.numpy() for t in step(*(torch.as_tensor(a) for a in arrays))]
+        return [t.cpu().numpy() for t in step(*(torch.as_tensor(a, device=device) for a in arrays))]
 
 
 def check_heads_depth(tree: Tree, num_heads: int, kind: str) -> None:

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from speccomp.drafters.medusa import (CONFIG, HeadsError, ResBlock, _lm_head_weight, _model_weight, block_names,
-                                      check_dimensions, check_heads_device, config_int, count_check, read_head_files,
-                                      write_head_files)
+                                      check_dimensions, config_int, count_check, read_head_files,
+                                      on_model_device, write_head_files)
 
 WEIGHTS = "hydra_heads.safetensors"
 
@@ -75,8 +75,8 @@ class HydraHeads(nn.Module):
         if int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= self.vocab:
             raise HeadsError(f"draft_vocab holds token ids outside the model's vocabulary [0, {self.vocab})")
         self.lm_head = lm_head
-        self.draft_vocab = draft_vocab
-        self.draft_lm = lm_head.index_select(0, draft_vocab).contiguous()  # [Vd, H], frozen
+        self.draft_vocab = draft_vocab.to(lm_head.device)  # indexes the LM head (and maps the step's ids) there
+        self.draft_lm = lm_head.index_select(0, self.draft_vocab).contiguous()  # [Vd, H], frozen
 
     def step(self, k: int, s: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """State after head k: s [n, H] (the parent's state), tokens [n] (the parent's token) -> [n, H]."""
@@ -124,9 +124,13 @@ class HydraStep(nn.Module):
         self.top = min(MAX_SIBLINGS, len(heads.draft_vocab))
 
     def forward(self, head, states, tokens):
-        x = states + self.embed[tokens] @ self.embed_w[head].t() + self.embed_b[head]
+        # the head's weights by index_select, not w[head]: indexing with a 0-d tensor reads it as a Python int, a
+        # data-dependent guard when the graph is captured on CUDA (gpu_check.py)
+        pick = {name: getattr(self, name).index_select(0, head.reshape(1))[0]
+                for name in ("embed_w", "embed_b", "block_w", "block_b")}
+        x = states + self.embed[tokens] @ pick["embed_w"].t() + pick["embed_b"]
         for j in range(self.block_w.shape[1]):
-            x = x + nn.functional.silu(x @ self.block_w[head, j].t() + self.block_b[head, j])
+            x = x + nn.functional.silu(x @ pick["block_w"][j].t() + pick["block_b"][j])
         logp, idx = nn.functional.linear(x, self.draft_lm).log_softmax(-1).topk(self.top, dim=-1)
         return x, logp, self.vocab[idx]
 
@@ -136,14 +140,15 @@ class HydraStep(nn.Module):
 
         n = torch.export.Dim("n", min=1, max=4096)
         device = self.embed.device  # the step is captured where it runs
-        example = (torch.tensor(0), torch.zeros(2, self.embed.shape[1], device=device),
+        example = (torch.tensor(0, device=device), torch.zeros(2, self.embed.shape[1], device=device),
                    torch.zeros(2, dtype=torch.long, device=device))
         return DrafterGraphSpec("hydra", ["head", "states", "tokens"], HYDRA_OUTPUTS, example, (None, {0: n}, {0: n}))
 
 
 def new_hydra(model, draft_vocab, num_heads: int = 4, num_layers: int = 1) -> HydraHeads:
     lm = _lm_head_weight(model)
-    return HydraHeads(num_heads, lm.shape[1], lm.shape[0], num_layers, lm, _input_embedding(model), draft_vocab)
+    heads = HydraHeads(num_heads, lm.shape[1], lm.shape[0], num_layers, lm, _input_embedding(model), draft_vocab)
+    return on_model_device(heads, lm)
 
 
 def save_hydra(heads: HydraHeads, directory, *, base_model: str = "") -> Path:
@@ -156,8 +161,8 @@ def save_hydra(heads: HydraHeads, directory, *, base_model: str = "") -> Path:
 def save_draft_heads(heads, directory, weights: str, tensors: dict, base_model: str, **fields) -> Path:
     """Write a head kind tied to the frozen LM head on a draft vocabulary (Hydra, EAGLE): `tensors` as float16 plus
     draft_vocab, and config.json with `fields` and the model's sizes."""
-    tensors = {name: t.detach().half().contiguous() for name, t in tensors.items()}
-    tensors["draft_vocab"] = heads.draft_vocab.contiguous()
+    tensors = {name: t.detach().half().cpu().contiguous() for name, t in tensors.items()}
+    tensors["draft_vocab"] = heads.draft_vocab.cpu().contiguous()
     config = {**fields, "hidden_size": heads.hidden, "vocab_size": heads.vocab,
               "draft_vocab_size": len(heads.draft_vocab), "base_model_name_or_path": base_model,
               "tied_lm_head": True, "dtype": "float16"}
@@ -166,7 +171,6 @@ def save_draft_heads(heads, directory, weights: str, tensors: dict, base_model: 
 
 def load_hydra(directory, model) -> HydraHeads:
     """Heads from a directory written by `save_hydra`, checked against `model`."""
-    check_heads_device(model, "hydra")
     directory = Path(directory)
     lm = _lm_head_weight(model)
     vocab, hidden = lm.shape
@@ -184,4 +188,4 @@ def load_hydra(directory, model) -> HydraHeads:
     _, tensors = read_head_files(directory, "hydra", WEIGHTS, layout)
     heads = HydraHeads(shape["heads"], hidden, vocab, shape["layers"], lm, _input_embedding(model), tensors["draft_vocab"])
     heads.load_state_dict({own: tensors[name].float() for name, (own, _) in shape["names"].items()})
-    return heads.eval()
+    return on_model_device(heads, lm).eval()

@@ -90,14 +90,10 @@ def _lm_head_weight(model) -> torch.Tensor:
     return _model_weight(model, "get_output_embeddings", "output embedding (LM head) to tie Medusa heads to")
 
 
-def check_heads_device(model, kind: str) -> None:
-    """Draft heads (Medusa, Hydra, EAGLE) run with a model on the CPU only, so far: on a GPU their host-side steps
-    still mix devices (found by benchmarks/gpu_check.py on an H200). Say so before any work, naming what does run."""
-    device = _lm_head_weight(model).device
-    if device.type != "cpu":
-        raise OptionError("drafter", kind, f"runs its heads with a model on the CPU only; this model is on {device}",
-                          "compile the model on the CPU, or on the GPU draft with token_recycling, ngram, suffix, "
-                          "layer_skip, early_exit or a draft model (drafter=small_lm)")
+def on_model_device(heads: nn.Module, lm: torch.Tensor) -> nn.Module:
+    """Heads are read from files (and made fresh) on the CPU; they run where the model's LM head is, since their
+    states come from the model and their logits go through its LM head (a GPU model drafts on the GPU)."""
+    return heads.to(lm.device)
 
 
 def block_names(prefix: str, num_heads: int, num_layers: int, hidden: int) -> dict[str, tuple[str, tuple]]:
@@ -110,18 +106,18 @@ def block_names(prefix: str, num_heads: int, num_layers: int, hidden: int) -> di
 def new_heads(model, num_heads: int = 4, num_layers: int = 1) -> MedusaHeads:
     """Fresh heads for `model`, tied to its frozen LM head (Medusa-1: the backbone stays frozen)."""
     w = _lm_head_weight(model)
-    return MedusaHeads(num_heads, w.shape[1], w.shape[0], num_layers, lm_head=w)
+    return on_model_device(MedusaHeads(num_heads, w.shape[1], w.shape[0], num_layers, lm_head=w), w)
 
 
 def save_medusa(heads: MedusaHeads, directory, *, base_model: str = "", medusa_layout: bool = False) -> Path:
     """Write config.json + medusa_lm_head.safetensors; `medusa_layout` also writes tied projections."""
     state = heads.state_dict()
     names = block_names("medusa_head", heads.num_heads, heads.num_layers, heads.hidden)
-    tensors = {name: state[own].contiguous() for name, (own, _) in names.items()}
+    tensors = {name: state[own].cpu().contiguous() for name, (own, _) in names.items()}
     for k in range(heads.num_heads):
         if not heads.tied or medusa_layout:
             proj = heads.lm_head.detach().clone() if heads.tied else heads.proj[k].detach()
-            tensors[f"medusa_head.{k}.{heads.num_layers}.weight"] = proj.contiguous()
+            tensors[f"medusa_head.{k}.{heads.num_layers}.weight"] = proj.cpu().contiguous()
     config = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers, "hidden_size": heads.hidden,
               "vocab_size": heads.vocab, "base_model_name_or_path": base_model,
               "tied_lm_head": heads.tied and not medusa_layout}
@@ -251,7 +247,6 @@ def count_check(where, config_says: str, want: int, header: dict) -> None:
 
 def load_medusa(directory, model) -> MedusaHeads:
     """Heads from a Medusa-layout directory, checked against `model` (hidden size, vocabulary)."""
-    check_heads_device(model, "medusa")
     directory = Path(directory)
     lm = _lm_head_weight(model)
     vocab, hidden = lm.shape
@@ -273,9 +268,9 @@ def load_medusa(directory, model) -> MedusaHeads:
     k_heads, layers = shape["heads"], shape["layers"]
     projections = [tensors.get(f"medusa_head.{k}.{layers}.weight") for k in range(k_heads)]
     # (a Medusa-layout file whose projections are the frozen LM head shares it instead of copying it)
-    tied = not shape["untied"] or all(torch.equal(p, lm) for p in projections)
+    tied = not shape["untied"] or all(torch.equal(p, lm.cpu()) for p in projections)
     heads = MedusaHeads(k_heads, hidden, vocab, layers, lm_head=lm if tied else None)
     state = {own: tensors[name].float() for name, (own, _) in shape["names"].items()}
     state.update({f"proj.{k}": p.float() for k, p in enumerate(projections) if not tied})
     heads.load_state_dict(state)
-    return heads.eval()
+    return on_model_device(heads, lm).eval()
