@@ -365,3 +365,14 @@ def test_heads_load_onto_the_models_device_and_their_steps_are_captured_there(ki
         graph = step(heads)
         tensors += [*graph.buffers(), *graph.graph_spec().example]
     assert tensors and {t.device.type for t in tensors} == {"meta"}
+
+
+@pytest.mark.parametrize("train", ["train_heads", "train_draft"])
+def test_training_with_a_model_off_the_cpu_is_refused_before_any_work(train, tmp_path):
+    """Training builds its replies, hidden states and batches on the CPU: a model elsewhere (meta standing in for a
+    GPU) is refused by name before anything is generated or written, with the fix."""
+    from speccomp.errors import OptionError
+
+    with pytest.raises(OptionError, match=rf"model='a model on meta': {train} trains on the CPU; pass model.cpu\(\)"):
+        getattr(speccomp, train)(tiny_llama().to("meta"), [torch.arange(3, 9)], out=tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from speccomp.errors import OptionError
-from speccomp.tuning.train_heads import _fit, _hidden_states, _open_run, _self_distill, run_identity
+from speccomp.tuning.train_heads import _fit, _hidden_states, _open_run, _self_distill, check_on_cpu, run_identity
 
 CONFIG = "config.json"
 WEIGHTS = "draft.safetensors"
@@ -144,6 +144,7 @@ def _check(model, prompts, num_layers, **values) -> None:
             raise ValueError(f"{name} must be {'> 0' if name == 'lr' else 'an int >= 1'}, got {value!r}")
     if not prompts:
         raise ValueError("train_draft needs at least one prompt (token ids) to self-distill from")
+    check_on_cpu(model, "train_draft")
 
 
 def check_draft_directory(directory) -> Path:

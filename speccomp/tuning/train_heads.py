@@ -243,8 +243,20 @@ def _check_settings(model, prompts, kind, *, lr, sampled: int, temperature: floa
         raise ValueError(f"temperature must be > 0 for sampled replies, got {temperature!r}")
     if not prompts:
         raise ValueError("train_heads needs at least one prompt (token ids) to self-distill from")
+    check_on_cpu(model, "train_heads")
     if soft_labels > _vocab_size(model):
         raise ValueError(f"soft_labels={soft_labels} is more than the model's vocabulary ({_vocab_size(model)} tokens)")
+
+
+def check_on_cpu(model, what: str) -> None:
+    """Training runs on the CPU (the replies, hidden states and batches are built there); a model elsewhere is refused
+    before any work rather than failing on mixed devices minutes in. What it trains loads onto any device."""
+    from speccomp.errors import OptionError
+
+    weight = next(iter(model.parameters()), None)
+    if weight is not None and weight.device.type != "cpu":
+        raise OptionError("model", f"a model on {weight.device}", f"{what} trains on the CPU",
+                          "pass model.cpu() (the trained weights then load with the model on any device)")
 
 
 def run_identity(model, prompts) -> dict:
