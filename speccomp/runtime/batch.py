@@ -34,7 +34,7 @@ from speccomp.errors import OptionError
 from speccomp.frontend.convention import KVSpec
 from speccomp.runtime.budget import Budget, StepCosts
 from speccomp.runtime.calls import row_slots, run_batch
-from speccomp.runtime.decode import KVCache, Sequence
+from speccomp.runtime.decode import KVCache, Sequence, synchronize
 from speccomp.runtime.packed import PackedBatch, Part
 
 
@@ -55,6 +55,7 @@ def step_costs(target, kv: KVSpec, device, threads=contextlib.nullcontext, measu
             target(torch.zeros(1, q, dtype=torch.long, device=device), torch.arange(past, n, device=device)[None],
                    torch.ones(1, n, dtype=torch.long, device=device), cache.past(),
                    torch.ones(q, n, dtype=torch.bool, device=device).tril(past))
+        synchronize(device)  # StepCosts times this call
 
     run.release = held.clear  # StepCosts lets go of the cache after each grid point: a long-lived model keeps none
     return StepCosts(run, measured=measured)

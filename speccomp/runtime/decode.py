@@ -261,6 +261,13 @@ class RootOnly(Drafter):
         return Draft(ROOT_ONLY, torch.tensor([ctx.tokens[-1]]))
 
 
+def synchronize(device) -> None:
+    """Wait for the device's queued work before reading a timer: CUDA runs asynchronously, so a timer around a
+    forward times its launch (the step-cost curve and autotune's timings would call every tree nearly free)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def prefill(target, cache: KVCache, prompt: torch.Tensor):
     """The prompt through `target` (a causal tree mask), its KV appended to `cache`; the target's outputs."""
     n = prompt.shape[1]

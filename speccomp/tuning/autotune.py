@@ -435,29 +435,33 @@ def time_steps(sm, prompts, *, context_len: int, sizes, widths=(), repeats: int 
     n tree tokens at `context_len` cached tokens, the argmax, greedy acceptance and the cache append.
     Sizes (and widths) are interleaved in a rotating order, after one untimed pass.
     """
-    from speccomp.runtime.decode import KVCache, prefill
+    from speccomp.runtime.decode import KVCache, prefill, synchronize
     from speccomp.runtime.tree import greedy_accept
 
-    cache = KVCache(sm.kv, context_len + DEFAULT_MAX_NODES + 2)  # the calibration text, room for 64 more tokens
-    prefill(sm.step, cache, _calibration_text(prompts, context_len)[None])
+    device = sm.device
+    cache = KVCache(sm.kv, context_len + DEFAULT_MAX_NODES + 2, device)  # the calibration text, room for 64 more
+    prefill(sm.step, cache, _calibration_text(prompts, context_len)[None].to(device))
     base = cache.length
     drafter = sm.drafter if "draft" in sm.drafter.graphs else None  # a draft graph: its forward is timed per width
     widths = list(widths) if drafter is not None else []
     jobs = [("verify", n) for n in sizes] + [("draft", w) for w in widths]
     trees = {n: Tree.from_parents((-1,)) if n == 1 else Tree.chain(n - 1) for n in sizes}
     tokens = _calibration_text(prompts, max(list(sizes) + widths + [1]))
+    on_device = tokens.to(device)
 
     def run(kind: str, n: int) -> float:
         start = time.perf_counter()
         if kind == "verify":
             tree = trees[n]
-            mask = torch.ones(1, base + n, dtype=torch.long)
+            mask = torch.ones(1, base + n, dtype=torch.long, device=device)
             with torch.no_grad():
-                outs = sm.step(tokens[None, :n], tree.positions(base), mask, cache.past(), tree.mask)
-            path, _ = greedy_accept(tree, tokens[:n], outs[0][0].argmax(-1))
-            cache.append(outs[1], keep=torch.tensor(path))
+                outs = sm.step(on_device[None, :n], tree.positions(base, device), mask, cache.past(),
+                               tree.mask.to(device))
+            path, _ = greedy_accept(tree, tokens[:n], outs[0][0].argmax(-1).cpu())
+            cache.append(outs[1], keep=torch.tensor(path, device=device))
         else:
             drafter.level_forward(cache, base, tokens[:n])
+        synchronize(device)
         seconds = time.perf_counter() - start
         cache.length = base
         return seconds
