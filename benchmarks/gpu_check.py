@@ -15,6 +15,8 @@ adds. Sections (each one's failure is recorded and the next one runs):
   smollm2     a model with SmolLM2-135M's config and random weights: HF greedy vs speccomp eager / triton tokens
               per second and equality, and the verify step's time for q = 1..64 tokens over 300 cached ones (what
               a tree costs on a GPU)
+  tuning      autotune end to end on the GPU (tiny llama, token_recycling) and the tuned tree's equality; the
+              batch budget's step-cost curve at a few (q, past), timed with the GPU synchronized
   real        (with --gguf FILE) SmolLM2-135M-Instruct's real weights: HF greedy vs speccomp with the drafters
               that pay on the CPU (shipped Medusa / Hydra / EAGLE heads, Token Recycling, the merge), held-out chat
               prompts with eos, each prompt equal? and its speed as a ratio to HF timed in the same process
@@ -346,10 +348,41 @@ def real(gguf: str, new_tokens: int, per_set: int) -> dict:
     return result
 
 
+# ------------------------------------------------------------------------------------------------------
+def tuning(new_tokens: int) -> dict:
+    """Timings on the GPU wait for it (runtime.decode.synchronize): `speccomp.autotune` end to end for token_recycling
+    on a tiny llama on the GPU (its cache and inputs on the model's device), the tuned tree decoding HF greedy's text
+    there, and the batch budget's step-cost curve t(q, past) at a few points (synchronized: it grows with q and past
+    where the GPU, not the launches, is the bound). The user cache goes to a temporary directory."""
+    import os
+    import tempfile
+
+    os.environ["SPECCOMP_CACHE"] = tempfile.mkdtemp()
+    import speccomp
+    from tiny_models import hf_greedy_with_margin, tiny_llama
+
+    model = tiny_llama(initializer_range=0.2).to(DEVICE)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 96, (1, 10), generator=g).to(DEVICE) for _ in range(2)]
+    result = speccomp.autotune(model, "token_recycling", prompts, max_new_tokens=new_tokens, repeats=2, max_nodes=12,
+                               measure_sizes=[4], progress=False)
+    fast = speccomp.compile(model, drafter="token_recycling", tree=result.tree)
+    rows = []
+    for ids in prompts:
+        ref, _ = hf_greedy_with_margin(model, ids, new_tokens)
+        out = fast.generate(ids, max_new_tokens=new_tokens)
+        rows.append({"equal": bool(torch.equal(out.cpu(), ref.cpu())), "steps": fast.last_stats["steps"]})
+    costs = fast.step_costs()
+    curve = {f"q={q},past={past}": costs(q, past) * 1e3 for q in (1, 16, 256) for past in (256, 4096)}
+    print("tuning", {"mode": result.mode, "tree": result.tree, "rows": rows, "curve_ms": curve}, flush=True)
+    return {"mode": result.mode, "tree": result.tree, "verify_s": result.timing["verify_s"], "rows": rows,
+            "curve_ms": curve, "equal": sum(r["equal"] for r in rows), "total": len(rows)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=str(HERE / "results_gpu_check.json"))
-    ap.add_argument("--sections", default="kernel,smollm2,tiny,drafters,ort,inductor")
+    ap.add_argument("--sections", default="kernel,smollm2,tiny,drafters,tuning,ort,inductor")
     ap.add_argument("--backends", default="eager,triton", help="the tiny section's backends")
     ap.add_argument("--models", default=",".join(TINY), help="tiny section's families (tests/tiny_models.py)")
     ap.add_argument("--new-tokens", type=int, default=24)
@@ -387,6 +420,8 @@ def main(argv=None) -> int:
                 results[name] = tiny(["llama"], ["inductor"], args.new_tokens)
             elif name == "smollm2":
                 results[name] = smollm2(args.smollm2_tokens, args.context)
+            elif name == "tuning":
+                results[name] = tuning(args.new_tokens)
             elif name == "real":
                 results[name] = real(args.gguf, args.real_tokens, args.real_prompts)
         except Exception as exc:  # noqa: BLE001
