@@ -58,6 +58,7 @@ def lower_onnxruntime(sg, provider: str = "cpu", spin: bool = True):
     On the CPU, graphs whose attention OrtAttention fuses write the cache in place (backends/onnx_kv.py)."""
     from speccomp.engine.runtime import check_provider
 
+    check_exported_from_cpu(sg, provider)
     providers = check_provider(provider)  # before the export: a missing provider fails in a second, not a minute
     name = "-".join(sg.applied) or "plain"  # e.g. "tree_attention", "skip_layers-tree_attention"
     step = lower_in_place(sg, _export_dir(name) / f"{name}.onnx", providers, spin)
@@ -66,3 +67,16 @@ def lower_onnxruntime(sg, provider: str = "cpu", spin: bool = True):
     args, dynamic = export_args(sg)
     path = export_onnx(sg, _export_dir(name) / f"{name}.onnx", example_args=args, dynamic_shapes=dynamic)
     return OrtStep(path, providers=providers, spin=spin)
+
+
+def check_exported_from_cpu(sg, provider: str) -> None:
+    """ONNX export traces the graph on the CPU (its example inputs, and OrtStep's feeds, are host tensors); ONNX
+    Runtime's provider, not torch, puts the graph on a GPU. A model compiled elsewhere is refused by name."""
+    from speccomp.errors import OptionError
+
+    weight = next(iter(sg.gm.parameters()), None)
+    if weight is not None and weight.device.type != "cpu":
+        backend = {"cpu": "onnxruntime", "cuda": "onnxruntime:cuda"}.get(provider, provider)
+        raise OptionError("backend", backend, f"exports the model from the CPU; this model is on {weight.device}",
+                          "compile model.cpu() (backend='onnxruntime:cuda' then runs it on the GPU through ONNX "
+                          "Runtime's CUDA provider), or use backend='eager', 'inductor' or 'triton' on the GPU")

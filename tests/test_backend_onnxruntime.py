@@ -61,3 +61,18 @@ def test_onnxruntime_sliding_window_past_the_window(tmp_path, monkeypatch):
 def test_unknown_backend_is_named():
     with pytest.raises(ValueError, match="onnxruntime"):
         speccomp.compile(tiny_llama(), backend="onnx-runtime")
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "onnxruntime:cuda"])
+def test_a_model_off_the_cpu_is_refused_before_export(backend):
+    """ONNX export traces on the CPU and ONNX Runtime's provider places the graph: a model compiled on another device
+    (meta standing in for a GPU) is refused naming the backend, the device and the fix, before any export."""
+    from speccomp.backends import lower
+    from speccomp.errors import OptionError
+    from speccomp.frontend.graph import SpecGraph
+
+    sg = SpecGraph.from_captured(speccomp.capture(tiny_llama()))
+    sg.gm.to("meta")
+    with pytest.raises(OptionError, match=rf"backend='{backend}': exports the model from the CPU; this model is on "
+                                          r"meta; compile model.cpu\(\)"):
+        lower(sg, backend)
