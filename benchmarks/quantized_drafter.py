@@ -4,6 +4,8 @@ verifies) against plain decoding on the onnxruntime backend, SmolLM2-135M, for a
     python benchmarks/quantized_drafter.py              # prompts 3-4 of gsm8k and vicuna_bench, 128 new tokens
     python benchmarks/quantized_drafter.py --context 4096   # one prompt of 4096 tokens: every shipped prompt's text
                                                             # run together (a long-context continuation)
+    python benchmarks/quantized_drafter.py --context 4096 --kv sink:256   # + the model drafting over a compressed
+                                                            # cache, float and 4-bit weights
 
 Rows run back to back in one process after one warm-up each; every output is compared with plain decoding's.
 Prints tokens/s, tau and the acceptance by depth of the first prompt; writes --json. Run it on an idle machine.
@@ -23,6 +25,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--context", type=int, default=0, help="one long prompt of this many tokens instead (0: chat)")
+    ap.add_argument("--kv", action="append", help="also draft over this compressed cache (kv_cache=, e.g. sink:256) "
+                    "with float and with 4-bit weights (QuantSpec's hierarchy); repeatable")
     ap.add_argument("--json", default=str(HERE / "results_quantized_drafter.json"))
     args = ap.parse_args(argv)
 
@@ -44,10 +48,19 @@ def main(argv=None) -> int:
         prompts = [ids[:, : args.context]]
     plain = speccomp.compile(model, backend="onnxruntime")
     drafted = speccomp.compile(model, drafter="quantized", backend="onnxruntime")
+    tree = lambda label: parse_tree_spec(json.loads(label) if label.startswith("[") else label)  # noqa: E731
+    makers = {"plain": lambda: plain}
+    makers.update({label: (lambda label=label: drafted.with_drafter(drafted.drafter.with_tree(tree(label))))
+                   for label in TREES})
+    for policy in args.kv or []:  # the model drafting over a compressed cache, float or 4-bit weights
+        for weights, label in (("float", "4"), ("int4", "4"), ("int4", "dynamic:16:4")):
+            makers[f"kv {policy} {weights}, tree {label}"] = (
+                lambda policy=policy, weights=weights, label=label: speccomp.compile(
+                    model, kv_cache=policy, tree=tree(label), backend="onnxruntime",
+                    drafter_options={"weights": weights}))
     rows, refs = [], []
-    for label in ("plain", *TREES):
-        fast = plain if label == "plain" else drafted.with_drafter(drafted.drafter.with_tree(
-            parse_tree_spec(json.loads(label) if label.startswith("[") else label)))
+    for label, make in makers.items():
+        fast = make()
         fast.generate(prompts[0][:, :20], max_new_tokens=8)  # warm-up
         seconds = tokens = steps = prefill = 0
         identical, acceptance = True, None
@@ -71,7 +84,7 @@ def main(argv=None) -> int:
     print("|---|---:|---:|---:|---:|---:|---|---|")
     for r in rows:
         acc = ", ".join(f"{a:.2f}" for a in (r["acceptance_by_depth_first_prompt"] or [])[:6])
-        name = "plain" if r["tree"] == "plain" else f"quantized, tree {r['tree']}"
+        name = r["tree"] if r["tree"] == "plain" or r["tree"].startswith("kv ") else f"quantized, tree {r['tree']}"
         decode, base = r["decode_tokens_per_s"], rows[0]["decode_tokens_per_s"]
         print(f"| {name} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x | "
               f"{decode:.1f} | {decode / base:.2f}x | {r['tau']:.2f} | {r['identical']} | {acc} |")

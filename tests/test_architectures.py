@@ -132,3 +132,7 @@ def test_the_capture_check_scales_its_tolerance_with_the_outputs_magnitude():
     wrong[0][50] += 0.5
     with pytest.raises(UnsupportedModelError, match=r"disagrees with the model on `logits` for q=1 \(max diff 0\.5"):
         check_outputs(SimpleNamespace(model_type="llama"), wrong, want, 1e-4, "model", "q=1", "why")
+    masked = (torch.tensor([float("-inf"), 1.0, 2.0]), *want[1:])  # a -inf mask value does not widen the tolerance
+    with pytest.raises(UnsupportedModelError, match="on `logits`"):
+        check_outputs(SimpleNamespace(model_type="llama"), (torch.tensor([float("-inf"), 5.0, 2.0]), *want[1:]),
+                      masked, 1e-4, "model", "q=1", "why")

@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -237,6 +238,7 @@ def test_self_drafter_engines_greedy_identical(llama, drafter, options, tree, ba
     ("snapkv:16", None, [[0], [1], [0, 0]], "onnxruntime"),  # votes from the graph's attention output
     ("h2o:16", {"skip": [1]}, "dynamic:6:2", "eager"),  # + the root's attention each step; fewer layers too
     ("kivi4:8:8", None, 3, "onnxruntime"),
+    ("sink:16", {"weights": "int4"}, 3, "onnxruntime"),  # QuantSpec's hierarchy: 4-bit weights over the sink cache
 ])
 def test_compressed_kv_engines_greedy_identical_and_step_like_torch(llama, kv_cache, options, tree, backend,
                                                                      tmp_path):
@@ -248,6 +250,9 @@ def test_compressed_kv_engines_greedy_identical_and_step_like_torch(llama, kv_ca
     part = engine.manifest["drafter"]
     assert part["name"] == "compressed_kv" and part["graph"] == "compressed_kv.onnx"
     assert part["options"]["kv_cache"] == kv_cache and part["options"]["kv_layers"] == fast.drafter.layer_index.tolist()
+    graph = onnx.load(str(tmp_path / "e" / "compressed_kv.onnx"), load_external_data=False).graph
+    int4 = bool(options and "weights" in options)
+    assert ("MatMulNBits" in {n.op_type for n in graph.node}) == (part["options"].get("weights") == "int4") == int4
     # the manifest names the source model and its end-of-sequence token (an engine run without eos_token_id stops there)
     assert engine.eos_token_id == llama.generation_config.eos_token_id and engine.manifest["model"]["fingerprint"]
     ids = steps_like_torch(engine, fast, llama)

@@ -571,3 +571,25 @@ def test_kivi_cache_read_pass(llama, llama_base, llama_step, spec):
         assert cache.quantised == 40
         full_logits = llama_step(tokens, pos, mask, full)[0]
         assert not torch.equal(full_logits, packed[0])  # it really read the quantised keys/values
+
+
+def test_draft_mode_with_4bit_weights_is_exact_and_refused_off_onnxruntime(llama):
+    """drafter_options {"weights": "int4"} (QuantSpec's hierarchy): the draft graph's weight MatMuls as ONNX Runtime's
+    MatMulNBits over the compressed cache, the float graph verifying: HF's greedy text, drafts accepted. Other weight
+    kinds, and int4 off ONNX Runtime, are refused by name."""
+    import onnx
+
+    from speccomp.errors import OptionError
+
+    fast = speccomp.compile(llama, kv_cache="sink:16", tree=3, backend="onnxruntime",
+                            drafter_options={"weights": "int4"})
+    graph = onnx.load(str(fast.drafter.step.path), load_external_data=False).graph
+    assert "MatMulNBits" in {n.op_type for n in graph.node}
+    ids = prompt(seed=8, n=10).repeat(1, 5)  # repetitive: the 4-bit tiny model's drafts still get accepted
+    assert torch.equal(fast.generate(ids, max_new_tokens=30), hf_greedy(llama, ids, 30))
+    stats = fast.last_stats
+    assert stats["tau"] > 1.0 and stats["kv_tokens_draft"] < stats["kv_tokens_full"]  # drafts accepted, cache compressed
+    with pytest.raises(OptionError, match=r"weights='int8': unknown weights; accepted values: \['float', 'int4'\]"):
+        speccomp.compile(llama, kv_cache="sink:16", backend="onnxruntime", drafter_options={"weights": "int8"})
+    with pytest.raises(OptionError, match=r"weights='int4': 4-bit draft weights run in ONNX Runtime.*backend='eager'"):
+        speccomp.compile(llama, kv_cache="sink:16", drafter_options={"weights": "int4"})

@@ -376,3 +376,27 @@ def test_training_with_a_model_off_the_cpu_is_refused_before_any_work(train, tmp
     with pytest.raises(OptionError, match=rf"model='a model on meta': {train} trains on the CPU; pass model.cpu\(\)"):
         getattr(speccomp, train)(tiny_llama().to("meta"), [torch.arange(3, 9)], out=tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_head_step_runs_on_the_drafters_device_with_numpy_in_and_out(tmp_path):
+    """run_step (Hydra's and EAGLE's steps, numpy for the shared tree growth) moves every input to the device the
+    step's weights are on and hands numpy back; lower_step records that device. meta stands in for a GPU: the fake
+    step records where its inputs are and answers on the host."""
+    import numpy as np
+
+    from speccomp.drafters.head_drafters import run_step
+
+    seen = []
+
+    def step(*inputs):
+        seen.extend(t.device.type for t in inputs)
+        return torch.ones(2, 3), torch.zeros(2, dtype=torch.long)
+
+    out = run_step(step, torch.device("meta"), 1, np.zeros((2, 4), np.float32), np.arange(2))
+    assert seen == ["meta"] * 3 and [type(o) for o in out] == [np.ndarray] * 2
+    from speccomp.drafters.hydra import save_hydra
+
+    model = tiny_llama()
+    save_hydra(random_hydra(model, 2), tmp_path)
+    hydra = speccomp.compile(model, drafter="hydra", tree="dynamic:6:2", drafter_options={"heads": str(tmp_path)}).drafter
+    assert hydra.device == torch.device("cpu") == hydra.module.draft_lm.device

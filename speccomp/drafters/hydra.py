@@ -124,9 +124,11 @@ class HydraStep(nn.Module):
         self.top = min(MAX_SIBLINGS, len(heads.draft_vocab))
 
     def forward(self, head, states, tokens):
-        # the head's weights by index_select, not w[head]: indexing with a 0-d tensor reads it as a Python int, a
-        # data-dependent guard when the graph is captured on CUDA (gpu_check.py)
-        pick = {name: getattr(self, name).index_select(0, head.reshape(1))[0]
+        # on the CPU w[head] is a view of the head's weights; captured on CUDA, a 0-d index tensor is read as a Python
+        # int there (a data-dependent guard: gpu_check.py), so off the CPU the weights are picked by index_select (a
+        # copy per call: H^2 (1 + L) floats). The choice is made at capture time, from where the weights are.
+        on_cpu = self.embed_w.device.type == "cpu"
+        pick = {name: getattr(self, name)[head] if on_cpu else getattr(self, name).index_select(0, head.reshape(1))[0]
                 for name in ("embed_w", "embed_b", "block_w", "block_b")}
         x = states + self.embed[tokens] @ pick["embed_w"].t() + pick["embed_b"]
         for j in range(self.block_w.shape[1]):

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from speccomp.errors import OptionError, SpeccompError
+from speccomp.errors import SpeccompError
 
 WEIGHTS = "medusa_lm_head.safetensors"
 CONFIG = "config.json"
@@ -268,7 +268,8 @@ def load_medusa(directory, model) -> MedusaHeads:
     k_heads, layers = shape["heads"], shape["layers"]
     projections = [tensors.get(f"medusa_head.{k}.{layers}.weight") for k in range(k_heads)]
     # (a Medusa-layout file whose projections are the frozen LM head shares it instead of copying it)
-    tied = not shape["untied"] or all(torch.equal(p, lm.cpu()) for p in projections)
+    host_lm = lm.cpu() if shape["untied"] else None  # the files are read on the CPU; one copy of a GPU model's head
+    tied = not shape["untied"] or all(torch.equal(p, host_lm) for p in projections)
     heads = MedusaHeads(k_heads, hidden, vocab, layers, lm_head=lm if tied else None)
     state = {own: tensors[name].float() for name, (own, _) in shape["names"].items()}
     state.update({f"proj.{k}": p.float() for k, p in enumerate(projections) if not tied})

@@ -170,7 +170,7 @@ def _kv_layout(v) -> bool:
 
 _positive, _indices = partial(_is_int, minimum=1), partial(_ints, minimum=0)
 _SELF_DRAFT = {"kv_layers": _layer_list, "tree": _grown_tree, "max_depth": _positive}
-_OPTIONAL = {"tokenizers"}  # draft_model: only a draft with a tokenizer of its own has them
+_OPTIONAL = {"tokenizers", "weights"}  # draft_model: only a draft with its own tokenizer; compressed_kv: 4-bit only
 _DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free drafters take
     None: {},
     "ngram": dict.fromkeys(("max_ngram", "min_ngram", "num_branches", "max_depth"), _positive),
@@ -190,7 +190,7 @@ _DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free dra
                     and all(map(_is_file_name, v.values()))},
     "layer_skip": {**_SELF_DRAFT, "skip": _layer_list},
     "quantized": {**_SELF_DRAFT, "block_size": partial(_is_int, minimum=16)},  # 4-bit weights
-    "compressed_kv": {**_SELF_DRAFT, "kv_cache": _kv_policy_ok},  # kv_mode="draft"
+    "compressed_kv": {**_SELF_DRAFT, "kv_cache": _kv_policy_ok, "weights": lambda v: v == "int4"},  # kv_mode="draft"
 }
 
 
@@ -1004,6 +1004,7 @@ def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | No
         inner = _DraftModel(**options, session=session)
         return inner if files is None else _CrossTokenizer(inner, _text_bridge(files, path))
     if name == "compressed_kv":
+        options.pop("weights", None)  # 4-bit weights are in the graph file itself; the manifest says so
         return _CompressedKV(**options, session=session, kv=kv, dtype=dtype)
     return _SelfDraft(**options, session=session)
 

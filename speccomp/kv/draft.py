@@ -14,7 +14,9 @@ scratch slots past the compressed tokens and are overwritten next step.
 
 drafter_options {"skip": [...]} or {"exit_layer": k} also drop layers from the draft graph
 (SkipLayers / EarlyExit, TriForce's hierarchy idea): drafts then cost fewer layers as well as
-fewer keys. By default the whole model drafts.
+fewer keys. By default the whole model drafts. {"weights": "int4"} (onnxruntime backends): the draft
+graph's weight MatMuls as 4-bit MatMulNBits, the quantized drafter's export (QuantSpec's hierarchy:
+4-bit weights over a compressed cache; measured on SmolLM2 in benchmarks/README.md, not yet paying).
 
 Positions: a compressed cache holds fewer slots than the sequence has tokens, so draft positions
 come from the target's length (keys already carry their rotary position; every cached key is
@@ -162,14 +164,34 @@ def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options
 
     spec = _default_tree(tree, DynamicTreeSpec(16, 4), "compressed_kv", dynamic_ok=True)
     policy.check(base.captured.kv, base.captured.max_positions, tree_depth(spec) + 1)
-    passes = _layer_passes(base, dict(drafter_options or {}))
+    options = dict(drafter_options or {})
+    weights = draft_weights(options.pop("weights", "float"), backend)
+    passes = _layer_passes(base, options)
     passes += [TreeAttention()] + ([AttentionScores()] if policy.needs_attention else [])
     draft_graph = run_passes(base.clone(), passes)
-    drafter = CompressedKVDrafter(lower(draft_graph, backend, spin=False), base.captured.kv, policy, spec,
-                                  kv_layers=draft_graph.kv_layers, options=drafter_options, graph=draft_graph)
+    step = lower(draft_graph, backend, spin=False)
+    if weights == "int4":  # QuantSpec's hierarchy: 4-bit weights (MatMulNBits) over the compressed cache
+        from speccomp.backends.onnx_export import quantize_weights_int4
+
+        step = step.at(quantize_weights_int4(step.path))
+    drafter = CompressedKVDrafter(step, base.captured.kv, policy, spec, kv_layers=draft_graph.kv_layers,
+                                  options=drafter_options, graph=draft_graph)
     target = run_passes(base.clone(), [TreeAttention()])
     return CompressedKVModel(target, lower(target, backend, spin=False), backend, drafter=drafter,
                              model=getattr(base, "model", None))  # the source model: an export's manifest names it
+
+
+def draft_weights(weights, backend: str) -> str:
+    """drafter_options {"weights": "int4"}: the draft graph's weight MatMuls as ONNX Runtime's 4-bit MatMulNBits
+    (the quantized drafter's export), so a draft step reads about an eighth of the weight bytes as well as fewer
+    keys; "float" (the default): the target's own weights."""
+    from speccomp.backends import is_onnxruntime
+
+    choice("weights", weights, ("float", "int4"))
+    if weights == "int4" and not is_onnxruntime(backend):
+        raise OptionError("weights", weights, f"4-bit draft weights run in ONNX Runtime (MatMulNBits), not on "
+                          f"backend={backend!r}", "use backend='onnxruntime', or weights='float'")
+    return weights
 
 
 def _layer_passes(base, options: dict) -> list:
@@ -184,7 +206,8 @@ def _layer_passes(base, options: dict) -> list:
     else:
         passes, rest = [], options
     if rest:
-        raise ValueError(f"unknown compressed-KV drafter options {sorted(rest)}; accepted: 'skip' or 'exit_layer'")
+        raise ValueError(f"unknown compressed-KV drafter options {sorted(rest)}; accepted: 'skip' or 'exit_layer', "
+                         "and 'weights'")
     return passes
 
 
