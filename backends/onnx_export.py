@@ -205,14 +205,52 @@ def quantize_weights_int4(path, block_size: int = 32) -> Path:
     root.handlers[:], root.level = handlers, level  # its import runs logging.basicConfig(level=INFO): undone
 
     path = Path(path)
-    quantizer = MatMulNBitsQuantizer(onnx.load(os.fspath(path)), block_size=block_size, is_symmetric=True,
-                                     accuracy_level=4)
+    model = onnx.load(os.fspath(path))
+    fold_transposed_weights(model.graph)
+    quantizer = MatMulNBitsQuantizer(model, block_size=block_size, is_symmetric=True, accuracy_level=4)
     quantizer.process()
     if not any(n.op_type == "MatMulNBits" for n in quantizer.model.model.graph.node):
         raise OnnxBackendError(f"{path.name} has no MatMul with a constant weight to quantise")
     out = path.with_name(path.stem + "-int4.onnx")
     quantizer.model.save_model_to_file(os.fspath(out), use_external_data_format=False)
     return out
+
+
+def fold_transposed_weights(graph) -> int:
+    """MatMul(x, Transpose(W)) with W a constant [N, K] gets its own constant W.T [K, N]: the exporter writes the LM
+    head (tied to the embedding, which keeps W for its Gather) this way, and the 4-bit quantizer takes only a constant
+    B, so it left the largest MatMul of the graph in float32 (4.6 of 31 ms of a profiled draft step). The Transpose
+    goes where nothing else reads it. Returns how many MatMuls were changed.
+
+        before:  x -> MatMul(x, Transpose(W))              after:  x -> MatMul(x, W_transposed)
+    """
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    folded = 0
+    for node in list(graph.node):
+        transpose = producers.get(node.input[1]) if node.op_type == "MatMul" else None
+        if transpose is None or transpose.op_type != "Transpose" or transpose.input[0] not in inits:
+            continue
+        perm = [list(a.ints) for a in transpose.attribute if a.name == "perm"]
+        weight = numpy_helper.to_array(inits[transpose.input[0]])
+        if weight.ndim != 2 or perm not in ([], [[1, 0]]):
+            continue
+        name = f"{transpose.input[0]}_transposed"
+        if name not in inits:
+            inits[name] = numpy_helper.from_array(np.ascontiguousarray(weight.T), name)
+            graph.initializer.append(inits[name])
+        node.input[1] = name
+        readers[transpose.output[0]] -= 1
+        if readers[transpose.output[0]] == 0 and transpose.output[0] not in {o.name for o in graph.output}:
+            graph.node.remove(transpose)
+        folded += 1
+    return folded
 
 
 class OrtStep:

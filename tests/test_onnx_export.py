@@ -202,3 +202,35 @@ def test_wrong_number_of_inputs(tiny):
 
 # SmolLM2-135M: tests/test_real_model.py checks the onnxruntime backend's exported graph against a float64
 # run of the model (prefill logits) and decodes 256 tokens through it and through its engine.
+
+
+def test_a_transposed_tied_weight_is_folded_so_the_lm_head_quantises(tmp_path):
+    """The exporter writes a tied LM head as MatMul(h, Transpose(W)) with W also the embedding's Gather table; the
+    4-bit quantizer takes only constant weights, so the head stayed float32. fold_transposed_weights gives the MatMul
+    its own W.T (the Gather keeps W); quantize_weights_int4 then turns it into MatMulNBits with the same outputs as
+    the float graph within 4-bit error, and the orphaned Transpose is gone."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from speccomp.backends.onnx_export import fold_transposed_weights, quantize_weights_int4
+
+    w = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)  # [vocab, hidden]
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["W", "ids"], ["h"]), helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]),
+         helper.make_node("MatMul", ["h", "Wt"], ["logits"])], "tied",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [3, 64])], [numpy_helper.from_array(w, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "tied.onnx"
+    onnx.save(model, str(path))
+    folded = onnx.load(str(path))
+    assert fold_transposed_weights(folded.graph) == 1
+    assert [n.op_type for n in folded.graph.node] == ["Gather", "MatMul"]
+    int4 = onnx.load(str(quantize_weights_int4(path)))
+    assert sorted(n.op_type for n in int4.graph.node) == ["Gather", "MatMulNBits"]
+    ids = np.array([1, 5, 9])
+    want = ort.InferenceSession(str(path)).run(None, {"ids": ids})[0]
+    got = ort.InferenceSession(str(path.with_name("tied-int4.onnx"))).run(None, {"ids": ids})[0]
+    assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
