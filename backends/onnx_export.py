@@ -228,6 +228,7 @@ def fold_transposed_weights(graph) -> int:
 
     inits = {i.name: i for i in graph.initializer}
     producers = {o: n for n in graph.node for o in n.output}
+    outputs = {o.name for o in graph.output}
     readers: dict[str, int] = {}
     for node in graph.node:
         for name in node.input:
@@ -247,7 +248,7 @@ def fold_transposed_weights(graph) -> int:
             graph.initializer.append(inits[name])
         node.input[1] = name
         readers[transpose.output[0]] -= 1
-        if readers[transpose.output[0]] == 0 and transpose.output[0] not in {o.name for o in graph.output}:
+        if readers[transpose.output[0]] == 0 and transpose.output[0] not in outputs:
             graph.node.remove(transpose)
         folded += 1
     return folded
