@@ -286,7 +286,7 @@ class OrtStep:
         start = time.perf_counter()
         self.session = ort.InferenceSession(os.fspath(self.path), sess_options=options, providers=self.providers)
         self.load_seconds = time.perf_counter() - start
-        self.spin = spin
+        self.spin, self.threads = spin, intra_op_threads
         # what the session really runs on: ONNX Runtime falls back to CPU without a word when a GPU provider fails
         self.providers = check_session_providers(self.session, self.providers, self.path.name, OnnxBackendError)
         self.input_names = [i.name for i in self.session.get_inputs()]
@@ -295,7 +295,7 @@ class OrtStep:
 
     def at(self, path) -> "OrtStep":
         """The same kind of step over another file of this graph (its 4-bit twin, say)."""
-        return OrtStep(path, providers=self.providers, spin=self.spin)
+        return OrtStep(path, providers=self.providers, intra_op_threads=self.threads, spin=self.spin)
 
     def __call__(self, *inputs):
         if len(inputs) != len(self.input_names):

@@ -148,7 +148,9 @@ def _compile_drafter(base: SpecGraph, model, drafter, tree, backend: str, drafte
         drafter_obj = DRAFTERS[drafter](base, dict(options or {}), tree, backend)
     # a drafter may need the target graph to compute more (Medusa: head states on every token)
     target = run_passes(base.clone(), list(drafter_obj.target_passes) + [TreeAttention()])
-    # a drafter with graphs of its own runs them as more sessions: then none spins (backends.lower)
-    return SpecModel(target, lower(target, backend, spin=not drafter_obj.graphs), backend, drafter=drafter_obj, model=model)
+    # a drafter with graphs of its own runs them as more sessions: then none spins (backends.lower), unless they
+    # are light (one thread each: nothing then fights the target's spinning pool)
+    spin = not drafter_obj.graphs or drafter_obj.light_graphs
+    return SpecModel(target, lower(target, backend, spin=spin), backend, drafter=drafter_obj, model=model)
 
 

@@ -172,10 +172,19 @@ def test_hydra_engines_greedy_identical_and_step_like_torch(hydra_model, drafter
     parts = m["drafter"].get("drafters") or [m["drafter"]]
     assert [p["name"] for p in parts] == drafter.split("+") and m["graphs"]["hydra"]["file"] == "hydra.onnx"
     steps_like_torch(engine, fast, model)
-    # two sessions (target, hydra step): neither spins between runs, or they fight over the cores
-    spins = [x.session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
-             for x in (engine.session, engine.drafter.drafters[0].session if "+" in drafter else engine.drafter.session)]
-    assert spins == ["0", "0"]
+    # two sessions (target, hydra step): the light head step runs on one thread, so the target's pool may spin
+    head = engine.drafter.drafters[0].session if "+" in drafter else engine.drafter.session
+    assert [pool(x.session) for x in (engine.session, head)] == [("spins", 0), ("sleeps", 1)]
+
+
+def pool(session) -> tuple[str, int]:
+    """An ONNX Runtime session's intra-op pool: whether idle threads spin, its thread count (0: ORT's default)."""
+    options = session.get_session_options()
+    try:
+        sleeps = options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    except Exception:  # ORT raises when the entry was never set: its default, spinning
+        sleeps = False
+    return ("sleeps" if sleeps else "spins"), options.intra_op_num_threads
 
 
 @pytest.fixture(scope="module")

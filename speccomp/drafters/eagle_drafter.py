@@ -26,6 +26,7 @@ class EagleDrafter(Drafter):
     reads = ("path_states", "own_cache")  # the target's features at every accepted position; its layer's KV
     trees = ("static", "dynamic")
     graphs = ("layer_step",)
+    light_graphs = True  # one decoder layer and a reduced head: one thread (backends/drafter_graph.py)
     forward_per_level = True
     observe_optional = True  # nothing to observe: the path states it is handed run at its next propose
 

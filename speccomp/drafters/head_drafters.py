@@ -118,6 +118,7 @@ class HydraDrafter(Drafter):
     reads = ("states",)
     trees = ("static", "dynamic")
     graphs = ("head_step",)
+    light_graphs = True  # a few MB of heads: one thread (backends/drafter_graph.py)
     observe_optional = True  # nothing to observe (states are handed every step)
 
     def __init__(self, heads, tree, heads_path: str | None = None, backend: str = "eager", lowered=None):

@@ -55,6 +55,7 @@ class MergedDrafter(Drafter):
         self.name = "+".join(names)
         self.reads = tuple(r for r in READS if any(r in d.reads for d in drafters))
         self.graphs = tuple(g for d in drafters for g in d.graphs)
+        self.light_graphs = all(d.light_graphs for d in drafters if d.graphs)
         self.tree = drafters[0].tree
         self.options = {n: dict(d.options) for n, d in zip(names, drafters)}
         self.target_passes = [p for d in drafters for p in d.target_passes]

@@ -48,6 +48,7 @@ from speccomp.kv.policies import KVPolicyError, parse_kv_cache, snapkv_window
 FORMAT, FORMAT_VERSION, READABLE_VERSIONS = "speccomp-engine", 3, (1, 2, 3)
 MANIFEST = "manifest.json"
 MEDUSA_FILE = "medusa.onnx"
+LIGHT_GRAPHS = ("medusa", "hydra", "eagle")  # drafter graphs that run on one thread (the drafters' `light_graphs`)
 HYDRA_FILE = "hydra.onnx"
 EAGLE_FILE = "eagle.onnx"
 MANIFEST_KEYS = ("format", "format_version", "speccomp_version", "model", "kv", "graphs", "opset", "max_tree", "drafter")
@@ -991,7 +992,8 @@ def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | No
         return _Suffix(**options)
     if name == "token_recycling":
         return _TokenRecycling(**options, target_outputs=target_outputs)
-    session = BoundSession(path / spec["graph"], providers, threads, spin=False)
+    light = name in LIGHT_GRAPHS  # one thread, no pool (the target's may spin: Engine.__init__)
+    session = BoundSession(path / spec["graph"], providers, 1 if light else threads, spin=False)
     if name == "medusa":
         check_medusa(options, session.session, target_outputs)
         return _Medusa(**options, session=session)
@@ -1200,10 +1202,11 @@ class Engine:
         self.provider = provider
         target = m["graphs"]["target"]
         providers = check_provider(provider)
-        # a drafter graph (medusa.onnx, hydra.onnx) is a second session: then no session's threads spin between runs.
-        # On 2 cores the target session's spinning pool made hydra+token_recycling slower than plain decoding; a
-        # single session spins (Token Recycling alone ran ~7% faster so): benchmarks/README.md
-        second = draft and any(p.get("graph") for p in m["drafter"].get("drafters") or [m["drafter"]])
+        # a heavy drafter graph (a draft model, a self-drafter) is a second pool: then no session's threads spin
+        # between runs (on 2 cores two spinning pools made hydra+token_recycling slower than plain decoding). A light
+        # one (Medusa, Hydra, EAGLE steps) runs on one thread beside the spinning target: benchmarks/README.md
+        second = draft and any(p.get("graph") and p.get("name") not in LIGHT_GRAPHS
+                               for p in m["drafter"].get("drafters") or [m["drafter"]])
         self.session = BoundSession(self.path / target["file"], providers, threads, spin=not second)
         self._curve_key = engine_key(target["sha256"], self.session.providers, threads, spin=not second)
         check_target(self.session, m, self.dtype)

@@ -139,6 +139,8 @@ class Drafter:
       DynamicTreeSpec); () when it shapes its own trees (ngram). `max_tree_depth` / `max_siblings`: the deepest
       tree and the most candidates per node it can fill (None: no limit).
     - `graphs`: its parts that are captured graphs lowered by the backend (the rest is host-side Python);
+      `light_graphs`: they are small next to the target (a head step, one layer): on ONNX Runtime they run on one
+      thread, so the target's pool may keep spinning between its runs (backends.lower, `spin`);
       `forward_per_level`: it runs one forward per draft depth (autotune charges its propose time per level).
     - `options`: the JSON options that rebuild it (with its name and `tree`): what an engine manifest records.
     - `observe_optional`: skipping `observe` costs acceptance, never correctness: observe only learns from the
@@ -153,6 +155,7 @@ class Drafter:
     reads: tuple[str, ...] = ()
     trees: tuple[str, ...] = ()
     graphs: tuple[str, ...] = ()
+    light_graphs = False
     forward_per_level = False
     max_tree_depth: int | None = None
     max_siblings: int | None = None
