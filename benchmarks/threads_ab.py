@@ -1,0 +1,136 @@
+"""Threads of a light drafter graph, A/B in one process: the head step on one ONNX Runtime thread beside a target
+whose pool spins (what compile and the engine do now: `Drafter.light_graphs`) against both sessions on --threads
+threads with spinning off (the rule before).
+
+    python benchmarks/threads_ab.py                                     # hydra+token_recycling, backend and engine
+    python benchmarks/threads_ab.py --drafter eagle --runtimes onnxruntime
+
+One compile (and one export for the engine); the sessions of that same model are rebuilt under each setting
+("before" / "now") from the same ONNX files, and the settings alternate per prompt (rotating order), so both see
+the same machine. Prompts: the 3rd to 6th of gsm8k and vicuna_bench, 256 new tokens, after one warm-up. Every
+reply is checked equal between the two settings (same graphs, same drafts). Run it on an idle machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SETTINGS = ("before", "now")
+
+
+def sessions(obj, found: list, kind, depth: int = 6, seen=None) -> list:
+    """(owner, attribute, value) of every `kind` instance reachable through attributes, lists and dicts of `obj`."""
+    seen = set() if seen is None else seen
+    if depth < 0 or id(obj) in seen or not hasattr(obj, "__dict__") or isinstance(obj, type):
+        return found
+    seen.add(id(obj))
+    for name, value in vars(obj).items():
+        if isinstance(value, kind):
+            found.append((obj, name, value))
+        for item in value if isinstance(value, (list, tuple)) else value.values() if isinstance(value, dict) else [value]:
+            sessions(item, found, kind, depth - 1, seen)
+    return found
+
+
+def ort_session(path, threads: int, spin: bool):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    if not spin:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+
+
+def variants(runner, runtime: str, threads: int) -> dict:
+    """setting -> a function installing that setting's sessions in `runner` (the target's is the one not named
+    after a drafter graph)."""
+    from speccomp.backends.onnx_export import OrtStep
+    from speccomp.engine.runtime import BoundSession
+
+    holders = sessions(runner, [], BoundSession if runtime == "engine" else OrtStep)
+    paths = [Path(v.session._model_path) for _, _, v in holders]  # the ONNX file each session was loaded from
+    light = [p.stem in ("hydra", "eagle", "medusa") for p in paths]
+    if sum(light) != len(holders) - 1:
+        raise SystemExit(f"expected one target and light drafter graphs, found {[p.name for p in paths]}")
+    built = {"before": [ort_session(p, threads, spin=False) for p in paths],
+             "now": [ort_session(p, 1 if is_light else threads, spin=not is_light) for p, is_light in zip(paths, light)]}
+
+    def install(setting):
+        def run():
+            for (_, _, holder), session in zip(holders, built[setting]):
+                holder.session = session
+                if runtime == "engine":
+                    holder.binding = session.io_binding()
+        return run
+    return {s: install(s) for s in SETTINGS}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafter", default="hydra+token_recycling")
+    ap.add_argument("--options", default='{"token_recycling": {"tree": [[0], [1], [2], [0, 0]]}}',
+                    help="drafter_options as JSON ('' for none)")
+    ap.add_argument("--runtimes", default="onnxruntime,engine")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=str(HERE / "results_threads_ab.json"))
+    args = ap.parse_args(argv)
+
+    import torch
+
+    import speccomp
+    from speccomp.models import chat_ids
+    from speccomp.prompts import load_prompts
+
+    torch.set_num_threads(args.threads)
+    model, tok = speccomp.load_default_model()
+    prompts = [chat_ids(tok, p.text) for f in ("gsm8k", "vicuna_bench") for p in load_prompts(f, limit=6)[2:6]]
+    options = json.loads(args.options) if args.options else None
+    fast = speccomp.compile(model, drafter=args.drafter, drafter_options=options, backend="onnxruntime")
+    rows = []
+    for runtime in args.runtimes.split(","):
+        runner = fast if runtime == "onnxruntime" else speccomp.load(
+            fast.export(Path(tempfile.mkdtemp()) / "engine"), threads=args.threads)
+        as_input = (lambda ids: ids.numpy()) if runtime == "engine" else (lambda ids: ids)
+        install = variants(runner, runtime, args.threads)
+        totals = {s: [0.0, 0, 0] for s in SETTINGS}
+        for i, ids in enumerate(prompts):
+            replies = {}
+            for setting in SETTINGS[i % 2:] + SETTINGS[: i % 2]:
+                install[setting]()
+                if i == 0:
+                    runner.generate(as_input(ids), max_new_tokens=16, eos_token_id=tok.eos_token_id)
+                replies[setting] = runner.generate(as_input(ids), max_new_tokens=args.max_new_tokens,
+                                                   eos_token_id=tok.eos_token_id)
+                stats = runner.last_stats
+                for k, v in zip(range(3), (stats["seconds"], stats["new_tokens"], stats["steps"])):
+                    totals[setting][k] += v
+            if not all((torch.as_tensor(replies[s]) == torch.as_tensor(replies["now"])).all() for s in SETTINGS):
+                raise SystemExit(f"prompt {i}: the two settings decoded different replies")
+            print(f"{runtime} prompt {i + 1}/{len(prompts)} done", file=sys.stderr)
+        for setting, (seconds, tokens, steps) in totals.items():
+            rows.append({"runtime": runtime, "setting": setting, "seconds": seconds, "tokens": tokens, "steps": steps,
+                         "tokens_per_s": tokens / seconds, "ms_per_step": 1e3 * seconds / steps})
+        if runtime == "engine":
+            del runner
+    print(f"\nSmolLM2-135M, {args.drafter}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
+          f"{args.threads} threads")
+    print("| runtime | before: every session 2 threads, none spinning, tok/s | now: light graphs 1 thread, target "
+          "spinning, tok/s | now / before |")
+    print("|---|---:|---:|---:|")
+    for runtime in args.runtimes.split(","):
+        before, now = (next(r["tokens_per_s"] for r in rows if r["runtime"] == runtime and r["setting"] == s)
+                       for s in SETTINGS)
+        print(f"| {runtime} | {before:.1f} | {now:.1f} | {now / before:.2f}x |")
+    command = " ".join(["python", "benchmarks/threads_ab.py", *(argv if argv is not None else sys.argv[1:])])
+    Path(args.json).write_text(json.dumps({"command": command, "settings": vars(args), "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
