@@ -58,8 +58,8 @@ def lower_module(module: torch.nn.Module, spec: DrafterGraphSpec, backend: str):
 
     check(backend)
     # a second session beside the target's, small: one thread, so it neither spins nor wakes a pool; the target's
-    # pool spins meanwhile on the other cores (speccomp/api.py). Measured on 2 cores, SmolLM2, hydra+token_recycling:
-    # 34.9 -> 41.2 tok/s on the onnxruntime backend against both sessions on 2 non-spinning threads
+    # pool spins meanwhile on the other cores (speccomp/api.py). On 2 cores, SmolLM2: 1.03-1.18x for
+    # hydra+token_recycling, 1.09x for EAGLE against both sessions on 2 non-spinning threads (benchmarks/threads_ab.py)
     if backend in ORT_PROVIDERS:
         from speccomp.backends.onnx_export import OrtStep
         from speccomp.backends.onnxruntime import _export_dir
