@@ -71,11 +71,13 @@ def test_draft_of_another_architecture_is_exact(target_name, draft_name):
     assert torch.equal(fast.generate(ids, max_new_tokens=24), hf_greedy(target, ids, 24))
 
 
-def test_draft_model_on_onnxruntime_and_in_an_engine(tmp_path):
+@pytest.mark.parametrize("tree", [[[0], [1], [0, 0]], "dynamic:6:2"])
+def test_draft_model_on_onnxruntime_and_in_an_engine(tmp_path, tree):
     """The draft lowered by the target's backend (ONNX Runtime sessions), given as a speccomp.capture result; exported,
-    the engine drafts with draft_model.onnx over its own numpy cache: HF greedy's text in as many steps as torch."""
+    the engine drafts with draft_model.onnx over its own numpy cache, a static tree or one grown from the draft's own
+    probabilities: HF greedy's text in as many steps as torch."""
     target = tiny_llama(num_hidden_layers=4, initializer_range=0.2)
-    fast = speccomp.compile(target, drafter=speccomp.capture(shallow_copy_of(target, 1)), tree=[[0], [1], [0, 0]],
+    fast = speccomp.compile(target, drafter=speccomp.capture(shallow_copy_of(target, 1)), tree=tree,
                             backend="onnxruntime")
     assert type(fast.drafter.step).__name__.startswith("Ort")
     engine = speccomp.load(fast.export(tmp_path / "engine"))

@@ -132,6 +132,8 @@ def draft_lm():
 # drafts sampled from a real q (not point masses): the recursive rejection sampler's min(1, p/q) path
 TORCH_CASES["draft_model"] = (lambda h: dict(drafter=draft_lm(), tree=WIDE), 1.0)
 TORCH_CASES["draft_model-top_p"] = (lambda h: dict(drafter=draft_lm(), tree=WIDE), 0.8)
+# a chain of 2 sampled drafts: Leviathan / Chen speculative sampling, the one-child case of the same sampler
+TORCH_CASES["draft_model-chain"] = (lambda h: dict(drafter=draft_lm(), tree=2), 1.0)
 # merged: every part drafts its top tokens (point masses: a merged node may come from several parts)
 TORCH_CASES["draft_model+token_recycling"] = (lambda h: dict(drafter="draft_model+token_recycling", tree=WIDE,
                                                             drafter_options={"draft_model": {"path": h["draft"]}}), 0.8)
@@ -249,11 +251,13 @@ def first_accepted_without_residual(children, toks, p, draft_probs, coins):
     return None, p
 
 
-def test_wrong_rule_for_sampled_drafts_fails_the_sampling_test(captured, heads, exact, monkeypatch):
-    """The draft model's sampled drafts with the residual update left out: the same test fails (draws: POWER_DRAWS)."""
+@pytest.mark.parametrize("case", ["draft_model", "draft_model-chain"])
+def test_wrong_rule_for_sampled_drafts_fails_the_sampling_test(case, captured, heads, exact, monkeypatch):
+    """The draft model's sampled drafts (a tree, a chain) with the residual update left out: the same test fails
+    (draws: POWER_DRAWS)."""
     monkeypatch.setattr(speccomp.runtime.tree, "_first_accepted", first_accepted_without_residual)
-    monkeypatch.setitem(CASE_DRAWS, "draft_model", POWER_DRAWS)
-    p, accepted, _, _, _ = run_torch("draft_model", captured, heads, exact)
+    monkeypatch.setitem(CASE_DRAWS, case, POWER_DRAWS)
+    p, accepted, _, _, _ = run_torch(case, captured, heads, exact)
     assert accepted >= MIN_ACCEPTED
     assert p < 1e-3, f"a wrong rule for sampled drafts passed the sampling test (chi-square p={p:.2g}): no power"
 
