@@ -159,7 +159,7 @@ def hydra_model(tmp_path_factory):
 
 @pytest.mark.parametrize("drafter, tree", [
     ("hydra", [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]), ("hydra", "dynamic:8:3"),
-    ("hydra+token_recycling", None), ("hydra+token_recycling+ngram", "dynamic:6:2"),
+    ("hydra+token_recycling", None), ("hydra+token_recycling+ngram", "dynamic:6:2"), ("hydra+suffix", None),
 ])
 def test_hydra_engines_greedy_identical_and_step_like_torch(hydra_model, drafter, tree, tmp_path):
     """Hydra heads in an engine (hydra.onnx: one head step, the tree grown by speccomp/drafters/grow.py, shared with
