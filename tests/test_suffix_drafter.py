@@ -86,10 +86,13 @@ def test_suffix_drafter_is_exact_accepts_drafts_and_remembers_earlier_replies(tm
     assert steps[0] < 40 and steps[1] < steps[0], steps  # drafts accepted; memory helps the repeat
     engine = speccomp.load(fast.export(tmp_path / "e"))
     assert engine.drafter.decoder.max_match == 16
+    engine_steps = []
     for seed in (0, 0, 1):
         ids = repetitive_prompt(seed)
         out = engine.generate(ids.numpy(), max_new_tokens=40)
         assert np.array_equal(out, hf_greedy(model, ids, 40).numpy())
+        engine_steps.append(engine.last_stats["steps"])
+    assert engine_steps == steps, (engine_steps, steps)  # the engine remembers its earlier replies as torch does
     fresh = speccomp.compile(model, drafter="suffix", backend="onnxruntime", drafter_options={"memory": 0})
     fresh.generate(repetitive_prompt(0), max_new_tokens=40)
     assert fresh.last_stats["steps"] == steps[0]  # without memory the repeat drafts as the first call did
