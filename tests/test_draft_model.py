@@ -137,6 +137,10 @@ def test_train_draft_distils_a_draft_that_compile_finds_by_name(tmp_path):
         merged = speccomp.compile(target, drafter=name, drafter_options={"draft_model": {"path": str(out)}})
         assert torch.equal(merged.generate(ids, max_new_tokens=32), hf_greedy(target, ids, 32)), name
         assert merged.last_stats["tau"] > 1.5, (name, merged.last_stats)
+    # exported, the merge runs in an engine (draft_model.onnx beside the host-side Token Recycling): same text, steps
+    engine = speccomp.load(merged.export(tmp_path / "merged"))
+    assert np.array_equal(engine.generate(ids.numpy(), max_new_tokens=32), hf_greedy(target, ids, 32).numpy())
+    assert engine.last_stats["steps"] == merged.last_stats["steps"], (engine.last_stats, merged.last_stats)
     # autotuned like any graph drafter (its draft forward timed per width over its own cache); autotune decodes every
     # configuration it measures and raises where one differs from plain greedy decoding
     from speccomp.tuning.autotune import autotune
