@@ -10,6 +10,7 @@ the helpers below, and only then loads. `main` reports any of these errors as on
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 import sys
@@ -57,8 +58,11 @@ def _compile_options(args) -> None:
     if args.drafter in ("none", "plain"):
         args.drafter = None
     # with a KV policy the model drafts for itself over the compressed cache: check_options refuses a drafter
+    options = getattr(args, "drafter_options", None)
     check_options(drafter=args.drafter, tree=getattr(args, "tree", None), kv_cache=getattr(args, "kv_cache", None),
-                  kv_mode=getattr(args, "kv_mode", None), backend=args.backend)
+                  kv_mode=getattr(args, "kv_mode", None), backend=args.backend, drafter_options=options)
+    if options is not None and args.drafter is not None:
+        check_text_drafter_options(args.drafter, options)
 
 
 def _drafter_among(drafter, usable, problem: str) -> None:
@@ -132,7 +136,8 @@ def _compile(model, args):
     if kv_cache is not None and kv_mode == "target":
         print(f"LOSSY: kv_mode=target, the model reads the compressed cache ({kv_cache}); its text is no longer "
               "the model's own greedy text", file=sys.stderr)
-    fast = speccomp.compile(model, drafter=args.drafter, backend=args.backend, kv_cache=kv_cache, kv_mode=kv_mode)
+    fast = speccomp.compile(model, drafter=args.drafter, backend=args.backend, kv_cache=kv_cache, kv_mode=kv_mode,
+                            drafter_options=getattr(args, "drafter_options", None))
     print(f"compiled in {time.perf_counter() - t:.1f}s: {fast.graph.structure.summary()}", file=sys.stderr)
     return fast
 
@@ -552,6 +557,24 @@ def _common(p, new_tokens=positive, compiles: bool = True) -> None:
     p.add_argument("--threads", type=positive, default=2, help="torch CPU threads (default 2)")
 
 
+def _drafter_options_flag(p) -> None:
+    """--drafter-options for the commands that compile once (demo, generate, export)."""
+    p.add_argument("--drafter-options", type=_json_object, default=None, metavar="JSON",
+                   help='speccomp.compile\'s drafter_options as a JSON object, e.g. \'{"path": "DRAFT_DIR"}\' with '
+                        '--drafter draft_model (a draft from speccomp train-draft --out DRAFT_DIR)')
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc.msg}); write a JSON object such as "
+                                         '\'{"path": "DRAFT_DIR"}\'') from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is JSON but not an object; write one such as '{{\"path\": \"DRAFT_DIR\"}}'")
+    return value
+
+
 def _kv_options(p) -> None:
     p.add_argument("--kv-cache", default=None, metavar="POLICY[:BUDGET]",
                    help="KV-cache compression: sink:256, snapkv:512, h2o:512, kivi4, kivi2 (replaces --drafter)")
@@ -566,6 +589,7 @@ def _add_model_commands(sub) -> None:
     _common(p)
     # the best training-free drafter measured on CPU (see README); not with --kv-cache, which makes its own drafter
     p.set_defaults(default_drafter="token_recycling", func=cmd_demo)
+    _drafter_options_flag(p)
     p.add_argument("--prompts", default=None, help="JSONL prompt file (default: prompts shipped with speccomp)")
     p.add_argument("--limit", type=positive, default=None, help="use only the first N prompts")
     _kv_options(p)
@@ -575,6 +599,7 @@ def _add_model_commands(sub) -> None:
     p.add_argument("--prompt", required=True, help="user message (the chat template is applied)")
     p.add_argument("--compare", action="store_true", help="also run HF greedy generate and check the outputs are identical")
     _kv_options(p)
+    _drafter_options_flag(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("search", help="pick a self-drafter's exit layer / skip set by measured tokens/s on calibration prompts")
@@ -643,6 +668,7 @@ def _add_autotune_export_run(sub) -> None:
     p = sub.add_parser("export", help="compile the default model and write an engine directory that runs without torch")
     _common(p)
     p.set_defaults(backend="onnxruntime", drafter="token_recycling", func=cmd_export)
+    _drafter_options_flag(p)
     p.add_argument("out", help="engine directory to write")
     p.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")
 

@@ -3,6 +3,7 @@ the target, its own KV cache rolled back on rejection; greedy output exactly HF'
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -230,3 +231,14 @@ def test_smollm2_with_a_draft_trained_here(smollm, smollm_captured, two_threads,
     seqs, starts = distilled_text(out)
     before = draft_accuracy(draft_architecture(model, 4), model, seqs, starts)
     assert draft_accuracy(speccomp.load_draft(model, out), model, seqs, starts) > before + 0.05, before
+    # the CLI names the same draft by path: `speccomp generate --compare` exits 0 only when HF greedy's text came out
+    from speccomp.cli import main
+
+    threads = torch.get_num_threads()
+    try:
+        rc = main(["generate", "--prompt", "Name three colours of the rainbow.", "--max-new-tokens", "24",
+                   "--drafter", "draft_model", "--drafter-options", json.dumps({"path": str(out)}), "--compare",
+                   "--threads", str(threads)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0

@@ -883,6 +883,12 @@ CLI_ERRORS = [
     ("search-backend", ["search", "--backend", "onnxruntime"], ("backend", "eager")),  # it times eager only
     ("train-heads-backend", ["train-heads", "--kind", "eagle", "--backend", "x"], ("--backend",)),  # compiles nothing
     ("train-draft-drafter", ["train-draft", "--drafter", "eagle"], ("--drafter",)),
+    ("generate-drafter-options-not-json", ["generate", "--prompt", "hi", "--drafter-options", "{path: x}"],
+     ("--drafter-options", "not JSON")),
+    ("generate-drafter-options-not-object", ["generate", "--prompt", "hi", "--drafter-options", "[1]"],
+     ("--drafter-options", "not an object")),
+    ("export-drafter-options-bad-option", ["export", "{tmp}/e", "--drafter", "token_recycling", "--drafter-options",
+                                           '{"top_k": 0}'], ("--drafter-options", "top_k")),
     ("bench-json-directory", ["bench", "--drafters", "none", "--json", "{tmp}/mine"], ("json", "directory")),
     ("bench-json-under-a-file", ["bench", "--drafters", "none", "--json", "{tmp}/mine/notes.txt/b.json"], ("notes.txt",)),
     # good ones stay good
