@@ -48,7 +48,9 @@ from speccomp.kv.policies import KVPolicyError, parse_kv_cache, snapkv_window
 FORMAT, FORMAT_VERSION, READABLE_VERSIONS = "speccomp-engine", 3, (1, 2, 3)
 MANIFEST = "manifest.json"
 MEDUSA_FILE = "medusa.onnx"
-LIGHT_GRAPHS = ("medusa", "hydra", "eagle")  # drafter graphs that run on one thread (the drafters' `light_graphs`)
+# drafter graphs that run on one thread (the drafters' `light_graphs`). Not medusa.onnx: with tied heads it projects
+# every head through the full 49k-token LM head, the model's largest matmul (and was not measured on one thread)
+LIGHT_GRAPHS = ("hydra", "eagle")
 HYDRA_FILE = "hydra.onnx"
 EAGLE_FILE = "eagle.onnx"
 MANIFEST_KEYS = ("format", "format_version", "speccomp_version", "model", "kv", "graphs", "opset", "max_tree", "drafter")
@@ -1204,7 +1206,7 @@ class Engine:
         providers = check_provider(provider)
         # a heavy drafter graph (a draft model, a self-drafter) is a second pool: then no session's threads spin
         # between runs (on 2 cores two spinning pools made hydra+token_recycling slower than plain decoding). A light
-        # one (Medusa, Hydra, EAGLE steps) runs on one thread beside the spinning target: benchmarks/README.md
+        # one (Hydra, EAGLE steps) runs on one thread beside the spinning target: benchmarks/README.md
         second = draft and any(p.get("graph") and p.get("name") not in LIGHT_GRAPHS
                                for p in m["drafter"].get("drafters") or [m["drafter"]])
         self.session = BoundSession(self.path / target["file"], providers, threads, spin=not second)
