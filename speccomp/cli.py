@@ -480,8 +480,6 @@ def _bench_drafters(args, available: list) -> list:
 
 def _bench_drafter_options(args, drafters: list) -> dict:
     """--drafter-options DRAFTER=JSON items: drafter row -> its drafter_options."""
-    import json
-
     options = {}
     for item in args.drafter_options or []:
         name, eq, text = item.partition("=")
@@ -489,11 +487,9 @@ def _bench_drafter_options(args, drafters: list) -> dict:
         if not eq or name not in drafters:
             raise ValueError(f"--drafter-options {item!r}: write DRAFTER=JSON with DRAFTER one of the --drafters rows {drafters}")
         try:
-            options[name] = json.loads(text)
-        except json.JSONDecodeError as exc:
+            options[name] = _json_object(text)
+        except argparse.ArgumentTypeError as exc:
             raise ValueError(f"--drafter-options {item!r}: the part after '=' must be a JSON object ({exc})") from None
-        if not isinstance(options[name], dict):
-            raise ValueError(f"--drafter-options {item!r}: the part after '=' must be a JSON object")
     return options
 
 
@@ -565,6 +561,7 @@ def _drafter_options_flag(p) -> None:
 
 
 def _json_object(text: str) -> dict:
+    """A JSON object given on the command line (--drafter-options; bench's DRAFTER=JSON items)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
