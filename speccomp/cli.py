@@ -127,9 +127,14 @@ def _load(args):
     return speccomp.load_default_model()
 
 
-def _compile(model, args):
-    """speccomp.compile with the flags `_compile_options` checked."""
+def _compile(model, args, tok):
+    """speccomp.compile with the flags `_compile_options` checked. A draft model with a tokenizer of its own
+    (--drafter-options '{"path": DIR, "draft_tokenizer": DIR}') gets the loaded model's tokenizer as its target's."""
     import speccomp
+
+    options = getattr(args, "drafter_options", None)
+    if args.drafter == "draft_model" and options and "draft_tokenizer" in options:
+        args.drafter_options = {"target_tokenizer": tok, **options}
 
     t = time.perf_counter()
     kv_cache, kv_mode = getattr(args, "kv_cache", None), getattr(args, "kv_mode", None)
@@ -163,7 +168,7 @@ def cmd_generate(args) -> int:
 
     _compile_options(args)
     model, tok = _load(args)
-    fast = _compile(model, args)
+    fast = _compile(model, args, tok)
     ids = chat_ids(tok, args.prompt)
     out = fast.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id)
     print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
@@ -185,7 +190,7 @@ def cmd_demo(args) -> int:
     _compile_options(args)
     prompts = _prompts([args.prompts], args.limit)
     model, tok = _load(args)
-    fast = _compile(model, args)
+    fast = _compile(model, args, tok)
     warm = chat_ids(tok, "Hello")
     fast.generate(warm, max_new_tokens=4)  # first-call allocations out of the timing
     _hf_greedy(model, warm, 4, tok.eos_token_id)
@@ -339,7 +344,7 @@ def cmd_export(args) -> int:
     _compile_options(args)  # every named drafter and merge is exportable (tests/test_engine.py)
     check_destination(args.out, args.overwrite)  # never a directory of someone else's files
     model, tok = _load(args)
-    fast = _compile(model, args)
+    fast = _compile(model, args, tok)
     t = time.perf_counter()
     path = fast.export(args.out, tokenizer=tok, overwrite=args.overwrite)
     print(f"engine written to {path} in {time.perf_counter() - t:.1f}s; run it (no torch needed) with: "
@@ -557,7 +562,8 @@ def _drafter_options_flag(p) -> None:
     """--drafter-options for the commands that compile once (demo, generate, export)."""
     p.add_argument("--drafter-options", type=_json_object, default=None, metavar="JSON",
                    help='speccomp.compile\'s drafter_options as a JSON object, e.g. \'{"path": "DRAFT_DIR"}\' with '
-                        '--drafter draft_model (a draft from speccomp train-draft --out DRAFT_DIR)')
+                        '--drafter draft_model (a draft from speccomp train-draft --out DRAFT_DIR, or a Hugging Face '
+                        'checkpoint directory; add "draft_tokenizer": "DIR" for a draft with a tokenizer of its own)')
 
 
 def _json_object(text: str) -> dict:

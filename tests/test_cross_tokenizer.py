@@ -188,6 +188,31 @@ def test_a_draft_with_its_own_tokenizer_is_autotuned_under_its_tokenizers():
         autotune(target, draft, prompts, drafter_options={"draft_tokenizer": options["draft_tokenizer"]})
 
 
+def test_a_checkpoint_directory_with_its_own_tokenizer_by_path(tmp_path):
+    """The CLI's form: drafter="draft_model" with a save_pretrained directory whose vocabulary is not the target's and
+    both tokenizers as tokenizer.json paths (a file, or the directory holding one): exact, drafts accepted."""
+    target = tiny_llama(initializer_range=0.2)
+    perm = shuffled(VOCAB, 5)
+    permuted_copy(target, perm).save_pretrained(tmp_path / "draft")
+    word_tokenizer(perm[1:]).save(str(tmp_path / "draft" / "tokenizer.json"))
+    word_tokenizer().save(str(tmp_path / "target.json"))
+    fast = speccomp.compile(target, drafter="draft_model", tree=4, drafter_options={
+        "path": str(tmp_path / "draft"), "draft_tokenizer": str(tmp_path / "draft"),
+        "target_tokenizer": str(tmp_path / "target.json")})
+    assert isinstance(fast.drafter, CrossTokenizerDrafter)
+    ids = seeded_prompt(10, VOCAB)
+    assert torch.equal(fast.generate(ids, max_new_tokens=32), hf_greedy(target, ids, 32))
+    assert fast.last_stats["acceptance_by_depth"][0] > 0.8, fast.last_stats
+    with pytest.raises(OptionError, match="needs both"):
+        speccomp.compile(target, drafter="draft_model", drafter_options={"path": str(tmp_path / "draft"),
+                                                                         "draft_tokenizer": str(tmp_path / "draft")})
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(OptionError, match="draft_tokenizer=.*bad.json'?: is not a tokenizers JSON file"):
+        speccomp.compile(target, drafter="draft_model", drafter_options={
+            "path": str(tmp_path / "draft"), "draft_tokenizer": str(tmp_path / "bad.json"),
+            "target_tokenizer": str(tmp_path / "target.json")})
+
+
 def test_bad_tokenizer_options_are_refused_by_name():
     target, other = tiny_llama(), tiny_llama(vocab_size=300)
     with pytest.raises(OptionError, match="draft_tokenizer"):  # another vocabulary, no tokenizers: the fix is named
@@ -197,6 +222,8 @@ def test_bad_tokenizer_options_are_refused_by_name():
     with pytest.raises(OptionError, match="exit_layer"):
         speccomp.compile(target, drafter=other, drafter_options={"exit_layer": 1})
     with pytest.raises(OptionTypeError, match="target_tokenizer"):
+        speccomp.check_options(drafter=other, drafter_options={"draft_tokenizer": byte_bpe(300), "target_tokenizer": 2})
+    with pytest.raises(OptionError, match="target_tokenizer='?gpt2'?: names no tokenizer.json"):  # a path, not a hub name
         speccomp.check_options(drafter=other, drafter_options={"draft_tokenizer": byte_bpe(300),
                                                                "target_tokenizer": "gpt2"})
     with pytest.raises(OptionError, match="not its tokenizer"):  # 300 ids do not fit a 96-token target

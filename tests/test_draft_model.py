@@ -63,11 +63,13 @@ def test_a_weaker_draft_is_exact_and_rolls_back_rejections():
         assert drafter.cache.length == len(drafter.cached) > ids.shape[1]
 
 
+@pytest.mark.parametrize("tree", [[[0], [1], [0, 0]], "dynamic:6:2"])
 @pytest.mark.parametrize("target_name,draft_name", [("qwen2", "llama"), ("mistral", "gemma"), ("llama", "starcoder2")])
-def test_draft_of_another_architecture_is_exact(target_name, draft_name):
-    """Target and draft of different families (sliding windows on either side): HF greedy output."""
+def test_draft_of_another_architecture_is_exact(target_name, draft_name, tree):
+    """Target and draft of different families (sliding windows on either side), a static tree and one grown from the
+    draft's own probabilities: HF greedy output."""
     target, draft = ARCHITECTURES[target_name].build(), ARCHITECTURES[draft_name].build()
-    fast = speccomp.compile(target, drafter=draft, tree=[[0], [1], [0, 0]])
+    fast = speccomp.compile(target, drafter=draft, tree=tree)
     ids = seeded_prompt(12, 128)
     assert torch.equal(fast.generate(ids, max_new_tokens=24), hf_greedy(target, ids, 24))
 
@@ -103,6 +105,32 @@ def test_bad_draft_models_are_refused_clearly():
     with pytest.raises(OptionError, match="draft_model drafter's context of 32 positions"):
         short.generate(seeded_prompt(10, 96), max_new_tokens=30)
     assert speccomp.compile(target, drafter=copy.deepcopy(target)).drafter.tree == DynamicTreeSpec(16, 4)
+
+
+def test_a_hugging_face_checkpoint_directory_is_a_draft_by_path(tmp_path):
+    """drafter="draft_model" with drafter_options={"path": DIR} also takes a save_pretrained directory (what the CLI's
+    --drafter-options passes): loaded offline from safetensors, HF greedy's output, drafts accepted; a directory with
+    pickled weights only is refused (never unpickled), and so is a config of no causal LM."""
+    target = tiny_llama(num_hidden_layers=4, initializer_range=0.2)
+    shallow_copy_of(target, 2).save_pretrained(tmp_path / "hf_draft")
+    assert list((tmp_path / "hf_draft").glob("*.safetensors"))
+    fast = speccomp.compile(target, drafter="draft_model", drafter_options={"path": str(tmp_path / "hf_draft")}, tree=3)
+    assert isinstance(fast.drafter, DraftModelDrafter) and fast.drafter.options == {"path": str(tmp_path / "hf_draft")}
+    ids = seeded_prompt(9, 96)
+    assert torch.equal(fast.generate(ids, max_new_tokens=32), hf_greedy(target, ids, 32))
+    assert fast.last_stats["acceptance_by_depth"][0] > 0
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((tmp_path / "hf_draft" / "config.json").read_text())
+    (pickled / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(OptionError, match="without .safetensors weights"):
+        speccomp.compile(target, drafter="draft_model", drafter_options={"path": str(pickled)})
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
+    (broken / "model.safetensors").write_bytes(b"")
+    with pytest.raises(OptionError, match="could not be loaded as a Hugging Face causal LM"):
+        speccomp.compile(target, drafter="draft_model", drafter_options={"path": str(broken)})
 
 
 def test_train_draft_distils_a_draft_that_compile_finds_by_name(tmp_path):
@@ -203,20 +231,26 @@ def test_train_draft_refuses_bad_settings_before_work(tmp_path):
 
 @pytest.mark.real_model
 def test_smollm2_with_a_draft_trained_here(smollm, smollm_captured, two_threads, tmp_path):
-    """The default model and its own trained draft (issue 23): `train_draft` distils a 4-layer SmolLM2 draft (its
-    embedding and LM head shared) on the model's replies to a few alpaca prompts, and decoding with it on a
-    vicuna_bench prompt it never saw is HF greedy's reply, with drafts accepted. A budget this small teaches the draft
-    little (about 9% of first drafts accepted here): what is tested is the pipeline on real weights (distil, save,
-    find by path, draft, roll back), not speed (benchmarks/README.md, "Draft models against the heads")."""
+    """The default model and its own trained draft (issue 23): `speccomp train-draft` (the CLI, as a user runs it)
+    distils a 4-layer SmolLM2 draft (its embedding and LM head shared) on the model's replies to a few alpaca prompts,
+    and decoding with it on a vicuna_bench prompt it never saw is HF greedy's reply, with drafts accepted. A budget
+    this small teaches the draft little (about 9% of first drafts accepted here): what is tested is the pipeline on
+    real weights (distil, save, find by path, draft, roll back), not speed (benchmarks/README.md, "Draft models
+    against the heads")."""
+    from speccomp.cli import main
     from speccomp.models import chat_ids
     from speccomp.prompts import load_prompts
-    from speccomp.tuning.train_draft import train_draft
     from test_api import hf_greedy as hf_greedy_to_eos
 
     model, tok = smollm
-    train = [chat_ids(tok, p.text)[0] for p in load_prompts("alpaca", limit=6)]
-    out = train_draft(model, train, out=tmp_path / "draft", num_layers=4, max_new_tokens=32, epochs=2, lr=2e-3,
-                      batch_size=4, eos_token_id=tok.eos_token_id, progress=False)
+    out = tmp_path / "draft"
+    threads = torch.get_num_threads()
+    try:
+        rc = main(["train-draft", "--prompts", "alpaca", "--limit", "6", "--layers", "4", "--max-new-tokens", "32",
+                   "--epochs", "2", "--lr", "2e-3", "--batch-size", "4", "--out", str(out), "--threads", str(threads)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0 and (out / "draft.safetensors").is_file()
     fast = speccomp.compile(smollm_captured, drafter="draft_model", drafter_options={"path": str(out)}, tree=3)
     ids = chat_ids(tok, load_prompts("vicuna_bench", limit=1)[0].text)
     got = fast.generate(ids, max_new_tokens=40, eos_token_id=tok.eos_token_id)
@@ -232,8 +266,6 @@ def test_smollm2_with_a_draft_trained_here(smollm, smollm_captured, two_threads,
     before = draft_accuracy(draft_architecture(model, 4), model, seqs, starts)
     assert draft_accuracy(speccomp.load_draft(model, out), model, seqs, starts) > before + 0.05, before
     # the CLI names the same draft by path: `speccomp generate --compare` exits 0 only when HF greedy's text came out
-    from speccomp.cli import main
-
     threads = torch.get_num_threads()
     try:
         rc = main(["generate", "--prompt", "Name three colours of the rainbow.", "--max-new-tokens", "24",

@@ -343,3 +343,22 @@ def test_unsupported_plain_modules(build, message):
 def test_capture_module_rejects_non_modules():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         capture_module(lambda ids: ids)
+
+
+@pytest.mark.parametrize("tree", [3, "dynamic:6:2"])
+@pytest.mark.parametrize("draft", ["gptfast, first layer", "nanogpt"])
+def test_a_plain_module_drafts_for_a_plain_module(tree, draft):
+    """A separate draft LM that is a plain nn.Module too (issue 23: "any HF causal LM or plain module that capture
+    accepts"): a 1-layer GptFast with the target's first layer, embedding and head (it agrees often), or a NanoGPT of
+    the same vocabulary (another architecture, learned positions). Chains and dynamic trees: naive greedy's output."""
+    target = _init(GptFast(vocab=101), 1)
+    if draft == "nanogpt":
+        drafter = _init(NanoGPT(), 4)
+    else:
+        drafter = GptFast(vocab=101, n_layer=1).eval()
+        drafter.load_state_dict(target.state_dict(), strict=False)  # the target's layer 0, embedding, norm, head
+    fast = speccomp.compile(target, drafter=drafter, tree=tree)
+    ids = torch.randint(0, 101, (1, 7), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(fast.generate(ids, max_new_tokens=30), naive_greedy(target, ids, 30))
+    if draft != "nanogpt":
+        assert fast.last_stats["acceptance_by_depth"][0] > 0, fast.last_stats  # drafts really verified and taken

@@ -271,15 +271,20 @@ def make_draft_model(base, draft, options: dict | None, tree, backend: str):
 
 
 # ---- drafter="draft_model": the draft `speccomp train-draft` made (speccomp/tuning/train_draft.py) ----------------
-def make_named_draft_model(base, options: dict, tree, backend: str) -> DraftModelDrafter:
-    """drafter="draft_model": the draft trained for the target (`load_draft`; options: path)."""
+def make_named_draft_model(base, options: dict, tree, backend: str):
+    """drafter="draft_model": the draft trained for the target (`load_draft`), or the Hugging Face checkpoint directory
+    at `path`. Options: path; with a tokenizer of its own, draft_tokenizer and target_tokenizer too (tokenizer objects
+    or tokenizer.json paths, as the CLI passes them)."""
     options = dict(options)
     path = options.pop("path", None)
+    tokenizers = {k: options.pop(k) for k in ("draft_tokenizer", "target_tokenizer") if k in options}
     if options:
-        raise OptionError("drafter_options", sorted(options), "draft_model takes only path (a trained draft's "
-                          "directory)", "drop the other options")
+        raise OptionError("drafter_options", sorted(options), "draft_model takes only path (a trained draft's or a "
+                          "Hugging Face checkpoint's directory) and, for a draft with a tokenizer of its own, "
+                          "draft_tokenizer and target_tokenizer", "drop the other options")
+    check_draft_model_options(tokenizers)
     from speccomp.tuning.train_draft import load_draft
 
-    drafter = make_draft_model(base, load_draft(base.model, path), None, tree, backend)
-    drafter.options = {} if path is None else {"path": str(path)}
+    drafter = make_draft_model(base, load_draft(base.model, path), tokenizers or None, tree, backend)
+    drafter.options = {**drafter.options, **({} if path is None else {"path": str(path)})}
     return drafter

@@ -14,6 +14,9 @@ never exactness. Two places where the mapping can only guess:
 """
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from speccomp.drafters.lookup import Trie
 from speccomp.errors import OptionError, OptionTypeError
 
@@ -22,7 +25,20 @@ WINDOW = 4  # draft tokens decoded before a path, so that a decoder's word-start
 
 def as_tokenizer(tok, param: str):
     """A `tokenizers.Tokenizer` for `tok`: a transformers fast tokenizer (its backend) or a tokenizers.Tokenizer.
-    One kind of object on both runtimes, serialisable into an engine (tokenizer.json) and fast (Rust)."""
+    One kind of object on both runtimes, serialisable into an engine (tokenizer.json) and fast (Rust). A path (str or
+    Path) names a tokenizer.json file or a directory holding one (how the CLI passes a tokenizer)."""
+    if isinstance(tok, (str, os.PathLike)):
+        file = Path(tok) / "tokenizer.json" if Path(tok).is_dir() else Path(tok)
+        if not file.is_file():
+            raise OptionError(param, str(tok), "names no tokenizer.json file (nor a directory holding one)",
+                              "give the path of a tokenizer.json, or the directory save_pretrained wrote it to")
+        from tokenizers import Tokenizer
+
+        try:
+            return Tokenizer.from_file(str(file))
+        except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+            raise OptionError(param, str(file), f"is not a tokenizers JSON file ({exc})",
+                              "give a tokenizer.json written by a fast tokenizer") from None
     backend = getattr(tok, "backend_tokenizer", tok)
     if all(callable(getattr(backend, a, None)) for a in ("encode", "decode", "get_vocab_size", "to_str")):
         return backend

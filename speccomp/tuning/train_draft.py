@@ -177,7 +177,9 @@ def drafts_dir(model) -> Path:
 
 def load_draft(model, path=None):
     """The draft `train_draft` saved for `model` (at `path`, else the user cache, else the drafts shipped with speccomp),
-    rebuilt around the model's own embedding and LM head. Safetensors only: nothing is unpickled."""
+    rebuilt around the model's own embedding and LM head; or, at `path`, any Hugging Face causal LM checkpoint
+    directory (config.json with a model_type, safetensors weights: a small model of the target's family, say).
+    Safetensors only: nothing is unpickled."""
     from importlib import resources
 
     from safetensors.torch import load_file
@@ -192,6 +194,8 @@ def load_draft(model, path=None):
                           "train one with `speccomp train-draft` (default model) or speccomp.train_draft(model, "
                           "prompts, out=DIR), or pass drafter_options={'path': DIR}")
     config = _read_config(found / CONFIG)
+    if path is not None and config.get("format") is None and isinstance(config.get("model_type"), str):
+        return load_hf_checkpoint(found, next(model.parameters()).dtype)
     if config.get("format") != FORMAT or not isinstance(config.get("num_layers"), int):
         raise OptionError("drafter_options", str(found), "is not a speccomp draft (config.json)", "pass a directory "
                           "written by speccomp train-draft")
@@ -207,3 +211,22 @@ def load_draft(model, path=None):
         raise OptionError("drafter_options", str(found), f"{WEIGHTS} does not fit the model (unexpected "
                           f"{unexpected[:3]}, missing {missing[:3]})", "train the draft again for this model")
     return draft.to(next(model.parameters()).dtype).eval()
+
+
+def load_hf_checkpoint(directory: Path, dtype):
+    """A Hugging Face causal LM saved with save_pretrained in `directory`, loaded offline from its safetensors
+    weights (a checkpoint holding only pickled .bin weights is refused, never unpickled)."""
+    from transformers import AutoModelForCausalLM
+
+    if not any(directory.glob("*.safetensors")):
+        raise OptionError("drafter_options", str(directory), "is a Hugging Face checkpoint without .safetensors weights "
+                          "(speccomp never unpickles a .bin file)", "save the draft with save_pretrained("
+                          "safe_serialization=True), or convert its weights to safetensors")
+    try:
+        draft = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True, use_safetensors=True,
+                                                     dtype=dtype)
+    except (OSError, ValueError, KeyError) as exc:
+        raise OptionError("drafter_options", str(directory), f"could not be loaded as a Hugging Face causal LM ({exc})",
+                          "pass a directory written by save_pretrained of a causal LM, or one from speccomp "
+                          "train-draft") from None
+    return draft.eval()
