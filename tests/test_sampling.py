@@ -276,6 +276,9 @@ ENGINE_CASES = {
         "hydra": {"heads": h["hydra"]}, "token_recycling": {"tree": [[0], [1], [0, 0]], "top_k": 3}}), 1.0),
     # the EAGLE layer step in eagle.onnx over the layer's own cache (eagle_cache.py, shared with the torch drafter)
     "eagle": (lambda h: dict(drafter="eagle", drafter_options={"heads": h["eagle"]}, tree=WIDE), 0.8),
+    # a separate draft LM in draft_model.onnx: its children drawn from its own q in numpy, q handed to sample_accept
+    "draft_model": (lambda h: dict(drafter=draft_lm(), tree=WIDE), 0.8),
+    "draft_model-chain": (lambda h: dict(drafter=draft_lm(), tree=2), 1.0),
 }
 
 
@@ -312,7 +315,12 @@ def engines(captured, heads, tmp_path_factory):
 def test_engine_sampling_distribution_equals_model(case, engines, exact):
     """Sampling through an exported engine draws from the model's own distribution, drafts accepted in most runs."""
     top_p = ENGINE_CASES[case][1]
-    counts, accepted, deep = sample(EngineRun(engines(case), top_p), range(POWER_DRAWS))
+    engine, sampled = engines(case), []
+    if case.startswith("draft_model"):  # its drafts are sampled: every tree it proposes comes with its q
+        propose = engine.drafter.propose
+        engine.drafter.propose = lambda *a: (propose(*a), sampled.append(engine.drafter.probs is not None))[0]
+    counts, accepted, deep = sample(EngineRun(engine, top_p), range(POWER_DRAWS))
+    assert all(sampled) and (len(sampled) > POWER_DRAWS) == case.startswith("draft_model"), len(sampled)
     assert accepted >= MIN_ACCEPTED, f"drafts were accepted in only {accepted:.0%} of the runs: little is tested"
     assert deep >= MIN_DEEP, f"two drafts were accepted in one step in only {deep:.1%} of the runs"
     p = chi2_pvalue(counts, exact[top_p])
@@ -344,3 +352,27 @@ def test_wrong_engine_acceptance_fails_the_sampling_test(engines, exact, monkeyp
     assert accepted >= MIN_ACCEPTED
     p = chi2_pvalue(counts, exact[1.0])
     assert p < 1e-3, f"the wrong engine rule passed the sampling test (chi-square p={p:.2g}): the test has no power"
+
+
+def sample_accept_without_residual(tokens, children, target, probs, rng):
+    """speccomp.engine.runtime.sample_accept with the residual update left out: a rejected child does not turn p
+    into max(p - q, 0), so the token after rejections comes from p (the engine's twin of
+    first_accepted_without_residual)."""
+    coins = rng.random(len(tokens))
+    path, u = [0], 0
+    while True:
+        p = target(u)
+        nxt = next((c for c in children[u] if coins[c] * probs[c][tokens[c]] < p[tokens[c]]), None)
+        if nxt is None:
+            return path, int(rng.choice(len(p), p=p / p.sum()))
+        path.append(nxt)
+        u = nxt
+
+
+def test_wrong_rule_for_sampled_drafts_fails_the_engine_sampling_test(engines, exact, monkeypatch):
+    """The engine's draft model case with the residual update left out of its sampler: the same test fails."""
+    monkeypatch.setattr(speccomp.engine.runtime, "sample_accept", sample_accept_without_residual)
+    counts, accepted, _ = sample(EngineRun(engines("draft_model"), 1.0), range(POWER_DRAWS))
+    assert accepted >= MIN_ACCEPTED
+    p = chi2_pvalue(counts, exact[1.0])
+    assert p < 1e-3, f"a wrong rule for sampled drafts passed the engine sampling test (chi-square p={p:.2g})"

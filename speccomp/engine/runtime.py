@@ -526,6 +526,56 @@ def accept(tokens: list[int], children: list[list[int]], pick) -> tuple[list[int
         node = nxt
 
 
+def sample_accept(tokens: list[int], children: list[list[int]], target, probs: list, rng) -> tuple[list[int], int]:
+    """Multi-draft recursive rejection sampling for drafts *sampled* from q (speccomp/runtime/tree.py's
+    sample_accept, in numpy): at node u with residual p (first target(u), the warped target distribution) each child
+    c in order is accepted with probability min(1, p(x_c) / q_c(x_c)), q_c = probs[c] the distribution it was drawn
+    from; a rejection turns p into normalize(max(p - q_c, 0)). The token leaving u is distributed as target(u)
+    whatever was drafted; with no child accepted it is drawn from the last residual."""
+    coins = rng.random(len(tokens))  # one per node, drawn up front (as the torch sampler)
+    path, u = [0], 0
+    while True:
+        p, nxt = target(u), None
+        for c in children[u]:
+            x, q = tokens[c], probs[c]
+            if coins[c] * q[x] < p[x]:  # u < p(x) / q(x), without dividing
+                nxt = c
+                break
+            residual = np.maximum(p - q, 0.0)
+            s = residual.sum()
+            if s > 1e-12:  # s ~ 0: p <= q everywhere, rejection had ~zero probability; keep p
+                p = residual / s
+        if nxt is None:
+            return path, int(rng.choice(len(p), p=p / p.sum()))
+        path.append(nxt)
+        u = nxt
+
+
+def _sample_children(logits: np.ndarray, temperature: float, nodes: list, k: int, drawn: dict, rng) -> list:
+    """k children of each node, drawn in order without replacement from q = softmax(logits / temperature) (float64);
+    drawn[(node, r)] = the distribution the rank-r child came from (q less ranks 0..r-1, renormalised). Where q has
+    fewer than k tokens it can draw, the rest are the likeliest others as point masses (as the torch drafter's
+    draft_model.sample_children)."""
+    x = logits.astype(np.float64) / temperature
+    q = np.exp(x - x.max(-1, keepdims=True))
+    q /= q.sum(-1, keepdims=True)
+    out = []
+    for i, u in enumerate(nodes):
+        row, ids = q[i].copy(), []
+        for r in range(min(k, int((row > 0).sum()))):
+            drawn[(u, r)] = row / row.sum()
+            ids.append(int(rng.choice(len(row), p=drawn[(u, r)])))
+            row[ids[-1]] = 0.0
+        for t in np.argsort(-logits[i], kind="stable") if len(ids) < k else ():
+            if len(ids) == k:
+                break
+            if int(t) not in ids:
+                drawn[(u, len(ids))] = np.eye(1, len(row), int(t))[0]
+                ids.append(int(t))
+        out.append(ids)
+    return out
+
+
 def _feeds(tokens: list[int], positions: np.ndarray, attended: int, past_kv, tree_mask: np.ndarray) -> dict:
     """The inputs of a graph in the target's convention (the target's, a self-drafter's) for `tokens` at `positions`
     attending to `attended` positions: the `past_kv` ones (a CacheView) and theirs, among themselves as `tree_mask`
@@ -781,8 +831,10 @@ class _DraftModel(_Grown):
     """A separate draft LM (speccomp/drafters/draft_model.py's DraftModelDrafter): draft_model.onnx is its whole graph
     (after TreeAttention), run over a KV cache of its own: each step rolls it back to the text it shares with the
     target, runs the unseen text and the root in one causal forward (depth 1's scores), then one forward per depth
-    over that depth's expanded nodes in the scratch slots past the root. Drafts are its top-k (q = 1: exact under
-    greedy and sampled acceptance alike)."""
+    over that depth's expanded nodes in the scratch slots past the root. Greedy drafts are its top-k. When the row
+    samples (`sampler` = (temperature, rng), set by _Row), a static tree's children are drawn from the draft's own q
+    without replacement and `probs` holds each node's q for `sample_accept` (as the torch DraftModelDrafter); dynamic
+    trees keep top-k point masses (which candidates survive depends on the draws, which q would not describe)."""
 
     name = "draft_model"
 
@@ -791,12 +843,21 @@ class _DraftModel(_Grown):
         self.session, self.kv, self.max_nodes, self.max_positions = session, kv, max_nodes, max_positions
         self.dtype = _DTYPES[kv["dtype"]]
         self.cache, self.cached = None, []
+        self.sampler, self.probs = None, None
 
     def begin(self, prompt, cache):
         self.cache, self.cached = KVCache(self.kv, max(512, 2 * len(prompt)), self.dtype), []
 
     def propose(self, tokens, max_depth, max_nodes):
-        return super().propose(tokens, max_depth, min(max_nodes, self.max_nodes))
+        max_nodes, self.probs = min(max_nodes, self.max_nodes), None
+        if self.sampler is None or "budget" in self.tree or not _ranks_in_order(self.tree):
+            return super().propose(tokens, max_depth, max_nodes)
+        parents, ranks = cut(self.tree["parents"], self.tree["ranks"], min(self.max_depth, max_depth), max_nodes)
+        drawn = {}
+        grown = grow_static(parents, ranks, tokens[-1], self._expander(tokens, max_nodes, drawn))
+        if len(parents) > 1:
+            self.probs = [None] + [drawn[(parents[c], ranks[c])] for c in range(1, len(parents))]
+        return parents, grown
 
     def _forward(self, tokens, positions, past: int, mask) -> np.ndarray:
         """`tokens` after `past` cached slots; their KV written at [past, past + k); logits [k, V]."""
@@ -805,7 +866,8 @@ class _DraftModel(_Grown):
         self.cache.data[..., past : past + len(tokens), :] = new_kv
         return logits[0]
 
-    def _expander(self, tokens, max_nodes):
+    def _expander(self, tokens, max_nodes, drawn=None):
+        """expand for grow.py; `drawn` given: children sampled from q, their distributions recorded there."""
         base = len(tokens) - 1
         start = shared_prefix(self.cached, tokens[:-1])  # the last step's rejected drafts leave here
         self.cache.length = start
@@ -821,15 +883,31 @@ class _DraftModel(_Grown):
                 logits = self._forward(tokens[start:], np.arange(start, base + 1, dtype=np.int64), start,
                                        np.tril(np.ones((n, n), dtype=bool)))[-1:]
                 self.cache.length, self.cached, slot[0] = base, list(tokens[:-1]), 0
-                return _top_logp(logits, k)
+                return top(logits, nodes, k)
             used, q = len(slot), len(nodes)
             if used + q > max_nodes:
                 return None
             rows = np.array(ancestor_rows(nodes, grown, slot, used), dtype=bool)
-            return _top_logp(self._forward([grown.token[c] for c in nodes], np.full(q, base + d, dtype=np.int64),
-                                           base + used, rows), k)
+            return top(self._forward([grown.token[c] for c in nodes], np.full(q, base + d, dtype=np.int64),
+                                     base + used, rows), nodes, k)
+
+        def top(logits, nodes, k):
+            if drawn is None:
+                return _top_logp(logits, k)
+            return None, _sample_children(logits, self.sampler[0], nodes, k, drawn, self.sampler[1])
 
         return expand
+
+
+def _ranks_in_order(tree: dict) -> bool:
+    """Whether every node's children come in ascending rank order (the order the sampler tests them in must be the
+    order they were drawn in; draft_model.siblings_in_rank_order for a manifest tree)."""
+    last = {}
+    for parent, rank in zip(tree["parents"][1:], tree["ranks"][1:]):
+        if rank <= last.get(parent, -1):
+            return False
+        last[parent] = rank
+    return True
 
 
 def _tree_depth(tree: dict, max_depth: int) -> int:
@@ -1086,6 +1164,8 @@ class _Row(Generation):
         self.drafter, self.args = drafter, args
         self.rng = np.random.default_rng(seed)
         self.steps, self._bonus = 0, None
+        if hasattr(drafter, "sampler"):  # a draft model: it samples its drafts from q when the row samples
+            drafter.sampler = (args.temperature, self.rng) if args.do_sample else None
 
     def pick(self, logits_row: np.ndarray) -> int:
         if not self.args.do_sample:
@@ -1104,12 +1184,19 @@ class _Row(Generation):
         """`max_nodes`: a batch's cap for this row this step (Generation.room)."""
         room, cap = self.room(max_nodes)
         if self.drafter is None or room <= 1 or cap <= 1:
+            if hasattr(self.drafter, "probs"):
+                self.drafter.probs = None  # no draft this step: no q from an earlier one
             return [-1], [self.out[-1]]
         return self.drafter.propose(self.context, room - 1, cap)
 
     def accept(self, draft: tuple, mine: tuple) -> list[int]:
         """draft: (tokens, children); mine: the target's (logits [n, V], extras) over its nodes."""
-        path, self._bonus = accept(*draft, lambda node: self.pick(mine[0][node]))
+        probs = getattr(self.drafter, "probs", None) if self.args.do_sample else None
+        if probs is not None:  # drafts sampled from q: recursive rejection sampling
+            target = lambda node: warp(mine[0][node], self.args.temperature, self.args.top_p)  # noqa: E731
+            path, self._bonus = sample_accept(*draft, target, probs, self.rng)
+        else:
+            path, self._bonus = accept(*draft, lambda node: self.pick(mine[0][node]))
         return path
 
     def observes(self, idle: bool) -> bool:
