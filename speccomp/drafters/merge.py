@@ -69,6 +69,10 @@ class MergedDrafter(Drafter):
         for d in self.drafters:
             d.begin(prompt)
 
+    def finish(self, text: list[int]) -> None:
+        for d in self.drafters:
+            d.finish(text)
+
     def take_states(self, states: tuple) -> None:
         for d in self.drafters:
             if "path_states" in self.reads and "path_states" not in d.reads and "states" in d.reads:

@@ -175,10 +175,14 @@ class SuffixDrafter(Drafter):
         self.decoder = SuffixDecoder(**self.options)
 
     def fresh(self) -> "SuffixDrafter":
-        """A drafter of its own for one row of a batch, reading (not adding to) this one's memory of past texts."""
+        """A drafter of its own for one row of a batch: it reads this one's memory of past texts and adds its own
+        text to it when the batch lets the row go (finish)."""
         new = SuffixDrafter(**{**self.options, "memory": 0})
-        new.decoder.memory, new.options = self.decoder.memory, dict(self.options)
+        new.decoder, new.options = self.decoder.row(), dict(self.options)
         return new
+
+    def finish(self, text: list[int]) -> None:
+        self.decoder.finish(text)
 
     def begin(self, prompt: list[int]) -> None:
         self.decoder.begin(prompt)

@@ -611,6 +611,9 @@ class _Drafter:
     def observe(self, tokens, path, logits, extras):
         pass
 
+    def finish(self, text):
+        """A batch let this row go with `text` (decode.py's Drafter.finish)."""
+
 
 class _NGram(_Drafter):
     def __init__(self, max_ngram=4, min_ngram=1, num_branches=4, max_depth=8):
@@ -638,8 +641,11 @@ class _Suffix(_Drafter):
 
     def fresh(self):
         new = _Suffix(**{**self.options, "memory": 0})
-        new.decoder.memory = self.decoder.memory  # read, not added to, by the rows of a batch
+        new.decoder = self.decoder.row()  # a batch row reads the memory and adds its text at finish
         return new
+
+    def finish(self, text):
+        self.decoder.finish(text)
 
     def begin(self, prompt, cache):
         self.decoder.begin(list(prompt))
@@ -984,6 +990,10 @@ class _Merged(_Drafter):
 
     def fresh(self):
         return _Merged([d.fresh() for d in self.drafters])
+
+    def finish(self, text):
+        for d in self.drafters:
+            d.finish(text)
 
     def begin(self, prompt, cache):
         for d in self.drafters:

@@ -191,6 +191,11 @@ class Drafter:
             raise TypeError(f"the {self.name} drafter does not say how to copy itself; override fresh()")
         return self.with_tree(self.tree)
 
+    def finish(self, text: list[int]) -> None:
+        """A batch let this row's generation go (done or cancelled; PackedBatch.remove) with `text`, its prompt and
+        reply: a drafter made by fresh() that learns across requests (suffix's memory) keeps it here. Nothing by
+        default."""
+
     def describe(self) -> dict:
         """Its declaration as JSON: name, tree, options, reads, graphs."""
         tree = self.tree
