@@ -12,7 +12,7 @@ import torch
 import speccomp
 from speccomp.drafters.draft_model import DraftModelDrafter
 from speccomp.drafters.lookup import shared_prefix
-from speccomp.errors import OptionError
+from speccomp.errors import OptionError, OptionTypeError
 from speccomp.runtime.tree import DynamicTreeSpec, Tree
 from tiny_models import ARCHITECTURES, seeded_prompt, tiny_llama
 
@@ -61,6 +61,27 @@ def test_a_weaker_draft_is_exact_and_rolls_back_rejections():
         assert 0 < accepted < 1  # both: drafts that pay and rejections the cache must forget
         # the draft's cache holds exactly the committed text's KV (what the next step would reuse)
         assert drafter.cache.length == len(drafter.cached) > ids.shape[1]
+
+
+def test_a_batch_with_a_weaker_draft_rolls_back_each_rows_own_draft_cache(tmp_path):
+    """A batch of three prompts of different lengths (left-padded) with a 1-layer draft: each row drafts with a draft
+    cache of its own (so any batch size fits a draft model: there is no draft batch to mismatch), rejections roll
+    each back, and every row is its own HF greedy text, in torch and in an exported engine."""
+    target = tiny_llama(num_hidden_layers=4, initializer_range=0.2)
+    fast = speccomp.compile(target, drafter=shallow_copy_of(target, 1), tree="dynamic:6:2", backend="onnxruntime")
+    engine = speccomp.load(fast.export(tmp_path / "engine"))
+    prompts = [seeded_prompt(n, 96)[0] for n in (6, 11, 9)]
+    width = max(len(p) for p in prompts)
+    ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
+    mask = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), torch.ones(len(p), dtype=torch.long)])
+                        for p in prompts])
+    out = fast.generate(ids, attention_mask=mask, max_new_tokens=32, load_aware=False)
+    engine_out = engine.generate(ids.numpy(), attention_mask=mask.numpy(), max_new_tokens=32, load_aware=False)
+    for row, p in enumerate(prompts):
+        want = hf_greedy(target, p[None], 32)[0, len(p):]
+        assert torch.equal(out[row, width:], want) and np.array_equal(engine_out[row, width:], want.numpy())
+    # every row took drafts and had some rejected (its own draft cache rolled back)
+    assert all(0 < r["acceptance_by_depth"][0] < 1 for r in fast.last_stats["rows"]), fast.last_stats["rows"]
 
 
 @pytest.mark.parametrize("tree", [[[0], [1], [0, 0]], "dynamic:6:2"])
@@ -218,10 +239,16 @@ def test_train_draft_refuses_bad_settings_before_work(tmp_path):
     from speccomp.tuning.train_draft import train_draft
 
     target, prompts = tiny_llama(), [torch.arange(3, 9)]
-    with pytest.raises(ValueError, match="num_layers must be an int in \\[1, 2\\]"):
+    with pytest.raises(OptionError, match="num_layers=3: must be an int in \\[1, 2\\] .*--layers 2"):
         train_draft(target, prompts, out=tmp_path / "d", num_layers=3)
-    with pytest.raises(ValueError, match="epochs must be an int >= 1"):
+    with pytest.raises(OptionError, match="epochs=0: must be an int >= 1; e.g. epochs=3"):
         train_draft(target, prompts, out=tmp_path / "d", epochs=0)
+    with pytest.raises(OptionError, match="lr=-1: must be a number > 0"):
+        train_draft(target, prompts, out=tmp_path / "d", lr=-1)
+    with pytest.raises(OptionError, match="prompts=\\[\\]: .*at least one prompt"):
+        train_draft(target, [], out=tmp_path / "d")
+    with pytest.raises(OptionTypeError, match="model=.*Hugging Face causal LM"):
+        train_draft(torch.nn.Linear(2, 2), prompts, out=tmp_path / "d")
     (tmp_path / "project").mkdir()
     (tmp_path / "project" / "config.json").write_text('{"name": "mine"}')
     with pytest.raises(OptionError, match="not a speccomp draft's; refusing to overwrite"):

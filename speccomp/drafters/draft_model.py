@@ -258,7 +258,7 @@ def make_draft_model(base, draft, options: dict | None, tree, backend: str):
         check_vocabulary(bridge.target, target_vocab, "target_tokenizer", "target")
         check_vocabulary(bridge.draft, draft_vocab, "draft_tokenizer", "draft")
     elif draft_vocab != target_vocab:
-        raise OptionError("drafter", type(draft).__name__,
+        raise OptionError("drafter", f"{type(draft).__name__} ({draft_vocab} tokens)",
                           f"the draft model's vocabulary has {draft_vocab} tokens and the target's {target_vocab}: "
                           "without its tokenizers a draft model must share the target's (its token ids are the target's)",
                           "pass drafter_options={'draft_tokenizer': ..., 'target_tokenizer': ...} (drafts go through "

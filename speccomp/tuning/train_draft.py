@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from speccomp.errors import OptionError
+from speccomp.errors import OptionError, OptionTypeError
 from speccomp.tuning.train_heads import _fit, _hidden_states, _open_run, _self_distill, check_on_cpu, run_identity
 
 CONFIG = "config.json"
@@ -134,16 +134,22 @@ def draft_accuracy(draft, model, seqs, starts) -> float:
 def _check(model, prompts, num_layers, **values) -> None:
     """Refuse bad settings before minutes of work, naming the setting and the value."""
     if not hasattr(model, "config") or not hasattr(model, "get_input_embeddings"):
-        raise ValueError(f"train_draft needs a Hugging Face causal LM (its config builds the draft), got "
-                         f"{type(model).__name__}")
+        raise OptionTypeError("model", type(model).__name__, "train_draft needs a Hugging Face causal LM (its config "
+                              "builds the draft)", "pass an AutoModelForCausalLM; a plain module's draft is any smaller "
+                              "module given as compile(model, drafter=draft)")
     layers = model.config.num_hidden_layers
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers < layers:
-        raise ValueError(f"num_layers must be an int in [1, {layers - 1}] (the model has {layers}), got {num_layers!r}")
+        raise OptionError("num_layers", num_layers, f"must be an int in [1, {layers - 1}] (the model has {layers} "
+                          "layers)", "e.g. num_layers=2 (CLI: --layers 2)")
     for name, value in values.items():
-        if isinstance(value, bool) or not value > 0 or (name != "lr" and not isinstance(value, int)):
-            raise ValueError(f"{name} must be {'> 0' if name == 'lr' else 'an int >= 1'}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or (
+                name != "lr" and not isinstance(value, int)):
+            example = {"lr": 3e-4, "epochs": 3, "batch_size": 8, "max_new_tokens": 128}[name]
+            raise OptionError(name, value, f"must be {'a number > 0' if name == 'lr' else 'an int >= 1'}",
+                              f"e.g. {name}={example} (the default)")
     if not prompts:
-        raise ValueError("train_draft needs at least one prompt (token ids) to self-distill from")
+        raise OptionError("prompts", prompts, "train_draft needs at least one prompt (token ids) to self-distill from",
+                          "pass token id tensors, e.g. [chat_ids(tokenizer, text)[0] for text in texts]")
     check_on_cpu(model, "train_draft")
 
 
