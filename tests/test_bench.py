@@ -210,3 +210,17 @@ def test_a_plot_flag_names_the_file_matplotlib_writes():
 
     assert check_plot_flag("plot", "out/speed") == "out/speed.png"
     assert check_plot_flag("plot", "speed.svg") == "speed.svg" and check_plot_flag("report", None) is None
+
+
+def test_draft_model_rows_by_path_and_suffix_rows(tmp_path):
+    """The rows benchmarks/draft_models.py measures: draft models named by path (one row per directory, a Hugging Face
+    checkpoint of the model itself here) beside suffix; every row identical to HF greedy, the draft's drafts accepted."""
+    model = tiny_llama(initializer_range=0.2)
+    model.save_pretrained(tmp_path / "draft")  # the model as its own draft: its drafts are all accepted
+    rows = [bench.RowSpec("draft_model itself", "speccomp", drafter="draft_model", tree=3,
+                          drafter_options={"path": str(tmp_path / "draft")}), "suffix"]
+    result = bench.run_bench(model, _prompts(), rows, MAX_NEW, eos_token_id=None, warmup=0, progress=False)
+    base, drafted, suffix = result.row_dicts()
+    assert [r["error"] for r in (drafted, suffix)] == [None, None]
+    assert drafted["drafter"] == "draft_model itself" and drafted["drafter_options"] == {"path": str(tmp_path / "draft")}
+    assert result.all_identical() and drafted["tau"] > 2 and drafted["acceptance_by_depth"][0] == 1.0
