@@ -227,6 +227,20 @@ def test_a_checkpoint_directory_with_its_own_tokenizer_by_path(tmp_path):
     with pytest.raises(OptionError, match="needs both"):
         speccomp.compile(target, drafter="draft_model", drafter_options={"path": str(tmp_path / "draft"),
                                                                          "draft_tokenizer": str(tmp_path / "draft")})
+    # the CLI's form (`--drafter draft_model --drafter-options '{"path": DIR, "draft_tokenizer": DIR}'`): the loaded
+    # model's own tokenizer becomes the target's
+    from argparse import Namespace
+
+    from transformers import PreTrainedTokenizerFast
+
+    from speccomp.cli import _compile
+
+    args = Namespace(drafter="draft_model", backend="eager", drafter_options={
+        "path": str(tmp_path / "draft"), "draft_tokenizer": str(tmp_path / "draft")})
+    cli = _compile(target, args, PreTrainedTokenizerFast(tokenizer_object=word_tokenizer()))
+    assert isinstance(cli.drafter, CrossTokenizerDrafter)
+    assert torch.equal(cli.generate(ids, max_new_tokens=32), hf_greedy(target, ids, 32))
+    assert cli.last_stats["acceptance_by_depth"][0] > 0.8, cli.last_stats
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(OptionError, match="draft_tokenizer=.*bad.json'?: is not a tokenizers JSON file"):
         speccomp.compile(target, drafter="draft_model", drafter_options={

@@ -292,7 +292,8 @@ def test_smollm2_with_a_draft_trained_here(smollm, smollm_captured, two_threads,
     seqs, starts = distilled_text(out)
     before = draft_accuracy(draft_architecture(model, 4), model, seqs, starts)
     assert draft_accuracy(speccomp.load_draft(model, out), model, seqs, starts) > before + 0.05, before
-    # the CLI names the same draft by path: `speccomp generate --compare` exits 0 only when HF greedy's text came out
+    # the CLI names the same draft by path and drafts its default dynamic tree (above: a chain of 3): `speccomp
+    # generate --compare` exits 0 only when HF greedy's text came out
     threads = torch.get_num_threads()
     try:
         rc = main(["generate", "--prompt", "Name three colours of the rainbow.", "--max-new-tokens", "24",
