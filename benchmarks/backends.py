@@ -176,7 +176,8 @@ def main(argv=None) -> int:
                          "own HF baseline; models of other backends resident in the same process slow ONNX Runtime)")
     args = ap.parse_args(argv)
     args.drafter = args.drafter or ["token_recycling"]
-    drafters = {d.split("=", 1)[0]: d.split("=", 1)[1] if "=" in d else args.tree for d in args.drafter}  # name -> tree
+    # a row per --drafter as given (NAME or NAME=TREE): the same drafter may come twice with two trees
+    drafters = {d: (d.split("=", 1)[0], d.split("=", 1)[1] if "=" in d else args.tree) for d in args.drafter}
     backends = [b for b in args.backends.split(",") if b]
     if not args.in_process and len(backends) > 1:
         return run_children(args, backends, argv)
@@ -212,13 +213,13 @@ def main(argv=None) -> int:
     ort_models = {}  # drafter -> the onnxruntime rows' compiled models; the engine rows export these
     order = [b for b in backends if b not in ("engine", "llama_cpp")] + (["engine"] if "engine" in backends else [])
     for backend in order:
-        for drafter in (None, *drafters):
-            name = f"{backend}/{drafter or 'plain'}"
+        for spec in (None, *drafters):
+            name = f"{backend}/{spec or 'plain'}"
+            drafter, tree = drafters.get(spec, (None, None))
             start = time.perf_counter()
             if backend == "engine":
-                fast = ort_models.get(drafter) or speccomp.compile(model, drafter=drafter, backend="onnxruntime",
-                                                                  tree=drafters.get(drafter))
-                engine = speccomp.load(fast.export(tmp / (drafter or "plain"), tokenizer=tok), threads=args.threads)
+                fast = ort_models.get(spec) or speccomp.compile(model, drafter=drafter, backend="onnxruntime", tree=tree)
+                engine = speccomp.load(fast.export(tmp / f"engine{len(setup)}", tokenizer=tok), threads=args.threads)
                 del fast  # compiled only to export: its ONNX Runtime sessions (and weights) leave the process
                 gc.collect()
 
@@ -229,9 +230,9 @@ def main(argv=None) -> int:
                 if drafter is not None:
                     steps["engine"] = engine
             else:
-                fast = speccomp.compile(model, drafter=drafter, backend=backend, tree=drafters.get(drafter))
+                fast = speccomp.compile(model, drafter=drafter, backend=backend, tree=tree)
                 if backend == "onnxruntime":
-                    ort_models[drafter] = fast
+                    ort_models[spec] = fast
 
                 def run(ids, fast=fast):
                     out = fast.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=eos)
