@@ -132,9 +132,14 @@ def _compile(model, args, tok):
     (--drafter-options '{"path": DIR, "draft_tokenizer": DIR}') gets the loaded model's tokenizer as its target's."""
     import speccomp
 
+    from speccomp.drafters.merge import split_names
+
     options = getattr(args, "drafter_options", None)
     if args.drafter == "draft_model" and options and "draft_tokenizer" in options:
         args.drafter_options = {"target_tokenizer": tok, **options}
+    own = (options or {}).get("draft_model") if "draft_model" in (split_names(args.drafter) or []) else None
+    if isinstance(own, dict) and "draft_tokenizer" in own:  # a merge: draft_model's own options
+        args.drafter_options = {**options, "draft_model": {"target_tokenizer": tok, **own}}
 
     t = time.perf_counter()
     kv_cache, kv_mode = getattr(args, "kv_cache", None), getattr(args, "kv_mode", None)

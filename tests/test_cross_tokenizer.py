@@ -241,6 +241,11 @@ def test_a_checkpoint_directory_with_its_own_tokenizer_by_path(tmp_path):
     assert isinstance(cli.drafter, CrossTokenizerDrafter)
     assert torch.equal(cli.generate(ids, max_new_tokens=32), hf_greedy(target, ids, 32))
     assert cli.last_stats["acceptance_by_depth"][0] > 0.8, cli.last_stats
+    args = Namespace(drafter="draft_model+suffix", backend="eager", drafter_options={"draft_model": {
+        "path": str(tmp_path / "draft"), "draft_tokenizer": str(tmp_path / "draft")}})  # inside a merge too
+    merged = _compile(target, args, PreTrainedTokenizerFast(tokenizer_object=word_tokenizer()))
+    assert torch.equal(merged.generate(ids, max_new_tokens=32), hf_greedy(target, ids, 32))
+    assert merged.last_stats["tau"] > 2, merged.last_stats
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(OptionError, match="draft_tokenizer=.*bad.json'?: is not a tokenizers JSON file"):
         speccomp.compile(target, drafter="draft_model", drafter_options={

@@ -152,6 +152,16 @@ def test_a_hugging_face_checkpoint_directory_is_a_draft_by_path(tmp_path):
     (broken / "model.safetensors").write_bytes(b"")
     with pytest.raises(OptionError, match="could not be loaded as a Hugging Face causal LM"):
         speccomp.compile(target, drafter="draft_model", drafter_options={"path": str(broken)})
+    (broken / "config.json").write_text((tmp_path / "hf_draft" / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"\xff" * 64)  # a corrupt weights file
+    with pytest.raises(OptionError, match="could not be loaded as a Hugging Face causal LM"):
+        speccomp.compile(target, drafter="draft_model", drafter_options={"path": str(broken)})
+    custom = json.loads((tmp_path / "hf_draft" / "config.json").read_text())
+    custom.update(model_type="my_own_lm", auto_map={"AutoModelForCausalLM": "modeling_mine.MyLM"})
+    (broken / "config.json").write_text(json.dumps(custom))  # code of its own: never run, nor asked about
+    (broken / "modeling_mine.py").write_text("raise SystemExit('custom code ran')\n")
+    with pytest.raises(OptionError, match="could not be loaded as a Hugging Face causal LM"):
+        speccomp.compile(target, drafter="draft_model", drafter_options={"path": str(broken)})
 
 
 def test_train_draft_distils_a_draft_that_compile_finds_by_name(tmp_path):

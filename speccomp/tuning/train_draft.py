@@ -228,10 +228,10 @@ def load_hf_checkpoint(directory: Path, dtype):
         raise OptionError("drafter_options", str(directory), "is a Hugging Face checkpoint without .safetensors weights "
                           "(speccomp never unpickles a .bin file)", "save the draft with save_pretrained("
                           "safe_serialization=True), or convert its weights to safetensors")
-    try:
+    try:  # trust_remote_code=False: a directory's own modeling code is never run (nor asked about)
         draft = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True, use_safetensors=True,
-                                                     dtype=dtype)
-    except (OSError, ValueError, KeyError) as exc:
+                                                     dtype=dtype, trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 - a corrupt safetensors file, shapes that do not fit, an unknown model
         raise OptionError("drafter_options", str(directory), f"could not be loaded as a Hugging Face causal LM ({exc})",
                           "pass a directory written by save_pretrained of a causal LM, or one from speccomp "
                           "train-draft") from None
