@@ -40,9 +40,10 @@ def train(out: Path, layers: list[int], args) -> None:
         if (d / "draft.safetensors").is_file():
             text = text or d / "_train" / "tokens.safetensors"
             continue
-        if text is not None and text.is_file():  # the first size's distilled text: train-draft resumes from it
+        mine = d / "_train" / "tokens.safetensors"
+        if text is not None and text.is_file() and not mine.exists():  # the first size's text: train-draft resumes from it
             (d / "_train").mkdir(parents=True, exist_ok=True)
-            shutil.copy(text, d / "_train" / "tokens.safetensors")
+            shutil.copy(text, mine)
         cmd = [sys.executable, "-m", "speccomp.cli", "train-draft", "--limit", str(args.train_limit), "--max-new-tokens",
                str(args.max_new_tokens), "--layers", str(L), "--epochs", str(args.epochs), "--lr", str(args.lr),
                "--threads", str(args.threads), "--out", str(d)]

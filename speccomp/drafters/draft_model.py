@@ -38,7 +38,7 @@ import dataclasses
 
 import torch
 
-from speccomp.drafters.grow import ancestor_rows, grow, torch_top
+from speccomp.drafters.grow import ancestor_rows, grow, siblings_in_rank_order, torch_top
 from speccomp.drafters.lookup import shared_prefix
 from speccomp.drafters.text_bridge import TextBridge, as_tokenizer, check_vocabulary
 from speccomp.errors import OptionError
@@ -65,7 +65,8 @@ class DraftModelDrafter(_DraftLM):
     def __init__(self, step, graph, tree=DEFAULT_TREE, options: dict | None = None):
         self.step, self.graph, self.tree = step, graph, tree
         check_tree_kind(self, tree)
-        self._ordered = siblings_in_rank_order(tree)  # a static tree it may sample when the target samples
+        # a static tree it may sample when the target samples
+        self._ordered = isinstance(tree, Tree) and siblings_in_rank_order(tree.parents, tree.ranks)
         self.max_nodes = max_tree_nodes(graph.structure)  # its own sliding windows may hold fewer nodes
         self.options = dict(options or {})
         self.kv = graph.captured.kv
@@ -148,20 +149,6 @@ class DraftModelDrafter(_DraftLM):
             rows = [drawn[(tree.parents[c], tree.ranks[c])] for c in range(1, tree.size)]
             draft.probs = torch.stack([torch.full_like(rows[0], 1 / rows[0].numel())] + rows)  # row 0: unused
         return draft
-
-
-def siblings_in_rank_order(tree) -> bool:
-    """Whether every node's children come in ascending rank order: the order the sampler tests them in must be the
-    order they were drawn in (Tree.from_choices trees always are)."""
-    if not isinstance(tree, Tree):
-        return False
-    last: dict[int, int] = {}
-    for c in range(1, tree.size):
-        parent, rank = tree.parents[c], tree.ranks[c]
-        if rank <= last.get(parent, -1):
-            return False
-        last[parent] = rank
-    return True
 
 
 def sample_children(logits: torch.Tensor, temperature: float, nodes: list[int], k: int, drawn: dict,

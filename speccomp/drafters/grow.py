@@ -98,6 +98,18 @@ def select_tree(grown: Grown, budget: int) -> tuple[list[int], list[int]]:
     return [-1] + [index[parent[c]] for c in nodes[1:]], [grown.token[c] for c in nodes]
 
 
+def siblings_in_rank_order(parents, ranks) -> bool:
+    """Whether every node's children come in ascending rank order: a drafter that samples a static tree's children
+    in rank order hands the sampler their distributions in that order, which must be the order it tests them in
+    (Tree.from_choices trees always are). Both runtimes' draft models ask it once per tree."""
+    last: dict[int, int] = {}
+    for parent, rank in zip(list(parents)[1:], list(ranks)[1:]):
+        if rank <= last.get(parent, -1):
+            return False
+        last[parent] = rank
+    return True
+
+
 def cut(parents: list[int], ranks: list[int], max_depth: int, max_nodes: int) -> tuple[list[int], list[int]]:
     """A static tree's nodes at depth <= max_depth, the first max_nodes of them: (parents, ranks) renumbered."""
     depth = [0] * len(parents)

@@ -35,7 +35,8 @@ from speccomp.runtime.calls import (MAX_TREE, CallGuard, Generation, as_int, bat
 from speccomp.runtime.packed import PackedBatch, Part
 from speccomp.errors import OptionTypeError, SpeccompError
 from speccomp.drafters.eagle_cache import EagleCache
-from speccomp.drafters.grow import ancestor_rows, cut, grow_dynamic, grow_static, state_expander
+from speccomp.drafters.grow import (ancestor_rows, cut, grow_dynamic, grow_static, siblings_in_rank_order,
+                                    state_expander)
 from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, merge_trees, own_view, recycle, shared_prefix
 from speccomp.drafters.suffix import SuffixDecoder
 from speccomp.drafters.text_bridge import TextBridge
@@ -850,13 +851,15 @@ class _DraftModel(_Grown):
         self.dtype = _DTYPES[kv["dtype"]]
         self.cache, self.cached = None, []
         self.sampler, self.probs = None, None
+        # whether it may sample its children (a static tree whose siblings come in rank order), decided once
+        self.samples = "budget" not in tree and siblings_in_rank_order(tree["parents"], tree["ranks"])
 
     def begin(self, prompt, cache):
         self.cache, self.cached = KVCache(self.kv, max(512, 2 * len(prompt)), self.dtype), []
 
     def propose(self, tokens, max_depth, max_nodes):
         max_nodes, self.probs = min(max_nodes, self.max_nodes), None
-        if self.sampler is None or "budget" in self.tree or not _ranks_in_order(self.tree):
+        if self.sampler is None or not self.samples:
             return super().propose(tokens, max_depth, max_nodes)
         parents, ranks = cut(self.tree["parents"], self.tree["ranks"], min(self.max_depth, max_depth), max_nodes)
         drawn = {}
@@ -903,17 +906,6 @@ class _DraftModel(_Grown):
             return None, _sample_children(logits, self.sampler[0], nodes, k, drawn, self.sampler[1])
 
         return expand
-
-
-def _ranks_in_order(tree: dict) -> bool:
-    """Whether every node's children come in ascending rank order (the order the sampler tests them in must be the
-    order they were drawn in; draft_model.siblings_in_rank_order for a manifest tree)."""
-    last = {}
-    for parent, rank in zip(tree["parents"][1:], tree["ranks"][1:]):
-        if rank <= last.get(parent, -1):
-            return False
-        last[parent] = rank
-    return True
 
 
 def _tree_depth(tree: dict, max_depth: int) -> int:
