@@ -9,6 +9,7 @@
     onnxruntime:cuda    the same on ONNX Runtime's CUDA provider (needs onnxruntime-gpu and a GPU)
     tensorrt            the same on ONNX Runtime's TensorRT provider (needs onnxruntime-gpu, TensorRT, a GPU)
     triton              the eager graph with attention in a Triton kernel (triton.py; GPU or TRITON_INTERPRET=1)
+    cudagraphs          the eager graph, its decode steps replayed from CUDA graphs (cudagraphs.py; a CUDA GPU)
 
 Each import happens only when its backend is chosen, so a missing optional package fails there,
 with a message naming it. GPU-only choices fail at compile time on a machine without the GPU stack.
@@ -35,6 +36,7 @@ BACKENDS = {
     "inductor": _lazy("inductor"),
     **{backend: _lazy("onnxruntime", provider) for backend, provider in ORT_PROVIDERS.items()},
     "triton": _lazy("triton"),
+    "cudagraphs": _lazy("cudagraphs"),
 }
 
 
@@ -53,6 +55,10 @@ def check(backend: str) -> None:
         from speccomp.backends.triton_attention import check_available
 
         check_available("cuda" if torch.cuda.is_available() else "cpu")
+    if backend == "cudagraphs":
+        from speccomp.backends.cudagraphs import check_available
+
+        check_available()
 
 
 def lower(sg, backend: str, spin: bool = True):

@@ -67,7 +67,7 @@ def graph_step(fast, context: int, q: int = 1, device="cpu"):
     verify step, over the runtime's own preallocated cache (what decoding hands it: a graph may write in place)."""
     from speccomp.runtime.decode import KVCache
 
-    cache = KVCache(fast.kv, context + q, device)
+    cache = getattr(fast.step, "new_cache", KVCache)(fast.kv, context + q, device)  # cudagraphs: its own buffer
     cache.data.normal_()
     cache.length = context
     tree = chain(q)

@@ -10,9 +10,9 @@ adds. Sections (each one's failure is recorded and the next one runs):
               Medusa's 17 nodes), GQA groups 1/3/4, 0..1000 cached keys, head dims 8 and 64, bool and additive
               masks, a sliding window, a fully masked row; the output buffer poisoned first (NaN) so an unwritten
               element fails; then the kernel's time against torch's SDPA at SmolLM2's attention shape
-  tiny        tiny random models of several families (tests/tiny_models.py) on the GPU: backend eager / triton
+  tiny        tiny random models of several families (tests/tiny_models.py) on the GPU, each of --backends
               (and inductor for llama), plain decoding and drafters, each equal to HF greedy on the GPU?
-  smollm2     a model with SmolLM2-135M's config and random weights: HF greedy vs speccomp eager / triton tokens
+  smollm2     a model with SmolLM2-135M's config and random weights: HF greedy vs speccomp (--backends) tokens
               per second and equality, and the verify step's time for q = 1..64 tokens over 300 cached ones (what
               a tree costs on a GPU)
   tuning      autotune end to end on the GPU (tiny llama, token_recycling) and the tuned tree's equality; the
@@ -170,6 +170,8 @@ def tiny(models: list[str], backends: list[str], new_tokens: int) -> dict:
                     out = fast.generate(ids, max_new_tokens=new_tokens)
                     row.update(equal=bool(torch.equal(out.cpu(), ref.cpu())), steps=fast.last_stats["steps"],
                                new_tokens=out.shape[1] - ids.shape[1], device=str(out.device))
+                    if backend == "cudagraphs":
+                        row.update(replays=fast.step.replays, refusal=fast.step.refusal)
                     if not row["equal"]:
                         same = (out[0, ids.shape[1]:].cpu() == ref[0, ids.shape[1]:].cpu()).tolist()
                         row["first_difference"] = same.index(False) if False in same else None
@@ -181,7 +183,7 @@ def tiny(models: list[str], backends: list[str], new_tokens: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------
-def drafters(new_tokens: int) -> dict:
+def drafters(new_tokens: int, backends: list[str]) -> dict:
     """Every model-reading drafter (random heads, the target as its own draft model) and a left-padded batch of 4 on
     the GPU: one sequence and each batch row equal to HF greedy on the GPU; a sampled run that completes."""
     import tempfile
@@ -209,7 +211,7 @@ def drafters(new_tokens: int) -> dict:
     captured = speccomp.capture(model)
     rows = []
     for case, make in tb.CASES.items():
-        for backend in ("eager", "triton"):
+        for backend in backends:
             row = {"drafter": case, "backend": backend}
             try:
                 fast = speccomp.compile(captured, **make(heads, model), backend=backend)
@@ -233,7 +235,7 @@ def drafters(new_tokens: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------
-def smollm2(new_tokens: int, context: int) -> dict:
+def smollm2(new_tokens: int, context: int, backends: list[str]) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import speccomp
@@ -257,7 +259,7 @@ def smollm2(new_tokens: int, context: int) -> dict:
     result = {"config": "SmolLM2-135M shape, random weights", "context": context, "new_tokens": new_tokens,
               "hf_tok_s": new_tokens / hf_s, "rows": [], "verify_ms": []}
     captured = speccomp.capture(model)
-    for backend in ("eager", "triton"):
+    for backend in backends:
         for drafter in (None, "token_recycling"):
             row = {"backend": backend, "drafter": drafter or "plain"}
             try:
@@ -270,7 +272,10 @@ def smollm2(new_tokens: int, context: int) -> dict:
                 seconds = time.perf_counter() - start
                 n = out.shape[1] - ids.shape[1]
                 row.update(equal=bool(torch.equal(out.cpu(), ref[:, : out.shape[1]].cpu())), new_tokens=n,
-                           tok_s=n / seconds, x_hf=(n / seconds) / result["hf_tok_s"], steps=fast.last_stats["steps"])
+                           tok_s=n / seconds, x_hf=(n / seconds) / result["hf_tok_s"], steps=fast.last_stats["steps"],
+                           ms_per_step=1e3 * seconds / fast.last_stats["steps"])
+                if backend == "cudagraphs":  # did the graphs replay, or did a capture fail (then eager, say why)?
+                    row.update(replays=fast.step.replays, graphs=len(fast.step.graphs), refusal=fast.step.refusal)
                 if drafter is None:  # the step alone: q tokens over `context` cached ones
                     for q in (1, 8, 16, 32, 64):
                         step = graph_step(fast, context, q, DEVICE)
@@ -383,7 +388,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=str(HERE / "results_gpu_check.json"))
     ap.add_argument("--sections", default="kernel,smollm2,tiny,drafters,tuning,ort,inductor")
-    ap.add_argument("--backends", default="eager,triton", help="the tiny section's backends")
+    ap.add_argument("--backends", default="eager,triton,cudagraphs",
+                    help="the backends of the tiny, drafters and smollm2 sections")
     ap.add_argument("--models", default=",".join(TINY), help="tiny section's families (tests/tiny_models.py)")
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--context", type=int, default=300)
@@ -415,11 +421,11 @@ def main(argv=None) -> int:
                 results[name] = (tiny(["llama"], wanted, args.new_tokens) if wanted
                                  else {"skipped": f"onnxruntime's providers here: {providers}"})
             elif name == "drafters":
-                results[name] = drafters(args.new_tokens)
+                results[name] = drafters(args.new_tokens, args.backends.split(","))
             elif name == "inductor":  # last: torch.compile takes the longest
                 results[name] = tiny(["llama"], ["inductor"], args.new_tokens)
             elif name == "smollm2":
-                results[name] = smollm2(args.smollm2_tokens, args.context)
+                results[name] = smollm2(args.smollm2_tokens, args.context, args.backends.split(","))
             elif name == "tuning":
                 results[name] = tuning(args.new_tokens)
             elif name == "real":
@@ -436,7 +442,8 @@ def main(argv=None) -> int:
         for r in results["kernel"]["speed"]:
             print(f"kernel q={r['q']:3d} past={r['past']:5d}: triton {r['triton_ms']:.3f} ms, sdpa {r['sdpa_ms']:.3f} ms")
     for r in results.get("smollm2", {}).get("rows", []):
-        print("smollm2", {k: r.get(k) for k in ("backend", "drafter", "equal", "tok_s", "x_hf", "steps", "error")})
+        print("smollm2", {k: r.get(k) for k in ("backend", "drafter", "equal", "tok_s", "x_hf", "steps", "ms_per_step",
+                                                "replays", "refusal", "error")})
     for r in results.get("smollm2", {}).get("verify_ms", []):
         print(f"verify {r['backend']} q={r['q']}: {r['ms']:.2f} ms")
     for r in results.get("real", {}).get("rows", []):

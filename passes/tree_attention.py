@@ -16,7 +16,7 @@ and rewrites every mask that feeds attention:
 Columns older than the last T keep the model's own mask (causal, padding, ...), so
 model-specific masks keep working. P is M itself for full-attention layers; for
 sliding-window layers P is the window recomputed from `position_ids`
-(pos_i - k < window): HF measures windows in cache slots, and a tree node's slot is not
+(pos_i - k < window, and the key padding mask's 0s still hidden): HF measures windows in cache slots, and a tree node's slot is not
 its position (siblings share a depth), so the slot-based window would hide keys a
 sequential decode would see. Inside the last T columns the tree mask decides alone
 (ANDed with M, which there is causal in slot order: ancestors always come first).
@@ -92,6 +92,10 @@ class TreeAttention(Pass):
             cols = call(aten.arange.default, (kv,), {"dtype": torch.long, "device": device})  # [kv]
             pos = call(aten.view.default, (inputs["position_ids"], [-1, 1]))  # [q, 1]
             in_window = call(aten.lt.Scalar, (call(aten.sub.Tensor, (pos, cols)), window))  # [q, kv]
+            if inputs.get("attention_mask") is not None:  # the key padding mask still hides what it hides
+                padding = call(aten.ne.Scalar, (inputs["attention_mask"], 0))
+                padding = call(aten.view.default, (padding, [-1, 1, 1, kv]))  # [b, 1, 1, kv]
+                in_window = call(aten.logical_and.default, (in_window, padding))  # [b, 1, q, kv]
             older_col = call(aten.lt.Scalar, (cols, older))
             # where(older_col, in_window, allowed) on booleans, spelled with logic ops: ONNX Runtime's
             # CPU Where has no bool kernel, and the result is the same bits

@@ -40,9 +40,11 @@ class KVCache:
     instead of copying the past.
     """
 
-    def __init__(self, spec: KVSpec, capacity: int, device="cpu"):
+    def __init__(self, spec: KVSpec, capacity: int, device="cpu", data: torch.Tensor | None = None):
+        """`data`: a buffer of spec.shape(capacity) to reuse (a CUDA graph's fixed address, backends/cudagraphs.py);
+        its old entries must be finite (attention reads the free slots behind a mask there)."""
         self.spec = spec
-        self.data = torch.zeros(spec.shape(capacity), dtype=spec.dtype, device=device)
+        self.data = torch.zeros(spec.shape(capacity), dtype=spec.dtype, device=device) if data is None else data
         setattr(self.data, KV_ROOM, weakref.ref(self))  # slots past `length` are scratch (weak: no cycle)
         self.length = 0
 
@@ -293,7 +295,9 @@ class FullCache:
     graph drafters read, and write their own entries into past `cache.length` (the next verify overwrites them)."""
 
     def __init__(self, target, kv: KVSpec, capacity: int, device):
-        self.target, self.cache, self._new_kv = target, KVCache(kv, capacity, device), None
+        # a target may bring its own cache storage (backends/cudagraphs.py: fixed addresses for its graphs)
+        new_cache = getattr(target, "new_cache", KVCache)
+        self.target, self.cache, self._new_kv = target, new_cache(kv, capacity, device), None
 
     def prefill(self, prompt: torch.Tensor) -> tuple:
         return prefill(self.target, self.cache, prompt)

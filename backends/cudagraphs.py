@@ -1,0 +1,139 @@
+"""cudagraphs backend: the eager graph, its decode steps replayed from CUDA graphs.
+
+Why: on a GPU a decode step of a small model is bound by the host, not the GPU. The eager FX graph launches about a
+thousand small kernels one Python call at a time (benchmarks/README.md, "On a GPU": SmolLM2-135M's step took the same
+27 to 48 ms for 1 or 64 tokens). A CUDA graph records a step's launches once and replays them with one call.
+
+A graph replays fixed shapes at fixed addresses, so the step stops growing with the context (the in-place cache of
+runtime/decode.py's KVCache is the first half): the target reads its whole preallocated cache, the free slots hidden
+by the key padding mask that every captured graph honours (left-padded batches rely on it):
+
+    eager:       step(ids[1,q], pos[1,q], mask[1, past+q],            cache.data[..., :past, :], tree[q,q])
+    cudagraphs:  step(ids[1,q], pos[1,q], mask[:, :past] ++ 0 ++ mask[:, past:],  cache.data,   tree[q,q])
+                                          [1, C+q], C = the cache's capacity (rounded up to a power of two)
+
+Attention does not care which slot a key sits in: keys carry their rotary position; TreeAttention's window test
+reads positions; the older slots in use are slots [0, past) as before, so a model's own causal and window masks see
+them as in eager. The free slots hold zeros or an earlier generation's entries (finite: KVCache zero-fills, and this
+module's buffers only ever receive model outputs); being masked, they change no value. Reading all C slots costs a
+GPU little at these sizes (SmolLM2 at C=2048: 94 MB, about 25 us at the H200's bandwidth).
+
+Graphs are kept per (q, C) and the cache's storage is this module's (`new_cache`), one buffer per capacity reused by
+every generation, so a graph's addresses stay valid. A shape is captured the second time it is seen (a prompt's
+one-off prefill runs eagerly). Everything else runs the eager step unchanged: a past that is not one of these buffers
+(a draft model's cache, a compressed cache, a batch), a tree mask reaching back past the step's own tokens (a
+self-drafter's scratch levels), more than MAX_TREE tokens. If a capture fails (an op that synchronises with the
+host), the step says why once (warnings) and runs eagerly from then on: slower, never different.
+
+`capture=False` runs the same static shapes without graphs: what the CPU tests check (no GPU in CI).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from speccomp.backends.eager import lower_eager
+from speccomp.errors import OptionError
+from speccomp.runtime.calls import MAX_TREE
+from speccomp.runtime.decode import KVCache
+
+MIN_CAPACITY = 256
+
+
+def check_available() -> None:
+    """Fail before the capture where there is no CUDA GPU."""
+    if not torch.cuda.is_available():
+        raise OptionError("backend", "cudagraphs", "replays CUDA graphs, but torch sees no CUDA GPU here",
+                          "use backend='eager' (or 'onnxruntime') on a CPU")
+
+
+def lower_cudagraphs(sg):
+    weight = next(iter(sg.gm.parameters()), None)
+    device = weight.device if weight is not None else torch.device("cpu")
+    if device.type != "cuda":
+        raise OptionError("backend", "cudagraphs", f"replays CUDA graphs, but the model's weights are on {device}",
+                          "move the model to the GPU first (model.to('cuda')), or use backend='eager'")
+    return GraphedStep(lower_eager(sg))
+
+
+class GraphedStep:
+    """A lowered step (the captured graph's convention) whose whole-cache calls replay CUDA graphs."""
+
+    def __init__(self, step, capture: bool = True):
+        self.step, self.capture = step, capture
+        self.graphs: dict[tuple, tuple] = {}  # (q, capacity) -> (graph, static inputs, static outputs)
+        self.seen: dict[tuple, int] = {}
+        self.replays = 0  # steps served by a graph (what the GPU test checks)
+        self.refusal: str | None = None  # why a capture failed; then every step runs eagerly
+        self._buffers: dict[tuple, torch.Tensor] = {}  # (shape, dtype, device) -> the cache storage of that size
+        self._pool = None
+
+    def __getattr__(self, name):  # whatever else callers ask of the eager step
+        return getattr(self.__dict__["step"], name)
+
+    def new_cache(self, kv, capacity: int, device) -> KVCache:
+        """A KVCache over this step's buffer of the next power-of-two capacity (one per size, reused: fixed
+        addresses). One generation at a time uses it: SpecModel's calls hold its lock."""
+        capacity = max(MIN_CAPACITY, 1 << (capacity - 1).bit_length())
+        key = (kv.shape(capacity), kv.dtype, str(torch.device(device)))
+        if key not in self._buffers:
+            self._buffers[key] = torch.zeros(kv.shape(capacity), dtype=kv.dtype, device=device)
+        return KVCache(kv, capacity, device, data=self._buffers[key])
+
+    def __call__(self, *args):
+        buffer = self._whole_cache(args)
+        if buffer is None:
+            return self.step(*args)
+        input_ids, position_ids, attention_mask, past_kv, tree_mask = args
+        past, q, capacity = past_kv.shape[-2], input_ids.shape[1], buffer.shape[-2]
+        mask = attention_mask.new_zeros((*attention_mask.shape[:-1], capacity + q))
+        mask[..., :past] = attention_mask[..., :past]
+        mask[..., capacity:] = attention_mask[..., past:]
+        inputs = (input_ids, position_ids, mask, buffer, tree_mask)
+        key = (q, capacity)
+        self.seen[key] = self.seen.get(key, 0) + 1
+        if not self.capture or self.refusal is not None or (key not in self.graphs and self.seen[key] < 2):
+            return self.step(*inputs)
+        if key not in self.graphs and not self._record(key, inputs):
+            return self.step(*inputs)
+        graph, static_in, static_out = self.graphs[key]
+        for slot, value in zip(static_in, inputs):
+            if slot is not buffer:
+                slot.copy_(value)
+        graph.replay()
+        self.replays += 1
+        return tuple(out.clone() for out in static_out)  # the next replay overwrites the static outputs
+
+    def _whole_cache(self, args) -> torch.Tensor | None:
+        """The buffer to read whole, when this call fits the static form (the module's list); else None."""
+        if len(args) != 5 or not isinstance(args[3], torch.Tensor):
+            return None
+        input_ids, _, _, past_kv, tree_mask = args
+        base, q = past_kv._base, input_ids.shape[1]
+        if base is None or not any(base is b for b in self._buffers.values()):
+            return None
+        starts_at_zero = past_kv.storage_offset() == base.storage_offset() and past_kv.stride() == base.stride()
+        square = tree_mask.dim() == 2 and tuple(tree_mask.shape) == (q, q)
+        return base if starts_at_zero and square and 0 < q <= MAX_TREE and input_ids.shape[0] == 1 else None
+
+    def _record(self, key: tuple, inputs: tuple) -> bool:
+        """Capture the step for `key` (warm-up on a side stream first, as CUDA graphs need). False if it failed."""
+        static_in = tuple(x if i == 3 else x.clone() for i, x in enumerate(inputs))
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.no_grad():
+                for _ in range(2):
+                    self.step(*static_in)
+            torch.cuda.current_stream().wait_stream(side)
+            self._pool = self._pool or torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
+                static_out = self.step(*static_in)
+        except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly (exact), and say so once
+            self.refusal = f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly"
+            warnings.warn(f"speccomp backend 'cudagraphs': {self.refusal}", RuntimeWarning, stacklevel=3)
+            return False
+        self.graphs[key] = (graph, static_in, tuple(static_out))
+        return True
