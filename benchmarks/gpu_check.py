@@ -288,9 +288,9 @@ def smollm2(new_tokens: int, context: int, backends: list[str]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------
-def real(gguf: str, new_tokens: int, per_set: int) -> dict:
+def real(gguf: str, new_tokens: int, per_set: int, backends: list[str]) -> dict:
     """SmolLM2-135M-Instruct's real weights (the GGUF dequantized to float32, as speccomp.load_default_model does) on
-    the GPU: HF greedy `generate` against speccomp eager with the drafters that pay on the CPU, on `per_set` prompts
+    the GPU: HF greedy `generate` against speccomp (each of --backends) with the drafters that pay on the CPU, on `per_set` prompts
     of each held-out set (chat turns, eos as the model's), each prompt timed alone: equal? and x HF per prompt."""
     import math
 
@@ -326,11 +326,11 @@ def real(gguf: str, new_tokens: int, per_set: int) -> dict:
               "prompts": f"first {per_set} of each of {list(HELD_OUT_SETS)}", "heads_found": {k: v.is_dir() for k, v in shipped.items()},
               "hf_tok_s": [(r.shape[1] - p.shape[1]) / s for (r, s), p in zip(refs, prompts)], "rows": []}
     captured = speccomp.capture(model)
-    configs = [("eager", "plain", {}), ("eager", "token_recycling", dict(drafter="token_recycling")),
-               ("triton", "token_recycling", dict(drafter="token_recycling"))]
-    configs += [("eager", k, dict(drafter=k, drafter_options={"heads": str(shipped[k])})) for k in ("medusa", "hydra", "eagle")]
-    configs += [("eager", "hydra+token_recycling",
-                 dict(drafter="hydra+token_recycling", drafter_options={"hydra": {"heads": str(shipped["hydra"])}}))]
+    drafters = [("plain", {}), ("token_recycling", dict(drafter="token_recycling"))]
+    drafters += [(k, dict(drafter=k, drafter_options={"heads": str(shipped[k])})) for k in ("medusa", "hydra", "eagle")]
+    drafters += [("hydra+token_recycling",
+                  dict(drafter="hydra+token_recycling", drafter_options={"hydra": {"heads": str(shipped["hydra"])}}))]
+    configs = [(backend, name, options) for backend in backends for name, options in drafters]
     for backend, name, options in configs:
         row = {"backend": backend, "drafter": name}
         try:
@@ -343,6 +343,8 @@ def real(gguf: str, new_tokens: int, per_set: int) -> dict:
                 n, hf_rate = out.shape[1] - p.shape[1], (ref.shape[1] - p.shape[1]) / hf_s
                 ratios.append((n / s) / hf_rate)
                 tokens, steps = tokens + n, steps + fast.last_stats["steps"]
+            if backend == "cudagraphs":
+                row.update(replays=fast.step.replays, refusal=fast.step.refusal)
             row.update(equal=equal == len(prompts), equal_prompts=equal, prompts=len(prompts),
                        x_hf_geomean=math.exp(sum(math.log(r) for r in ratios) / len(ratios)),
                        x_hf=[round(r, 3) for r in ratios], tau=tokens / steps)
@@ -429,7 +431,7 @@ def main(argv=None) -> int:
             elif name == "tuning":
                 results[name] = tuning(args.new_tokens)
             elif name == "real":
-                results[name] = real(args.gguf, args.real_tokens, args.real_prompts)
+                results[name] = real(args.gguf, args.real_tokens, args.real_prompts, args.backends.split(","))
         except Exception as exc:  # noqa: BLE001
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
         results[name]["seconds"] = time.perf_counter() - start
