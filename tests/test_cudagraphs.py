@@ -98,3 +98,13 @@ def test_graphs_replay_on_the_gpu(drafter, tree):
     for _ in range(2):  # the second generation replays the graphs the first one captured
         assert torch.equal(fast.generate(prompt, max_new_tokens=NEW), want)
     assert fast.step.refusal is None and fast.step.replays > NEW // 2 and fast.step.graphs
+
+
+def test_autotune_times_the_steps_decoding_runs():
+    """autotune's step timings go through the static form too (on a GPU: the graphs, not eager steps 10x slower)."""
+    from speccomp.tuning.autotune import time_steps
+
+    fast = static(speccomp.compile(tiny_llama(), drafter="token_recycling"))
+    prompts = [torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    timing = time_steps(fast, prompts, context_len=16, sizes=[1, 4], repeats=1)
+    assert {q for q, _ in fast.step.seen} >= {1, 4} and timing
