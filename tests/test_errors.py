@@ -891,6 +891,12 @@ CLI_ERRORS = [
                                            '{"top_k": 0}'], ("--drafter-options", "top_k")),
     ("bench-json-directory", ["bench", "--drafters", "none", "--json", "{tmp}/mine"], ("json", "directory")),
     ("bench-json-under-a-file", ["bench", "--drafters", "none", "--json", "{tmp}/mine/notes.txt/b.json"], ("notes.txt",)),
+    ("demo-device-unknown", ["demo", "--device", "gpu9"], ("device", "gpu9")),
+    ("generate-device-not-cpu-or-cuda", ["generate", "--prompt", "hi", "--device", "meta"], ("device", "meta")),
+    ("export-device", ["export", "{tmp}/e", "--device", "cpu"], ("--device",)),  # engines export from the CPU graph
+    *([("generate-device-cuda-without-gpu", ["generate", "--prompt", "hi", "--device", "cuda"], ("device", "cuda")),
+       ("demo-backend-cudagraphs-without-gpu", ["demo", "--backend", "cudagraphs"], ("backend", "cudagraphs"))]
+      if not torch.cuda.is_available() else []),
     # good ones stay good
     ("good-max-new-tokens", ["generate", "--prompt", "hi", "--max-new-tokens", "0"], ("max-new-tokens",)),
     ("good-bench-drafters", ["bench", "--drafters", "nope"], ("nope",)),
