@@ -14,16 +14,22 @@ by the key padding mask that every captured graph honours (left-padded batches r
 
 Attention does not care which slot a key sits in: keys carry their rotary position; TreeAttention's window test
 reads positions; the older slots in use are slots [0, past) as before, so a model's own causal and window masks see
-them as in eager. The free slots hold zeros or an earlier generation's entries (finite: KVCache zero-fills, and this
-module's buffers only ever receive model outputs); being masked, they change no value. Reading all C slots costs a
-GPU little at these sizes (SmolLM2 at C=2048: 94 MB, about 25 us at the H200's bandwidth).
+them as in eager. A masked key still enters the arithmetic (a NaN or inf there would survive the mask: -inf + NaN,
+0 * NaN), so each step zeroes the free slots [past, C) first: they hold rejected drafts of this generation or an
+earlier generation's entries, nothing anyone reads again (a self-drafter's scratch entries live only inside its
+propose, between verifications). Reading all C slots costs a GPU little at these sizes (SmolLM2 at C=2048: 94 MB,
+about 25 us at the H200's bandwidth); the step's concatenation of past and new entries copies them once more.
 
 Graphs are kept per (q, C) and the cache's storage is this module's (`new_cache`), one buffer per capacity reused by
 every generation, so a graph's addresses stay valid. A shape is captured the second time it is seen (a prompt's
 one-off prefill runs eagerly). Everything else runs the eager step unchanged: a past that is not one of these buffers
 (a draft model's cache, a compressed cache, a batch), a tree mask reaching back past the step's own tokens (a
 self-drafter's scratch levels), more than MAX_TREE tokens. If a capture fails (an op that synchronises with the
-host), the step says why once (warnings) and runs eagerly from then on: slower, never different.
+host), or the captured graph's first replay differs from the eager step on the same inputs, the step says why once
+(warnings) and runs eagerly from then on: slower, never different.
+
+Buffers and graphs live as long as the compiled model (one buffer per power-of-two capacity used, up to 2x the
+slots a generation needs; one graph per step size and buffer).
 
 `capture=False` runs the same static shapes without graphs: what the CPU tests check (no GPU in CI).
 """
@@ -62,7 +68,7 @@ class GraphedStep:
 
     def __init__(self, step, capture: bool = True):
         self.step, self.capture = step, capture
-        self.graphs: dict[tuple, tuple] = {}  # (q, capacity) -> (graph, static inputs, static outputs)
+        self.graphs: dict[tuple, tuple] = {}  # (q, buffer address) -> (graph, static inputs, static outputs)
         self.seen: dict[tuple, int] = {}
         self.replays = 0  # steps served by a graph (what the GPU test checks)
         self.refusal: str | None = None  # why a capture failed; then every step runs eagerly
@@ -76,7 +82,8 @@ class GraphedStep:
         """A KVCache over this step's buffer of the next power-of-two capacity (one per size, reused: fixed
         addresses). One generation at a time uses it: SpecModel's calls hold its lock."""
         capacity = max(MIN_CAPACITY, 1 << (capacity - 1).bit_length())
-        key = (kv.shape(capacity), kv.dtype, str(torch.device(device)))
+        device = torch.empty(0, device=device).device  # "cuda" and "cuda:0" are one device: one buffer
+        key = (kv.shape(capacity), kv.dtype, str(device))
         if key not in self._buffers:
             self._buffers[key] = torch.zeros(kv.shape(capacity), dtype=kv.dtype, device=device)
         return KVCache(kv, capacity, device, data=self._buffers[key])
@@ -87,11 +94,12 @@ class GraphedStep:
             return self.step(*args)
         input_ids, position_ids, attention_mask, past_kv, tree_mask = args
         past, q, capacity = past_kv.shape[-2], input_ids.shape[1], buffer.shape[-2]
+        buffer[..., past:, :].zero_()  # masked, but a NaN or inf there would still poison attention (module doc)
         mask = attention_mask.new_zeros((*attention_mask.shape[:-1], capacity + q))
         mask[..., :past] = attention_mask[..., :past]
         mask[..., capacity:] = attention_mask[..., past:]
         inputs = (input_ids, position_ids, mask, buffer, tree_mask)
-        key = (q, capacity)
+        key = (q, buffer.data_ptr())
         self.seen[key] = self.seen.get(key, 0) + 1
         if not self.capture or self.refusal is not None or (key not in self.graphs and self.seen[key] < 2):
             return self.step(*inputs)
@@ -101,7 +109,8 @@ class GraphedStep:
         for slot, value in zip(static_in, inputs):
             if slot is not buffer:
                 slot.copy_(value)
-        graph.replay()
+        with torch.cuda.device(buffer.device):
+            graph.replay()
         self.replays += 1
         return tuple(out.clone() for out in static_out)  # the next replay overwrites the static outputs
 
@@ -113,24 +122,31 @@ class GraphedStep:
         base, q = past_kv._base, input_ids.shape[1]
         if base is None or not any(base is b for b in self._buffers.values()):
             return None
-        starts_at_zero = past_kv.storage_offset() == base.storage_offset() and past_kv.stride() == base.stride()
+        starts_at_zero = (past_kv.storage_offset() == base.storage_offset() and past_kv.stride() == base.stride()
+                          and past_kv.shape[:-2] == base.shape[:-2])  # every layer, from slot 0
         square = tree_mask.dim() == 2 and tuple(tree_mask.shape) == (q, q)
         return base if starts_at_zero and square and 0 < q <= MAX_TREE and input_ids.shape[0] == 1 else None
 
     def _record(self, key: tuple, inputs: tuple) -> bool:
-        """Capture the step for `key` (warm-up on a side stream first, as CUDA graphs need). False if it failed."""
+        """Capture the step for `key` on the buffer's GPU (warm-up on a side stream first, as CUDA graphs need), then
+        replay it once against the eager step's outputs. False (and eager from then on) if either fails."""
         static_in = tuple(x if i == 3 else x.clone() for i, x in enumerate(inputs))
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.no_grad():
-                for _ in range(2):
-                    self.step(*static_in)
-            torch.cuda.current_stream().wait_stream(side)
-            self._pool = self._pool or torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
-                static_out = self.step(*static_in)
+            with torch.cuda.device(inputs[3].device), torch.no_grad():
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        eager = self.step(*static_in)
+                torch.cuda.current_stream().wait_stream(side)
+                self._pool = self._pool or torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                    static_out = self.step(*static_in)
+                graph.replay()
+                if not all(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max().clamp(min=1)))
+                           for a, b in zip(static_out, eager) if a.is_floating_point()):
+                    raise RuntimeError("its first replay differs from the eager step on the same inputs")
         except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly (exact), and say so once
             self.refusal = f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly"
             warnings.warn(f"speccomp backend 'cudagraphs': {self.refusal}", RuntimeWarning, stacklevel=3)

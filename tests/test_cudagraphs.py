@@ -48,9 +48,9 @@ def test_static_shapes_equal_hf_greedy(drafter, options, tree):
     assert torch.equal(fast.generate(prompt, max_new_tokens=NEW), want)
     capacity = buffer.shape[-2]
     assert capacity >= 256 and capacity & (capacity - 1) == 0, "capacities are powers of two (few graphs)"
-    assert (1, capacity) in fast.step.seen or drafter is not None
+    sizes = {q for q, address in fast.step.seen if address == buffer.data_ptr()}
+    assert 1 in sizes or drafter is not None, "plain steps went through the static form"
     if drafter is not None:
-        sizes = {q for q, c in fast.step.seen if c == capacity}
         assert max(sizes) > 1, "tree steps went through the static form"
     # a second generation reuses the buffer, the first one's entries now stale in its free slots
     shorter = prompt[:, :9]
@@ -69,10 +69,45 @@ def test_static_shapes_with_sliding_windows(name):
     want, _ = hf_greedy_with_margin(model, prompt, NEW)
     poison_free_slots(fast, prompt.shape[1], NEW)
     assert torch.equal(fast.generate(prompt, max_new_tokens=NEW), want)
+    sizes = {q for q, _ in fast.step.seen} - {prompt.shape[1]}  # the prefill aside
+    assert 1 in sizes and max(sizes) > 1, "plain and tree steps went through the static form"
+
+
+def cached_step_inputs(step, past: int = 12, q: int = 3, poison=float("nan")):
+    """A tiny_llama step of q chained tokens after `past` random cached ones in one of `step`'s buffers, its free
+    slots filled with `poison`."""
+    from speccomp.frontend.convention import KVSpec
+
+    cache = step.new_cache(KVSpec(3, 2, 8, torch.float32), 40, "cpu")
+    cache.data.fill_(poison)
+    cache.data[..., :past, :] = torch.randn(3, 2, 1, 2, past, 8, generator=torch.Generator().manual_seed(0))
+    cache.length = past
+    ids = torch.randint(3, 96, (1, q), generator=torch.Generator().manual_seed(1))
+    return cache, (ids, torch.arange(past, past + q)[None], torch.ones(1, past + q, dtype=torch.long), cache.past(),
+                   torch.ones(q, q, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_non_finite_free_slots_change_nothing(poison):
+    """A masked key still enters attention's arithmetic (-inf + NaN, 0 * NaN): the step zeroes the free slots first
+    (they hold rejected drafts or an earlier generation's entries)."""
+    fast = static(speccomp.compile(tiny_llama()))
+    cache, args = cached_step_inputs(fast.step, poison=poison)
+    got = fast.step(*args)
+    assert fast.step.seen, "the static form ran"
+    clean = cache.data.clone()
+    want = fast.step.step(*args[:3], clean[..., :12, :], args[4])  # eager over the 12 slots in use, no free slot read
+    assert torch.isfinite(got[0]).all()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
 
 
 def test_calls_outside_the_static_form_run_the_eager_step():
-    """A past that is not one of the step's buffers (a user's tensor, another cache) is passed through untouched."""
+    """Passed through untouched: a past that is not one of the step's buffers (a user's tensor, another cache), a
+    tree mask reaching back past the step's own tokens (a self-drafter's scratch levels), a view of some layers only,
+    more tokens than MAX_TREE."""
+    from speccomp.runtime.calls import MAX_TREE
+
     fast = static(speccomp.compile(tiny_llama()))
     step = fast.step
     past = torch.randn(3, 2, 1, 2, 5, 8)
@@ -80,6 +115,25 @@ def test_calls_outside_the_static_form_run_the_eager_step():
             torch.ones(1, 1, dtype=torch.bool))
     got, want = step(*args), step.step(*args)
     assert torch.equal(got[0], want[0]) and not step.seen
+    cache, (ids, pos, mask, view, tree) = cached_step_inputs(step, poison=0.0)
+    assert step._whole_cache((ids, pos, mask, view, tree)) is cache.data  # the static form's own case
+    assert step._whole_cache((ids, pos, mask, view, torch.ones(3, 5, dtype=torch.bool))) is None  # T = 5 > q = 3
+    assert step._whole_cache((ids, pos, mask, cache.data[:2, ..., :12, :], tree)) is None  # two of three layers
+    assert step._whole_cache((ids, pos, mask, cache.data[..., 1:12, :], tree)) is None  # not from slot 0
+    long = torch.randint(3, 96, (1, MAX_TREE + 1))
+    assert step._whole_cache((long, pos, mask, view, torch.ones(MAX_TREE + 1, MAX_TREE + 1, dtype=torch.bool))) is None
+
+
+def test_a_failed_capture_says_so_once_and_decodes_eagerly():
+    """On the CPU every capture fails (no CUDA): a RuntimeWarning naming the reason, then the eager step, exact."""
+    model = tiny_llama()
+    fast = speccomp.compile(model)
+    fast.step = GraphedStep(fast.step, capture=True)
+    prompt = seeded_prompt(12, 96)
+    want, _ = hf_greedy_with_margin(model, prompt, NEW)
+    with pytest.warns(RuntimeWarning, match="capture failed") as warned:
+        assert torch.equal(fast.generate(prompt, max_new_tokens=NEW), want)
+    assert len(warned) == 1 and fast.step.refusal and not fast.step.graphs and fast.step.replays == 0
 
 
 def test_refused_without_a_gpu_or_with_the_model_on_the_cpu():
@@ -96,6 +150,7 @@ def test_graphs_replay_on_the_gpu(drafter, tree):
     prompt = seeded_prompt(12, 96).cuda()
     want, _ = hf_greedy_with_margin(model, prompt, NEW)
     for _ in range(2):  # the second generation replays the graphs the first one captured
+        fast.step.new_cache(fast.kv, prompt.shape[1] + NEW + fast.max_tree + 1, "cuda").data.fill_(float("nan"))
         assert torch.equal(fast.generate(prompt, max_new_tokens=NEW), want)
     assert fast.step.refusal is None and fast.step.replays > NEW // 2 and fast.step.graphs
 
