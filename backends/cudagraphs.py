@@ -20,8 +20,11 @@ earlier generation's entries, nothing anyone reads again (a self-drafter's scrat
 propose, between verifications). Reading all C slots costs a GPU little at these sizes (SmolLM2 at C=2048: 94 MB,
 about 25 us at the H200's bandwidth); the step's concatenation of past and new entries copies them once more.
 
-Graphs are kept per (q, C) and the cache's storage is this module's (`new_cache`), one buffer per capacity reused by
-every generation, so a graph's addresses stay valid. A shape is captured the second time it is seen (a prompt's
+Graphs are kept per (width, buffer) and the cache's storage is this module's (`new_cache`), one buffer per capacity
+reused by every generation, so a graph's addresses stay valid. A step of q tokens runs at the next power-of-two
+width, padded with tokens that no real token sees (their outputs dropped): trees change size from step to step
+(truncated near the end, grown per step), and each new size would otherwise cost an eager step and a capture
+(~0.1 s for SmolLM2) in the middle of a generation. A width is captured the second time it is seen (a prompt's
 one-off prefill runs eagerly). Everything else runs the eager step unchanged: a past that is not one of these buffers
 (a draft model's cache, a compressed cache, a batch), a tree mask reaching back past the step's own tokens (a
 self-drafter's scratch levels), more than MAX_TREE tokens. If a capture fails (an op that synchronises with the
@@ -66,8 +69,8 @@ def lower_cudagraphs(sg):
 class GraphedStep:
     """A lowered step (the captured graph's convention) whose whole-cache calls replay CUDA graphs."""
 
-    def __init__(self, step, capture: bool = True):
-        self.step, self.capture = step, capture
+    def __init__(self, step, capture: bool = True, pad: bool = True):
+        self.step, self.capture, self.pad = step, capture, pad
         self.graphs: dict[tuple, tuple] = {}  # (q, buffer address) -> (graph, static inputs, static outputs)
         self.seen: dict[tuple, int] = {}
         self.replays = 0  # steps served by a graph (what the GPU test checks)
@@ -92,14 +95,39 @@ class GraphedStep:
         buffer = self._whole_cache(args)
         if buffer is None:
             return self.step(*args)
+        q = args[0].shape[1]
+        width = 1 << (q - 1).bit_length() if self.pad else q  # few graphs: a tree of 5..8 nodes runs the 8-token one
+        outs = self._run((width, buffer.data_ptr()), self._static_inputs(args, buffer, width), buffer)
+        if width == q:
+            return outs
+        kept = tuple(x.narrow(4 if i == 1 else 1, 0, q) for i, x in enumerate(outs)
+                     if x.dim() > (4 if i == 1 else 1) and x.shape[4 if i == 1 else 1] == width)
+        if len(kept) == len(outs):
+            return kept
+        self.pad = False  # an output without the token axis where the convention puts it: exact sizes from now on
+        return self(*args)
+
+    @staticmethod
+    def _static_inputs(args, buffer: torch.Tensor, width: int) -> tuple:
+        """The call over the whole buffer (module doc), its q tokens padded to `width`: each padding token (a copy of
+        the last one at its position) sees the past and itself, no real token sees it, and its outputs are dropped."""
         input_ids, position_ids, attention_mask, past_kv, tree_mask = args
         past, q, capacity = past_kv.shape[-2], input_ids.shape[1], buffer.shape[-2]
         buffer[..., past:, :].zero_()  # masked, but a NaN or inf there would still poison attention (module doc)
-        mask = attention_mask.new_zeros((*attention_mask.shape[:-1], capacity + q))
+        if width > q:
+            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, width - q)], 1)
+            position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(-1, width - q)], 1)
+            grown = torch.eye(width, dtype=tree_mask.dtype, device=tree_mask.device)
+            grown[:q, :q] = tree_mask
+            tree_mask = grown
+        mask = attention_mask.new_ones((*attention_mask.shape[:-1], capacity + width))
+        mask[..., past:capacity] = 0
         mask[..., :past] = attention_mask[..., :past]
-        mask[..., capacity:] = attention_mask[..., past:]
-        inputs = (input_ids, position_ids, mask, buffer, tree_mask)
-        key = (q, buffer.data_ptr())
+        mask[..., capacity:capacity + q] = attention_mask[..., past:]
+        return input_ids, position_ids, mask, buffer, tree_mask
+
+    def _run(self, key: tuple, inputs: tuple, buffer: torch.Tensor) -> tuple:
+        """The step on static inputs: eager at a shape's first sighting, then its graph (captured at the second)."""
         self.seen[key] = self.seen.get(key, 0) + 1
         if not self.capture or self.refusal is not None or (key not in self.graphs and self.seen[key] < 2):
             return self.step(*inputs)
