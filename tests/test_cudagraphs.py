@@ -49,6 +49,7 @@ def test_static_shapes_equal_hf_greedy(drafter, options, tree):
     capacity = buffer.shape[-2]
     assert capacity >= 256 and capacity & (capacity - 1) == 0, "capacities are powers of two (few graphs)"
     sizes = {q for q, address in fast.step.seen if address == buffer.data_ptr()}
+    assert all(q & (q - 1) == 0 for q in sizes), f"steps padded to power-of-two widths (few graphs): {sizes}"
     assert 1 in sizes or drafter is not None, "plain steps went through the static form"
     if drafter is not None:
         assert max(sizes) > 1, "tree steps went through the static form"
@@ -100,6 +101,18 @@ def test_non_finite_free_slots_change_nothing(poison):
     assert torch.isfinite(got[0]).all()
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_exact_widths_without_padding():
+    """pad=False: every tree size its own shape (the form a graph per size would take), the same text."""
+    model = tiny_llama()
+    fast = speccomp.compile(model, drafter="token_recycling", tree=[[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]])
+    fast.step = GraphedStep(fast.step, capture=False, pad=False)
+    prompt = torch.randint(0, 96, (1, 14), generator=torch.Generator().manual_seed(3))
+    prompt[0, 7:] = prompt[0, :7]
+    want, _ = hf_greedy_with_margin(model, prompt, NEW)
+    assert torch.equal(fast.generate(prompt, max_new_tokens=NEW), want)
+    assert any(q & (q - 1) for q, _ in fast.step.seen), "a size that is no power of two ran unpadded"
 
 
 def test_calls_outside_the_static_form_run_the_eager_step():
