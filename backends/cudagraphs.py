@@ -8,9 +8,9 @@ A graph replays fixed shapes at fixed addresses, so the step stops growing with 
 runtime/decode.py's KVCache is the first half): the target reads its whole preallocated cache, the free slots hidden
 by the key padding mask that every captured graph honours (left-padded batches rely on it):
 
-    eager:       step(ids[1,q], pos[1,q], mask[1, past+q],            cache.data[..., :past, :], tree[q,q])
-    cudagraphs:  step(ids[1,q], pos[1,q], mask[:, :past] ++ 0 ++ mask[:, past:],  cache.data,   tree[q,q])
-                                          [1, C+q], C = the cache's capacity (rounded up to a power of two)
+    eager:       step(ids[1,q], pos[1,q], mask[1, past+q],                  cache.data[..., :past, :], tree[q,q])
+    cudagraphs:  step(ids[1,w], pos[1,w], mask[:, :past] ++ 0 ++ mask[:, past:] ++ 1,  cache.data,  tree'[w,w])
+                 [1, C+w]: C = the cache's capacity, w = q rounded up to a power of two (padding, below)
 
 Attention does not care which slot a key sits in: keys carry their rotary position; TreeAttention's window test
 reads positions; the older slots in use are slots [0, past) as before, so a model's own causal and window masks see
@@ -32,7 +32,7 @@ host), or the captured graph's first replay differs from the eager step on the s
 (warnings) and runs eagerly from then on: slower, never different.
 
 Buffers and graphs live as long as the compiled model (one buffer per power-of-two capacity used, up to 2x the
-slots a generation needs; one graph per step size and buffer).
+slots a generation needs; one graph per width and buffer, at most 7).
 
 `capture=False` runs the same static shapes without graphs: what the CPU tests check (no GPU in CI).
 """
@@ -71,7 +71,7 @@ class GraphedStep:
 
     def __init__(self, step, capture: bool = True, pad: bool = True):
         self.step, self.capture, self.pad = step, capture, pad
-        self.graphs: dict[tuple, tuple] = {}  # (q, buffer address) -> (graph, static inputs, static outputs)
+        self.graphs: dict[tuple, tuple] = {}  # (width, buffer address) -> (graph, static inputs, static outputs)
         self.seen: dict[tuple, int] = {}
         self.replays = 0  # steps served by a graph (what the GPU test checks)
         self.refusal: str | None = None  # why a capture failed; then every step runs eagerly
@@ -110,7 +110,8 @@ class GraphedStep:
     @staticmethod
     def _static_inputs(args, buffer: torch.Tensor, width: int) -> tuple:
         """The call over the whole buffer (module doc), its q tokens padded to `width`: each padding token (a copy of
-        the last one at its position) sees the past and itself, no real token sees it, and its outputs are dropped."""
+        the last one at its position) sees the past and itself (so no row is all masked), no real token sees it, and
+        its outputs are dropped (`__call__`; where an output lacks the token axis, padding is switched off)."""
         input_ids, position_ids, attention_mask, past_kv, tree_mask = args
         past, q, capacity = past_kv.shape[-2], input_ids.shape[1], buffer.shape[-2]
         buffer[..., past:, :].zero_()  # masked, but a NaN or inf there would still poison attention (module doc)
