@@ -86,7 +86,7 @@ def test_bad_generate_input(tiny, kwargs, error, match):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(backend="tpu"), r"backend='tpu': unknown backend; accepted values: \['eager'"),
+        (dict(backend="tpu"), r"backend='tpu': unknown backend; accepted values: \['cudagraphs', 'eager'"),
         (dict(drafter="telepathy"), r"drafter='telepathy': unknown drafter; accepted values"),
         (dict(kv_cache="zip"), r"unknown kv_cache 'zip'"),
     ],
