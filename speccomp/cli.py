@@ -450,6 +450,7 @@ def add_bench_parser(sub) -> None:
                    help='drafter_options of one drafter row, repeatable: early_exit=\'{"exit_layer": 12}\'; a merged '
                         'drafter takes one dict per drafter: hydra+token_recycling=\'{"token_recycling": {"tree": 3}}\'')
     p.add_argument("--backend", default="eager", help="lowering backend for the speccomp rows (default: eager)")
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda or cuda:N")
     p.add_argument("--warmup", type=non_negative, default=1, help="untimed warm-up runs of every row before timing (default 1)")
     p.add_argument("--hf-prompt-lookup", action=argparse.BooleanOptionalAction, default=True,
                    help=f"include HF assisted generation with prompt_lookup_num_tokens={PROMPT_LOOKUP_TOKENS} as a peer row (default: yes)")
@@ -530,6 +531,7 @@ def cmd_bench(args) -> int:
 
     # everything that can be wrong with the arguments fails here, before the model loads (int ranges: the parser)
     check_options(backend=args.backend)
+    _check_device(args.device)
     drafters = _bench_drafters(args, speccomp.available_drafters())
     if args.tree is not None:
         parse_tree_spec(args.tree)

@@ -892,6 +892,7 @@ CLI_ERRORS = [
     ("bench-json-directory", ["bench", "--drafters", "none", "--json", "{tmp}/mine"], ("json", "directory")),
     ("bench-json-under-a-file", ["bench", "--drafters", "none", "--json", "{tmp}/mine/notes.txt/b.json"], ("notes.txt",)),
     ("demo-device-unknown", ["demo", "--device", "gpu9"], ("device", "gpu9")),
+    ("bench-device-unknown", ["bench", "--drafters", "none", "--device", "gpu9"], ("device", "gpu9")),
     ("generate-device-not-cpu-or-cuda", ["generate", "--prompt", "hi", "--device", "meta"], ("device", "meta")),
     ("export-device", ["export", "{tmp}/e", "--device", "cpu"], ("--device",)),  # engines export from the CPU graph
     *([("generate-device-cuda-without-gpu", ["generate", "--prompt", "hi", "--device", "cuda"], ("device", "cuda")),

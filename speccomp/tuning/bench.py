@@ -288,7 +288,10 @@ class BenchResult:
 def _hf_runner(model, eos, pad, extra: dict) -> Callable:
     import torch
 
+    from speccomp.runtime.decode import synchronize
+
     def run(ids, max_new):
+        ids = ids.to(model.device)
         forwards = 0
 
         def count(_module, _args):
@@ -302,22 +305,27 @@ def _hf_runner(model, eos, pad, extra: dict) -> Callable:
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
                 eos_token_id=eos, pad_token_id=pad, **extra,
             )
+            synchronize(model.device)
             secs = time.perf_counter() - start
         finally:
             handle.remove()
-        return out, secs, forwards, [], None
+        return out.cpu(), secs, forwards, [], None
 
     return run
 
 
 def _speccomp_runner(fast, eos) -> Callable:
+    from speccomp.runtime.decode import synchronize
+
     def run(ids, max_new):
+        ids = ids.to(fast.device)
         start = time.perf_counter()
         out = fast.generate(ids, max_new_tokens=max_new, eos_token_id=eos)
+        synchronize(fast.device)
         secs = time.perf_counter() - start
         stats = fast.last_stats
         kv = {k: v for k, v in stats.items() if k.startswith("kv_bytes")} or None
-        return out, secs, stats.get("steps"), list(stats.get("acceptance_by_depth", [])), kv
+        return out.cpu(), secs, stats.get("steps"), list(stats.get("acceptance_by_depth", [])), kv
 
     return run
 
