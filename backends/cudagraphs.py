@@ -24,8 +24,8 @@ Graphs are kept per (width, buffer) and the cache's storage is this module's (`n
 reused by every generation, so a graph's addresses stay valid. A step of q tokens runs at the next power-of-two
 width, padded with tokens that no real token sees (their outputs dropped): trees change size from step to step
 (truncated near the end, grown per step), and each new size would otherwise cost an eager step and a capture
-(~0.1 s for SmolLM2) in the middle of a generation. A width is captured the second time it is seen (a prompt's
-one-off prefill runs eagerly). Everything else runs the eager step unchanged: a past that is not one of these buffers
+(~0.1 s for SmolLM2) in the middle of a generation. A width is captured at its first decode step (a prompt's
+width at its second prefill: one-off prompt lengths run eagerly). Everything else runs the eager step unchanged: a past that is not one of these buffers
 (a draft model's cache, a compressed cache, a batch), a tree mask reaching back past the step's own tokens (a
 self-drafter's scratch levels), more than MAX_TREE tokens. If a capture fails (an op that synchronises with the
 host), or the captured graph's first replay differs from the eager step on the same inputs, the step says why once
@@ -97,7 +97,8 @@ class GraphedStep:
             return self.step(*args)
         q = args[0].shape[1]
         width = 1 << (q - 1).bit_length() if self.pad else q  # few graphs: a tree of 5..8 nodes runs the 8-token one
-        outs = self._run((width, buffer.data_ptr()), self._static_inputs(args, buffer, width), buffer)
+        prefill = args[3].shape[-2] == 0  # a prompt: its width may never come back
+        outs = self._run((width, buffer.data_ptr()), self._static_inputs(args, buffer, width), buffer, prefill)
         if width == q:
             return outs
         kept = tuple(x.narrow(4 if i == 1 else 1, 0, q) for i, x in enumerate(outs)
@@ -127,10 +128,11 @@ class GraphedStep:
         mask[..., capacity:capacity + q] = attention_mask[..., past:]
         return input_ids, position_ids, mask, buffer, tree_mask
 
-    def _run(self, key: tuple, inputs: tuple, buffer: torch.Tensor) -> tuple:
-        """The step on static inputs: eager at a shape's first sighting, then its graph (captured at the second)."""
+    def _run(self, key: tuple, inputs: tuple, buffer: torch.Tensor, prefill: bool) -> tuple:
+        """The step on static inputs from its graph, captured at the width's first decode step (a prefill's width at
+        its second sighting: one-off prompt lengths run eagerly)."""
         self.seen[key] = self.seen.get(key, 0) + 1
-        if not self.capture or self.refusal is not None or (key not in self.graphs and self.seen[key] < 2):
+        if not self.capture or self.refusal is not None or (key not in self.graphs and prefill and self.seen[key] < 2):
             return self.step(*inputs)
         if key not in self.graphs and not self._record(key, inputs):
             return self.step(*inputs)

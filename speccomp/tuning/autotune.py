@@ -468,7 +468,7 @@ def time_steps(sm, prompts, *, context_len: int, sizes, widths=(), repeats: int 
         cache.length = base
         return seconds
 
-    for _ in range(2):  # warm-up: first calls at a shape allocate (a cudagraphs step captures at the second)
+    for _ in range(2):  # warm-up: first calls at a shape allocate (a cudagraphs step captures its graph here)
         for job in jobs:
             run(*job)
     times: dict = {job: [] for job in jobs}
