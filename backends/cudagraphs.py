@@ -79,6 +79,8 @@ class GraphedStep:
         self._pool = None
 
     def __getattr__(self, name):  # whatever else callers ask of the eager step
+        if "step" not in self.__dict__:  # mid-copy or mid-unpickle: no step yet
+            raise AttributeError(name)
         return getattr(self.__dict__["step"], name)
 
     def new_cache(self, kv, capacity: int, device) -> KVCache:
