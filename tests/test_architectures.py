@@ -136,3 +136,20 @@ def test_the_capture_check_scales_its_tolerance_with_the_outputs_magnitude():
     with pytest.raises(UnsupportedModelError, match="on `logits`"):
         check_outputs(SimpleNamespace(model_type="llama"), (torch.tensor([float("-inf"), 5.0, 2.0]), *want[1:]),
                       masked, 1e-4, "model", "q=1", "why")
+
+
+@pytest.mark.parametrize("name", NAMES, ids=NAMES)
+def test_static_whole_cache_form_matches_hf(name):
+    """backends/cudagraphs.py's static form (the whole cache read, its free slots masked, tokens padded to power-of-two
+    widths), here without graphs: every family's own masks and positions (causal, windows, learned or rotary
+    positions) must keep it exact, trees included."""
+    from speccomp.backends.cudagraphs import GraphedStep
+
+    model, cap = captured(name)
+    fast = speccomp.compile(cap, drafter="token_recycling", tree=[[0], [1], [0, 0]])
+    fast.step = GraphedStep(fast.step, capture=False)
+    prompt = seeded_prompt(PROMPT_LEN, model.config.vocab_size)
+    want, _ = hf_greedy(model, prompt, NEW_TOKENS)
+    assert torch.equal(fast.generate(prompt, max_new_tokens=NEW_TOKENS), want)
+    widths = {width for width, _ in fast.step.seen}
+    assert 16 in widths and any(1 < w < 16 for w in widths), f"the prefill and tree steps ran in the static form: {widths}"
