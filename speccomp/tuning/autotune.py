@@ -964,13 +964,12 @@ def autotune(
     max_nodes: int = DEFAULT_MAX_NODES, max_depth: int = PROBE_DEPTH, ranks: int = PROBE_RANKS, mode: str = "auto",
     dynamic_budgets=DYNAMIC_BUDGETS, dynamic_top_k: int = DEFAULT_DYNAMIC_TOP_K, max_new_tokens: int = 128,
     warmup: int | None = None, eos_token_id=None, repeats: int = 5, measure_sizes=None, check_prompts=None,
-    save: bool = True, progress: bool = False,
-) -> AutotuneResult:
+    save: bool = True, progress: bool = False) -> AutotuneResult:
     """Measure acceptance and step costs of `drafter` on `model`, pick the fastest tree, store it.
 
     drafter        a name from available_drafters(), or a draft LM itself (as compile takes it; drafter_options
                    its tokenizers where it has its own): stored under its fingerprint (`drafter_key`)
-    prompts        calibration prompts (token id tensors [1, n] or [n])
+    prompts        calibration prompts (token id tensors [1, n] or [n]); backend: as compile's
     max_nodes      largest tree considered, root included (also capped by the model's sliding windows)
     max_depth, ranks   the probe tree: depths measured and candidates per node (the DP uses no more)
     mode           "static", "dynamic" (drafters that grow trees: early_exit, layer_skip, hydra, eagle) or
@@ -1009,20 +1008,16 @@ def autotune(
     static_rows = plan_static(acc.p, timing, s.max_nodes, s.depth) if s.do_static else []  # 2. optimise
     dynamic_rows = [_dynamic_row(timing, b, dynamic_top_k, steps, run) for b, steps, run in dynamic]
     candidates = _candidates(s, static_rows, acc.p, timing, dynamic_top_k)
-    s.bar.total += len(candidates) * len(prompts)
-    s.bar.refresh()
+    s.bar.total += len(candidates) * len(prompts) + (FINALISTS + 2) * len(check_prompts)
     measured = _decode_candidates(s, candidates, ref["outputs"]) + [_measured_dynamic(r) for r in dynamic_rows]
-    s.bar.total += (FINALISTS + 2) * len(check_prompts)
     chosen, check = _final_choice(sm, _finalists(measured), check_prompts, max_new_tokens, eos_token_id, s.bar)  # 3.
     s.bar.close()
-    result = AutotuneResult(
-        drafter=name, backend=backend, key=cache_key(model, name, backend), drafter_options=options,
-        **_kept(chosen, check, measured), context_len=s.context_len,
-        acceptance={"p": acc.p, "p_raw": acc.p_raw, "hits": acc.hits, "visits": acc.visits,
-                    "probe_depth": s.depth, "probe_ranks": s.ranks, "warmup": warmup},
-        timing=timing, static=static_rows, dynamic=dynamic_rows, measured=measured,
-        plain_tokens_per_s=ref["tokens_per_s"], check=check,
-    )
+    acceptance = {"p": acc.p, "p_raw": acc.p_raw, "hits": acc.hits, "visits": acc.visits, "probe_depth": s.depth,
+                  "probe_ranks": s.ranks, "warmup": warmup}
+    result = AutotuneResult(drafter=name, backend=backend, key=cache_key(model, name, backend), drafter_options=options,
+                            **_kept(chosen, check, measured), context_len=s.context_len, acceptance=acceptance,
+                            timing=timing, static=static_rows, dynamic=dynamic_rows, measured=measured,
+                            plain_tokens_per_s=ref["tokens_per_s"], check=check)
     return _store(result, sm, model) if save else result
 
 
