@@ -4,7 +4,7 @@ graphs on a GPU.
 No GPU in CI: the static-shape form (the whole cache read, its free slots behind the padding mask) runs here with
 `capture=False` through the same `GraphedStep`, greedy-equal to HF with plain decoding, trees, a self-drafter and a
 sliding-window model, with the free slots filled with large values first (a mask in the wrong place changes the
-text). The capture itself is checked on a GPU (skipped without one; benchmarks/gpu_check.py's `cudagraphs` section).
+text). The capture itself is checked on a GPU (skipped without one; benchmarks/gpu_check.py with `--backends cudagraphs`).
 """
 import pytest
 import torch
