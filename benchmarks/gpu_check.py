@@ -335,7 +335,9 @@ def real(gguf: str, new_tokens: int, per_set: int, backends: list[str]) -> dict:
         row = {"backend": backend, "drafter": name}
         try:
             fast = speccomp.compile(captured, backend=backend, **options)
-            fast.generate(prompts[0], max_new_tokens=4, eos_token_id=eos)  # warm-up
+            # warm-up: a whole reply, so the timed prompts see the steady state (cudagraphs captures each step width
+            # at its first decode step; the run of 2026-11-27 warmed up with 4 tokens and timed captures mid-reply)
+            fast.generate(prompts[0], max_new_tokens=new_tokens, eos_token_id=eos)
             equal, ratios, tokens, steps = 0, [], 0, 0
             for p, (ref, hf_s) in zip(prompts, refs):
                 out, s = timed(lambda: fast.generate(p, max_new_tokens=new_tokens, eos_token_id=eos))
@@ -344,7 +346,7 @@ def real(gguf: str, new_tokens: int, per_set: int, backends: list[str]) -> dict:
                 ratios.append((n / s) / hf_rate)
                 tokens, steps = tokens + n, steps + fast.last_stats["steps"]
             if backend == "cudagraphs":
-                row.update(replays=fast.step.replays, refusal=fast.step.refusal)
+                row.update(replays=fast.step.replays, graphs=len(fast.step.graphs), refusal=fast.step.refusal)
             row.update(equal=equal == len(prompts), equal_prompts=equal, prompts=len(prompts),
                        x_hf_geomean=math.exp(sum(math.log(r) for r in ratios) / len(ratios)),
                        x_hf=[round(r, 3) for r in ratios], tau=tokens / steps)
