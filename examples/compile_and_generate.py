@@ -2,6 +2,7 @@
 
     python examples/compile_and_generate.py            # SmolLM2-135M-Instruct (speccomp.load_default_model())
     python examples/compile_and_generate.py --tiny     # a tiny random Llama built here: runs in seconds
+    python examples/compile_and_generate.py --device cuda --backend cudagraphs   # on a GPU: steps replayed as graphs
 
 Shows: speccomp.compile(model, drafter=...) -> generate -> token-for-token equal to model.generate(do_sample=False),
 with tokens/s and tau (tokens per target forward) from fast.last_stats; then speccomp.capture(model) once and
@@ -19,6 +20,7 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of SmolLM2")
 parser.add_argument("--drafter", default="token_recycling", help=f"one of {speccomp.available_drafters()}")
 parser.add_argument("--backend", default="eager", help="eager (default), onnxruntime (the quantized drafter needs it), ...")
+parser.add_argument("--device", default="cpu", help="cpu (default) or cuda (with --backend cudagraphs or triton)")
 parser.add_argument("--max-new-tokens", type=int, default=None)
 args = parser.parse_args()
 
@@ -37,6 +39,7 @@ else:
     ids = chat_ids(tokenizer, "List the planets of the solar system, one per line, with one fact about each.")
     eos, n = tokenizer.eos_token_id, args.max_new_tokens or 128
     torch.set_num_threads(min(2, torch.get_num_threads()))
+model, ids = model.to(args.device), ids.to(args.device)
 
 
 def hf_greedy(ids):
