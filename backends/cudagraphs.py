@@ -103,10 +103,9 @@ class GraphedStep:
         outs = self._run((width, buffer.data_ptr()), self._static_inputs(args, buffer, width), buffer, prefill)
         if width == q:
             return outs
-        kept = tuple(x.narrow(4 if i == 1 else 1, 0, q) for i, x in enumerate(outs)
-                     if x.dim() > (4 if i == 1 else 1) and x.shape[4 if i == 1 else 1] == width)
-        if len(kept) == len(outs):
-            return kept
+        axes = [4 if i == 1 else 1 for i in range(len(outs))]  # the token axis: new_kv's 4, every other output's 1
+        if all(x.dim() > a and x.shape[a] == width for x, a in zip(outs, axes)):
+            return tuple(x.narrow(a, 0, q) for x, a in zip(outs, axes))
         self.pad = False  # an output without the token axis where the convention puts it: exact sizes from now on
         return self(*args)
 

@@ -65,9 +65,9 @@ def hf_step(model, context: int, q: int = 1):
 def graph_step(fast, context: int, q: int = 1, device="cpu"):
     """q tokens (a chain: the root and q - 1 drafts) after `context` cached tokens through the compiled model's
     verify step, over the runtime's own preallocated cache (what decoding hands it: a graph may write in place)."""
-    from speccomp.runtime.decode import KVCache
+    from speccomp.runtime.decode import target_cache
 
-    cache = getattr(fast.step, "new_cache", KVCache)(fast.kv, context + q, device)  # cudagraphs: its own buffer
+    cache = target_cache(fast.step, fast.kv, context + q, device)  # cudagraphs: the step's own buffer
     cache.data.normal_()
     cache.length = context
     tree = chain(q)

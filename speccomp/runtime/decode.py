@@ -70,6 +70,12 @@ class KVCache:
         return self.length * self.spec.bytes_per_token()
 
 
+def target_cache(target, kv: KVSpec, capacity: int, device) -> KVCache:
+    """A KVCache for `target`'s steps: in the target's own storage where it brings one (backends/cudagraphs.py: fixed
+    addresses for its graphs), else a new buffer."""
+    return getattr(target, "new_cache", KVCache)(kv, capacity, device)
+
+
 @dataclass
 class Stats:
     new_tokens: int = 0
@@ -295,9 +301,7 @@ class FullCache:
     graph drafters read, and write their own entries into past `cache.length` (the next verify overwrites them)."""
 
     def __init__(self, target, kv: KVSpec, capacity: int, device):
-        # a target may bring its own cache storage (backends/cudagraphs.py: fixed addresses for its graphs)
-        new_cache = getattr(target, "new_cache", KVCache)
-        self.target, self.cache, self._new_kv = target, new_cache(kv, capacity, device), None
+        self.target, self.cache, self._new_kv = target, target_cache(target, kv, capacity, device), None
 
     def prefill(self, prompt: torch.Tensor) -> tuple:
         return prefill(self.target, self.cache, prompt)

@@ -136,14 +136,15 @@ class SpecModel:
                              vocab_size=self.graph.captured.vocab_size, max_positions=self.max_positions)
         self._check_call(args, acceptance)
         if isinstance(input_ids, torch.Tensor):
-            device, prompt = input_ids.device, input_ids.reshape(1, -1).long().to(self.device)  # back on `device`
+            device, given = input_ids.device, input_ids.reshape(1, -1).long()
         else:
-            device, prompt = self.device, torch.from_numpy(args.prompt)[None].to(self.device)
+            device, given = self.device, torch.from_numpy(args.prompt)[None]
+        prompt = given.to(self.device)  # decoded where the model is, answered where the prompt was
         sampler = Sampler(args.do_sample, args.temperature, args.top_p, args.seed)
         with self._calls.lock, host_threads(self.backend):
             new, stats = self._decode(prompt, args, sampler, acceptance)
             self._calls.stats = stats
-        return torch.cat([prompt.to(device), new[None].to(device)], dim=1)
+        return torch.cat([given.to(device), new[None].to(device)], dim=1)
 
     def step_costs(self):
         """The target's step-cost curve t(q, past) (runtime/budget.py's StepCosts): the grid autotune stored for this

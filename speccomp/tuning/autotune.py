@@ -435,13 +435,12 @@ def time_steps(sm, prompts, *, context_len: int, sizes, widths=(), repeats: int 
     n tree tokens at `context_len` cached tokens, the argmax, greedy acceptance and the cache append.
     Sizes (and widths) are interleaved in a rotating order, after one untimed pass.
     """
-    from speccomp.runtime.decode import KVCache, prefill, synchronize
+    from speccomp.runtime.decode import prefill, synchronize, target_cache
     from speccomp.runtime.tree import greedy_accept
 
     device = sm.device
-    # the calibration text, room for 64 more; in the step's own storage where it brings one (cudagraphs: the
-    # graphed steps are what decoding runs, so they are what is timed)
-    cache = getattr(sm.step, "new_cache", KVCache)(sm.kv, context_len + DEFAULT_MAX_NODES + 2, device)
+    # the calibration text, room for 64 more, in the storage decoding uses (cudagraphs: its graphed steps are timed)
+    cache = target_cache(sm.step, sm.kv, context_len + DEFAULT_MAX_NODES + 2, device)
     prefill(sm.step, cache, _calibration_text(prompts, context_len)[None].to(device))
     base = cache.length
     drafter = sm.drafter if "draft" in sm.drafter.graphs else None  # a draft graph: its forward is timed per width
