@@ -18,10 +18,14 @@ of each kept); HF's batches run once untimed, then --repeats times. Rows stop at
                       trees capped step by step by the load-aware budget (speccomp/runtime/budget.py; its step-cost
                       curve t(q, past), q <= 256, past <= 8192, is measured before any timing)
     spec_full         the same drafter, every row verifying its whole tree (load_aware=False)
+    plain_again       plain decoding compiled a second time (sessions of its own): the A/A control, what two
+                      identical rows differ by in this run (`--variants plain,plain_again,speculative`)
 
 Throughput = new tokens of all rows / wall seconds of the batch (the best round); `paired` = the median over rounds
 of plain's seconds / the row's seconds in the same round (back to back, so the machine's drift between rounds,
-up to 10% here, cancels). Latency = seconds from the batch's start to a
+up to 10% here, cancels), and `ci95`: the geometric mean of those per-round ratios with its 95% confidence interval
+(Student's t over the rounds' log ratios). The variants' order alternates round by round (forward, then reversed),
+so no row always runs first or right after the biggest one. Latency = seconds from the batch's start to a
 row's last token (HF returns every row at the end, so each of its rows' latency is the batch's). Every speccomp row
 is compared with that prompt's own HF greedy reply (alone, unpadded, computed in the child): `rows_equal` counts
 equal ones; HF's batched rows are compared too (padding changes HF's own numerics a little).
@@ -82,6 +86,21 @@ def timed(run, repeats: int):
     return best, result
 
 
+def ci95(ratios: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of per-round ratios and its 95% confidence interval (Student's t over the log ratios)."""
+    import math
+
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), float("nan"), float("nan")
+    t975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20,
+            12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 18: 2.10, 20: 2.09}
+    df = len(logs) - 1
+    half = t975.get(df, 2.0 if df > 20 else 2.12) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
 def hf_child(args) -> dict:
     """HF batched greedy at every B, and each prompt's own greedy reply (the reference)."""
     import speccomp
@@ -124,19 +143,22 @@ def speccomp_rows(args, alone: list) -> dict:
     spec = speccomp.compile(captured, backend=args.backend, drafter=args.drafter, tree=args.tree)
     costs = spec.step_costs()  # the load-aware budget's step-cost curve t(q, past), measured before any timing, on
     costs.measure_ahead(256, costs.PAST0 << 5)  # autotune's grid (tuning/step_curve.py), past up to 16 rows' cache
-    # spec_full gets sessions of its own: its forwards of hundreds of tokens would otherwise grow the ONNX Runtime
-    # arenas that the load-aware row's small forwards then run in (seen: up to 8% slower)
-    full = speccomp.compile(captured, backend=args.backend, drafter=args.drafter, tree=args.tree)
-    variants = {"plain": (speccomp.compile(captured, backend=args.backend), {}),
-                "speculative": (spec, {}),  # load-aware (the default)
-                "spec_full": (full, {"load_aware": False})}  # every row its drafter's whole tree
+    # every other row gets sessions of its own: spec_full's forwards of hundreds of tokens would otherwise grow the
+    # ONNX Runtime arenas that the load-aware row's small forwards then run in (seen: up to 8% slower)
+    make = {"plain": lambda: (speccomp.compile(captured, backend=args.backend), {}),
+            "speculative": lambda: (spec, {}),  # load-aware (the default)
+            "spec_full": lambda: (speccomp.compile(captured, backend=args.backend, drafter=args.drafter,
+                                                   tree=args.tree), {"load_aware": False}),  # every row its whole tree
+            "plain_again": lambda: (speccomp.compile(captured, backend=args.backend), {})}  # the A/A control
+    variants = {name: make[name]() for name in args.variants}
     out = {name: {} for name in variants}
     for b in args.batches:  # at each B the variants take turns, repeat after repeat (drift hits them alike)
         ids, mask = left_padded(rows[:b], 0)
         best = {name: (float("inf"), None, None) for name in variants}
         rounds = {name: [] for name in variants}  # every timed round's seconds, for the paired ratio
         for repeat in range(args.repeats + 1):  # the first round untimed: a warm-up of every variant
-            for name, (fast, options) in variants.items():
+            order = list(variants.items())
+            for name, (fast, options) in order if repeat % 2 else order[::-1]:
                 start = time.perf_counter()
                 result = fast.generate(ids, max_new_tokens=args.max_new_tokens, attention_mask=mask, eos_token_id=eos,
                                        **options)
@@ -150,8 +172,9 @@ def speccomp_rows(args, alone: list) -> dict:
             per_row = stats["rows"] if b > 1 else [stats]
             # paired: plain's time / this variant's within each round (they ran back to back, so a drift of the
             # machine's speed between rounds cancels), the median over rounds; every row's text is the same
-            paired = statistics.median(p / v for p, v in zip(rounds["plain"], rounds[name]))
-            out[name][str(b)] = {"seconds": seconds, "rounds": rounds[name], "paired_x_plain": paired,
+            ratios = [p / v for p, v in zip(rounds["plain"], rounds[name])]
+            out[name][str(b)] = {"seconds": seconds, "rounds": rounds[name], "paired_x_plain": statistics.median(ratios),
+                                 "ci95_x_plain": ci95(ratios),
                                  "new_tokens": sum(len(g) for g in got),
                                  "latencies": [r["seconds"] for r in per_row],
                                  "forwards": stats.get("forwards", stats.get("steps")),
@@ -170,24 +193,31 @@ def main(argv=None) -> int:
     parser.add_argument("--tree", default=None)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--hf-repeats", type=int, default=None, help="HF's timed runs (default: --repeats)")
+    parser.add_argument("--variants", default="plain,speculative,spec_full",
+                        help="speccomp rows, plain first: plain, speculative, spec_full, plain_again (the A/A control)")
     parser.add_argument("--json", default=str(HERE / "results_batch.json"))
     parser.add_argument("--hf-child", default=None, help=argparse.SUPPRESS)  # internal: write HF's rows here
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.variants = args.variants.split(",")
+    if args.variants[0] != "plain" or not set(args.variants) <= {"plain", "speculative", "spec_full", "plain_again"}:
+        parser.error(f"--variants {','.join(args.variants)}: start with plain, then any of speculative, spec_full, "
+                     "plain_again")
     if args.hf_child:
         Path(args.hf_child).write_text(json.dumps(hf_child(args)))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         child = Path(tmp) / "hf.json"
         forwarded = ["--batches", ",".join(map(str, args.batches)), "--max-new-tokens", str(args.max_new_tokens),
-                     "--threads", str(args.threads), "--repeats", str(args.repeats)]
+                     "--threads", str(args.threads), "--repeats", str(args.hf_repeats or args.repeats)]
         subprocess.run([sys.executable, __file__, *forwarded, "--hf-child", str(child)], check=True)
         hf = json.loads(child.read_text())
     rows = {"hf_batched": hf["batches"], **speccomp_rows(args, hf["alone"])}
     print(f"\nSmolLM2-135M, {args.max_new_tokens} new tokens (eos stops a row), backend {args.backend}, "
           f"drafter {args.drafter}, tree {args.tree or 'default'}, {args.threads} threads")
-    print(f"{'B':>3} {'row':<12} {'tok/s':>7} {'x HF':>6} {'x plain':>8} {'paired':>7} {'p50 lat s':>10} "
-          f"{'forwards':>9} {'equal':>6}")
+    print(f"{'B':>3} {'row':<12} {'tok/s':>7} {'x HF':>6} {'x plain':>8} {'paired':>7} {'paired 95% CI':>20} "
+          f"{'p50 lat s':>10} {'forwards':>9} {'equal':>6}")
     for b in map(str, args.batches):
         for name, table in rows.items():
             r = table[b]
@@ -197,7 +227,8 @@ def main(argv=None) -> int:
             r |= {"tokens_per_second": tps, "x_hf": tps / hf_tps, "x_plain": tps / plain_tps,
                   "p50_latency": statistics.median(r["latencies"])}
             paired = f"{r['paired_x_plain']:7.2f}" if "paired_x_plain" in r else f"{'':>7}"
-            print(f"{b:>3} {name:<12} {tps:7.1f} {tps / hf_tps:6.2f} {tps / plain_tps:8.2f} {paired} "
+            ci = "{:.3f} [{:.3f}, {:.3f}]".format(*r["ci95_x_plain"]) if name not in ("hf_batched", "plain") else ""
+            print(f"{b:>3} {name:<12} {tps:7.1f} {tps / hf_tps:6.2f} {tps / plain_tps:8.2f} {paired} {ci:>20} "
                   f"{r['p50_latency']:10.2f} {str(r.get('forwards', '')):>9} {r['rows_equal']:>3}/{b}")
     Path(args.json).write_text(json.dumps({"command": "python benchmarks/batch.py " + " ".join(argv or sys.argv[1:]),
                                            "machine": platform.processor() or platform.machine(),

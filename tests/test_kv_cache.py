@@ -1,5 +1,7 @@
 """KV-cache compression (issue 7): policy specs, the compression math, compressed caches (bytes, rollback),
 the AttentionScores pass, and mode (a): a lossless self-drafter over the compressed cache."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -8,7 +10,7 @@ import speccomp
 from speccomp.backends import lower
 from speccomp.frontend.convention import KVSpec
 from speccomp.frontend import capture
-from speccomp.kv.cache import make_cache
+from speccomp.kv.cache import make_cache, needs_votes
 from speccomp.frontend.graph import SpecGraph, run_passes
 from speccomp.kv.policies import (
     KVPolicyError,
@@ -285,6 +287,25 @@ def test_rollback_is_exact(spec):
     cache.rollback(2)
     assert cache.length == 70
     assert np.array_equal(cache.dense()[..., -3:, :], full[..., 67:70, :])
+
+
+@pytest.mark.parametrize("spec", POLICIES)
+def test_extend_is_append_then_compact(spec):
+    """extend (the drafter's sync) holds what append + compact hold, to the bit: slots, positions, scores, length,
+    bytes. For sink it copies only the kept tokens (a prompt far past the budget, then chunks that overflow it)."""
+    policy = parse_kv_cache(spec)
+    full = random_kv(SPEC, 140)
+    a, b = make_cache(SPEC, policy), make_cache(SPEC, policy)
+    for start, stop in ((0, 90), (90, 93), (93, 94), (94, 120), (120, 140)):
+        votes = random_votes(SPEC, stop) if needs_votes(a, stop) else None
+        a.append(full[..., start:stop, :])
+        a.compact(votes)
+        b.extend(full[..., start:stop, :], votes)
+        assert (a.length, a.slots, a.nbytes()) == (b.length, b.slots, b.nbytes()) == (stop, a.slots, a.nbytes())
+        assert np.array_equal(a.dense(), b.dense())
+        if policy.kind != "kivi":
+            assert np.array_equal(a.positions(), b.positions()) and np.array_equal(b.dense(), gather_tokens(full, b.positions()))
+            assert np.array_equal(a.score[..., : a.slots], b.score[..., : b.slots])
 
 
 @pytest.mark.parametrize("spec", ["sink:16", "h2o:16", "kivi4:8:8"])
@@ -589,6 +610,15 @@ def test_draft_mode_with_4bit_weights_is_exact_and_refused_off_onnxruntime(llama
     assert torch.equal(fast.generate(ids, max_new_tokens=30), hf_greedy(llama, ids, 30))
     stats = fast.last_stats
     assert stats["tau"] > 1.0 and stats["kv_tokens_draft"] < stats["kv_tokens_full"]  # drafts accepted, cache compressed
+    # the draft graph writes its entries into the compressed cache's own buffer (no copy of the cache a call)
+    from speccomp.backends.onnx_kv import OrtKVStep, cache_buffer
+    from speccomp.runtime.decode import DraftContext
+
+    drafter = fast.drafter
+    ctx = DraftContext(ids[0].tolist(), SimpleNamespace(data=torch.zeros(1)), 3, 4)
+    whole = drafter._workspace(ctx)
+    assert isinstance(drafter.step, OrtKVStep) and cache_buffer(whole[..., : drafter.cache.slots, :], 4) is whole
+    assert whole.data_ptr() == drafter.cache.data.ctypes.data  # the numpy cache itself, shared
     with pytest.raises(OptionError, match=r"weights='int8': unknown weights; accepted values: \['float', 'int4'\]"):
         speccomp.compile(llama, kv_cache="sink:16", backend="onnxruntime", drafter_options={"weights": "int8"})
     with pytest.raises(OptionError, match=r"weights='int4': 4-bit draft weights run in ONNX Runtime.*backend='eager'"):
