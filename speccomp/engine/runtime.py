@@ -952,8 +952,7 @@ class _CompressedKV(_SelfDraft):
     def _room(self, tokens, max_nodes):
         target, cache = self.cache, self.compressed
         votes = self._observe(tokens) if needs_votes(cache, target.length) else None
-        cache.append(target.data[..., cache.length : target.length, :])
-        cache.compact(votes)
+        cache.extend(target.data[..., cache.length : target.length, :], votes)
         self.h2o_root = self.policy.kind == "h2o"
         data, slots = cache.workspace(max_nodes), cache.slots
         dense = lambda n: np.ascontiguousarray(data[..., :n, :])  # noqa: E731
