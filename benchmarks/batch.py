@@ -95,9 +95,11 @@ def ci95(ratios: list[float]) -> tuple[float, float, float]:
     if len(logs) < 2:
         return math.exp(mean), float("nan"), float("nan")
     t975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20,
-            12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 18: 2.10, 20: 2.09}
+            12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 18: 2.10, 20: 2.09, 25: 2.06, 30: 2.04, 40: 2.02,
+            60: 2.00, 120: 1.98}
     df = len(logs) - 1
-    half = t975.get(df, 2.0 if df > 20 else 2.12) * statistics.stdev(logs) / math.sqrt(len(logs))
+    t = t975[max(k for k in t975 if k <= df)]  # the nearest tabled df below: a slightly wider interval, never narrower
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
@@ -140,9 +142,11 @@ def speccomp_rows(args, alone: list) -> dict:
     eos = tok.eos_token_id
     rows = prompts_ids(tok, max(args.batches))
     captured = speccomp.capture(model)
-    spec = speccomp.compile(captured, backend=args.backend, drafter=args.drafter, tree=args.tree)
-    costs = spec.step_costs()  # the load-aware budget's step-cost curve t(q, past), measured before any timing, on
-    costs.measure_ahead(256, costs.PAST0 << 5)  # autotune's grid (tuning/step_curve.py), past up to 16 rows' cache
+    spec = None
+    if "speculative" in args.variants:
+        spec = speccomp.compile(captured, backend=args.backend, drafter=args.drafter, tree=args.tree)
+        costs = spec.step_costs()  # the load-aware budget's step-cost curve t(q, past), measured before any timing,
+        costs.measure_ahead(256, costs.PAST0 << 5)  # on autotune's grid (tuning/step_curve.py), up to 16 rows' cache
     # every other row gets sessions of its own: spec_full's forwards of hundreds of tokens would otherwise grow the
     # ONNX Runtime arenas that the load-aware row's small forwards then run in (seen: up to 8% slower)
     make = {"plain": lambda: (speccomp.compile(captured, backend=args.backend), {}),
@@ -201,16 +205,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     args.variants = args.variants.split(",")
-    if args.variants[0] != "plain" or not set(args.variants) <= {"plain", "speculative", "spec_full", "plain_again"}:
+    if (args.variants[0] != "plain" or len(set(args.variants)) < len(args.variants)
+            or not set(args.variants) <= {"plain", "speculative", "spec_full", "plain_again"}):
         parser.error(f"--variants {','.join(args.variants)}: start with plain, then any of speculative, spec_full, "
-                     "plain_again")
+                     "plain_again, each once")
     if args.hf_child:
         Path(args.hf_child).write_text(json.dumps(hf_child(args)))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         child = Path(tmp) / "hf.json"
         forwarded = ["--batches", ",".join(map(str, args.batches)), "--max-new-tokens", str(args.max_new_tokens),
-                     "--threads", str(args.threads), "--repeats", str(args.hf_repeats or args.repeats)]
+                     "--threads", str(args.threads), "--repeats", str(args.repeats if args.hf_repeats is None else args.hf_repeats)]
         subprocess.run([sys.executable, __file__, *forwarded, "--hf-child", str(child)], check=True)
         hf = json.loads(child.read_text())
     rows = {"hf_batched": hf["batches"], **speccomp_rows(args, hf["alone"])}

@@ -296,7 +296,10 @@ def test_extend_is_append_then_compact(spec):
     policy = parse_kv_cache(spec)
     full = random_kv(SPEC, 140)
     a, b = make_cache(SPEC, policy), make_cache(SPEC, policy)
-    for start, stop in ((0, 90), (90, 93), (93, 94), (94, 120), (120, 140)):
+    chunks = ((0, 90), (90, 93), (93, 94), (94, 120), (120, 140))
+    if policy.kind == "sink":  # fewer old slots than sinks, then a chunk far past the budget
+        chunks = ((0, 2), (2, 90), *chunks[1:])
+    for start, stop in chunks:
         votes = random_votes(SPEC, stop) if needs_votes(a, stop) else None
         a.append(full[..., start:stop, :])
         a.compact(votes)
@@ -618,6 +621,8 @@ def test_draft_mode_with_4bit_weights_is_exact_and_refused_off_onnxruntime(llama
     ctx = DraftContext(ids[0].tolist(), SimpleNamespace(data=torch.zeros(1)), 3, 4)
     whole = drafter._workspace(ctx)
     assert isinstance(drafter.step, OrtKVStep) and cache_buffer(whole[..., : drafter.cache.slots, :], 4) is whole
+    assert drafter._room.length == drafter.cache.slots  # the slots in use are no scratch: a shorter view gets no writes
+    assert cache_buffer(whole[..., : drafter.cache.slots - 1, :], 4) is None
     assert whole.data_ptr() == drafter.cache.data.ctypes.data  # the numpy cache itself, shared
     with pytest.raises(OptionError, match=r"weights='int8': unknown weights; accepted values: \['float', 'int4'\]"):
         speccomp.compile(llama, kv_cache="sink:16", backend="onnxruntime", drafter_options={"weights": "int8"})
