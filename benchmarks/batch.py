@@ -90,16 +90,13 @@ def ci95(ratios: list[float]) -> tuple[float, float, float]:
     """Geometric mean of per-round ratios and its 95% confidence interval (Student's t over the log ratios)."""
     import math
 
+    from scipy.stats import t
+
     logs = [math.log(r) for r in ratios]
     mean = statistics.fmean(logs)
     if len(logs) < 2:
         return math.exp(mean), float("nan"), float("nan")
-    t975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20,
-            12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 18: 2.10, 20: 2.09, 25: 2.06, 30: 2.04, 40: 2.02,
-            60: 2.00, 120: 1.98}
-    df = len(logs) - 1
-    t = t975[max(k for k in t975 if k <= df)]  # the nearest tabled df below: a slightly wider interval, never narrower
-    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    half = t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 

@@ -95,14 +95,17 @@ class EvictingCache:
     def append(self, new_kv: np.ndarray, keep=None) -> None:
         if keep is not None:
             new_kv = np.take(new_kv, keep, axis=4)
-        n = new_kv.shape[4]
-        self._reserve(self.slots + n)
-        s = self.slots
-        self.data[..., s : s + n, :] = new_kv
-        self.pos[..., s : s + n] = np.arange(self.length, self.length + n)
+        self._write(new_kv, np.arange(new_kv.shape[4]), new_kv.shape[4])
+
+    def _write(self, kv: np.ndarray, offsets: np.ndarray, seen: int) -> None:
+        """`kv`'s tokens, at sequence positions length + offsets, into the next slots; the sequence saw `seen` new."""
+        n, s = kv.shape[4], self.slots
+        self._reserve(s + n)
+        self.data[..., s : s + n, :] = kv
+        self.pos[..., s : s + n] = self.length + offsets
         self.score[..., s : s + n] = 0
         self.slots += n
-        self.length += n
+        self.length += seen
 
     def extend(self, new_kv: np.ndarray, votes: np.ndarray | None = None) -> None:
         """append(new_kv) then compact(votes). A sink cache copies only the new tokens it keeps: the first sync
@@ -115,9 +118,7 @@ class EvictingCache:
         keep = sink_keep(s + n, p.sinks, p.budget)  # what compact would keep of the old slots and the new tokens
         self._keep(keep[keep < s])
         new = keep[keep >= s] - s
-        self.append(new_kv[..., new, :])  # indexing reads a strided view as it is (np.take copied all of it first)
-        self.pos[..., self.slots - len(new) : self.slots] = self.length - len(new) + new  # their own positions
-        self.length += n - len(new)  # the sequence saw them all
+        self._write(new_kv[..., new, :], new, n)  # indexing reads a strided view as it is (np.take copied it all)
 
     def rollback(self, n: int) -> None:
         if n < 0 or n > self.slots:
