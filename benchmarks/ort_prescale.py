@@ -40,6 +40,16 @@ def alpha_lowering(q4, new_k, new_v, past_key, past_value, mask, scale: float):
     return out.view(1, q, hq, d).transpose(1, 2), pk, pv
 
 
+def gqa_scale(path) -> float:
+    """The one scale attribute every GroupQueryAttention node of the ONNX file at `path` carries."""
+    import onnx
+
+    scales = {onnx.helper.get_attribute_value(a) for n in onnx.load(str(path)).graph.node
+              if n.op_type == "GroupQueryAttention" for a in n.attribute if a.name == "scale"}
+    assert len(scales) == 1, scales
+    return scales.pop()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -59,6 +69,8 @@ def main(argv=None) -> int:
         variants[name] = (speccomp.compile(model, backend="onnxruntime"),  # q = 1
                           speccomp.compile(model, drafter="ngram", backend="onnxruntime"))  # its verify graph: q > 1
     ort_attention.fused_attention = shipped
+    for name, want in (("shipped", 1.0), ("alpha", 0.125)):  # the two files really differ where they should
+        assert {gqa_scale(m.step.path) for m in variants[name]} == {want}, (name, want)
     times = {f"{c}:{q}": {name: [] for name in variants} for c, q in CELLS}
     for r in range(args.rounds):
         order = list(variants) if r % 2 == 0 else list(reversed(variants))

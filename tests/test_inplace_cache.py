@@ -124,12 +124,15 @@ def test_ort_attention_golden_structure_and_numerics(tree_graph):
         assert torch.equal(presents[0, :, ..., past : past + TREE.size, :], want[1][0])  # layer 0's: before any rounding
 
 
-def test_ort_attention_is_bitwise_where_the_scale_is_a_power_of_two():
-    """head_dim 16: the scale 1/4 moves onto the queries exactly, so the rewritten graph equals the original."""
-    plain = run_passes(SpecGraph.from_captured(capture(tiny_llama(hidden_size=64))), [TreeAttention()])
+@pytest.mark.parametrize("head_dim", [16, 64])  # SmolLM2's is 64: scale 1/8
+def test_ort_attention_is_bitwise_where_the_scale_is_a_power_of_two(head_dim):
+    """The scale 1/4 or 1/8 moves onto the queries exactly, so the rewritten graph equals the original."""
+    model = tiny_llama(hidden_size=4 * head_dim)
+    plain = run_passes(SpecGraph.from_captured(capture(model)), [TreeAttention()])
     sg = run_passes(plain.clone(), [GroupedQueryAttention(), OrtAttention()])
     ids, _, mask, _ = step_inputs(11, TREE.size)
-    pos, past_kv = TREE.positions(11), torch.randn(3, 2, 1, 2, 11, 16, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(1)
+    pos, past_kv = TREE.positions(11), torch.randn(3, 2, 1, 2, 11, head_dim, generator=g)
     want = plain.gm(ids, pos, mask, past_kv, TREE.mask)
     buf = room_buffer(past_kv, TREE.size)
     got = sg.gm(ids, pos, mask, TREE.mask, *[buf[l, kv] for l in range(3) for kv in range(2)])
@@ -171,8 +174,11 @@ def ort_step(tree_graph, tmp_path_factory):
 def test_onnxruntime_fused_attention_writes_the_runtime_buffer(tree_graph, ort_step):
     import onnx
 
-    ops = [n.op_type for n in onnx.load(str(ort_step.path)).graph.node]
-    assert ops.count("GroupQueryAttention") == 3
+    nodes = onnx.load(str(ort_step.path)).graph.node
+    fused = [n for n in nodes if n.op_type == "GroupQueryAttention"]
+    assert len(fused) == 3
+    for node in fused:  # the scale rides on the queries: alpha 1 is what sends ORT's q = 1 GEMM to its unpacked kernel
+        assert {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}["scale"] == 1.0
     past = 9
     ids, pos, mask, past_kv = tree_inputs(past, seed=3)
     want = tree_graph.gm(ids, pos, mask, past_kv, TREE.mask)

@@ -16,8 +16,8 @@ drafter_options {"skip": [...]} or {"exit_layer": k} also drop layers from the d
 (SkipLayers / EarlyExit, TriForce's hierarchy idea): drafts then cost fewer layers as well as
 fewer keys. By default the whole model drafts. {"weights": "int4"} (onnxruntime backends): the draft
 graph's weight MatMuls as 4-bit MatMulNBits, the quantized drafter's export (QuantSpec's hierarchy:
-4-bit weights over a compressed cache; on SmolLM2 at 4k 0.70x plain decoding, whose one-token step is cheaper than
-verifying a tree there: benchmarks/README.md).
+4-bit weights over a compressed cache; on SmolLM2 at 4k slower than plain decoding, because verifying a tree there
+costs about 1.6x a one-token step: benchmarks/README.md).
 
 Positions: a compressed cache holds fewer slots than the sequence has tokens, so draft positions
 come from the target's length (keys already carry their rotary position; every cached key is
