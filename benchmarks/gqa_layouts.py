@@ -98,8 +98,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--json", default=str(HERE / "results_gqa_layouts.json"))
     args = ap.parse_args(argv)
-
-    qs = [int(x) for x in args.q.split(",")]
+    try:
+        qs = [int(x) for x in args.q.split(",")]
+    except ValueError:
+        qs = []
+    if not qs or min(qs) < 1 or args.past < 1 or args.repeats < 1:
+        ap.error(f"--q {args.q!r} --past {args.past} --repeats {args.repeats}: give positive integers (--q: e.g. 1,5,8)")
     capacity = args.past + GROUP * max(qs)
     rng = np.random.default_rng(1)
     caches = [rng.standard_normal((1, KV_HEADS, capacity, HEAD_DIM), dtype=np.float32) for _ in range(2 * LAYERS)]

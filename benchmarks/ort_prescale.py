@@ -56,6 +56,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7, help="calls per cell and round (median)")
     ap.add_argument("--json", default=str(HERE / "results_ort_prescale.json"))
     args = ap.parse_args(argv)
+    for flag in ("rounds", "repeats"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} {getattr(args, flag)}: must be at least 1")
 
     import speccomp
     import speccomp.passes.ort_attention as ort_attention

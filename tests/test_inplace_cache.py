@@ -58,6 +58,12 @@ def tree_graph():
     return run_passes(SpecGraph.from_captured(capture(tiny_llama())), [TreeAttention()])
 
 
+def fused_step(sg, ids, pos, mask, past_kv):
+    """One step of an OrtAttention graph (3 layers) over a runtime-style buffer holding past_kv, room for TREE."""
+    buf = room_buffer(past_kv, TREE.size)
+    return sg.gm(ids, pos, mask, TREE.mask, *[buf[l, kv] for l in range(3) for kv in range(2)])
+
+
 def test_inplace_kv_golden_structure_numerics_and_writes():
     plain = SpecGraph.from_captured(capture(tiny_llama()))
     sg = run_passes(plain.clone(), [InPlaceKV(), GroupedQueryAttention()])
@@ -115,13 +121,12 @@ def test_ort_attention_golden_structure_and_numerics(tree_graph):
     for past in (0, 11):
         ids, pos, mask, past_kv = tree_inputs(past)
         want = tree_graph.gm(ids, pos, mask, past_kv, TREE.mask)
-        buf = room_buffer(past_kv, TREE.size)
-        got = sg.gm(ids, pos, mask, TREE.mask, *[buf[l, kv] for l in range(3) for kv in range(2)])
+        got = fused_step(sg, ids, pos, mask, past_kv)
         for a, b in zip(want, got[:3]):  # the same math, the scale moved onto the queries (head_dim 8: 8 ** -0.5
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)  # is not a power of two, so it rounds a little apart)
         presents = torch.stack([torch.stack(got[3 + 2 * l : 5 + 2 * l]) for l in range(3)])
         torch.testing.assert_close(presents[..., past : past + TREE.size, :], want[1], rtol=0, atol=1e-5)  # at past..
-        assert torch.equal(presents[0, :, ..., past : past + TREE.size, :], want[1][0])  # layer 0's: before any rounding
+        assert torch.equal(presents[0, ..., past : past + TREE.size, :], want[1][0])  # layer 0's: before any rounding
 
 
 @pytest.mark.parametrize("head_dim", [16, 64])  # SmolLM2's is 64: scale 1/8
@@ -134,9 +139,7 @@ def test_ort_attention_is_bitwise_where_the_scale_is_a_power_of_two(head_dim):
     g = torch.Generator().manual_seed(1)
     pos, past_kv = TREE.positions(11), torch.randn(3, 2, 1, 2, 11, head_dim, generator=g)
     want = plain.gm(ids, pos, mask, past_kv, TREE.mask)
-    buf = room_buffer(past_kv, TREE.size)
-    got = sg.gm(ids, pos, mask, TREE.mask, *[buf[l, kv] for l in range(3) for kv in range(2)])
-    for a, b in zip(want, got[:3]):
+    for a, b in zip(want, fused_step(sg, ids, pos, mask, past_kv)[:3]):
         assert torch.equal(a, b)
 
 

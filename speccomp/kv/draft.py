@@ -150,7 +150,7 @@ class CompressedKVDrafter(GraphDrafter):
         KV_ROOM: its first `slots` in use), so an in-place step (backends/onnx_kv.py, passes/inplace_kv.py) writes
         each draft level's entries into the scratch slots instead of copying the cache into a new buffer every call
         (11.8 MB a call for SmolLM2 at sink:256)."""
-        workspace, like = self.cache.workspace(ctx.max_nodes), ctx.cache.data
+        workspace, like = self.cache.workspace(ctx.max_nodes), ctx.cache.data  # (evicting: reserves the scratch)
         whole = torch.from_numpy(self.cache.data) if isinstance(self.cache, EvictingCache) else None
         if whole is None or like.device.type != "cpu" or whole.dtype != like.dtype:
             return as_torch(workspace, like)  # KIVI's dequantised mirror, a GPU, bfloat16: a copy
