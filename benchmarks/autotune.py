@@ -69,19 +69,21 @@ def fixed_rows(drafter: str, options: dict, wide: bool) -> list[tuple[str, objec
 
 
 def _rows(speccomp, model, drafter: str, result, backend: str, wide: bool) -> dict:
-    """name -> SpecModel: auto compiled once, every fixed tree on the same lowered graphs (`with_tree`)."""
+    """name -> SpecModel: auto compiled once, every fixed tree on the same lowered graphs (`with_tree`: auto's, or
+    the drafter's with the tuned options where autotune found plain decoding faster and auto compiled that)."""
     from speccomp.runtime.decode import RootOnly
     from speccomp.runtime.tree import parse_tree_spec
     from speccomp.tuning.autotune import with_tree
 
     auto = speccomp.compile(model, drafter=drafter, tree="auto", backend=backend)
-    default = speccomp.compile(model, drafter=drafter, drafter_options=result.drafter_options,
-                               backend=backend).drafter.tree  # the default tree of the tuned options
-    rows = {"plain": auto.with_drafter(RootOnly()), "auto": auto}
+    tuned = speccomp.compile(model, drafter=drafter, drafter_options=result.drafter_options, backend=backend)
+    default = tuned.drafter.tree  # the default tree of the tuned options
+    tuned = auto if auto.drafter is not None else tuned
+    rows = {"plain": tuned.with_drafter(RootOnly()), "auto": auto}
     for name, tree, opts in fixed_rows(drafter, result.drafter_options, wide):
         spec = default if tree is None else parse_tree_spec(tree)
         try:
-            rows[name] = (with_tree(auto, spec) if opts == result.drafter_options else
+            rows[name] = (with_tree(tuned, spec) if opts == result.drafter_options else
                           speccomp.compile(model, drafter=drafter, tree=tree, drafter_options=opts, backend=backend))
         except (ValueError, TypeError) as exc:  # e.g. a tree deeper than the Medusa heads
             print(f"{drafter}/{name}: skipped ({exc})", file=sys.stderr)
@@ -124,7 +126,9 @@ def _verdict(table: dict, result, noise: float) -> dict:
                   if a["decode_tokens_per_s"] > 0 and f["decode_tokens_per_s"] > 0]
     geomean = statistics.geometric_mean(per_prompt)
     return {
-        "tree": result.tree, "mode": result.mode, "predicted_tokens_per_s": result.predicted_tokens_per_s,
+        "tree": result.tree, "mode": result.mode, "plain": result.plain,
+        "predicted_tokens_per_s": result.predicted_tokens_per_s,
+        "auto_vs_plain": auto / table["plain"]["decode_tokens_per_s"],
         "measured_decode_tokens_per_s": auto, "fastest_fixed": fastest,
         "auto_vs_fastest": auto / table[fastest]["decode_tokens_per_s"],
         "auto_vs_fastest_per_prompt_geomean": geomean,
@@ -206,9 +210,11 @@ def main(argv=None) -> int:
         print("|---|---:|---:|---:|---|")
         for n, r in table.items():
             print(f"| {n} | {r['tokens_per_s']:.1f} | {r['decode_tokens_per_s']:.1f} | {r['tau']:.2f} | {'yes' if r['identical'] else 'NO'} |")
-        print(f"auto = {result.mode} tree {json.dumps(result.tree)}: {100 * verdict['auto_vs_fastest']:.0f}% of the fastest "
+        what = "plain decoding (no tree beat it)" if result.plain else f"{result.mode} tree {json.dumps(result.tree)}"
+        print(f"auto = {what}: {100 * verdict['auto_vs_fastest']:.0f}% of the fastest "
               f"fixed row ({verdict['fastest_fixed']}), per-prompt geomean "
-              f"{100 * verdict['auto_vs_fastest_per_prompt_geomean']:.0f}%; fastest or within {100 * args.noise:.0f}%: {verdict['fastest_or_within_noise']}")
+              f"{100 * verdict['auto_vs_fastest_per_prompt_geomean']:.0f}%; fastest or within {100 * args.noise:.0f}%: "
+              f"{verdict['fastest_or_within_noise']}; {100 * verdict['auto_vs_plain']:.0f}% of plain")
         if not all(r["identical"] for r in table.values()):
             exit_code = 1
         Path(args.json).write_text(json.dumps(report, indent=1, default=float))  # after every drafter: no lost work

@@ -18,8 +18,10 @@ measures, in one process and one run:
                 and, with --tree N, verifying a chain of N nodes at 300 tokens of context against the plain step
                 and each step as a fraction of the floor (floor / step: 1.0 would be reading memory only).
 
-Writes a table to stdout, every number to --json (default benchmarks/results_floor.json) and a plot of step
-time against context to --plot (default benchmarks/floor.png). Run it on an otherwise idle machine.
+The torch rows (hf, eager) are timed first, before any ONNX Runtime session exists: ORT's thread pools spin
+between runs and slow torch code in the same process. Writes a table to stdout, every number to --json (default
+benchmarks/results_floor.json) and a plot of step time against context to --plot (default benchmarks/floor.png).
+Run it on an otherwise idle machine.
 """
 from __future__ import annotations
 
@@ -122,34 +124,32 @@ def main(argv=None) -> int:
     model, tok = speccomp.load_default_model()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     gbs = bandwidth_gbs(5)
-    steps, kv = {}, None
-    if "hf" in rows:
-        steps["hf"] = lambda c, q=1: hf_step(model, c, q)
-    if "eager" in rows:
-        eager = speccomp.compile(model)
-        kv = eager.kv
-        steps["eager"] = lambda c, q=1: graph_step(eager, c, q)
-    if "onnxruntime" in rows or "engine" in rows:
-        ort = speccomp.compile(model, backend="onnxruntime")
-        kv = ort.kv
-        if "onnxruntime" in rows:
-            steps["onnxruntime"] = lambda c, q=1: graph_step(ort, c, q)
-        if "engine" in rows:
-            engine = speccomp.load(ort.export(Path(tempfile.mkdtemp(prefix="speccomp-floor-")) / "e"), threads=args.threads)
-            steps["engine"] = lambda c, q=1: engine_step(engine, c, q)
-    kv = kv or speccomp.capture(model).kv
-    cells = []
-    for context in contexts:
-        floor_ms = (weights + kv.bytes_per_token() * context) / (gbs * 1e9) * 1e3
-        for row, make in steps.items():
+    kv = speccomp.capture(model).kv
+    cells, steps = [], {}
+
+    def measure(row, make):  # every context, then the tree, of one row
+        steps[row] = make
+        for context in contexts:
+            floor_ms = (weights + kv.bytes_per_token() * context) / (gbs * 1e9) * 1e3
             ms = median_ms(make(context), args.repeats)
             cells.append({"row": row, "context": context, "ms": ms, "floor_ms": floor_ms, "of_floor": floor_ms / ms})
             print(json.dumps(cells[-1]), file=sys.stderr, flush=True)
+        if args.tree > 1:
+            cells.append({"row": row, "context": 300, "q": args.tree, "ms": median_ms(make(300, args.tree), args.repeats)})
+            print(json.dumps(cells[-1]), file=sys.stderr, flush=True)
 
-    for row, make in steps.items() if args.tree > 1 else ():
-        ms = median_ms(make(300, args.tree), args.repeats)
-        cells.append({"row": row, "context": 300, "q": args.tree, "ms": ms})
-        print(json.dumps(cells[-1]), file=sys.stderr, flush=True)
+    if "hf" in rows:  # torch first: no ONNX Runtime pool spins beside it yet
+        measure("hf", lambda c, q=1: hf_step(model, c, q))
+    if "eager" in rows:
+        eager = speccomp.compile(model)
+        measure("eager", lambda c, q=1: graph_step(eager, c, q))
+    if "onnxruntime" in rows or "engine" in rows:
+        ort = speccomp.compile(model, backend="onnxruntime")
+        if "onnxruntime" in rows:
+            measure("onnxruntime", lambda c, q=1: graph_step(ort, c, q))
+        if "engine" in rows:
+            engine = speccomp.load(ort.export(Path(tempfile.mkdtemp(prefix="speccomp-floor-")) / "e"), threads=args.threads)
+            measure("engine", lambda c, q=1: engine_step(engine, c, q))
 
     print(f"\nSmolLM2-135M, {args.threads} threads: read bandwidth {gbs:.1f} GB/s, weights {weights / 1e6:.0f} MB, "
           f"cache {kv.bytes_per_token() / 1e3:.1f} kB per token")

@@ -2,11 +2,14 @@
 
     check_options     everything checkable without the model (also what the CLI runs before loading one)
     capture           speccomp/frontend: the model as one flat FX graph (skipped for a `speccomp.capture` result)
-    plan              tree="auto" resolved (speccomp/tuning/autotune.py), the tree fitted to the model's windows
+    plan              tree="auto" resolved (speccomp/tuning/autotune.py; plain decoding where autotune measured no
+                      tree faster), the tree fitted to the model's windows
     passes + lower    the drafter's factory (speccomp/drafters/registry.py) builds its graphs; the target gets the
                       drafter's passes + TreeAttention; speccomp/backends lowers each graph
 """
 from __future__ import annotations
+
+import warnings
 
 from torch import nn
 
@@ -93,12 +96,12 @@ def compile(model, *, drafter=None, tree=None, kv_cache=None, kv_mode: str | Non
                   drafter_options=drafter_options)
     if kv_cache is not None or kv_mode is not None:  # KV compression: kv_mode "draft" (lossless) or "target" (LOSSY)
         return _compile_kv(captured or capture(model), model, kv_cache, kv_mode, tree, backend, drafter_options)
-    tree, drafter_options = _resolve_auto(model, drafter, tree, backend, drafter_options)
+    tree, drafter_options, plain = _resolve_auto(model, drafter, tree, backend, drafter_options)
     base = SpecGraph.from_captured(captured or capture(model))
     base.model = model  # drafters that look things up per model (stored heads, searches) need it
     if tree is not None:
         tree_option(tree, max_tree_nodes(base.structure))  # fits this model's windows
-    if drafter is None:  # plain decoding: the same loop and graph, verifying the root alone each step
+    if drafter is None or plain:  # plain decoding: the same loop and graph, verifying the root alone each step
         sg = run_passes(base, [TreeAttention()])
         return SpecModel(sg, lower(sg, backend), backend, model=model)
     return _compile_drafter(base, model, drafter, tree, backend, drafter_options)
@@ -116,19 +119,22 @@ def _compile_kv(captured, model, kv_cache, kv_mode, tree, backend: str, drafter_
 
 
 def _resolve_auto(model, drafter, tree, backend: str, drafter_options):
-    """tree="auto": the tree (and options) `speccomp autotune` stored for this model, drafter, backend and machine
-    (tuned now, on first use, when none is stored); for a merge, the first drafter's."""
+    """tree="auto": (tree, options, plain), the tree and options `speccomp autotune` stored for this model, drafter,
+    backend and machine (tuned now, on first use, when none is stored), and whether it measured plain decoding
+    faster than every tree; for a merge, the first drafter's tree (the merge itself was never measured: it drafts)."""
     from speccomp.tuning.autotune import is_auto, resolve_auto
 
     if not is_auto(tree):
-        return tree, drafter_options
+        return tree, drafter_options, False
     merged = split_names(drafter)
     if not merged:
         return resolve_auto(model, drafter, backend, drafter_options)
-    tree, first = resolve_auto(model, merged[0], backend, (drafter_options or {}).get(merged[0]))
+    with warnings.catch_warnings():  # the first drafter's "plain" verdict is not the merge's
+        warnings.filterwarnings("ignore", message="tree='auto': autotune measured decoding without drafts")
+        tree, first, _ = resolve_auto(model, merged[0], backend, (drafter_options or {}).get(merged[0]))
     if first:
         drafter_options = {**(drafter_options or {}), merged[0]: first}
-    return tree, drafter_options
+    return tree, drafter_options, False
 
 
 def _compile_drafter(base: SpecGraph, model, drafter, tree, backend: str, drafter_options) -> SpecModel:

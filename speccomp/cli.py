@@ -336,7 +336,8 @@ def cmd_train_draft(args) -> int:
 
 
 def cmd_autotune(args) -> int:
-    """Measure acceptance and step costs of a drafter on this machine; store the fastest tree for tree="auto"."""
+    """Measure acceptance and step costs of a drafter on this machine; store the fastest tree for tree="auto" (or
+    that plain decoding beat every tree here)."""
     import speccomp
     from speccomp.tuning.autotune import REPORT_SIZES, autotune, plot_report, untunable
 
@@ -354,7 +355,8 @@ def cmd_autotune(args) -> int:
     print(result.summary())
     if args.report:
         print(f"report written to {plot_report(result, args.report)}")
-    print(f"speccomp.compile(model, drafter={args.drafter!r}, tree='auto') now uses this tree on this machine "
+    what = "plain decoding (no tree beat it)" if result.plain else "this tree"
+    print(f"speccomp.compile(model, drafter={args.drafter!r}, tree='auto') now uses {what} on this machine "
           f"(backend {args.backend!r}, {result.key['threads']} threads)")
     return 0
 

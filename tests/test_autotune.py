@@ -2,6 +2,7 @@
 import itertools
 import json
 import random
+import warnings
 from fractions import Fraction
 
 import pytest
@@ -29,7 +30,7 @@ from speccomp.runtime.decode import Draft, Drafter
 from speccomp.runtime.tree import DynamicTreeSpec, Tree, greedy_accept
 from speccomp.tuning.tree_dp import best_within, expected_accepted, optimal_trees
 from speccomp.drafters.ngram import DEFAULT_RECYCLING_TREE
-from tiny_models import tiny_llama
+from tiny_models import keep_drafting, tiny_llama
 
 
 @pytest.fixture
@@ -325,6 +326,7 @@ def test_autotune_layer_skip_then_compile_auto_equals_hf(cache):
     with pytest.raises(AutotuneError, match="no tokenizer beside the model's weights"):
         speccomp.compile(model, drafter="layer_skip", tree="auto")  # nothing stored, nothing to tune on
     result = speccomp.autotune(model, "layer_skip", prompts(), max_new_tokens=24, repeats=2, dynamic_budgets=(4, 8), max_nodes=16)
+    result = keep_drafting(result)  # the tree's path (plain's: test_tree_auto_compiles_plain_decoding_where_no_tree_paid)
     # measurement: a probe of 6 depths x 8 ranks; probabilities, rows of disjoint events
     p = result.acceptance["p"]
     assert len(p) == 6 and all(len(row) == 8 for row in p)
@@ -393,7 +395,8 @@ def test_autotune_token_recycling_static_tree(cache):
     model = tiny_llama(initializer_range=0.2)
     with pytest.raises(AutotuneError, match="static trees only"):
         speccomp.autotune(model, "token_recycling", prompts(), mode="dynamic", save=False)
-    result = speccomp.autotune(model, "token_recycling", prompts(), max_new_tokens=24, repeats=2, max_nodes=12, measure_sizes=[4])
+    result = keep_drafting(speccomp.autotune(model, "token_recycling", prompts(), max_new_tokens=24, repeats=2,
+                                             max_nodes=12, measure_sizes=[4]))
     # a static tree: the DP's or a hand-made one ("static"), or the drafter's own where it decoded fastest ("default":
     # on a tiny model the candidates' speeds differ by little, so which one wins is timing)
     assert result.mode in ("static", "default") and not result.dynamic
@@ -410,8 +413,9 @@ def test_autotune_token_recycling_static_tree(cache):
     for ids in prompts():
         assert torch.equal(fast.generate(ids, max_new_tokens=20, eos_token_id=2), hf_greedy(model, ids, 20))
     with pytest.warns(UserWarning, match="tuned with drafter_options"):
-        tree, options = resolve_auto(model, "token_recycling", "eager", {"ngram_branches": 1})
-    assert tree == result.tree and options == {**result.drafter_options, "ngram_branches": 1}  # the user's win
+        tree, options, plain = resolve_auto(model, "token_recycling", "eager", {"ngram_branches": 1})
+    # the user's options win, and then the tree drafts (a "plain" verdict was measured with other options)
+    assert tree == result.tree and options == {**result.drafter_options, "ngram_branches": 1} and not plain
 
 
 def test_untunable_drafters_and_bad_settings_are_refused(cache):
@@ -491,9 +495,59 @@ def test_tree_auto_tunes_on_first_use_and_keeps_what_held_back_prompts_prefer(ca
     beats = c["tuned"] != default and c["tuned_tokens_per_s"] > c["default_tokens_per_s"]
     assert c["kept"] == ("tuned" if beats else "default") and (stored.mode == "default") == (not beats)
     assert stored.tree == (c["tuned"] if beats else default) and "held-back check" in stored.summary()
-    assert fast.drafter.tree == stored.tree_spec()
+    # plain decoding where it beat the kept tree on both prompt sets (test_tree_auto_compiles_plain_decoding_where_...)
+    assert fast.drafter is None if stored.plain else fast.drafter.tree == stored.tree_spec()
     ids = torch.tensor([[ord(ch) - 31 for ch in "The quick brown fox jumps over the lazy dog. The quick brown"]])
     assert torch.equal(fast.generate(ids, max_new_tokens=30, eos_token_id=2), hf_greedy(model, ids, 30))
+
+
+def test_plain_is_kept_only_where_it_beats_the_kept_tree_on_both_prompt_sets():
+    from speccomp.tuning.autotune import _kept
+
+    row = lambda tree, rate: {"tree": tree, "mode": "static", "predicted_tokens_per_s": 1.0,  # noqa: E731
+                              "measured_tokens_per_s": rate}
+    measured = [row([[0]], 50.0), row([[1]], 48.0)]
+    check = {"kept": "tuned", "tuned": [[0]], "default": [[1]], "tuned_tokens_per_s": 40.0,
+             "default_tokens_per_s": 30.0, "plain_tokens_per_s": 45.0}
+    kept = _kept(measured[0], check, measured, 60.0)  # plain faster on calibration (60 > 50) and held back (45 > 40)
+    assert kept["plain"] and kept["tree"] == [[0]] and kept["measured_tokens_per_s"] == 50.0  # the tree's numbers
+    assert not _kept(measured[0], check, measured, 49.0)["plain"]  # slower on the calibration prompts
+    assert not _kept(measured[0], {**check, "plain_tokens_per_s": 39.0}, measured, 60.0)["plain"]  # ... held back
+    assert not _kept(measured[0], check, measured, float("nan"))["plain"]  # no measurement: the tree drafts
+    assert _kept(measured[0], {}, measured, 51.0)["plain"]  # nothing held back: the calibration decides
+    default = _kept(measured[0], {**check, "kept": "default"}, measured, 49.0)  # the default tree was kept: 48, 30
+    assert default["plain"] and default["mode"] == "default" and default["tree"] == [[1]]
+
+
+def test_tree_auto_compiles_plain_decoding_where_no_tree_paid(cache):
+    """An autotune result says whether plain decoding beat its tree on both prompt sets (timing on a tiny model
+    decides which way: the verdict must follow the numbers it stored). Where it did, compile(tree="auto") warns,
+    naming the stored file, and compiles plain decoding (exact, one token per step); a merge, or options other than
+    the tuned ones, still draft with the stored tree."""
+    import dataclasses
+
+    model = tiny_llama(initializer_range=0.2)
+    result = speccomp.autotune(model, "token_recycling", prompts(), max_new_tokens=16, repeats=1, max_nodes=8,
+                               check_prompts=prompts())
+    c = result.check
+    calibration = next(r["measured_tokens_per_s"] for r in result.measured if r["tree"] == result.tree)
+    beat = result.plain_tokens_per_s > calibration and c["plain_tokens_per_s"] > c[f"{c['kept']}_tokens_per_s"]
+    assert result.plain == beat and "decoding without drafts" in result.summary()
+    stored = dataclasses.replace(result, plain=True)  # the verdict where no tree paid
+    open(result.path, "w").write(json.dumps(stored.to_dict(), default=float))
+    with pytest.warns(UserWarning, match=r"faster than every tree of token_recycling .*" + str(cache)):
+        fast = speccomp.compile(model, drafter="token_recycling", tree="auto")
+    assert fast.drafter is None and "compiles plain decoding" in load_result(model, "token_recycling").summary()
+    ids = prompts()[0]
+    assert torch.equal(fast.generate(ids, max_new_tokens=20, eos_token_id=2), hf_greedy(model, ids, 20))
+    assert fast.last_stats["steps"] == fast.last_stats["new_tokens"]  # one token per forward
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a merge was never measured as a whole: it drafts, silently
+        merged = speccomp.compile(model, drafter="token_recycling+ngram", tree="auto")
+    assert merged.drafter.drafters[0].tree == Tree.from_choices(result.tree)
+    with pytest.warns(UserWarning, match="tuned with drafter_options"):
+        other = speccomp.compile(model, drafter="token_recycling", tree="auto", drafter_options={"ngram_branches": 1})
+    assert other.drafter.tree == Tree.from_choices(result.tree)
 
 
 def test_final_choice_uses_both_prompt_sets_and_keeps_the_default_unless_it_loses_on_held_back_prompts():

@@ -19,7 +19,7 @@ from speccomp.drafters.draft_model import CrossTokenizerDrafter
 from speccomp.drafters.text_bridge import TextBridge
 from speccomp.engine.runtime import EngineError
 from speccomp.errors import OptionError, OptionTypeError
-from tiny_models import seeded_prompt, tiny_llama
+from tiny_models import keep_drafting, seeded_prompt, tiny_llama
 
 TEXT = (Path(__file__).parent / "data" / "long_text.txt").read_text()
 VOCAB = 96  # tiny_llama's
@@ -195,7 +195,8 @@ def test_a_draft_with_its_own_tokenizer_is_autotuned_under_its_tokenizers():
     draft = permuted_copy(target, perm)
     options = {"target_tokenizer": word_tokenizer(), "draft_tokenizer": word_tokenizer(perm[1:])}
     prompts = [torch.randint(3, VOCAB, (1, 10 + i), generator=torch.Generator().manual_seed(i)) for i in range(6)]
-    tuned = autotune(target, draft, prompts, drafter_options=options, max_new_tokens=24, repeats=1, max_nodes=8)
+    tuned = keep_drafting(autotune(target, draft, prompts, drafter_options=options, max_new_tokens=24, repeats=1,
+                                   max_nodes=8))
     assert "-tokens-" in tuned.drafter and tuned.drafter == drafter_key(draft, options) != drafter_key(draft, None)
     assert tuned.drafter_options == {"tokenizers": "own"} and tuned.timing["widths"]
     with warnings.catch_warnings():

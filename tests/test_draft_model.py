@@ -14,7 +14,7 @@ from speccomp.drafters.draft_model import DraftModelDrafter
 from speccomp.drafters.lookup import shared_prefix
 from speccomp.errors import OptionError, OptionTypeError
 from speccomp.runtime.tree import DynamicTreeSpec, Tree
-from tiny_models import ARCHITECTURES, seeded_prompt, tiny_llama
+from tiny_models import ARCHITECTURES, keep_drafting, seeded_prompt, tiny_llama
 
 
 def hf_greedy(model, ids, n):
@@ -228,7 +228,7 @@ def test_a_draft_lm_given_itself_is_autotuned_and_tree_auto_finds_its_tree(capsy
     draft = draft_architecture(target, 2)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 96, (int(n),), generator=gen) for n in torch.randint(6, 14, (9,), generator=gen)]
-    tuned = autotune(target, draft, prompts, max_new_tokens=24, repeats=1, max_nodes=8)
+    tuned = keep_drafting(autotune(target, draft, prompts, max_new_tokens=24, repeats=1, max_nodes=8))
     assert tuned.drafter.startswith("draft_lm-") and tuned.path and tuned.timing["widths"]
     capsys.readouterr()
     for given in (draft, speccomp.capture(draft)):

@@ -35,10 +35,13 @@
    default also decode the held-back prompts (every third of `prompts`, or `check_prompts`), which no
    measurement above saw; the finalist fastest over both sets of prompts wins, and is stored only if it also
    decodes the held-back prompts faster than the default (else the default is stored, mode "default"), so
-   a noisy calibration or a prediction that misses cannot make tree="auto" worse
-   than no tuning. The result is stored as JSON in the user cache under `autotune/`, keyed by (model
-   fingerprint, drafter, backend, device, dtype, threads, CPU); `speccomp.compile(..., tree="auto")` reads it
-   back (`resolve_auto`), and with nothing stored tunes on first use, on the shipped prompts in the model's
+   a noisy calibration or a prediction that misses cannot make tree="auto" worse than no tuning. Plain decoding
+   (the same target graph verifying the root alone) decodes both sets too; where it beats the kept tree on both,
+   no tree pays on this machine (SmartSpec switches speculation off then): the result says so (`plain`; `tree`
+   stays the best tree measured) and compile(tree="auto") compiles plain decoding, with a warning naming the
+   stored file. The result is stored as JSON in the user cache under `autotune/`, keyed by (model fingerprint,
+   drafter, backend, device, dtype, threads, CPU); `speccomp.compile(..., tree="auto")` reads it back
+   (`resolve_auto`), and with nothing stored tunes on first use, on the shipped prompts in the model's
    own tokenizer (`first_use_prompts`).
 
 Drafters: early_exit, layer_skip, token_recycling, medusa, hydra, eagle, draft_model, quantized (backend
@@ -172,11 +175,14 @@ def load_result(model, drafter: str, backend: str = "eager") -> "AutotuneResult 
 
 
 def resolve_auto(model, drafter, backend: str, drafter_options: dict | None):
-    """`tree="auto"` for compile: the stored tree and the drafter options it was tuned with (a draft LM's options,
-    its tokenizers, are part of its key and come back as given)."""
+    """`tree="auto"` for compile: (the stored tree, the drafter options it was tuned with, plain), `plain` where
+    autotune measured decoding without drafts faster than every tree (`AutotuneResult.plain`; a warning names the
+    stored file). A draft LM's options, its tokenizers, are part of its key and come back as given; options given
+    that differ from the stored ones win, and then the tree drafts (the plain verdict was measured with others)."""
     if is_draft_lm(drafter):
         result = load_result(model, drafter_key(drafter, drafter_options), backend)
-        return (result or _tune_on_first_use(model, drafter, backend, drafter_options)).tree, drafter_options
+        result = result or _tune_on_first_use(model, drafter, backend, drafter_options)
+        return result.tree, drafter_options, _plain(result)
     if not isinstance(drafter, str):
         raise AutotuneError(
             "tree='auto' looks up the tree tuned for a named drafter; give drafter= a name from "
@@ -191,10 +197,27 @@ def resolve_auto(model, drafter, backend: str, drafter_options: dict | None):
         warnings.warn(
             f"tree='auto': the stored tree was tuned with drafter_options={result.drafter_options}, not {differ}; "
             f"it may not be the best tree for these options (re-run speccomp autotune with them)",
-            stacklevel=3,
+            stacklevel=4,  # the user's compile call
         )
-        return result.tree, {**result.drafter_options, **drafter_options}
-    return result.tree, dict(result.drafter_options)
+        return result.tree, {**result.drafter_options, **drafter_options}, False
+    return result.tree, dict(result.drafter_options), _plain(result)
+
+
+def _plain(result: "AutotuneResult") -> bool:
+    """Whether tree="auto" decodes without drafts: autotune measured that faster than every tree (warned)."""
+    if not result.plain:
+        return False
+    c = result.check
+    plain, tree = ((c["plain_tokens_per_s"], c[f"{c['kept']}_tokens_per_s"]) if c else
+                   (result.plain_tokens_per_s, result.measured_tokens_per_s))
+    warnings.warn(
+        f"tree='auto': autotune measured decoding without drafts faster than every tree of {result.drafter} on "
+        f"{result.backend} on this machine ({plain:.1f} tok/s against {tree:.1f} for its best tree"
+        f"{' on prompts it was not calibrated on' if c else ''}; {result.path}): compiling plain decoding. Pass an "
+        f"explicit tree (e.g. tree={json.dumps(result.tree)}) to draft anyway, or delete that file to tune again",
+        stacklevel=5,  # the user's compile call
+    )
+    return True
 
 
 def first_use_prompts(model, per_file: int = FIRST_USE_PROMPTS):
@@ -505,6 +528,9 @@ class AutotuneResult:
     plain_tokens_per_s: float = float("nan")  # the same target graph, one token per step
     check: dict = field(default_factory=dict)  # held-back prompts: the tuned and the default tree's decode speed
     step_curve: str | None = None  # where the batch step-cost curve was stored (tuning/step_curve.py)
+    # decoding without drafts beat `tree` on both prompt sets: tree="auto" compiles plain decoding (`tree` stays the
+    # best tree: what a merge, or an explicit tree=result.tree, drafts)
+    plain: bool = False
     path: str | None = None
     schema: int = SCHEMA
 
@@ -556,7 +582,7 @@ class AutotuneResult:
             lines += [f"| {r['label']}{chosen(r.get('tree'))} | {r['predicted_tokens_per_s']:.1f} | {r['measured_tokens_per_s']:.1f} | "
                       f"{r['expected']:.2f} | {r['measured_tokens_per_step']:.2f} | {r['identical']} |"
                       for r in self.measured]
-        if self.predicted_tokens_per_s < self.plain_tokens_per_s:
+        if not self.plain and self.predicted_tokens_per_s < self.plain_tokens_per_s:
             lines.append(f"note: even the best tree is predicted slower than decoding without drafts "
                          f"({self.plain_tokens_per_s:.1f} tok/s): this drafter does not pay on this machine")
         if c:
@@ -567,6 +593,11 @@ class AutotuneResult:
             lines.append(f"held-back check: tuned tree {json.dumps(c['tuned'])} {c['tuned_tokens_per_s']:.1f} tok/s, "
                          f"default tree {json.dumps(c['default'])} {c['default_tokens_per_s']:.1f} tok/s: "
                          f"kept the {c['kept']} tree")
+            if "plain_tokens_per_s" in c:
+                lines.append(f"decoding without drafts: {c['plain_tokens_per_s']:.1f} tok/s on the held-back prompts")
+        if self.plain:
+            lines.append(f"no tree beat decoding without drafts on this machine: tree='auto' compiles plain decoding "
+                         f"(an explicit tree, e.g. {json.dumps(self.tree)}, still drafts)")
         if self.path:
             lines.append(f"stored in {self.path}")
         return "\n".join(lines)
@@ -853,7 +884,7 @@ def _dynamic_row(timing: dict, b: int, top_k: int, steps: list[dict], run: dict)
 def _measure(s: _Session, top_k: int, repeats: int):
     """Step 1: (plain decoding's run, Acceptance, timing, the decoded dynamic budgets as (b, steps, run))."""
     s.bar.set_postfix_str("greedy decoding without drafts (reference)")
-    ref = s.decode(s.sm.with_drafter(RootOnly()))  # greedy decoding through the same lowered target graph
+    ref = s.decode(_warm(s.sm.with_drafter(RootOnly()), s.prompts, s.eos))  # through the same lowered target graph
     s.bar.set_postfix_str(f"acceptance, probe {s.depth}x{s.ranks}")
     acc, steps, probe_runs = measure_acceptance(s.sm, s.prompts, max_new_tokens=s.max_new_tokens, eos=s.eos,
                                                 depth=s.depth, ranks=s.ranks, warmup=s.warmup, bar=s.bar)
@@ -1014,22 +1045,30 @@ def autotune(
     acceptance = {"p": acc.p, "p_raw": acc.p_raw, "hits": acc.hits, "visits": acc.visits, "probe_depth": s.depth,
                   "probe_ranks": s.ranks, "warmup": warmup}
     result = AutotuneResult(drafter=name, backend=backend, key=cache_key(model, name, backend), drafter_options=options,
-                            **_kept(chosen, check, measured), context_len=s.context_len, acceptance=acceptance,
+                            **_kept(chosen, check, measured, ref["tokens_per_s"]), context_len=s.context_len,
+                            acceptance=acceptance,
                             timing=timing, static=static_rows, dynamic=dynamic_rows, measured=measured,
                             plain_tokens_per_s=ref["tokens_per_s"], check=check)
     return _store(result, sm, model) if save else result
 
 
-def _kept(chosen: dict, check: dict, measured: list[dict]) -> dict:
+def _kept(chosen: dict, check: dict, measured: list[dict], plain_tokens_per_s: float) -> dict:
     """The stored configuration's fields: the final choice, or the drafter's default tree where the held-back
-    prompts kept it (its speed is then what the default measured on them)."""
+    prompts kept it (its speed is then what the default measured on them); "plain" where decoding without
+    drafts beat that tree on the calibration prompts (`plain_tokens_per_s`) and on the held-back ones (if any)."""
     if check.get("kept") != "default":
-        return {"mode": chosen["mode"], "tree": chosen["tree"], "predicted_tokens_per_s": chosen["predicted_tokens_per_s"],
+        kept = {"mode": chosen["mode"], "tree": chosen["tree"], "predicted_tokens_per_s": chosen["predicted_tokens_per_s"],
                 "measured_tokens_per_s": chosen["measured_tokens_per_s"]}
-    tree = check["default"]
-    predicted = next((r["predicted_tokens_per_s"] for r in measured if r["tree"] == tree), float("nan"))
-    return {"mode": "default", "tree": tree, "predicted_tokens_per_s": predicted,
-            "measured_tokens_per_s": check["default_tokens_per_s"]}
+        held = check.get("tuned_tokens_per_s")
+    else:
+        row = next((r for r in measured if r["tree"] == check["default"]), {})
+        kept = {"mode": "default", "tree": check["default"],
+                "predicted_tokens_per_s": row.get("predicted_tokens_per_s", float("nan")),
+                "measured_tokens_per_s": check["default_tokens_per_s"]}
+        held = check["default_tokens_per_s"]
+    calibration = next((r["measured_tokens_per_s"] for r in measured if r["tree"] == kept["tree"]), float("nan"))
+    faster = plain_tokens_per_s > calibration and (not check or check["plain_tokens_per_s"] > held)  # nan: False
+    return {**kept, "plain": bool(faster)}
 
 
 def _store(result: AutotuneResult, sm, model) -> AutotuneResult:
@@ -1058,7 +1097,8 @@ def _final_choice(sm, finalists: list[dict], prompts, max_new_tokens: int, eos, 
     default = _tree_value(sm.drafter.tree)
     if not prompts:
         return finalists[0], {}
-    refs = _run(sm.with_drafter(RootOnly()), prompts, max_new_tokens, eos, bar=bar)["outputs"]
+    plain = _run(sm.with_drafter(RootOnly()), prompts, max_new_tokens, eos, bar=bar)  # warm: calibration ran it
+    refs = plain["outputs"]
     held: dict[str, dict] = {}
     for tree in [r["tree"] for r in finalists] + [default]:
         key = json.dumps(tree)
@@ -1079,7 +1119,7 @@ def _final_choice(sm, finalists: list[dict], prompts, max_new_tokens: int, eos, 
     return winner, {
         "prompts": len(prompts), "tuned": winner["tree"], "default": default,
         "tuned_tokens_per_s": tuned["tokens_per_s"], "default_tokens_per_s": base["tokens_per_s"],
-        "kept": "tuned" if beats else "default",
+        "kept": "tuned" if beats else "default", "plain_tokens_per_s": plain["tokens_per_s"],
         "finalists": [{"tree": r["tree"], "label": r["label"], "calibration_tokens_per_s": r["measured_tokens_per_s"],
                        "held_back_tokens_per_s": held[json.dumps(r["tree"])]["tokens_per_s"],
                        "combined_tokens_per_s": combined(r)} for r in finalists],
