@@ -121,7 +121,7 @@ def _compile_kv(captured, model, kv_cache, kv_mode, tree, backend: str, drafter_
 def _resolve_auto(model, drafter, tree, backend: str, drafter_options):
     """tree="auto": (tree, options, plain), the tree and options `speccomp autotune` stored for this model, drafter,
     backend and machine (tuned now, on first use, when none is stored), and whether it measured plain decoding
-    faster than every tree; for a merge, the first drafter's tree (the merge itself was never measured: it drafts)."""
+    faster than the tree it kept; for a merge, the first drafter's tree (the merge itself was never measured: it drafts)."""
     from speccomp.tuning.autotune import is_auto, resolve_auto
 
     if not is_auto(tree):

@@ -176,7 +176,7 @@ def load_result(model, drafter: str, backend: str = "eager") -> "AutotuneResult 
 
 def resolve_auto(model, drafter, backend: str, drafter_options: dict | None):
     """`tree="auto"` for compile: (the stored tree, the drafter options it was tuned with, plain), `plain` where
-    autotune measured decoding without drafts faster than every tree (`AutotuneResult.plain`; a warning names the
+    autotune measured decoding without drafts faster than the tree it kept (`AutotuneResult.plain`; a warning names the
     stored file). A draft LM's options, its tokenizers, are part of its key and come back as given; options given
     that differ from the stored ones win, and then the tree drafts (the plain verdict was measured with others)."""
     if is_draft_lm(drafter):
@@ -204,15 +204,15 @@ def resolve_auto(model, drafter, backend: str, drafter_options: dict | None):
 
 
 def _plain(result: "AutotuneResult") -> bool:
-    """Whether tree="auto" decodes without drafts: autotune measured that faster than every tree (warned)."""
+    """Whether tree="auto" decodes without drafts: autotune measured that faster than the tree it kept (warned)."""
     if not result.plain:
         return False
     c = result.check
     plain, tree = ((c["plain_tokens_per_s"], c[f"{c['kept']}_tokens_per_s"]) if c else
                    (result.plain_tokens_per_s, result.measured_tokens_per_s))
     warnings.warn(
-        f"tree='auto': autotune measured decoding without drafts faster than every tree of {result.drafter} on "
-        f"{result.backend} on this machine ({plain:.1f} tok/s against {tree:.1f} for its best tree"
+        f"tree='auto': autotune measured decoding without drafts faster than the tree it kept for {result.drafter} "
+        f"on {result.backend} on this machine ({plain:.1f} tok/s against {tree:.1f}"
         f"{' on prompts it was not calibrated on' if c else ''}; {result.path}): compiling plain decoding. Pass an "
         f"explicit tree (e.g. tree={json.dumps(result.tree)}) to draft anyway, or delete that file to tune again",
         stacklevel=5,  # the user's compile call
@@ -1055,7 +1055,8 @@ def autotune(
 def _kept(chosen: dict, check: dict, measured: list[dict], plain_tokens_per_s: float) -> dict:
     """The stored configuration's fields: the final choice, or the drafter's default tree where the held-back
     prompts kept it (its speed is then what the default measured on them); "plain" where decoding without
-    drafts beat that tree on the calibration prompts (`plain_tokens_per_s`) and on the held-back ones (if any)."""
+    drafts beat that tree on the calibration prompts (`plain_tokens_per_s`) and on the held-back ones (if any; a
+    tree never decoded on the calibration prompts has no speed there and keeps drafting)."""
     if check.get("kept") != "default":
         kept = {"mode": chosen["mode"], "tree": chosen["tree"], "predicted_tokens_per_s": chosen["predicted_tokens_per_s"],
                 "measured_tokens_per_s": chosen["measured_tokens_per_s"]}
@@ -1097,7 +1098,7 @@ def _final_choice(sm, finalists: list[dict], prompts, max_new_tokens: int, eos, 
     default = _tree_value(sm.drafter.tree)
     if not prompts:
         return finalists[0], {}
-    plain = _run(sm.with_drafter(RootOnly()), prompts, max_new_tokens, eos, bar=bar)  # warm: calibration ran it
+    plain = _run(_warm(sm.with_drafter(RootOnly()), prompts, eos), prompts, max_new_tokens, eos, bar=bar)  # as trees
     refs = plain["outputs"]
     held: dict[str, dict] = {}
     for tree in [r["tree"] for r in finalists] + [default]:
