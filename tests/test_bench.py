@@ -36,7 +36,7 @@ def result():
 ROW_KEYS = {
     "drafter", "kind", "speedup", "tau", "identical", "tokens_per_second", "acceptance_by_depth", "per_category",
     "per_prompt", "new_tokens", "seconds", "prompts", "error", "mismatched_prompts", "backend", "tree", "compile_seconds",
-    "kv_cache", "kv_mode", "lossless", "kv_bytes",
+    "kv_cache", "kv_mode", "lossless", "kv_bytes", "drafting",
 }
 
 
@@ -81,6 +81,8 @@ def test_json_schema(result, tmp_path):
     for row in data["rows"]:
         assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
         assert isinstance(row["identical"], bool) and isinstance(row["acceptance_by_depth"], list)
+    # whether the compiled model drafts (tree="auto" compiles plain decoding where autotune found that no tree paid)
+    assert [r["drafting"] for r in data["rows"]] == [None, None, False, True]  # hf, hf_prompt_lookup, plain, drafter
 
 
 def test_markdown_and_plot(result, tmp_path):

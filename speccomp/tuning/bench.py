@@ -207,6 +207,7 @@ class RowResult:
     compile_seconds: float | None = None
     measurements: list[Measurement] = field(default_factory=list)
     error: str | None = None
+    drafting: bool | None = None  # False where tree="auto" compiled plain decoding (autotune: no tree paid here)
 
     @property
     def identical(self) -> bool:
@@ -230,7 +231,7 @@ class RowResult:
             "acceptance_by_depth": _mean_by_depth([m.acceptance_by_depth for m in ms]), "identical": self.identical,
             "mismatched_prompts": [m.prompt_id for m in ms if not m.identical], "error": self.error,
             "kv_cache": spec.kv_cache, "kv_mode": spec.kv_mode, "lossless": not spec.lossy,
-            "kv_bytes": _kv_bytes([m.kv for m in ms if m.kv]),
+            "kv_bytes": _kv_bytes([m.kv for m in ms if m.kv]), "drafting": self.drafting,
         }
         cats: dict[str, list[Measurement]] = {}
         for m in ms:
@@ -475,6 +476,7 @@ def _runner(model, res: RowResult, eos, backend: str, prompt_lookup_num_tokens: 
         drafter_options=spec.drafter_options if spec.drafter else None, kv_cache=spec.kv_cache, kv_mode=spec.kv_mode,
     )
     res.compile_seconds = time.perf_counter() - start
+    res.drafting = getattr(fast, "drafter", None) is not None
     return _speccomp_runner(fast, eos)
 
 
