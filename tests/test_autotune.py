@@ -496,13 +496,13 @@ def test_tree_auto_tunes_on_first_use_and_keeps_what_held_back_prompts_prefer(ca
     beats = c["tuned"] != default and c["tuned_tokens_per_s"] > c["default_tokens_per_s"]
     assert c["kept"] == ("tuned" if beats else "default") and (stored.mode == "default") == (not beats)
     assert stored.tree == (c["tuned"] if beats else default) and "held-back check" in stored.summary()
-    # plain decoding where it beat the kept tree on both prompt sets (test_tree_auto_compiles_plain_decoding_where_...)
+    # plain decoding where it beat the kept tree on the held-back prompts (test_tree_auto_compiles_plain_decoding_...)
     assert fast.drafter is None if stored.plain else fast.drafter.tree == stored.tree_spec()
     ids = torch.tensor([[ord(ch) - 31 for ch in "The quick brown fox jumps over the lazy dog. The quick brown"]])
     assert torch.equal(fast.generate(ids, max_new_tokens=30, eos_token_id=2), hf_greedy(model, ids, 30))
 
 
-def test_plain_is_kept_only_where_it_beats_the_kept_tree_on_both_prompt_sets():
+def test_plain_is_kept_only_where_it_beats_the_kept_tree_on_the_held_back_prompts():
     from speccomp.tuning.autotune import _kept
 
     row = lambda tree, rate: {"tree": tree, "mode": "static", "predicted_tokens_per_s": 1.0,  # noqa: E731
@@ -510,18 +510,19 @@ def test_plain_is_kept_only_where_it_beats_the_kept_tree_on_both_prompt_sets():
     measured = [row([[0]], 50.0), row([[1]], 48.0)]
     check = {"kept": "tuned", "tuned": [[0]], "default": [[1]], "tuned_tokens_per_s": 40.0,
              "default_tokens_per_s": 30.0, "plain_tokens_per_s": 45.0}
-    kept = _kept(measured[0], check, measured, 60.0)  # plain faster on calibration (60 > 50) and held back (45 > 40)
+    kept = _kept(measured[0], check, measured, 49.0)  # held back: plain 45 > the tree's 40 (calibration: 49 < 50)
     assert kept["plain"] and kept["tree"] == [[0]] and kept["measured_tokens_per_s"] == 50.0  # the tree's numbers
-    assert not _kept(measured[0], check, measured, 49.0)["plain"]  # slower on the calibration prompts
-    assert not _kept(measured[0], {**check, "plain_tokens_per_s": 39.0}, measured, 60.0)["plain"]  # ... held back
-    assert not _kept(measured[0], check, measured, float("nan"))["plain"]  # no measurement: the tree drafts
+    # the calibration speeds are the fastest of many trees' (optimistic): the held-back prompts decide
+    assert not _kept(measured[0], {**check, "plain_tokens_per_s": 39.0}, measured, 60.0)["plain"]
+    assert not _kept(measured[0], {**check, "plain_tokens_per_s": float("nan")}, measured, 60.0)["plain"]  # no speed
     assert _kept(measured[0], {}, measured, 51.0)["plain"]  # nothing held back: the calibration decides
-    default = _kept(measured[0], {**check, "kept": "default"}, measured, 49.0)  # the default tree was kept: 48, 30
+    assert not _kept(measured[0], {}, measured, 49.0)["plain"]
+    default = _kept(measured[0], {**check, "kept": "default"}, measured, 20.0)  # the default tree was kept: 30 < 45
     assert default["plain"] and default["mode"] == "default" and default["tree"] == [[1]]
 
 
 def test_tree_auto_compiles_plain_decoding_where_no_tree_paid(cache):
-    """An autotune result says whether plain decoding beat its tree on both prompt sets (timing on a tiny model
+    """An autotune result says whether plain decoding beat its tree on the held-back prompts (timing on a tiny model
     decides which way: the verdict must follow the numbers it stored). Where it did, compile(tree="auto") warns,
     naming the stored file, and compiles plain decoding (exact, one token per step); a merge, or options other than
     the tuned ones, still draft with the stored tree."""
@@ -531,9 +532,7 @@ def test_tree_auto_compiles_plain_decoding_where_no_tree_paid(cache):
     result = speccomp.autotune(model, "token_recycling", prompts(), max_new_tokens=16, repeats=1, max_nodes=8,
                                check_prompts=prompts())
     c = result.check
-    calibration = next(r["measured_tokens_per_s"] for r in result.measured if r["tree"] == result.tree)
-    beat = result.plain_tokens_per_s > calibration and c["plain_tokens_per_s"] > c[f"{c['kept']}_tokens_per_s"]
-    assert result.plain == beat and "decoding without drafts" in result.summary()
+    assert result.plain == (c["plain_tokens_per_s"] > c[f"{c['kept']}_tokens_per_s"]) and "decoding without drafts" in result.summary()
     stored = dataclasses.replace(result, plain=True)  # the verdict where no tree paid
     open(result.path, "w").write(json.dumps(stored.to_dict(), default=float))
     with pytest.warns(UserWarning, match=r"faster than the tree it kept for token_recycling .*" + re.escape(str(cache))):

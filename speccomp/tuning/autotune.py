@@ -36,9 +36,10 @@
    measurement above saw; the finalist fastest over both sets of prompts wins, and is stored only if it also
    decodes the held-back prompts faster than the default (else the default is stored, mode "default"), so
    a noisy calibration or a prediction that misses cannot make tree="auto" worse than no tuning. Plain decoding
-   (the same target graph verifying the root alone) decodes both sets too; where it beats the kept tree on both,
-   no tree pays on this machine (SmartSpec switches speculation off then): the result says so (`plain`; `tree`
-   stays the best tree measured) and compile(tree="auto") compiles plain decoding, with a warning naming the
+   (the same target graph verifying the root alone) decodes the held-back prompts too, and the kept tree must beat
+   it there as well (the same test the default puts to the tuned tree; the calibration speeds of the trees are the
+   winners' of many, so optimistic): where it does not, no tree pays on this machine (SmartSpec switches
+   speculation off then): the result says so (`plain`; `tree` stays the best tree measured) and compile(tree="auto") compiles plain decoding, with a warning naming the
    stored file. The result is stored as JSON in the user cache under `autotune/`, keyed by (model fingerprint,
    drafter, backend, device, dtype, threads, CPU); `speccomp.compile(..., tree="auto")` reads it back
    (`resolve_auto`), and with nothing stored tunes on first use, on the shipped prompts in the model's
@@ -528,7 +529,7 @@ class AutotuneResult:
     plain_tokens_per_s: float = float("nan")  # the same target graph, one token per step
     check: dict = field(default_factory=dict)  # held-back prompts: the tuned and the default tree's decode speed
     step_curve: str | None = None  # where the batch step-cost curve was stored (tuning/step_curve.py)
-    # decoding without drafts beat `tree` on both prompt sets: tree="auto" compiles plain decoding (`tree` stays the
+    # decoding without drafts beat `tree` on the held-back prompts: tree="auto" compiles plain decoding (`tree` stays the
     # best tree: what a merge, or an explicit tree=result.tree, drafts)
     plain: bool = False
     path: str | None = None
@@ -1054,9 +1055,9 @@ def autotune(
 
 def _kept(chosen: dict, check: dict, measured: list[dict], plain_tokens_per_s: float) -> dict:
     """The stored configuration's fields: the final choice, or the drafter's default tree where the held-back
-    prompts kept it (its speed is then what the default measured on them); "plain" where decoding without
-    drafts beat that tree on the calibration prompts (`plain_tokens_per_s`) and on the held-back ones (if any; a
-    tree never decoded on the calibration prompts has no speed there and keeps drafting)."""
+    prompts kept it (its speed is then what the default measured on them); "plain" where decoding without drafts
+    beat that tree on the held-back prompts (with none held back, on the calibration prompts: `plain_tokens_per_s`;
+    a tree with no speed there keeps drafting)."""
     if check.get("kept") != "default":
         kept = {"mode": chosen["mode"], "tree": chosen["tree"], "predicted_tokens_per_s": chosen["predicted_tokens_per_s"],
                 "measured_tokens_per_s": chosen["measured_tokens_per_s"]}
@@ -1068,7 +1069,7 @@ def _kept(chosen: dict, check: dict, measured: list[dict], plain_tokens_per_s: f
                 "measured_tokens_per_s": check["default_tokens_per_s"]}
         held = check["default_tokens_per_s"]
     calibration = next((r["measured_tokens_per_s"] for r in measured if r["tree"] == kept["tree"]), float("nan"))
-    faster = plain_tokens_per_s > calibration and (not check or check["plain_tokens_per_s"] > held)  # nan: False
+    faster = check["plain_tokens_per_s"] > held if check else plain_tokens_per_s > calibration  # nan: False
     return {**kept, "plain": bool(faster)}
 
 
