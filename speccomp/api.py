@@ -9,8 +9,6 @@
 """
 from __future__ import annotations
 
-import warnings
-
 from torch import nn
 
 from speccomp.backends import lower
@@ -129,9 +127,8 @@ def _resolve_auto(model, drafter, tree, backend: str, drafter_options):
     merged = split_names(drafter)
     if not merged:
         return resolve_auto(model, drafter, backend, drafter_options)
-    with warnings.catch_warnings():  # the first drafter's "plain" verdict is not the merge's
-        warnings.filterwarnings("ignore", message="tree='auto': autotune measured decoding without drafts")
-        tree, first, _ = resolve_auto(model, merged[0], backend, (drafter_options or {}).get(merged[0]))
+    # the first drafter's "plain" verdict is not the merge's: it drafts (no warning; no global filter: thread-safe)
+    tree, first, _ = resolve_auto(model, merged[0], backend, (drafter_options or {}).get(merged[0]), merged=True)
     if first:
         drafter_options = {**(drafter_options or {}), merged[0]: first}
     return tree, drafter_options, False

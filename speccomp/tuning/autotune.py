@@ -175,15 +175,16 @@ def load_result(model, drafter: str, backend: str = "eager") -> "AutotuneResult 
         return None
 
 
-def resolve_auto(model, drafter, backend: str, drafter_options: dict | None):
+def resolve_auto(model, drafter, backend: str, drafter_options: dict | None, merged: bool = False):
     """`tree="auto"` for compile: (the stored tree, the drafter options it was tuned with, plain), `plain` where
     autotune measured decoding without drafts faster than the tree it kept (`AutotuneResult.plain`; a warning names the
     stored file). A draft LM's options, its tokenizers, are part of its key and come back as given; options given
-    that differ from the stored ones win, and then the tree drafts (the plain verdict was measured with others)."""
+    that differ from the stored ones win, and then the tree drafts (the plain verdict was measured with others), as
+    it does for the first drafter of a merge (`merged`: the merge itself was never measured)."""
     if is_draft_lm(drafter):
         result = load_result(model, drafter_key(drafter, drafter_options), backend)
         result = result or _tune_on_first_use(model, drafter, backend, drafter_options)
-        return result.tree, drafter_options, _plain(result)
+        return result.tree, drafter_options, not merged and _plain(result)
     if not isinstance(drafter, str):
         raise AutotuneError(
             "tree='auto' looks up the tree tuned for a named drafter; give drafter= a name from "
@@ -201,7 +202,7 @@ def resolve_auto(model, drafter, backend: str, drafter_options: dict | None):
             stacklevel=4,  # the user's compile call
         )
         return result.tree, {**result.drafter_options, **drafter_options}, False
-    return result.tree, dict(result.drafter_options), _plain(result)
+    return result.tree, dict(result.drafter_options), not merged and _plain(result)
 
 
 def _plain(result: "AutotuneResult") -> bool:
@@ -209,8 +210,7 @@ def _plain(result: "AutotuneResult") -> bool:
     if not result.plain:
         return False
     c = result.check
-    plain, tree = ((c["plain_tokens_per_s"], c[f"{c['kept']}_tokens_per_s"]) if c else
-                   (result.plain_tokens_per_s, result.measured_tokens_per_s))
+    plain, tree = _verdict_speeds(c, result.plain_tokens_per_s, result.measured_tokens_per_s)
     warnings.warn(
         f"tree='auto': autotune measured decoding without drafts faster than the tree it kept for {result.drafter} "
         f"on {result.backend} on this machine ({plain:.1f} tok/s against {tree:.1f}"
@@ -1061,16 +1061,21 @@ def _kept(chosen: dict, check: dict, measured: list[dict], plain_tokens_per_s: f
     if check.get("kept") != "default":
         kept = {"mode": chosen["mode"], "tree": chosen["tree"], "predicted_tokens_per_s": chosen["predicted_tokens_per_s"],
                 "measured_tokens_per_s": chosen["measured_tokens_per_s"]}
-        held = check.get("tuned_tokens_per_s")
     else:
         row = next((r for r in measured if r["tree"] == check["default"]), {})
         kept = {"mode": "default", "tree": check["default"],
                 "predicted_tokens_per_s": row.get("predicted_tokens_per_s", float("nan")),
                 "measured_tokens_per_s": check["default_tokens_per_s"]}
-        held = check["default_tokens_per_s"]
-    calibration = next((r["measured_tokens_per_s"] for r in measured if r["tree"] == kept["tree"]), float("nan"))
-    faster = check["plain_tokens_per_s"] > held if check else plain_tokens_per_s > calibration  # nan: False
-    return {**kept, "plain": bool(faster)}
+    plain, tree = _verdict_speeds(check, plain_tokens_per_s, kept["measured_tokens_per_s"])
+    return {**kept, "plain": bool(plain > tree)}  # nan (nothing measured) compares False: the tree drafts
+
+
+def _verdict_speeds(check: dict, plain_calibration: float, kept_calibration: float) -> tuple[float, float]:
+    """(plain, kept tree) decode tok/s the plain verdict compares: on the held-back prompts, or without any the
+    calibration's (the kept tree is then the calibration's choice)."""
+    if check:
+        return check["plain_tokens_per_s"], check[f"{check['kept']}_tokens_per_s"]
+    return plain_calibration, kept_calibration
 
 
 def _store(result: AutotuneResult, sm, model) -> AutotuneResult:
