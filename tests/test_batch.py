@@ -7,7 +7,7 @@ import torch
 
 import speccomp
 from speccomp.errors import OptionError
-from speccomp.runtime.calls import left_pad
+from speccomp.runtime.calls import left_pad, row_slots
 from speccomp.runtime.batch import Batch
 from speccomp.runtime.decode import RootOnly, Sequence
 from speccomp.runtime.sampling import Sampler
@@ -162,6 +162,41 @@ def test_rows_join_a_running_batch(captured, llama, prompts, greedy):
     assert batch.cache.length == 0 and batch.free() == 400
     with pytest.raises(RuntimeError, match="free slots"):
         batch.add(row(0, 400))
+
+
+def test_a_row_admitted_into_room_that_left_rows_still_hold_gets_it():
+    """A row that leaves frees its reservation at once but its cache slots only lazily (PackedBatch._compact), so a
+    row admitted against the reservations (`free()`, as `speccomp serve` admits) may need slots a left row still
+    holds: the step compacts then (before, it raised 'KV cache overflow' and a server failed every row in flight).
+    Cache filled exactly: A (short) and B (long) reserve it all; C takes A's reservation when A leaves, and the dead
+    slots of A and then C stay fewer than B's live ones, so only a step that needs them moves them."""
+    llama = tiny_llama(num_hidden_layers=2)
+    fast = speccomp.compile(llama)  # plain decoding: one token a step, so the slot arithmetic below is exact
+    prompts = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 24, 5)]
+    lengths = (8, 32, 8)  # new tokens of A, B, C
+    want = [hf_greedy(llama, torch.tensor([p]), n)[0, len(p):].tolist() for p, n in zip(prompts, lengths)]
+
+    tree = 2  # the room a row keeps for its last step's tree: small, so the dead slots outgrow it
+
+    def row(i):
+        return Sequence(prompts[i], RootOnly(), Sampler(), lengths[i], set(), tree)
+
+    needs = [row_slots(len(prompts[i]), lengths[i], tree) for i in range(3)]
+    batch = Batch(fast.step, fast.kv, needs[0] + needs[1], fast.device, tree)
+    ids = {batch.add(row(0)): 0, batch.add(row(1)): 1}
+    emitted, joined, compacted = {i: [] for i in range(3)}, False, 0
+    while batch.rows:
+        length = batch.cache.length
+        for rid, tokens in batch.step().items():
+            emitted[ids[rid]] += tokens
+        compacted += batch.cache.length < length
+        for rid in [r for r, s in batch.rows.items() if s.done]:
+            batch.remove(rid)
+            if ids[rid] == 0 and not joined:  # C takes exactly the room A left
+                assert batch.free() == needs[2] and (batch.owner[: batch.cache.length] == -1).sum() > 0
+                ids[batch.add(row(2))], joined = 2, True
+    assert joined and compacted >= 1
+    assert [emitted[i] for i in range(3)] == want
 
 
 @pytest.mark.parametrize("runtime", ["torch", "engine"])
@@ -566,6 +601,9 @@ def test_what_cannot_batch_is_refused_by_name(captured, prompts, tmp_path):
         plain.generate([[5, 6, 7], [5, 6]], max_new_tokens=4)
     with pytest.raises(OptionError, match="attention_mask.*shape"):
         plain.generate(ids, max_new_tokens=4, attention_mask=mask[:, 1:])
+    one = prompts[0].tolist()  # one sequence as a list, with HF's all-ones mask as a list: what a tensor gets
+    assert torch.equal(plain.generate(one, max_new_tokens=4, attention_mask=[1] * len(one)),
+                       plain.generate(torch.tensor([one]), max_new_tokens=4))
     with pytest.raises(OptionError, match="max_new_tokens"):  # every row is checked as a single call's
         plain.generate(ids, max_new_tokens=10_000, attention_mask=mask)
     from speccomp.errors import OptionTypeError

@@ -128,6 +128,23 @@ def test_bad_draft_models_are_refused_clearly():
     assert speccomp.compile(target, drafter=copy.deepcopy(target)).drafter.tree == DynamicTreeSpec(16, 4)
 
 
+def test_a_merge_is_held_to_its_draft_models_context(tmp_path):
+    """A merge with a draft model ("draft_model+ngram") is refused a text longer than the draft's context up front,
+    as the draft model alone is, in torch and in an engine (the merge once reported no context of its own, and the
+    draft ran past its position table); a text within it decodes HF greedy's."""
+    target = tiny_llama()
+    tiny_llama(max_position_embeddings=32).save_pretrained(tmp_path / "short")
+    merged = speccomp.compile(target, drafter="draft_model+ngram", tree=2,
+                              drafter_options={"draft_model": {"path": str(tmp_path / "short")}})
+    engine = speccomp.load(merged.export(tmp_path / "engine"))
+    ids = seeded_prompt(10, 96)
+    for generate in (merged.generate, engine.generate):
+        with pytest.raises(OptionError, match=r"draft_model\+ngram drafter's context of 32 positions"):
+            generate(ids if generate == merged.generate else ids.numpy(), max_new_tokens=30)
+    assert torch.equal(merged.generate(ids, max_new_tokens=20), hf_greedy(target, ids, 20))
+    assert np.array_equal(engine.generate(ids.numpy(), max_new_tokens=20), hf_greedy(target, ids, 20).numpy())
+
+
 def test_a_hugging_face_checkpoint_directory_is_a_draft_by_path(tmp_path):
     """drafter="draft_model" with drafter_options={"path": DIR} also takes a save_pretrained directory (what the CLI's
     --drafter-options passes): loaded offline from safetensors, HF greedy's output, drafts accepted; a directory with

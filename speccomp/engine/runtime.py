@@ -973,14 +973,16 @@ class _Merged(_Drafter):
     """Merged drafters (speccomp/drafters/merge.py's MergedDrafter): every drafter drafts from the same root, the
     trees merge into one (lookup.merge_trees), each drafter observes its own part of the verified tree."""
 
-    def __init__(self, drafters: list):
-        self.drafters, self.drafts, self.wheres = drafters, [], []
+    def __init__(self, drafters: list, name: str):
+        self.drafters, self.drafts, self.wheres, self.name = drafters, [], [], name
         self.outputs = tuple(o for d in drafters for o in d.outputs)
         self.batches = all(d.batches for d in drafters)
         self.observe_optional = all(d.observe_optional for d in drafters)
+        # a draft model's context bounds the merge's text too (generate refuses longer ones up front: check_context)
+        self.max_positions = min((d.max_positions for d in drafters if getattr(d, "max_positions", None)), default=None)
 
     def fresh(self):
-        return _Merged([d.fresh() for d in self.drafters])
+        return _Merged([d.fresh() for d in self.drafters], self.name)
 
     def finish(self, text):
         for d in self.drafters:
@@ -1066,7 +1068,7 @@ def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | No
         return None
     if "+" in name:
         return _Merged([make_drafter(part, path, providers, threads, target_outputs, kv, dtype)
-                        for part in spec["drafters"]])
+                        for part in spec["drafters"]], name)
     if name == "ngram":
         return _NGram(**options)
     if name == "suffix":

@@ -163,6 +163,8 @@ def batch_rows(input_ids, attention_mask) -> list[np.ndarray] | None:
                               "tokenizers do with padding_side='left'")
         input_ids = np.array(input_ids)
     shape = tuple(getattr(input_ids, "shape", ()))
+    if isinstance(input_ids, (list, tuple)) and not shape:  # one sequence as a list of ids
+        shape = (len(input_ids),)
     mask = None
     if attention_mask is not None:
         host = attention_mask.detach().cpu() if hasattr(attention_mask, "detach") else attention_mask

@@ -119,7 +119,10 @@ class PackedBatch:
         """The step's tree mask [q, past + q] and the nodes whose outputs a drafter observes: not a prefill's, nor a
         switched-off row's whose drafter may skip observing (`observes`; a Token Recycling engine then computes no
         top-k for them)."""
-        past, q = self.cache.length, sum(len(p.tokens) for p in parts)
+        q = sum(len(p.tokens) for p in parts)
+        if self.cache.length + q > self.capacity:  # the slots of rows that left, kept lazily, make the room:
+            self._compact(force=True)  # every live row's slots and tree fit in its reservation, and those in capacity
+        past = self.cache.length
         if past + q > self.capacity:
             raise self.error(f"KV cache overflow: {past} + {q} > capacity {self.capacity}")
         mask, observed, at = np.zeros((q, past + q), dtype=bool), [], 0
@@ -132,15 +135,16 @@ class PackedBatch:
             at += n
         return mask, observed
 
-    def _compact(self) -> None:
+    def _compact(self, force: bool = False) -> None:
         """Drop the slots of rows that left, keeping the others' in order (attention does not care where a key sits:
         its row tag and rotary position say all). Lazily: a left row's slots are untagged at once (no query sees
-        them), and moved only once they are as many as the live ones, so a copy of the cache is amortised."""
+        them), and moved only once they are as many as the live ones (so a copy of the cache is amortised), or when a
+        step needs them (`force`: a row admitted against the reservations may need slots left rows still hold)."""
         length = self.cache.length
         live = np.isin(self.owner[:length], list(self.rows))
         self.owner[:length][~live] = -1
         m = int(live.sum())
-        if m == length or length - m < m:
+        if m == length or (length - m < m and not force):
             return
         idx = live.nonzero()[0]
         self._move(idx)

@@ -207,7 +207,8 @@ class RowResult:
     compile_seconds: float | None = None
     measurements: list[Measurement] = field(default_factory=list)
     error: str | None = None
-    drafting: bool | None = None  # False where tree="auto" compiled plain decoding (autotune: no tree paid here)
+    drafting: bool | None = None  # the compiled model has a drafter (not plain, kv_mode target, or a tree="auto"
+    # where autotune found no tree paid here); None for HF rows and rows that failed to compile
 
     @property
     def identical(self) -> bool:
