@@ -36,6 +36,10 @@ UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logpr
 # accepted only at these values (or null): anything else would change the text, so it is refused, never ignored
 
 
+class StepFailed(RuntimeError):
+    """The batch step a request's row was in failed (the server's fault, not the request's: HTTP 500)."""
+
+
 class Job:
     """One request: its row's parameters, and a queue the scheduler thread feeds (token lists, then a finish reason
     or an exception) on the request's event loop."""
@@ -100,8 +104,9 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.jobs) < self.max_batch:
             job = self.waiting[0]
-            if job.cancelled:
+            if job.cancelled:  # its client went away while it waited
                 self.waiting.popleft()
+                self.counts["cancelled"] += 1
                 continue
             if self.batch.need(len(job.ids), job.row.max_new_tokens) > self.batch.free():
                 return  # first come, first served: it waits for room
@@ -123,11 +128,13 @@ class Scheduler:
             except Exception as exc:  # a failing step fails the rows in it, not the server
                 for rid, job in list(self.jobs.items()):
                     self.batch.remove(rid)
-                    job.put(exc)
+                    self.counts["failed"] += 1
+                    job.put(StepFailed(f"the batch step failed: {type(exc).__name__}: {exc}"))
                 self.jobs.clear()
                 continue
-            self.counts["forwards"] += 1
-            self.recent.append((time.perf_counter(), sum(len(t) for t in emitted.values())))
+            with self.wake:  # /metrics reads it from the event loop's thread
+                self.counts["forwards"] += 1
+                self.recent.append((time.perf_counter(), sum(len(t) for t in emitted.values())))
             for rid, tokens in emitted.items():
                 job = self.jobs[rid]
                 self.counts["tokens"] += len(tokens)
@@ -145,7 +152,9 @@ class Scheduler:
     def metrics(self) -> str:
         """Prometheus text exposition."""
         now = time.perf_counter()
-        window = [(t, n) for t, n in self.recent if now - t <= 10.0]
+        with self.wake:
+            window = [(t, n) for t, n in self.recent if now - t <= 10.0]
+            waiting = sum(not job.cancelled for job in self.waiting)
         tps = sum(n for _, n in window) / (now - window[0][0]) if len(window) > 1 and now > window[0][0] else 0.0
         c = self.counts
         rows = [
@@ -153,6 +162,7 @@ class Scheduler:
             ("requests_finished_total", "counter", "requests answered in full", c["finished"]),
             ("requests_cancelled_total", "counter", "requests whose client went away", c["cancelled"]),
             ("requests_refused_total", "counter", "requests answered 4xx", c["refused"]),
+            ("requests_failed_total", "counter", "requests whose batch step failed (answered 500)", c["failed"]),
             ("tokens_generated_total", "counter", "tokens generated", c["tokens"]),
             ("forwards_total", "counter", "target forwards (one per batch step)", c["forwards"]),
             ("row_steps_total", "counter", "rows summed over forwards (/ forwards_total: the mean batch size)",
@@ -161,7 +171,7 @@ class Scheduler:
              c["tokens"] / c["row_steps"] if c["row_steps"] else 0.0),
             ("tokens_per_second", "gauge", "tokens generated per second over the last 10 s", tps),
             ("running_requests", "gauge", "rows in the batch", len(self.jobs)),
-            ("waiting_requests", "gauge", "requests waiting for room", len(self.waiting)),
+            ("waiting_requests", "gauge", "requests waiting for room", waiting),
         ]
         return "".join(f"# HELP speccomp_{n} {h}\n# TYPE speccomp_{n} {t}\nspeccomp_{n} {v}\n" for n, t, h, v in rows)
 
@@ -218,9 +228,15 @@ def make_app(engine, max_batch: int = 8, kv_slots: int = 8192, name: str | None 
     async def _refused(request, exc):
         return error(400, str(exc), getattr(exc, "parameter", None))
 
+    @app.exception_handler(StepFailed)
+    async def _failed(request, exc):
+        return JSONResponse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}},
+                            status_code=500)
+
     @app.get("/health")
-    async def health():
-        return {"status": "ok" if scheduler.thread.is_alive() else "scheduler stopped"}
+    async def health():  # 503 where the scheduler thread died: a load balancer must stop sending requests here
+        alive = scheduler.thread.is_alive()
+        return JSONResponse({"status": "ok" if alive else "scheduler stopped"}, status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -246,7 +262,7 @@ def make_app(engine, max_batch: int = 8, kv_slots: int = 8192, name: str | None 
 async def _respond(scheduler, engine, model_name: str, request, ids: list[int], body: dict, chat: bool,
                    default_max_tokens: int):
     """One completion request, submitted to the scheduler: its JSON reply, or a stream of server-sent events."""
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse
 
     job = Job(ids, _options(body, default_max_tokens), asyncio.get_running_loop())
     scheduler.submit(job)
@@ -254,7 +270,7 @@ async def _respond(scheduler, engine, model_name: str, request, ids: list[int], 
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": model_name}
     if body.get("stream"):
-        return StreamingResponse(_stream(engine, job, head, kind, chat), media_type="text/event-stream")
+        return _job_stream(job, _stream(engine, job, head, kind, chat), media_type="text/event-stream")
     tokens, finish = await _collect(job, request)
     if finish is None:
         return JSONResponse({}, status_code=499)
@@ -263,6 +279,21 @@ async def _respond(scheduler, engine, model_name: str, request, ids: list[int], 
               else {"index": 0, "text": text, "logprobs": None})
     return {**head, "object": kind, "choices": [{**choice, "finish_reason": finish, "token_ids": tokens}],
             "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens), "total_tokens": len(ids) + len(tokens)}}
+
+
+def _job_stream(job: Job, content, **options):
+    """A StreamingResponse that lets the job's row go however the response ends: a client that disconnects before
+    the first event cancels the stream before `_stream` runs at all (so its own `finally` never does)."""
+    from fastapi.responses import StreamingResponse
+
+    class JobStream(StreamingResponse):
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                job.cancelled = True  # a finished job's row is gone already: then this changes nothing
+
+    return JobStream(content, **options)
 
 
 async def _collect(job: Job, request) -> tuple[list[int], str | None]:

@@ -242,6 +242,21 @@ def test_self_drafter_engines_greedy_identical(llama, drafter, options, tree, ba
     steps_like_torch(engine, fast, llama)
 
 
+def test_a_static_tree_deeper_than_dynamic_growth_drafts_whole_in_an_engine(llama, tmp_path):
+    """A drafter's own max_depth (6 for the self-drafters) bounds the growth of a dynamic tree only: a static chain of
+    8 drafts all 8 levels in torch (grow.grow) and in the engine (which once cut it to 6: same text, more steps)."""
+    from test_speculative import repetitive_prompt as looping_prompt
+
+    fast = speccomp.compile(llama, drafter="early_exit", drafter_options={"exit_layer": 2}, tree=8,
+                            backend="onnxruntime")
+    engine = speccomp.load(fast.export(tmp_path / "e"))
+    ids = looping_prompt(96, 1)  # one the drafter follows for long
+    assert np.array_equal(engine.generate(ids.numpy(), max_new_tokens=30), hf_greedy(llama, ids, 30).numpy())
+    fast.generate(ids, max_new_tokens=30)
+    assert len(fast.last_stats["acceptance_by_depth"]) == 8 and fast.last_stats["acceptance_by_depth"][7] > 0
+    assert engine.last_stats["steps"] == fast.last_stats["steps"]
+
+
 @pytest.mark.parametrize("kv_cache, options, tree, backend", [
     ("sink:16", None, None, "onnxruntime"),
     ("snapkv:16", None, [[0], [1], [0, 0]], "onnxruntime"),  # votes from the graph's attention output

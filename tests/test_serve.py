@@ -179,6 +179,44 @@ def test_a_client_that_goes_away_frees_its_row(server):
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["object"] == "model"
 
 
+def test_a_failed_step_answers_500_and_a_client_gone_while_queued_is_counted(engine_path):
+    """A batch step that fails is the server's fault: its rows get HTTP 500 (server_error, counted as failed, not as
+    refused) and the server goes on. A request whose client left while it waited is counted as cancelled when the
+    queue drops it, and the waiting gauge leaves it out."""
+    import asyncio
+
+    from fastapi.testclient import TestClient
+
+    from speccomp.serve import Job, make_app
+
+    app = make_app(speccomp.load(engine_path), max_batch=2, kv_slots=256)
+    scheduler, body = app.state.scheduler, {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}
+
+    def counts(text):
+        return {k.removeprefix("speccomp_"): float(v) for k, v in
+                (line.split() for line in text.splitlines() if line.startswith("speccomp_"))}
+
+    with TestClient(app) as client:
+        step = scheduler.batch.step
+        scheduler.batch.step = lambda: (_ for _ in ()).throw(RuntimeError("boom"))
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "boom" in r.text
+        scheduler.batch.step = step
+        assert client.post("/v1/completions", json=body).status_code == 200
+        m = counts(client.get("/metrics").text)
+        assert m["requests_failed_total"] == 1 and m["requests_refused_total"] == 0
+        assert m["requests_finished_total"] == 1 and client.get("/health").status_code == 200
+    # the app has stopped its scheduler thread: its queue is driven by hand from here
+    loop = asyncio.new_event_loop()
+    gone, kept = Job([5, 6], {}, loop), Job([5, 6, 7], {}, loop)
+    gone.cancelled, kept.row = True, scheduler.engine.row([5, 6, 7], max_new_tokens=4)
+    scheduler.waiting.extend([gone, kept])
+    assert counts(scheduler.metrics())["waiting_requests"] == 1
+    scheduler._admit()
+    assert scheduler.counts["cancelled"] == 1 and not scheduler.waiting and len(scheduler.jobs) == 1
+    loop.close()
+
+
 def test_an_engine_whose_drafter_cannot_batch_is_served_plainly_with_no_draft(model, tmp_path, monkeypatch):
     """early_exit drafts over the target's own cache, which a batch shares: serve refuses it naming --no-draft, and
     with it (load(draft=False)) serves plain decoding on the same target graph, HF greedy's text."""
@@ -255,8 +293,11 @@ def test_triton_model_repository(engine_path, model, tmp_path, monkeypatch):
 
     import numpy as np
 
+    from pathlib import Path
+
     from speccomp.engine.runtime import EngineError
     from speccomp.engine.triton_repository import export_triton_repository
+    from speccomp.errors import OptionError
 
     repo = tmp_path / "repo"
     folder = export_triton_repository(engine_path, repo, name="tiny", max_new_tokens=12)
@@ -310,3 +351,17 @@ def test_triton_model_repository(engine_path, model, tmp_path, monkeypatch):
     with pytest.raises(EngineError, match="not a speccomp Triton model"):
         export_triton_repository(engine_path, repo, name="other", overwrite=True)
     assert (repo / "other" / "config.pbtxt").read_text() == 'name: "other"'  # a user's files are never lost
+    # re-exported from the engine copied into it (to change its settings): built beside it, then swapped in
+    copy = repo / "tiny" / "1" / "engine"
+    export_triton_repository(copy, repo, name="tiny", max_new_tokens=7, overwrite=True)
+    params = {q["key"]: q["value"]["string_value"] for q in pbtxt((repo / "tiny" / "config.pbtxt").read_text())["parameters"]}
+    assert (copy / "manifest.json").is_file() and params["default_max_new_tokens"] == "7"
+    with pytest.raises(OptionError, match="out=.*inside the engine it copies"):
+        export_triton_repository(engine_path, Path(engine_path) / "repo")
+    assert not (Path(engine_path) / "repo").exists()
+    # a copy that fails leaves the old model whole and nothing half-written beside it
+    monkeypatch.setattr("shutil.copytree", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        export_triton_repository(engine_path, repo, name="tiny", overwrite=True)
+    assert (copy / "manifest.json").is_file() and (repo / "tiny" / "1" / "model.py").is_file()
+    assert sorted(q.name for q in repo.iterdir()) == ["other", "tiny"]

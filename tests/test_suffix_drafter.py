@@ -84,6 +84,8 @@ def test_suffix_drafter_is_exact_accepts_drafts_and_remembers_earlier_replies(tm
         assert torch.equal(fast.generate(ids, max_new_tokens=40), hf_greedy(model, ids, 40))
         steps.append(fast.last_stats["steps"])
     assert steps[0] < 40 and steps[1] < steps[0], steps  # drafts accepted; memory helps the repeat
+    # each whole text (prompt + reply) joined the memory when its generate returned, its last step's tokens too
+    assert [len(t) for t in fast.drafter.decoder.memory.texts] == [28 + 40] * 3
     engine = speccomp.load(fast.export(tmp_path / "e"))
     assert engine.drafter.decoder.max_match == 16
     engine_steps = []
@@ -93,6 +95,7 @@ def test_suffix_drafter_is_exact_accepts_drafts_and_remembers_earlier_replies(tm
         assert np.array_equal(out, hf_greedy(model, ids, 40).numpy())
         engine_steps.append(engine.last_stats["steps"])
     assert engine_steps == steps, (engine_steps, steps)  # the engine remembers its earlier replies as torch does
+    assert engine.drafter.decoder.memory.texts == fast.drafter.decoder.memory.texts
     fresh = speccomp.compile(model, drafter="suffix", backend="onnxruntime", drafter_options={"memory": 0})
     fresh.generate(repetitive_prompt(0), max_new_tokens=40)
     assert fresh.last_stats["steps"] == steps[0]  # without memory the repeat drafts as the first call did

@@ -105,24 +105,24 @@ class SuffixDecoder:
         self.depth = max_match + max_depth  # a match plus a draft below it
         self.memory = SuffixMemory(self.depth, memory) if memory else None
         self.request, self.text = SuffixIndex(self.depth), []
-        self.adds_at_finish = False  # a batch row's decoder (row()): its text joins the shared memory at finish()
 
     def row(self) -> "SuffixDecoder":
         """A decoder for one row of a batch: it reads this decoder's memory and adds its own text to it at finish()
         (when the batch lets the row go), so batched and served requests are remembered as single ones are."""
         new = SuffixDecoder(self.max_match, self.max_depth, self.budget, self.min_prob, memory=0)
-        new.memory, new.adds_at_finish = self.memory, True
+        new.memory = self.memory
         return new
 
     def finish(self, text: list[int]) -> None:
-        """A batch row's generation ended with `text` (prompt + reply): it joins the memory. The whole text, not what
-        propose last saw: a batch's budget may have let the row decode without drafting."""
-        if self.adds_at_finish and self.memory is not None and text:
+        """A generation ended with `text` (prompt + reply): it joins the memory. The whole text, not what propose last
+        saw: the last step's tokens, and a tail a batch's budget let the row decode without drafting."""
+        if self.memory is not None and text:
             self.memory.add(list(text))
         self.text = []
 
     def begin(self, prompt) -> None:
-        """A new generation: the last one's text (prompt + reply) joins the memory; the prompt is indexed."""
+        """A new generation: the prompt is indexed (and the last one's text, as far as propose saw it, joins the memory
+        where that generation never finished: it raised)."""
         if self.memory is not None and self.text:
             self.memory.add(self.text)
         self.request, self.text = SuffixIndex(self.depth), []

@@ -730,10 +730,10 @@ class _Grown(_Drafter):
 
     def propose(self, tokens, max_depth, max_nodes):
         tree, root, expand = self.tree, tokens[-1], self._expander(tokens, max_nodes)
-        max_depth = min(self.max_depth, max_depth)
-        if "budget" in tree:
-            return grow_dynamic(min(tree["budget"], max_nodes - 1), tree["top_k"], root, expand, max_depth)
-        parents, ranks = cut(tree["parents"], tree["ranks"], max_depth, max_nodes)
+        if "budget" in tree:  # `max_depth` of its own bounds a dynamic tree's growth only, as grow.grow's in torch
+            return grow_dynamic(min(tree["budget"], max_nodes - 1), tree["top_k"], root, expand,
+                                min(self.max_depth, max_depth))
+        parents, ranks = cut(tree["parents"], tree["ranks"], max_depth, max_nodes)  # a static tree: all that fits
         return parents, grow_static(parents, ranks, root, expand)
 
 
@@ -861,7 +861,7 @@ class _DraftModel(_Grown):
         max_nodes, self.probs = min(max_nodes, self.max_nodes), None
         if self.sampler is None or not self.samples:
             return super().propose(tokens, max_depth, max_nodes)
-        parents, ranks = cut(self.tree["parents"], self.tree["ranks"], min(self.max_depth, max_depth), max_nodes)
+        parents, ranks = cut(self.tree["parents"], self.tree["ranks"], max_depth, max_nodes)
         drawn = {}
         grown = grow_static(parents, ranks, tokens[-1], self._expander(tokens, max_nodes, drawn))
         if len(parents) > 1:
@@ -1443,6 +1443,8 @@ class Engine:
             path = row.accept((tokens, children), (logits, extras))
             cache.append(new_kv, keep=path)
             row.advance((tokens, children), path, (logits, extras))
+        if row.drafter is not None:
+            row.drafter.finish(row.prompt + row.out)
         seconds = time.perf_counter() - start
         return row.out, {**row.stats(seconds), "prefill_seconds": prefill_seconds, "kv_bytes": cache.nbytes(),
                          "lossless": True, "providers": self.providers}

@@ -15,7 +15,9 @@ environment). Nothing here starts a server; tests check the files and run model.
 """
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from speccomp.engine.runtime import EngineError, check_makeable, read_manifest
@@ -129,6 +131,10 @@ def export_triton_repository(engine_dir, out, name: str = "speccomp", max_new_to
     if not isinstance(overwrite, bool):
         raise OptionTypeError("overwrite", overwrite, "must be True or False")
     model = Path(out).expanduser().absolute() / name
+    source = engine_dir.expanduser().absolute()
+    if model.resolve() == source.resolve() or source.resolve() in model.resolve().parents:
+        raise OptionError("out", str(out), f"puts the model inside the engine it copies ({engine_dir}): the copy "
+                          "would copy itself", "write the repository outside the engine directory")
     if model.is_symlink() or (model.exists() and not model.is_dir()):
         raise EngineError(f"{model} exists and is not a directory; choose another --name or repository")
     check_makeable(model)
@@ -141,14 +147,29 @@ def export_triton_repository(engine_dir, out, name: str = "speccomp", max_new_to
         if not overwrite:
             raise EngineError(f"{model} already holds a speccomp Triton model; pass overwrite=True (CLI: "
                               "--overwrite) to replace it")
-        shutil.rmtree(model)
-    version = model / "1"
-    version.mkdir(parents=True)
-    shutil.copytree(engine_dir, version / "engine")
-    kind = "KIND_CPU" if provider == "cpu" else "KIND_GPU"
-    (model / "config.pbtxt").write_text(CONFIG.format(name=name, kind=kind, max_new_tokens=max_new_tokens,
-                                                      provider=provider))
-    (version / "model.py").write_text(MODEL_PY)
-    if not (version / "engine" / "manifest.json").is_file():
-        raise EngineError(f"copying the engine to {version / 'engine'} failed")
+    # built beside it and swapped in: a failure leaves the old model (and an engine copied from it) as it was
+    model.parent.mkdir(parents=True, exist_ok=True)
+    new = Path(tempfile.mkdtemp(prefix=f".{name}-new-", dir=model.parent))
+    try:
+        (new / "1").mkdir()
+        shutil.copytree(engine_dir, new / "1" / "engine")
+        if not (new / "1" / "engine" / "manifest.json").is_file():
+            raise EngineError(f"copying the engine {engine_dir} failed")
+        kind = "KIND_CPU" if provider == "cpu" else "KIND_GPU"
+        (new / "config.pbtxt").write_text(CONFIG.format(name=name, kind=kind, max_new_tokens=max_new_tokens,
+                                                        provider=provider))
+        (new / "1" / "model.py").write_text(MODEL_PY)
+        old = model.with_name(new.name.replace("-new-", "-old-"))
+        if model.exists():
+            os.rename(model, old)  # an empty folder too: nothing of the user's is deleted before the new one is in
+        try:
+            os.rename(new, model)
+        except OSError:
+            if old.exists():
+                os.rename(old, model)
+            raise
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
     return model

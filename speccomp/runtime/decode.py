@@ -200,9 +200,9 @@ class Drafter:
         return self.with_tree(self.tree)
 
     def finish(self, text: list[int]) -> None:
-        """A batch let this row's generation go (done or cancelled; PackedBatch.remove) with `text`, its prompt and
-        reply: a drafter made by fresh() that learns across requests (suffix's memory) keeps it here. Nothing by
-        default."""
+        """A generation ended with `text`, its prompt and reply (`decode` returned, or a batch let the row go: done or
+        cancelled, PackedBatch.remove): a drafter that learns across requests (suffix's memory) keeps it here.
+        Nothing by default."""
 
     def describe(self) -> dict:
         """Its declaration as JSON: name, tree, options, reads, graphs."""
@@ -408,6 +408,7 @@ def decode(verifier, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int
         path = seq.accept(draft, outs)
         verifier.commit(path)
         seq.advance(draft, path, outs)
+    drafter.finish(seq.prompt + seq.out)
     seq.stats.seconds = time.perf_counter() - start
     return torch.tensor(seq.out, dtype=torch.long, device=prompt.device), seq.stats
 
