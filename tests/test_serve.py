@@ -293,6 +293,7 @@ def test_triton_model_repository(engine_path, model, tmp_path, monkeypatch):
 
     import numpy as np
 
+    import os
     from pathlib import Path
 
     from speccomp.engine.runtime import EngineError
@@ -356,6 +357,9 @@ def test_triton_model_repository(engine_path, model, tmp_path, monkeypatch):
     export_triton_repository(copy, repo, name="tiny", max_new_tokens=7, overwrite=True)
     params = {q["key"]: q["value"]["string_value"] for q in pbtxt((repo / "tiny" / "config.pbtxt").read_text())["parameters"]}
     assert (copy / "manifest.json").is_file() and params["default_max_new_tokens"] == "7"
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert (repo / "tiny").stat().st_mode & 0o777 == 0o777 & ~mask  # readable as a mkdir'd folder (not mkdtemp's 0700)
     with pytest.raises(OptionError, match="out=.*inside the engine it copies"):
         export_triton_repository(engine_path, Path(engine_path) / "repo")
     assert not (Path(engine_path) / "repo").exists()

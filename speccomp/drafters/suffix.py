@@ -122,7 +122,7 @@ class SuffixDecoder:
 
     def begin(self, prompt) -> None:
         """A new generation: the prompt is indexed (and the last one's text, as far as propose saw it, joins the memory
-        where that generation never finished: it raised)."""
+        where no finish() came after it: it raised, or a wrapper such as autotune's recorder did not pass it on)."""
         if self.memory is not None and self.text:
             self.memory.add(self.text)
         self.request, self.text = SuffixIndex(self.depth), []

@@ -723,7 +723,8 @@ class _Medusa(_Drafter):
 
 class _Grown(_Drafter):
     """A drafter whose manifest tree ({parents, ranks} or {budget, top_k}) grows by `_expander(tokens, max_nodes)`,
-    an expand function of speccomp/drafters/grow.py, at most `max_depth` deep: Hydra, EAGLE, the self-drafters."""
+    an expand function of speccomp/drafters/grow.py: Hydra, EAGLE, the self-drafters. A dynamic tree grows at most
+    `max_depth` deep; a static one whole, as far as the room left allows."""
 
     def __init__(self, tree: dict, max_depth: int):
         self.tree, self.max_depth = tree, max_depth

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from speccomp.engine.runtime import EngineError, check_makeable, read_manifest
+from speccomp.models import set_default_mode
 
 CONFIG = """name: "{name}"
 backend: "python"
@@ -159,14 +160,19 @@ def export_triton_repository(engine_dir, out, name: str = "speccomp", max_new_to
         (new / "config.pbtxt").write_text(CONFIG.format(name=name, kind=kind, max_new_tokens=max_new_tokens,
                                                         provider=provider))
         (new / "1" / "model.py").write_text(MODEL_PY)
+        set_default_mode(new)  # mkdtemp's 0700 would hide the model from a Triton server running as another user
         old = model.with_name(new.name.replace("-new-", "-old-"))
-        if model.exists():
-            os.rename(model, old)  # an empty folder too: nothing of the user's is deleted before the new one is in
         try:
+            if model.exists():
+                os.rename(model, old)  # an empty folder too: nothing of the user's is deleted before the new one is in
             os.rename(new, model)
-        except OSError:
-            if old.exists():
-                os.rename(old, model)
+        except BaseException as exc:
+            if old.exists() and not model.exists():
+                try:
+                    os.rename(old, model)  # put it back
+                except OSError:
+                    raise EngineError(f"could not move the new model into {model} ({exc}); the previous one is kept "
+                                      f"at {old}") from exc
             raise
     except BaseException:
         shutil.rmtree(new, ignore_errors=True)
