@@ -265,12 +265,14 @@ async def _respond(scheduler, engine, model_name: str, request, ids: list[int], 
     from fastapi.responses import JSONResponse
 
     job = Job(ids, _options(body, default_max_tokens), asyncio.get_running_loop())
+    # stream_options.include_usage: every chunk carries "usage": null, a last chunk (no choices) the counts
+    usage = len(ids) if body.get("stream") and _stream_options(body).get("include_usage") else None
     scheduler.submit(job)
     kind = "chat.completion" if chat else "text_completion"
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": model_name}
     if body.get("stream"):
-        return _job_stream(job, _stream(engine, job, head, kind, chat), media_type="text/event-stream")
+        return _job_stream(job, _stream(engine, job, head, kind, chat, usage), media_type="text/event-stream")
     tokens, finish = await _collect(job, request)
     if finish is None:
         return JSONResponse({}, status_code=499)
@@ -318,9 +320,22 @@ async def _collect(job: Job, request) -> tuple[list[int], str | None]:
         raise
 
 
-async def _stream(engine, job: Job, head: dict, kind: str, chat: bool):
-    """A streaming job as server-sent events: text pieces as they decode whole characters, then [DONE]."""
+def _stream_options(body: dict) -> dict:
+    options = body.get("stream_options")
+    if options is None:
+        return {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"} or \
+            not isinstance(options.get("include_usage", False), bool):
+        raise OptionError("stream_options", options, "takes only include_usage", 'e.g. {"include_usage": true}')
+    return options
+
+
+async def _stream(engine, job: Job, head: dict, kind: str, chat: bool, prompt_tokens: int | None = None):
+    """A streaming job as server-sent events: text pieces as they decode whole characters, then [DONE].
+    `prompt_tokens` given (stream_options.include_usage): usage null on each chunk, then one chunk with the counts."""
     tokens, sent, sent_tokens, done = [], "", 0, False
+    if prompt_tokens is not None:
+        head = {**head, "usage": None}
     try:
         if chat:
             yield _event({**head, "object": kind + ".chunk",
@@ -341,6 +356,10 @@ async def _stream(engine, job: Job, head: dict, kind: str, chat: bool):
                           "choices": [{"index": 0, **part, "finish_reason": item if done else None,
                                        "token_ids": tokens[sent_tokens:]}]})
             sent_tokens = len(tokens)
+        if prompt_tokens is not None:
+            yield _event({**head, "object": kind + ".chunk" if chat else kind, "choices": [],
+                          "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
+                                    "total_tokens": prompt_tokens + len(tokens)}})
         yield "data: [DONE]\n\n"
     finally:
         if not done:

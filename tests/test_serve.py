@@ -124,6 +124,13 @@ def test_chat_stream_carries_the_same_tokens(server, model):
     ids = [t for c in chunks for t in c["choices"][0].get("token_ids", [])]
     assert text == whole["choices"][0]["message"]["content"] and ids == whole["choices"][0]["token_ids"]
     assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        counted = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all(c["usage"] is None for c in counted[:-1]) and counted[-1]["choices"] == []
+    assert counted[-1]["usage"] == whole["usage"]  # OpenAI's stream_options: the counts in a last chunk
+    r = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": True, "stream_options": {"usage": 1}})
+    assert r.status_code == 400 and "stream_options" in r.json()["error"]["message"]
     prompt = app.state.scheduler.engine.chat_ids(body["messages"])[0].tolist()
     assert prompt == [1, 5, 9, 11, 5, 9, 3]  # the chat template's rendering
     want = hf_greedy(model, torch.tensor([prompt]), 16, eos=EOS)[0, len(prompt):].tolist()
