@@ -574,8 +574,8 @@ def cmd_bench(args) -> int:
 
 
 # ---- The parser --------------------------------------------------------------------------------------------
-DRAFTER_HELP = ("drafter name from speccomp.available_drafters(), names merged with '+' (hydra+token_recycling), "
-                "or 'plain' (demo default: token_recycling; generate: plain)")
+DRAFTER_NAMES = "drafter name from speccomp.available_drafters(), names merged with '+' (hydra+token_recycling), or 'plain'"
+DRAFTER_HELP = DRAFTER_NAMES + " (demo default: token_recycling; generate: plain)"
 
 
 def _common(p, new_tokens=positive, compiles: bool = True, device: bool = True, drafter_help: str = DRAFTER_HELP,
@@ -708,8 +708,7 @@ def _add_autotune_export_run(sub) -> None:
 
     p = sub.add_parser("export", help="compile the default model and write an engine directory that runs without torch")
     _common(p, device=False,  # an engine is exported from the CPU graph
-            drafter_help="drafter name from speccomp.available_drafters(), names merged with '+' "
-                         "(hydra+token_recycling), or 'plain' (default %(default)s)",
+            drafter_help=DRAFTER_NAMES + " (default %(default)s)",
             backend="onnxruntime", drafter="token_recycling", func=cmd_export)
     _drafter_options_flag(p)
     p.add_argument("out", help="engine directory to write")

@@ -280,7 +280,7 @@ async def _respond(scheduler, engine, model_name: str, request, ids: list[int], 
     choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
               else {"index": 0, "text": text, "logprobs": None})
     return {**head, "object": kind, "choices": [{**choice, "finish_reason": finish, "token_ids": tokens}],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens), "total_tokens": len(ids) + len(tokens)}}
+            "usage": _usage(len(ids), len(tokens))}
 
 
 def _job_stream(job: Job, content, **options):
@@ -320,6 +320,11 @@ async def _collect(job: Job, request) -> tuple[list[int], str | None]:
         raise
 
 
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 def _stream_options(body: dict) -> dict:
     options = body.get("stream_options")
     if options is None:
@@ -334,11 +339,12 @@ async def _stream(engine, job: Job, head: dict, kind: str, chat: bool, prompt_to
     """A streaming job as server-sent events: text pieces as they decode whole characters, then [DONE].
     `prompt_tokens` given (stream_options.include_usage): usage null on each chunk, then one chunk with the counts."""
     tokens, sent, sent_tokens, done = [], "", 0, False
+    chunk = kind + ".chunk" if chat else kind  # OpenAI's streamed object names
     if prompt_tokens is not None:
         head = {**head, "usage": None}
     try:
         if chat:
-            yield _event({**head, "object": kind + ".chunk",
+            yield _event({**head, "object": chunk,
                           "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
         while not done:
             item = await job.queue.get()
@@ -352,14 +358,11 @@ async def _stream(engine, job: Job, head: dict, kind: str, chat: bool, prompt_to
                 continue  # a character cut between tokens: wait for the rest of its bytes
             piece, sent = text[len(sent):], text
             part = {"delta": {"content": piece}} if chat else {"text": piece}
-            yield _event({**head, "object": kind + ".chunk" if chat else kind,
-                          "choices": [{"index": 0, **part, "finish_reason": item if done else None,
-                                       "token_ids": tokens[sent_tokens:]}]})
+            yield _event({**head, "object": chunk, "choices": [{"index": 0, **part, "token_ids": tokens[sent_tokens:],
+                                                                "finish_reason": item if done else None}]})
             sent_tokens = len(tokens)
         if prompt_tokens is not None:
-            yield _event({**head, "object": kind + ".chunk" if chat else kind, "choices": [],
-                          "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
-                                    "total_tokens": prompt_tokens + len(tokens)}})
+            yield _event({**head, "object": chunk, "choices": [], "usage": _usage(prompt_tokens, len(tokens))})
         yield "data: [DONE]\n\n"
     finally:
         if not done:

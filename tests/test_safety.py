@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import speccomp
-from speccomp.engine.export import _swap_in, check_destination
+from speccomp.engine.export import _check_replaceable, check_destination, swap_in
 from speccomp.engine.runtime import MANIFEST, EngineError, check_session_providers
 from speccomp.errors import OptionError, OptionTypeError
 from speccomp.drafters.medusa import HeadsError, load_medusa, new_heads, save_medusa
@@ -95,6 +95,11 @@ def _fake_engine(path: Path, text: str) -> Path:
     path.mkdir()
     (path / MANIFEST).write_text(json.dumps({"format": "speccomp-engine", "graphs": {}, "note": text}))
     return path
+
+
+def _swap_in(new, path, overwrite):
+    """export's swap: `path` replaced where it is an engine export may replace."""
+    swap_in(new, path, lambda where: _check_replaceable(where, overwrite, path))
 
 
 def test_swap_keeps_the_old_engine_when_the_new_one_cannot_move_in(tmp_path, monkeypatch):

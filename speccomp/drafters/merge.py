@@ -34,6 +34,7 @@ import torch
 
 from speccomp.drafters.lookup import merge_trees, own_view
 from speccomp.errors import OptionError, OptionTypeError
+from speccomp.runtime.calls import tightest_context
 from speccomp.runtime.decode import READS, Draft, DraftContext, Drafter, restrict
 from speccomp.runtime.tree import Tree
 
@@ -60,8 +61,7 @@ class MergedDrafter(Drafter):
         self.options = {n: dict(d.options) for n, d in zip(names, drafters)}
         self.target_passes = [p for d in drafters for p in d.target_passes]
         self.observe_optional = all(d.observe_optional for d in drafters)  # one skip skips every part's observe
-        # a draft model's context bounds the merge's text too (generate refuses longer ones up front: check_context)
-        self.max_positions = min((d.max_positions for d in drafters if getattr(d, "max_positions", None)), default=None)
+        self.max_positions = tightest_context(drafters)  # a draft model's bounds the merge's text (check_context)
         self._last: list[tuple[Draft, list]] = []  # per drafter: its draft, and its node -> merged node (or None)
 
     def fresh(self) -> "MergedDrafter":

@@ -15,10 +15,10 @@ Each graph the onnxruntime backend already exported is copied, any other exporte
 What export may touch (`check_destination`): the destination must be a new or empty directory, or, with
 overwrite=True, an engine whose manifest says format "speccomp-engine" and that holds nothing but the files that
 manifest names. It is never ".", the home directory, the filesystem root or any ancestor of the working directory.
-The new engine is written in a temporary directory beside the destination and swapped in by renames (`_swap_in`: the
+The new engine is written in a temporary directory beside the destination and swapped in by renames (`swap_in`: the
 old engine moves aside and is checked again there, the new one moves in, the old one is deleted last), so export
 deletes nothing it did not write and an interrupted export never leaves half an engine at the destination. A crash
-between the two renames leaves the old engine in `.NAME-old-XXXX/engine` beside the destination.
+between the two renames leaves the old engine in `.NAME-old-XXXX/previous` beside the destination.
 """
 from __future__ import annotations
 
@@ -308,10 +308,12 @@ def _check_replaceable(where: Path, overwrite: bool, path: Path) -> None:
                           "it (move those files out, or export elsewhere)")
 
 
-def _swap_in(tmp: Path, path: Path, overwrite: bool) -> None:
-    """Move the finished engine `tmp` to `path`. Whatever is at `path` now is checked again where no one else can
-    write to it: an empty directory is removed with rmdir (which fails, harmlessly, if a file appeared), an engine
-    is first renamed aside and checked there, then replaced, and deleted only after the new one is in place."""
+def swap_in(tmp: Path, path: Path, check, what: str = "engine") -> None:
+    """Move the finished `what` (an engine; export_triton_repository's Triton model) built in `tmp` to `path`.
+    Whatever is at `path` now is checked again where no one else can write to it: an empty directory is removed
+    with rmdir (which fails, harmlessly, if a file appeared), anything else is first renamed aside and `check(where)`
+    there (it raises EngineError where it may not be replaced), then replaced, and deleted only after the new one is
+    in place."""
     set_default_mode(tmp)
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         try:
@@ -319,29 +321,29 @@ def _swap_in(tmp: Path, path: Path, overwrite: bool) -> None:
                 os.rmdir(path)
             os.rename(tmp, path)
         except OSError as exc:
-            raise EngineError(f"could not move the new engine into {path} ({exc}); another process wrote there during "
+            raise EngineError(f"could not move the new {what} into {path} ({exc}); another process wrote there during "
                               "the export? Nothing was replaced") from exc
         return
     old = Path(tempfile.mkdtemp(prefix=f".{path.name}-old-", dir=path.parent))
-    moved = old / "engine"
+    moved = old / "previous"
     try:
         os.rename(path, moved)
     except OSError as exc:
         old.rmdir()
-        raise EngineError(f"could not move the engine at {path} aside ({exc}); nothing was replaced") from exc
+        raise EngineError(f"could not move the {what} at {path} aside ({exc}); nothing was replaced") from exc
     try:
-        _check_replaceable(moved, overwrite, path)  # what was there at the last moment, not at the first check
+        check(moved)  # what was there at the last moment, not at the first check
         os.rename(tmp, path)
     except (EngineError, OSError) as exc:
         try:
             os.rename(moved, path)  # put it back: nothing is lost
         except OSError:
-            raise EngineError(f"could not move the new engine into {path} ({exc}); what was there is kept at "
+            raise EngineError(f"could not move the new {what} into {path} ({exc}); what was there is kept at "
                               f"{moved}") from exc
         old.rmdir()
         if isinstance(exc, EngineError):
             raise
-        raise EngineError(f"could not move the new engine into {path} ({exc}); the previous one is back in place") from exc
+        raise EngineError(f"could not move the new {what} into {path} ({exc}); the previous one is back in place") from exc
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -384,7 +386,7 @@ def export_engine(fast, path, tokenizer=None, overwrite: bool = False, model_id:
                     "tokenizer": _tokenizer_entry(tokenizer, tmp)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         check_destination(path, overwrite)  # again: the export took a while, someone may have written there
-        _swap_in(tmp, path, overwrite)
+        swap_in(tmp, path, lambda where: _check_replaceable(where, overwrite, path))
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

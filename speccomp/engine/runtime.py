@@ -31,7 +31,7 @@ import numpy as np
 
 from speccomp.runtime.budget import AHEAD_PAST, AHEAD_Q, Budget, StepCosts
 from speccomp.runtime.calls import (MAX_TREE, CallGuard, Generation, as_int, batch_rows, check_context, generate_args,
-                                    pad_id, row_seed, row_slots, run_batch)
+                                    pad_id, row_seed, row_slots, run_batch, tightest_context)
 from speccomp.runtime.packed import PackedBatch, Part
 from speccomp.errors import OptionTypeError, SpeccompError
 from speccomp.drafters.eagle_cache import EagleCache
@@ -979,8 +979,7 @@ class _Merged(_Drafter):
         self.outputs = tuple(o for d in drafters for o in d.outputs)
         self.batches = all(d.batches for d in drafters)
         self.observe_optional = all(d.observe_optional for d in drafters)
-        # a draft model's context bounds the merge's text too (generate refuses longer ones up front: check_context)
-        self.max_positions = min((d.max_positions for d in drafters if getattr(d, "max_positions", None)), default=None)
+        self.max_positions = tightest_context(drafters)  # a draft model's bounds the merge's text (check_context)
 
     def fresh(self):
         return _Merged([d.fresh() for d in self.drafters], self.name)
@@ -1444,8 +1443,7 @@ class Engine:
             path = row.accept((tokens, children), (logits, extras))
             cache.append(new_kv, keep=path)
             row.advance((tokens, children), path, (logits, extras))
-        if row.drafter is not None:
-            row.drafter.finish(row.prompt + row.out)
+        row.finish()
         seconds = time.perf_counter() - start
         return row.out, {**row.stats(seconds), "prefill_seconds": prefill_seconds, "kv_bytes": cache.nbytes(),
                          "lossless": True, "providers": self.providers}

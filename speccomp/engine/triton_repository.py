@@ -15,13 +15,12 @@ environment). Nothing here starts a server; tests check the files and run model.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from speccomp.engine.export import swap_in
 from speccomp.engine.runtime import EngineError, check_makeable, read_manifest
-from speccomp.models import set_default_mode
 
 CONFIG = """name: "{name}"
 backend: "python"
@@ -118,6 +117,19 @@ class TritonPythonModel:
 '''
 
 
+def _check_model(where: Path, overwrite: bool, model: Path) -> None:
+    """The non-empty directory `where` (the model folder `model`, or where it was moved aside) may be replaced: it
+    holds a speccomp Triton model and nothing else, and overwrite=True."""
+    ours = {p.name for p in where.iterdir()} <= {"config.pbtxt", "1"} and (where / "1" / "model.py").is_file() \
+        and (where / "1" / "model.py").read_text().startswith(MODEL_PY.splitlines()[0])
+    if not ours:
+        raise EngineError(f"{model} holds files that are not a speccomp Triton model; refusing to replace them "
+                          "(choose another --name or repository)")
+    if not overwrite:
+        raise EngineError(f"{model} already holds a speccomp Triton model; pass overwrite=True (CLI: "
+                          "--overwrite) to replace it")
+
+
 def export_triton_repository(engine_dir, out, name: str = "speccomp", max_new_tokens: int = 128,
                              provider: str = "cpu", overwrite: bool = False) -> Path:
     """Write a Triton model repository serving the engine at `engine_dir` under `out/<name>`; returns that folder."""
@@ -140,14 +152,7 @@ def export_triton_repository(engine_dir, out, name: str = "speccomp", max_new_to
         raise EngineError(f"{model} exists and is not a directory; choose another --name or repository")
     check_makeable(model)
     if model.is_dir() and any(model.iterdir()):
-        ours = {p.name for p in model.iterdir()} <= {"config.pbtxt", "1"} and (model / "1" / "model.py").is_file() \
-            and (model / "1" / "model.py").read_text().startswith(MODEL_PY.splitlines()[0])
-        if not ours:
-            raise EngineError(f"{model} holds files that are not a speccomp Triton model; refusing to replace them "
-                              "(choose another --name or repository)")
-        if not overwrite:
-            raise EngineError(f"{model} already holds a speccomp Triton model; pass overwrite=True (CLI: "
-                              "--overwrite) to replace it")
+        _check_model(model, overwrite, model)
     # built beside it and swapped in: a failure leaves the old model (and an engine copied from it) as it was
     model.parent.mkdir(parents=True, exist_ok=True)
     new = Path(tempfile.mkdtemp(prefix=f".{name}-new-", dir=model.parent))
@@ -160,22 +165,8 @@ def export_triton_repository(engine_dir, out, name: str = "speccomp", max_new_to
         (new / "config.pbtxt").write_text(CONFIG.format(name=name, kind=kind, max_new_tokens=max_new_tokens,
                                                         provider=provider))
         (new / "1" / "model.py").write_text(MODEL_PY)
-        set_default_mode(new)  # mkdtemp's 0700 would hide the model from a Triton server running as another user
-        old = model.with_name(new.name.replace("-new-", "-old-"))
-        try:
-            if model.exists():
-                os.rename(model, old)  # an empty folder too: nothing of the user's is deleted before the new one is in
-            os.rename(new, model)
-        except BaseException as exc:
-            if old.exists() and not model.exists():
-                try:
-                    os.rename(old, model)  # put it back
-                except OSError:
-                    raise EngineError(f"could not move the new model into {model} ({exc}); the previous one is kept "
-                                      f"at {old}") from exc
-            raise
-    except BaseException:
-        shutil.rmtree(new, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+        swap_in(new, model, lambda where: _check_model(where, overwrite, model), what="Triton model")
+    finally:
+        if new.exists():
+            shutil.rmtree(new, ignore_errors=True)
     return model

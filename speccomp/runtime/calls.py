@@ -109,6 +109,13 @@ class Generation:
         this step (runtime/budget.py); a cap of 1 asks the drafter for nothing."""
         return self.max_new_tokens - len(self.out), self.max_tree if max_nodes is None else min(max_nodes, self.max_tree)
 
+    def finish(self) -> None:
+        """The generation ended (returned, or a batch let the row go): its drafter, if any, is handed the whole text
+        (Drafter.finish: suffix decoding's memory keeps it)."""
+        drafter = getattr(self, "drafter", None)
+        if drafter is not None:
+            drafter.finish(self.prompt + self.out)
+
     def _emit(self, tokens) -> None:
         """Accepted tokens, up to the first eos or max_new_tokens."""
         for t in map(int, tokens):
@@ -231,6 +238,11 @@ def run_batch(batch, rows: list) -> int:
         for rid in [r for r, row in batch.rows.items() if row.done]:
             batch.remove(rid)
     return batch.forwards
+
+
+def tightest_context(drafters) -> int | None:
+    """A merge's context: the shortest of its parts' (a draft model's `max_positions`), None where none has one."""
+    return min((d.max_positions for d in drafters if getattr(d, "max_positions", None)), default=None)
 
 
 def check_context(drafter, prompt_len: int, max_new_tokens: int) -> None:

@@ -408,7 +408,7 @@ def decode(verifier, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int
         path = seq.accept(draft, outs)
         verifier.commit(path)
         seq.advance(draft, path, outs)
-    drafter.finish(seq.prompt + seq.out)
+    seq.finish()
     seq.stats.seconds = time.perf_counter() - start
     return torch.tensor(seq.out, dtype=torch.long, device=prompt.device), seq.stats
 

@@ -62,9 +62,7 @@ class PackedBatch:
 
     def remove(self, rid: int) -> None:
         """A row leaves (done, or its client went away): its slots are freed, its drafter told (Drafter.finish)."""
-        row = self.rows[rid]
-        if getattr(row, "drafter", None) is not None:
-            row.drafter.finish(row.prompt + row.out)
+        self.rows[rid].finish()
         del self.rows[rid], self.reserved[rid], self._joined[rid]
         if self.budget is not None:
             self.budget.forget(rid)
