@@ -148,11 +148,13 @@ class KiviCacheRead(Pass):
             with graph.inserting_after(last):
                 last = new_inputs[name] = graph.placeholder(name)
         sg.structure.inputs.update(new_inputs)
+        val = past.meta.get("val")  # the captured cache: where (GPU too) and in what dtype the keys/values live
+        like = (val.device if val is not None else None, sg.captured.kv.dtype)
         for site in sg.structure.attention:
             for cat, kv_index in ((site.key_cat, 0), (site.value_cat, 1)):
                 old = cat.args[0][0]
                 with graph.inserting_before(cat):
-                    dequant = self._dequantised(graph, new_inputs, site.layer, kv_index)
+                    dequant = self._dequantised(graph, new_inputs, site.layer, kv_index, like)
                     tail = _layer(graph, _layer(graph, new_inputs["kv_tail"], site.layer), kv_index)  # [1, Hkv, t, D]
                 cat.args = ([dequant, tail] + list(cat.args[0][1:]),) + tuple(cat.args[1:])
                 _erase_if_dead(graph, old)
@@ -160,22 +162,24 @@ class KiviCacheRead(Pass):
         if readers:
             raise GraphStructureError(f"past_kv values are still read by {[u.name for u in readers]} after KiviCacheRead")
 
-    def _unpacked(self, graph: fx.Graph, codes: fx.Node) -> fx.Node:
-        """uint8 [..., P] -> float [..., D] (8 // bits codes per byte, low bits first, as pack_codes)."""
+    def _unpacked(self, graph: fx.Graph, codes: fx.Node, like: tuple) -> fx.Node:
+        """uint8 [..., P] -> [..., D] in the cache's dtype (8 // bits codes per byte, low bits first, as pack_codes;
+        codes < 256 are exact in every float dtype). like: (device, dtype) of the captured cache."""
         call = graph.call_function
+        device, dtype = like
         if self.bits != 8:
-            device = codes.meta["val"].device if "val" in codes.meta else None  # the model's device (GPU too)
             shifts = call(aten.arange.start_step, (0, 8, self.bits), {"dtype": torch.uint8, "device": device})
             spread = call(aten.bitwise_right_shift.Tensor, (call(aten.unsqueeze.default, (codes, -1)), shifts))
             codes = call(aten.flatten.using_ints, (call(aten.bitwise_and.Scalar, (spread, 2**self.bits - 1)), -2, -1))
-        return call(aten._to_copy.default, (codes,), {"dtype": torch.float32})
+        return call(aten._to_copy.default, (codes,), {"dtype": dtype})
 
-    def _dequantised(self, graph: fx.Graph, inputs: dict, layer: int, kv_index: int) -> fx.Node:
+    def _dequantised(self, graph: fx.Graph, inputs: dict, layer: int, kv_index: int, like: tuple) -> fx.Node:
         """Layer `layer`'s keys (kv_index 0: groups of G tokens, dim d = 2) or values (1: groups of g channels,
-        d = 3) as float [1, Hkv, Tq, D]: codes unflattened at d into [groups, group size] * scale + min."""
+        d = 3) as [1, Hkv, Tq, D] in the cache's dtype: codes unflattened at d into [groups, group size] * scale
+        + min."""
         call = graph.call_function
         kind, d, size = ("key", 2, self.group) if kv_index == 0 else ("value", 3, self.value_group)
-        codes = self._unpacked(graph, _layer(graph, inputs[f"kv_{kind}_codes"], layer))  # [1, Hkv, Tq, D]
+        codes = self._unpacked(graph, _layer(graph, inputs[f"kv_{kind}_codes"], layer), like)  # [1, Hkv, Tq, D]
         scale = _layer(graph, inputs[f"kv_{kind}_scale"], layer)  # keys [1, Hkv, Tq/G, D], values [1, Hkv, Tq, D/g]
         minimum = _layer(graph, inputs[f"kv_{kind}_min"], layer)
         grouped = call(aten.unflatten.int, (codes, d, [call(aten.sym_size.int, (scale, d)), size]))

@@ -109,7 +109,14 @@ def check_plot_flag(parameter: str, path):
             import matplotlib  # noqa: F401
         except ImportError:
             raise OptionError(parameter, path, "writing a plot needs matplotlib", "pip install matplotlib") from None
-        return path if Path(path).suffix else f"{path}.png"
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        suffix = Path(path).suffix.lower().lstrip(".")
+        if suffix and suffix not in kinds:
+            raise OptionError(parameter, path, f"matplotlib cannot write .{suffix} files",
+                              f"name a file ending in one of {', '.join('.' + k for k in sorted(kinds))}")
+        return path if suffix else f"{path}.png"
     return path
 
 
@@ -239,10 +246,11 @@ def cmd_demo(args) -> int:
 def cmd_search(args) -> int:
     """Time candidate layer choices for a self-drafter; store the fastest for compile to reuse."""
     from speccomp.runtime.tree import parse_tree_spec
-    from speccomp.tuning.search import KINDS, cached_options, search_drafter
+    from speccomp.tuning.search import KINDS, cached_options, check_search_tree, search_drafter
 
     _compile_options(args)
     _drafter_among(args.drafter, KINDS, "search picks the layers of a self-drafter")
+    check_search_tree(args.tree)
     if args.backend != "eager":  # the skip sets it stores serve every backend's compile
         raise OptionError("backend", args.backend, "search times its candidates on the eager backend only",
                           "drop --backend")
@@ -273,6 +281,10 @@ def _check_train_flags(args) -> list[str]:
                          "over its draft vocabulary")
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.kind == "medusa" and args.draft_vocab is not None:
+        raise OptionError("draft_vocab", args.draft_vocab, "Medusa heads score the whole vocabulary",
+                          "drop --draft-vocab, or train --kind hydra or eagle")
+    args.draft_vocab = args.draft_vocab or 8192
     if args.kind == "eagle" and args.layers != 1:
         raise ValueError(f"--layers is the ResBlocks per Medusa/Hydra head; an EAGLE head is one decoder layer, got --layers {args.layers}")
     # more kinds of request than the files hold (speccomp/tuning/synthetic_prompts.py); checked before the model loads
@@ -281,7 +293,10 @@ def _check_train_flags(args) -> list[str]:
     if args.out:
         from speccomp.drafters.medusa import check_head_directory
 
+        from speccomp.tuning.train_heads import check_not_foreign
+
         check_head_directory(args.out)  # never over a folder's own config.json
+        check_not_foreign(args.out)  # nor over heads no run there wrote
     return extra
 
 
@@ -319,7 +334,10 @@ def cmd_train_draft(args) -> int:
     extra = synthetic_prompts(args.synthetic, seed=args.seed) if args.synthetic else []
     _directory("out", args.out)
     if args.out:
+        from speccomp.tuning.train_heads import check_not_foreign
+
         check_draft_directory(args.out)  # never over a folder's own config.json
+        check_not_foreign(args.out)  # nor over a draft no run there wrote
     files = args.prompts or list(TRAIN_SETS)
     texts = _prompts(files, args.limit)
     model, tok = _load(args)
@@ -461,7 +479,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--kv", default=None, metavar="POLICIES",
                    help="also bench KV-cache compression rows, comma-separated policies such as sink:256,snapkv:512,kivi4; "
                         "their table reports the KV bytes held vs the full cache")
-    p.add_argument("--kv-mode", default="draft", choices=["draft", "target"],
+    p.add_argument("--kv-mode", default=None, choices=["draft", "target"],
                    help="draft (default, lossless: the model drafts over the compressed cache) or target "
                         "(LOSSY: the model itself reads it; outputs differ from HF greedy by design)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -479,7 +497,7 @@ def _equivalent_command(args) -> str:
         "speccomp", "bench", "--model", args.model, "--drafters", args.drafters,
         *(["--prompts", *args.prompts] if args.prompts else []), *given("--limit", args.limit, args.limit is not None),
         "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), "--backend", args.backend,
-        "--warmup", str(args.warmup), "--hf-prompt-lookup" if args.hf_prompt_lookup else "--no-hf-prompt-lookup",
+        "--device", args.device, "--warmup", str(args.warmup), "--hf-prompt-lookup" if args.hf_prompt_lookup else "--no-hf-prompt-lookup",
         *given("--tree", args.tree, args.tree is not None),
         *[word for item in args.drafter_options or [] for word in ("--drafter-options", item)],
         *(["--kv", args.kv, "--kv-mode", args.kv_mode] if args.kv else []),
@@ -507,6 +525,9 @@ def _bench_drafters(args, available: list) -> list:
     if unknown:
         raise ValueError(f"unknown drafter(s) {unknown}; available: {available}, merged with '+' "
                          "(e.g. hydra+token_recycling), or 'all'")
+    twice = sorted({d for d in drafters if drafters.count(d) > 1})
+    if twice:
+        raise OptionError("drafters", args.drafters, f"names {twice} more than once", "name each row once")
     return drafters
 
 
@@ -518,6 +539,8 @@ def _bench_drafter_options(args, drafters: list) -> dict:
         name = name.strip()
         if not eq or name not in drafters:
             raise ValueError(f"--drafter-options {item!r}: write DRAFTER=JSON with DRAFTER one of the --drafters rows {drafters}")
+        if name in options:  # the later one would silently win
+            raise ValueError(f"--drafter-options {item!r}: {name} already has options; give each row one JSON object")
         try:
             options[name] = _json_object(text)
         except argparse.ArgumentTypeError as exc:
@@ -539,6 +562,13 @@ def cmd_bench(args) -> int:
     drafters = _bench_drafters(args, speccomp.available_drafters())
     if args.tree is not None:
         parse_tree_spec(args.tree)
+    if args.kv_mode is not None and not args.kv:
+        raise OptionError("kv_mode", args.kv_mode, "applies to the --kv rows, and none were asked for",
+                          "add --kv POLICIES (e.g. --kv sink:256) or drop --kv-mode")
+    args.kv_mode = args.kv_mode or "draft"
+    if args.tree is not None and not drafters and not (args.kv and args.kv_mode == "draft"):
+        raise OptionError("tree", args.tree, "shapes the drafter rows' trees, and this run has none",
+                          "name drafters with --drafters (or KV rows with --kv) or drop --tree")
     options = _bench_drafter_options(args, drafters)
     for d in drafters:  # each row as compile checks it without a model (merge rules, tree, option types)
         check_options(drafter=d, tree=args.tree, backend=args.backend, drafter_options=options.get(d))
@@ -546,18 +576,22 @@ def cmd_bench(args) -> int:
     extra_rows = kv_rows(args.kv, args.kv_mode) if args.kv else []
     args.plot = check_plot_flag("plot", args.plot)
     prompts = load_bench_prompts(args.prompts, args.limit)
+    inputs = {Path(f).resolve(): "--prompts" for f in args.prompts or []}
     for flag, out in (("json", args.json), ("plot", args.plot)):  # before minutes of benchmarking, not after
         if out and Path(out).is_dir():
             raise OptionError(flag, out, "is a directory", f"name a file, e.g. {Path(out) / ('bench.' + flag)}")
+        if out and Path(out).resolve() in inputs:  # the results would replace what they were measured on
+            raise OptionError(flag, out, f"is also given as {inputs[Path(out).resolve()]}", "name another file")
         if out:
             Path(out).resolve().parent.mkdir(parents=True, exist_ok=True)  # a file on the way: one-line OSError
+            inputs[Path(out).resolve()] = f"--{flag}"
 
     model, tok = _load(args)
     rows = default_rows(drafters, hf_prompt_lookup=args.hf_prompt_lookup, tree=args.tree)
     rows = [replace(r, drafter_options=options[r.drafter]) if r.drafter in options else r for r in rows] + extra_rows
     header = {"command": shlex.join(sys.argv), "equivalent_command": _equivalent_command(args), "model": args.model,
               "prompt_files": args.prompts or ["speccomp/data/prompts.jsonl"], "limit_per_file": args.limit,
-              "drafters": drafters}
+              "drafters": drafters, "device": args.device}
     result = run_bench(model, prompts, rows, args.max_new_tokens, tokenizer=tok, tree=args.tree, backend=args.backend,
                        warmup=args.warmup, progress=not args.no_progress, header=header)
     print(result.markdown())
@@ -665,7 +699,7 @@ def _add_train_heads(sub) -> None:
     p.add_argument("--layers", type=positive, default=1, help="ResBlocks per head (default 1)")
     p.add_argument("--epochs", type=positive, default=3, help="training epochs (default 3)")
     p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW peak learning rate, decayed linearly (default 1e-3)")
-    p.add_argument("--draft-vocab", type=positive, default=8192, help="hydra, eagle: tokens the heads score (default 8192)")
+    p.add_argument("--draft-vocab", type=positive, default=None, help="hydra, eagle: tokens the heads score (default 8192)")
     p.add_argument("--soft-labels", type=int, default=0,
                    help="also learn the model's top-K next-token probabilities (teacher distillation; default 0 = argmax only)")
     p.add_argument("--synthetic", type=non_negative, default=0,

@@ -49,15 +49,22 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
             what = "is a directory, not a JSONL file" if path.is_dir() else "does not exist"
             raise FileNotFoundError(f"prompt file {path} {what} (shipped sets by name: {list(SETS)})")
         text, source = path.read_text(), str(path)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be an int >= 1 (or None for every prompt), got {limit!r}")
     prompts = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            prompts.append(Prompt(str(row.get("question_id", lineno)), row.get("category", "general"), row["turns"][0]))
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
-            raise ValueError(f"{source}:{lineno}: expected JSON with a non-empty 'turns' list ({exc})") from exc
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{source}:{lineno}: not JSON ({exc})") from None
+        turns = row.get("turns") if isinstance(row, dict) else None
+        # a string "turns" would index to its first character: refused, as anything but a list of strings
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            raise ValueError(f"{source}:{lineno}: expected a JSON object with 'turns', a non-empty list of strings, "
+                             f"got {line.strip()[:80]}")
+        prompts.append(Prompt(str(row.get("question_id", lineno)), str(row.get("category", "general")), turns[0]))
     if not prompts:
         raise ValueError(f"{source} holds no prompts")
     return prompts[:limit] if limit else prompts

@@ -654,3 +654,22 @@ def test_engine_refuses_batches_it_cannot_pack(captured, prompts, tmp_path):
                               (dict(load_aware=1), OptionTypeError, "load_aware.*True or False")):
         with pytest.raises(error, match=words):
             plain.generate(ids.numpy(), max_new_tokens=4, attention_mask=mask.numpy(), **bad)
+
+
+def test_persist_gives_every_row_one_recycling_table(captured, prompts, greedy, tmp_path):
+    """token_recycling persist=True keeps its table across generations, batch rows and served requests included:
+    every row reads and writes the drafter's one table (lossless: the target verifies every draft). Before, each row
+    started from an empty table of its own and dropped it when it left, in both runtimes."""
+    fast = speccomp.compile(captured, drafter="token_recycling", drafter_options={"persist": True},
+                            backend="onnxruntime")
+    engine = speccomp.load(fast.export(tmp_path / "e"))
+    ids, mask = left_padded(prompts[:4])
+    for runtime, array in ((fast, lambda t: t), (engine, lambda t: t.numpy())):
+        assert runtime.drafter.adj == {}
+        out = runtime.generate(array(ids), max_new_tokens=NEW, attention_mask=array(mask), load_aware=False)
+        for i in range(4):
+            assert out[i, ids.shape[1]:].tolist() == greedy[i].tolist(), f"row {i}"
+        assert len(runtime.drafter.adj) > 20, type(runtime).__name__  # what the rows recycled stayed
+        learned = dict(runtime.drafter.adj)
+        runtime.generate(array(ids[:1, -prompts[0].shape[0]:]), max_new_tokens=4)  # a later single call reads it
+        assert set(learned) <= set(runtime.drafter.adj)

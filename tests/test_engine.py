@@ -514,3 +514,15 @@ def test_quantized_drafter_is_lossless_and_exports(llama, tmp_path):
         speccomp.compile(llama, drafter="quantized", drafter_options={"block_size": 24}, backend="onnxruntime")
     with pytest.raises(speccomp.OptionError, match=r"unknown quantized options \['bits'\]"):
         speccomp.compile(llama, drafter="quantized", drafter_options={"bits": 8}, backend="onnxruntime")
+
+
+def test_token_recycling_top_k_past_the_vocabulary_exports_and_runs(llama, tmp_path):
+    """top_k larger than the vocabulary: torch keeps every token (it clamps); the engine's in-graph TopK must too
+    (ONNX Runtime refuses a k past its axis: before, the exported engine failed at its first step)."""
+    fast = speccomp.compile(llama, drafter="token_recycling", drafter_options={"top_k": 128}, backend="onnxruntime")
+    ids = repetitive_prompt(11)
+    ref = fast.generate(ids, max_new_tokens=16)
+    assert fast.last_stats["steps"] < 16  # drafts accepted
+    engine = speccomp.load(fast.export(tmp_path / "e"))
+    assert engine.generate(ids.numpy(), max_new_tokens=16).tolist() == ref.tolist()
+    assert engine.last_stats["steps"] == fast.last_stats["steps"]

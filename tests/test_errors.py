@@ -898,6 +898,22 @@ CLI_ERRORS = [
     *([("generate-device-cuda-without-gpu", ["generate", "--prompt", "hi", "--device", "cuda"], ("device", "cuda")),
        ("demo-backend-cudagraphs-without-gpu", ["demo", "--backend", "cudagraphs"], ("backend", "cudagraphs"))]
       if not torch.cuda.is_available() else []),
+    # results never replace what they were measured on; flags that would be ignored are refused (review, stop 45)
+    ("bench-json-is-the-prompts", ["bench", "--drafters", "none", "--prompts", "{good}", "--json", "{good}"],
+     ("--json", "--prompts")),
+    ("bench-kv-mode-without-kv", ["bench", "--drafters", "none", "--kv-mode", "target"], ("--kv-mode", "--kv")),
+    ("bench-tree-without-drafter-rows", ["bench", "--drafters", "none", "--tree", "3"], ("--tree", "none")),
+    ("bench-drafter-options-twice", ["bench", "--drafters", "ngram", "--drafter-options", 'ngram={"max_ngram": 3}',
+                                     "--drafter-options", 'ngram={"max_ngram": 2}'], ("--drafter-options", "already")),
+    ("bench-drafters-twice", ["bench", "--drafters", "ngram,ngram"], ("--drafters", "more than once")),
+    ("bench-plot-suffix", ["bench", "--drafters", "none", "--plot", "{tmp}/r.txt"], ("--plot", ".txt")),
+    ("autotune-report-suffix", ["autotune", "--report", "{tmp}/r.txt"], ("--report", ".txt")),
+    ("search-tree-auto", ["search", "--tree", "auto"], ("--tree", "autotune")),
+    ("train-heads-draft-vocab-medusa", ["train-heads", "--kind", "medusa", "--draft-vocab", "100"],
+     (("draft-vocab", "draft_vocab"), "100")),
+    ("demo-prompts-turns-a-string", ["demo", "--prompts", "{bad}"], ("bad.jsonl:1", "list of strings")),
+    ("train-heads-over-heads-no-run-wrote", ["train-heads", "--out", "{tmp}/heads"], ("--out", "no training run")),
+    ("train-draft-over-a-draft-no-run-wrote", ["train-draft", "--out", "{tmp}/draft"], ("--out", "no training run")),
     # good ones stay good
     ("good-max-new-tokens", ["generate", "--prompt", "hi", "--max-new-tokens", "0"], ("max-new-tokens",)),
     ("good-bench-drafters", ["bench", "--drafters", "nope"], ("nope",)),
@@ -914,7 +930,14 @@ def test_cli_reports_bad_flags_before_loading_the_model(cli_main, engine_dir, tm
     mine.mkdir()
     (mine / "notes.txt").write_text("precious")
     notok = _mutated(engine_dir, tmp_path / "notok", files=lambda d: (d / "tokenizer.json").unlink())
-    where = {"{tmp}": str(tmp_path), "{engine}": str(engine_dir), "{notok}": str(notok)}
+    (tmp_path / "bad.jsonl").write_text('{"turns": "Write a poem"}\n')  # a string, not a list: was read as "W"
+    for folder, config in (("heads", {"medusa_num_heads": 2}), ("draft", {"format": "speccomp-draft-model"})):
+        (tmp_path / folder).mkdir()  # weights downloaded or saved by hand: no training run's _train/progress.json
+        (tmp_path / folder / "config.json").write_text(json.dumps(config))
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"turns": ["Write a poem"]}\n')
+    where = {"{tmp}": str(tmp_path), "{engine}": str(engine_dir), "{notok}": str(notok), "{good}": str(good),
+             "{bad}": str(tmp_path / "bad.jsonl")}
 
     def fill(text):
         for k, v in where.items():
@@ -927,6 +950,7 @@ def test_cli_reports_bad_flags_before_loading_the_model(cli_main, engine_dir, tm
         alternatives = tuple(fill(a) for a in (needle if isinstance(needle, tuple) else (needle,)))
         assert any(a in err for a in alternatives), f"stderr does not name {alternatives}: {err[-500:]}"
     assert (mine / "notes.txt").read_text() == "precious"
+    assert good.read_text() == '{"turns": ["Write a poem"]}\n'
 
 
 def test_long_values_are_cut_in_the_middle_so_a_path_keeps_its_file_name():
@@ -938,3 +962,27 @@ def test_long_values_are_cut_in_the_middle_so_a_path_keeps_its_file_name():
     message = str(OptionError("out", longer, "is a file", "give a directory"))
     assert "notes.txt'" in message and "..." in message and len(message) < 340
     assert str(OptionError("tree", list(range(100)), "bad")).endswith("98, 99]: bad")
+
+
+@pytest.mark.parametrize("drafter", ["early_exit", "layer_skip"])
+def test_self_drafters_say_a_one_layer_model_is_too_small(drafter):
+    """Their defaults on a 1-layer model used to fail on options the user never gave (exit_layer=-1, skip=[0])."""
+    with pytest.raises(OptionError, match=f"^model=.*{drafter} .* at least 2.*use a text drafter"):
+        speccomp.compile(tiny_llama(num_hidden_layers=1), drafter=drafter)
+
+
+def test_prompt_files_are_read_as_written_or_refused(tmp_path):
+    from speccomp.prompts import load_prompts
+
+    cases = {'{"turns": "Write a poem"}': "list of strings", '["hi"]': "JSON object", '"hi"': "JSON object",
+             '{"turns": [1]}': "list of strings", '{"turns": []}': "list of strings", "{": "not JSON"}
+    for i, (line, words) in enumerate(cases.items()):
+        f = tmp_path / f"p{i}.jsonl"
+        f.write_text('{"turns": ["fine"]}\n' + line + "\n")
+        with pytest.raises(ValueError, match=f"p{i}.jsonl:2: .*{words}"):
+            load_prompts(f)
+    f.write_text('{"turns": ["one"]}\n{"turns": ["two"], "category": "c"}\n')
+    assert [(p.text, p.category) for p in load_prompts(f)] == [("one", "general"), ("two", "c")]
+    assert [p.text for p in load_prompts(f, limit=1)] == ["one"]
+    with pytest.raises(ValueError, match="limit must be an int >= 1"):
+        load_prompts(f, limit=0)  # was every prompt

@@ -63,6 +63,8 @@ def random_votes(spec: KVSpec, length: int, seed: int = 1) -> np.ndarray:
         ("kivi4", dict(kind="kivi", bits=4, residual=128, group=32, window=128)),
         ("kivi2:64", dict(kind="kivi", bits=2, residual=64, group=32)),
         ("KIVI8:16:8", dict(kind="kivi", bits=8, residual=16, group=8)),
+        ("sink:16:0", dict(kind="sink", budget=16, sinks=0, window=16)),  # a plain sliding window, as 'sink:1' gets
+        ("sink:1", dict(kind="sink", budget=1, sinks=0, window=1)),
     ],
 )
 def test_parse_accepted_forms(spec, fields):
@@ -584,7 +586,7 @@ def test_kivi_cache_read_pass(llama, llama_base, llama_step, spec):
     cache = make_cache(kv, parse_kv_cache(spec))
     cache.append(full.numpy())
     cache.compact()
-    held = _reads(cache, kv)  # past_kv, then the numpy cache's arrays as tensors
+    held = _reads(cache, kv, "cpu")  # past_kv, then the numpy cache's arrays as tensors
     assert held[0].stride() == (0,) * 6 and held[0].shape == kv.shape(50)
     tokens, pos, mask = torch.tensor([[5, 6]]), torch.tensor([[50, 51]]), torch.ones(1, 52, dtype=torch.long)
     with torch.no_grad():
@@ -628,3 +630,68 @@ def test_draft_mode_with_4bit_weights_is_exact_and_refused_off_onnxruntime(llama
         speccomp.compile(llama, kv_cache="sink:16", backend="onnxruntime", drafter_options={"weights": "int8"})
     with pytest.raises(OptionError, match=r"weights='int4': 4-bit draft weights run in ONNX Runtime.*backend='eager'"):
         speccomp.compile(llama, kv_cache="sink:16", drafter_options={"weights": "int4"})
+
+
+def test_a_policy_built_by_hand_is_checked_and_named_like_its_string(llama, tmp_path):
+    """kv_cache=KVPolicy(...) was taken unchecked: its spec "" went into stats and the engine manifest (whose loader
+    then refused the engine), and fields no string can give (3-bit KIVI) crashed mid-generate."""
+    from speccomp.kv.policies import KVPolicy
+
+    fast = speccomp.compile(llama, kv_cache=KVPolicy("sink", budget=16, sinks=4))
+    ids = prompt()
+    ref = hf_greedy(llama, ids, 20)
+    assert torch.equal(fast.generate(ids, max_new_tokens=20), ref)
+    assert fast.last_stats["kv_cache"] == "sink:16:4" and fast.last_stats["steps"] < 20
+    assert speccomp.load(fast.export(tmp_path / "e")).generate(ids.numpy(), max_new_tokens=20).tolist() == ref.tolist()
+    for bad, words in ((KVPolicy("kivi", bits=3, residual=8), "KIVI bits"), (KVPolicy("sink", budget=4, sinks=4),
+                       "must exceed the 4 sink"), (KVPolicy("lru", budget=8), "unknown kv_cache")):
+        with pytest.raises(speccomp.OptionError, match=f"^kv_cache=.*{words}"):
+            speccomp.compile(llama, kv_cache=bad)
+
+
+def test_target_mode_kivi_runs_on_a_bfloat16_model(llama):
+    """KiviCacheRead dequantised into float32 whatever the model's dtype: a bfloat16 model's attention then met float32
+    keys (dtype mismatch). The codes are now read in the cache's dtype."""
+    import copy
+
+    half = copy.deepcopy(llama).to(torch.bfloat16)
+    fast = speccomp.compile(half, kv_cache="kivi8:8:8", kv_mode="target")
+    ids = prompt()
+    out = fast.generate(ids, max_new_tokens=10)
+    assert out.shape == (1, 70) and fast.last_stats["kv_mode"] == "target"
+    assert out[0, 60] == speccomp.compile(half).generate(ids, max_new_tokens=1)[0, 60]  # from the exact prefill
+
+
+class _Seen(Exception):
+    pass
+
+
+def test_compressed_caches_reach_their_graphs_on_the_models_device():
+    """A GPU model's compressed cache lives in numpy on the host; what the graphs get (tokens, positions, masks, the
+    cache's arrays) must be on the model's device. The meta device stands in for a GPU: every tensor a graph is
+    handed is recorded, then the call stops. Before, target mode made them all on the CPU and draft mode's SnapKV /
+    H2O observation forward did too."""
+    from speccomp.kv.target import CompressedTarget, step_token
+
+    seen = []
+
+    def graph(*args):
+        seen.extend(a.device.type for a in args if isinstance(a, torch.Tensor))
+        raise _Seen
+
+    meta = torch.device("meta")
+    for spec in ("sink:16", "h2o:16", "kivi4:8:8"):
+        policy = parse_kv_cache(spec)
+        with pytest.raises(_Seen):
+            CompressedTarget(graph, graph, graph, SPEC, policy).prefill(torch.zeros(1, 5, dtype=torch.long, device=meta))
+        cache = make_cache(SPEC, policy)
+        cache.append(np.random.default_rng(0).standard_normal(SPEC.shape(40)).astype(np.float32))
+        cache.compact()
+        with pytest.raises(_Seen):
+            step_token(graph, graph, cache, policy, 5, 40, meta)
+    fast = speccomp.compile(tiny_llama(), kv_cache="snapkv:16", tree=2)
+    fast.drafter.step = graph
+    target = SimpleNamespace(data=torch.zeros(fast.kv.shape(40), device=meta), length=40)
+    with pytest.raises(_Seen):
+        fast.drafter._observe(target, list(range(41)))
+    assert seen and set(seen) == {"meta"}

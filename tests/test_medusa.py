@@ -401,3 +401,43 @@ def test_a_head_step_runs_on_the_drafters_device_with_numpy_in_and_out(tmp_path)
     save_hydra(random_hydra(model, 2), tmp_path)
     hydra = speccomp.compile(model, drafter="hydra", tree="dynamic:6:2", drafter_options={"heads": str(tmp_path)}).drafter
     assert hydra.device == torch.device("cpu") == hydra.module.draft_lm.device
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
+def test_heads_draft_for_a_bfloat16_model(model, tmp_path, kind):
+    """Heads load in float32; they now run in the model's dtype (a bfloat16 model's states met float32 weights)."""
+    import copy
+
+    from speccomp.drafters.eagle import new_eagle, save_eagle
+    from speccomp.drafters.hydra import new_hydra, save_hydra
+
+    d = tmp_path / kind
+    {"medusa": lambda: save_medusa(random_heads(model), d),
+     "hydra": lambda: save_hydra(new_hydra(model, torch.arange(96)), d),
+     "eagle": lambda: save_eagle(new_eagle(model, torch.arange(96)), d)}[kind]()
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    fast = speccomp.compile(half, drafter=kind, drafter_options={"heads": str(d)}, tree=[[0], [1], [0, 0]])
+    ids = prompts(1, seed=22)[0]
+    ref = speccomp.compile(half).generate(ids, max_new_tokens=10)
+    with torch.no_grad():  # bfloat16 logits of a tree and of one token may differ in the last bit: compare where
+        top = half(ref).logits[0, 9:-1].float().topk(2, -1).values  # no such difference can flip the argmax
+    assert float((top[:, 0] - top[:, 1]).min()) > 0.1
+    assert torch.equal(fast.generate(ids, max_new_tokens=10), ref)
+
+
+def test_training_never_overwrites_heads_it_did_not_write(model, tmp_path):
+    """train_heads into a folder holding heads no run there wrote (downloaded, saved by hand; here Medusa heads
+    under a Hydra run) used to replace them; a damaged training state names itself and the fix."""
+    kw = dict(num_heads=2, max_new_tokens=8, epochs=1, batch_size=32, progress=False)
+    save_medusa(random_heads(model), tmp_path / "mine")
+    before = {f.name: f.read_bytes() for f in (tmp_path / "mine").iterdir()}
+    for kind in ("hydra", "medusa"):
+        with pytest.raises(speccomp.OptionError, match=r"^out=.*no training run here wrote.*choose a new directory"):
+            train_heads(model, prompts(2), out=tmp_path / "mine", kind=kind, **kw)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "mine").iterdir()} == before
+    train_heads(model, prompts(2), out=tmp_path / "ours", **kw)
+    train_heads(model, prompts(2), out=tmp_path / "ours", **kw)  # a run's own folder: finished, handed back
+    (tmp_path / "ours" / "_train" / "progress.json").write_text("")  # an interrupted write (before: no such thing)
+    with pytest.raises(speccomp.OptionError, match=r"unreadable training state .*progress.json.*delete"):
+        train_heads(model, prompts(2), out=tmp_path / "ours", **kw)
+    assert not list((tmp_path / "ours" / "_train").glob(".*.tmp"))  # atomic writes leave no temporaries

@@ -133,6 +133,11 @@ def test_merged_drafter_bad_input(llama6):
         speccomp.compile(llama6, drafter="token_recycling+ngram", tree=2, drafter_options={"token_recycling": {"tree": 3}})
     with pytest.raises(ValueError, match="given twice"):  # tree="auto" is a tree too, refused before any lookup
         speccomp.compile(llama6, drafter="token_recycling+ngram", tree="auto", drafter_options={"token_recycling": {"tree": 3}})
+    # the merge's own default tree for token_recycling is named as such, with the option that replaces it
+    with pytest.raises(ValueError, match=r"merge's default tree .*sibling rank.*'token_recycling': \{'tree': 3\}"):
+        speccomp.compile(llama6, drafter="ngram+token_recycling", drafter_options={"token_recycling": {"top_k": 1}})
+    assert speccomp.compile(llama6, drafter="ngram+token_recycling",  # the fix the message gives works
+                            drafter_options={"token_recycling": {"top_k": 1, "tree": 3}}).drafter is not None
     with pytest.raises(ValueError, match="exit_layer=9: must be"):  # each drafter still checks its own options
         speccomp.compile(llama6, drafter="early_exit+ngram", drafter_options={"early_exit": {"exit_layer": 9}})
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import speccomp
-from speccomp.tuning.search import cached_options, candidates, fingerprint, search_drafter
+from speccomp.models import fingerprint
+from speccomp.tuning.search import cached_options, candidates, search_drafter
 from tiny_models import tiny_llama
 
 
@@ -75,3 +76,6 @@ def test_search_rejects_bad_input(cache):
         search_drafter(model, "ngram", [torch.arange(3, 9)])
     with pytest.raises(ValueError, match="calibration prompt"):
         search_drafter(model, "layer_skip", [])
+    # compile(tree="auto") reads autotune's result, never a search's: such a search was stored where nothing looks
+    with pytest.raises(speccomp.OptionError, match="^tree='auto': .*speccomp autotune"):
+        search_drafter(model, "layer_skip", [torch.arange(3, 9)], tree="auto")

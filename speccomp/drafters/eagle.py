@@ -92,10 +92,11 @@ class EagleHead(nn.Module):
             self.fc.weight[:, :hidden] = torch.eye(hidden)
             for zero in (self.fc.bias, self.o.weight, self.down.weight):
                 zero.zero_()
-        self.embed = embed  # [V, H] frozen, not saved
+        self.embed = embed.float()  # [V, H] frozen, not saved (a float32 model's own tensor; a copy for others)
         self.set_draft_vocab(lm_head, draft_vocab)
 
-    # the same contract as HydraHeads: the frozen LM head restricted to the draft vocabulary (draft_lm [Vd, H])
+    # the same contract as HydraHeads: the frozen LM head restricted to the draft vocabulary (draft_lm [Vd, H]), in
+    # float32 whatever the model's dtype, as EAGLE's cache (speccomp/drafters/eagle_cache.py) and its states are held
     set_draft_vocab = HydraHeads.set_draft_vocab
 
     def logits(self, o: torch.Tensor) -> torch.Tensor:
@@ -207,7 +208,7 @@ def new_eagle(model, draft_vocab, num_heads: int | None = None, intermediate: in
         rope = getattr(cfg, "rope_parameters", None) or {}
         rope_theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or getattr(cfg, "rope_theta", None) or 10000.0
     head = EagleHead(hidden, vocab, int(num_heads), int(intermediate), lm, _input_embedding(model), draft_vocab, rope_theta)
-    return on_model_device(head, lm)
+    return on_model_device(head, lm, torch.float32)
 
 
 _PARAMS = ("fc.weight", "fc.bias", "norm1.weight", "qkv.weight", "o.weight", "norm2.weight", "gate_up.weight", "down.weight")
@@ -242,4 +243,4 @@ def load_eagle(directory, model) -> EagleHead:
                      tensors["draft_vocab"], float(theta))
     head.load_state_dict({n: tensors[n].float() for n in _PARAMS})
     head.train_steps = config_int(config, "train_steps", directory / CONFIG) if config.get("train_steps") else None
-    return on_model_device(head, lm).eval()
+    return on_model_device(head, lm, torch.float32).eval()

@@ -65,7 +65,7 @@ class HydraHeads(nn.Module):
             nn.init.zeros_(lin.weight)
             nn.init.zeros_(lin.bias)
         self.blocks = nn.ModuleList(nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)]) for _ in range(num_heads))
-        self.embed = embed  # [V, H] frozen, not saved
+        self.embed = embed.float()  # [V, H] frozen, not saved (a float32 model's own tensor; a copy for others)
         self.set_draft_vocab(lm_head, draft_vocab)
 
     def set_draft_vocab(self, lm_head: torch.Tensor, draft_vocab: torch.Tensor) -> None:
@@ -76,7 +76,9 @@ class HydraHeads(nn.Module):
             raise HeadsError(f"draft_vocab holds token ids outside the model's vocabulary [0, {self.vocab})")
         self.lm_head = lm_head
         self.draft_vocab = draft_vocab.to(lm_head.device)  # indexes the LM head (and maps the step's ids) there
-        self.draft_lm = lm_head.index_select(0, self.draft_vocab).contiguous()  # [Vd, H], frozen
+        # [Vd, H], frozen; float32 whatever the model's dtype: the heads read states handed over as float32 numpy
+        # (grow.py's host side and the engine share that convention), so they run in float32 (on_model_device)
+        self.draft_lm = lm_head.index_select(0, self.draft_vocab).float().contiguous()
 
     def step(self, k: int, s: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """State after head k: s [n, H] (the parent's state), tokens [n] (the parent's token) -> [n, H]."""
@@ -150,7 +152,7 @@ class HydraStep(nn.Module):
 def new_hydra(model, draft_vocab, num_heads: int = 4, num_layers: int = 1) -> HydraHeads:
     lm = _lm_head_weight(model)
     heads = HydraHeads(num_heads, lm.shape[1], lm.shape[0], num_layers, lm, _input_embedding(model), draft_vocab)
-    return on_model_device(heads, lm)
+    return on_model_device(heads, lm, torch.float32)
 
 
 def save_hydra(heads: HydraHeads, directory, *, base_model: str = "") -> Path:
@@ -190,4 +192,4 @@ def load_hydra(directory, model) -> HydraHeads:
     _, tensors = read_head_files(directory, "hydra", WEIGHTS, layout)
     heads = HydraHeads(shape["heads"], hidden, vocab, shape["layers"], lm, _input_embedding(model), tensors["draft_vocab"])
     heads.load_state_dict({own: tensors[name].float() for name, (own, _) in shape["names"].items()})
-    return on_model_device(heads, lm).eval()
+    return on_model_device(heads, lm, torch.float32).eval()

@@ -90,10 +90,11 @@ def _lm_head_weight(model) -> torch.Tensor:
     return _model_weight(model, "get_output_embeddings", "output embedding (LM head) to tie Medusa heads to")
 
 
-def on_model_device(heads: nn.Module, lm: torch.Tensor) -> nn.Module:
-    """Heads are read from files (and made fresh) on the CPU; they run where the model's LM head is, since their
-    states come from the model and their logits go through its LM head (a GPU model drafts on the GPU)."""
-    return heads.to(lm.device)
+def on_model_device(heads: nn.Module, lm: torch.Tensor, dtype: torch.dtype | None = None) -> nn.Module:
+    """Heads are read from files (and made fresh) in float32 on the CPU; they run where the model's LM head is and in
+    its dtype (or `dtype`), since their states come from the model and their logits go through its LM head (a GPU
+    model drafts on the GPU; a bfloat16 model's states would not multiply float32 weights)."""
+    return heads.to(lm.device, dtype or lm.dtype)
 
 
 def block_names(prefix: str, num_heads: int, num_layers: int, hidden: int) -> dict[str, tuple[str, tuple]]:

@@ -144,6 +144,14 @@ def make_merged(names: list[str], base, options: dict | None, tree, backend: str
     drafters = []
     for i, n in enumerate(names):
         own = dict(options.get(n, {}))  # its own tree= first; then tree= for the first drafter, defaults for the rest
-        own_tree = own.pop("tree", tree if i == 0 else MERGED_RECYCLING_TREE if n == "token_recycling" else None)
-        drafters.append(factories[n](base, own, own_tree, backend))
+        default = "tree" not in own and i > 0 and n == "token_recycling"
+        own_tree = own.pop("tree", tree if i == 0 else MERGED_RECYCLING_TREE if default else None)
+        try:
+            drafters.append(factories[n](base, own, own_tree, backend))
+        except OptionError as exc:
+            if not (default and exc.parameter == "tree"):
+                raise
+            raise OptionError("drafter_options", options, f"leaves {n} the merge's default tree {own_tree}, which "
+                              f"does not fit its other options ({exc.problem})",
+                              f"give {n} a tree of its own, e.g. drafter_options={{{n!r}: {{'tree': 3}}}}") from None
     return MergedDrafter(drafters, names)

@@ -100,8 +100,9 @@ class TokenRecyclingDrafter(Drafter):
                     default `DEFAULT_RECYCLING_TREE` (24 drafts, depth 6).
     ngram_branches  prompt-lookup continuations added as extra branches (0: pure Token Recycling).
     max_ngram, min_ngram, ngram_depth   the prompt lookup's options (see NGramDrafter).
-    persist         keep the table across generations (as the paper does). Default False: every
-                    generation starts empty, so its speed does not depend on earlier calls."""
+    persist         keep the table across generations (as the paper does), one table for every row of a
+                    batch and every request served. Default False: every generation starts empty, so its
+                    speed does not depend on earlier calls."""
 
     name = "token_recycling"
     trees = ("static",)
@@ -134,6 +135,15 @@ class TokenRecyclingDrafter(Drafter):
         """The same options drafting `tree` (a fresh table)."""
         check_tree_kind(self, tree)
         return TokenRecyclingDrafter(tree=tree, **self.options)
+
+    def fresh(self) -> "TokenRecyclingDrafter":
+        """One batch row's drafter. With persist, every row reads and writes this drafter's table (so batches and
+        served requests learn from each other and from single calls, as they do one after another); otherwise a
+        table of its own. Sharing is lossless: the target verifies every draft."""
+        new = self.with_tree(self.tree)
+        if self.persist:
+            new.adj = self.adj
+        return new
 
     def begin(self, prompt: list[int]) -> None:
         if not self.persist:

@@ -74,10 +74,20 @@ def _graph_drafter(passes_for, default_name):
     return factory
 
 
+def _self_drafting_layers(base: SpecGraph, what: str) -> int:
+    """The model's layer count, which a self-drafter (fewer layers draft, all verify) needs to be at least 2."""
+    n = len(base.structure.layers)
+    if n < 2:
+        raise OptionError("model", f"a model of {n} layer", f"{what} drafts with some of the model's layers and "
+                          "verifies with all of them, so it needs at least 2", "use a text drafter (ngram, "
+                          "token_recycling, suffix) or heads (medusa, hydra, eagle)")
+    return n
+
+
 def _early_exit_passes(base: SpecGraph, options: dict):
     from speccomp.passes.layer_skip import EarlyExit
 
-    n = len(base.structure.layers)
+    n = _self_drafting_layers(base, "early_exit")
     k = options.pop("exit_layer", n // 2 - 1)
     k = as_int("exit_layer", k, f"pass a layer index in [0, {n - 2}]")
     if not 0 <= k < n - 1:
@@ -89,7 +99,7 @@ def _early_exit_passes(base: SpecGraph, options: dict):
 def _layer_skip_passes(base: SpecGraph, options: dict):
     from speccomp.passes.layer_skip import SkipLayers
 
-    n = len(base.structure.layers)
+    n = _self_drafting_layers(base, "layer_skip")
     skip = options.pop("skip", None)
     if skip is None:  # SWIFT-like default: every other layer of the middle half
         skip = list(range(n // 4, n - n // 4, 2))

@@ -371,7 +371,9 @@ def export_engine(fast, path, tokenizer=None, overwrite: bool = False, model_id:
     try:
         target = _target_onnx(fast, tmp)
         recycling = [p["options"]["top_k"] for p in _parts(drafter) if p["name"] == "token_recycling"]
-        proto = _add_top_ids(target, max(recycling)) if recycling else onnx.load(str(target), load_external_data=False)
+        vocab = fast.graph.captured.vocab_size  # ONNX's TopK refuses k past its axis; torch's top_ids clamps alike
+        proto = (_add_top_ids(target, min(max(recycling), vocab)) if recycling
+                 else onnx.load(str(target), load_external_data=False))
         graphs = {"target": _graph_entry(target, proto)}
         graphs.update(_drafter_graphs(fast, drafter, graphs["target"]["outputs"], tmp))
         opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)

@@ -668,9 +668,10 @@ class _TokenRecycling(_Drafter):
         self.lookup = NGramIndex(max_ngram, min_ngram)
         self.adj: dict[int, list[int]] = {}
 
-    def fresh(self):
+    def fresh(self):  # persist: every row shares this drafter's table (TokenRecyclingDrafter.fresh)
         new = copy.copy(self)
-        new.lookup, new.adj = NGramIndex(self.lookup.max_ngram, self.lookup.min_ngram), {}
+        new.lookup = NGramIndex(self.lookup.max_ngram, self.lookup.min_ngram)
+        new.adj = self.adj if self.persist else {}
         return new
 
     def begin(self, prompt, cache):

@@ -115,12 +115,12 @@ class CompressedKVDrafter(GraphDrafter):
     # ---- keeping the compressed copy in step with the target --------------------------------
     def _observe(self, target: KVCache, tokens: list[int]) -> np.ndarray:
         """Votes [L, Hkv, n] of the last w prompt tokens' queries over the n cached prompt tokens."""
-        n = target.length
+        n, device = target.length, target.data.device  # the model's (a GPU's too)
         w = min(snapkv_window(self.policy.budget), n)
         with torch.no_grad():
-            outs = self.step(torch.tensor([tokens[n - w : n]]), torch.arange(n - w, n)[None],
-                             torch.ones(1, n, dtype=torch.long), target.data[..., : n - w, :],
-                             torch.ones(w, w, dtype=torch.bool).tril())
+            outs = self.step(torch.tensor([tokens[n - w : n]], device=device), torch.arange(n - w, n, device=device)[None],
+                             torch.ones(1, n, dtype=torch.long, device=device), target.data[..., : n - w, :],
+                             torch.ones(w, w, dtype=torch.bool, device=device).tril())
         return all_layers(as_numpy(outs[-1][:, 0].sum(2)), self.layer_index.numpy(), self.kv.num_layers)
 
     def _sync(self, target: KVCache, tokens: list[int]) -> None:
@@ -222,7 +222,7 @@ def _layer_passes(base, options: dict) -> list:
     """drafter_options {"skip": [...]} or {"exit_layer": k}: the drafter also skips layers (TriForce's
     hierarchy idea: fewer layers *and* fewer keys per draft token). None given: the whole model drafts."""
     if "skip" in options and "exit_layer" in options:
-        raise ValueError("give drafter_options 'skip' or 'exit_layer', not both")
+        raise OptionError("drafter_options", options, "gives both 'skip' and 'exit_layer'", "give one of them")
     if "skip" in options:
         passes, rest = _layer_skip_passes(base, options)
     elif "exit_layer" in options:
@@ -230,8 +230,8 @@ def _layer_passes(base, options: dict) -> list:
     else:
         passes, rest = [], options
     if rest:
-        raise ValueError(f"unknown compressed-KV drafter options {sorted(rest)}; accepted: 'skip' or 'exit_layer', "
-                         "and 'weights'")
+        raise OptionError("drafter_options", options, f"has unknown compressed-KV drafter options {sorted(rest)}",
+                          "accepted: 'skip' or 'exit_layer', and 'weights'")
     return passes
 
 

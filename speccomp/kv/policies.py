@@ -18,7 +18,8 @@ quantised, so the newest W tokens can always be rolled back exactly:
                   the largest accumulated attention; evicts while decoding
     kiviN[:R[:G]] KIVI: N-bit (N in 2, 4, 8) asymmetric quantisation of all but the R       R
                   most recent tokens (default 128); keys per channel over groups of G
-                  tokens (default 32), values per token over groups of min(D, 32) channels;
+                  tokens (default 32), values per token over groups of 32 channels (the
+                  whole head where 32 does not divide it, e.g. D = 80);
                   8 // N codes packed per byte
 
 Votes (SnapKV) and accumulated attention (H2O) are attention probabilities pooled per KV
@@ -29,7 +30,7 @@ in full precision, and the compressed cache equals the full cache bitwise.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -41,7 +42,7 @@ SNAPKV_WINDOW = 32  # SnapKV's observation window (capped at half the budget)
 SNAPKV_KERNEL = 7  # SnapKV's pooling kernel: keep the neighbours of a voted token too
 
 ACCEPTED_FORMS = (
-    "'sink:BUDGET' or 'sink:BUDGET:SINKS' (StreamingLLM), 'snapkv:BUDGET' (SnapKV), 'h2o:BUDGET' (H2O), "
+    "'sink:BUDGET' or 'sink:BUDGET:SINKS' (StreamingLLM; SINKS may be 0), 'snapkv:BUDGET' (SnapKV), 'h2o:BUDGET' (H2O), "
     "'kivi2' / 'kivi4' / 'kivi8' optionally with ':RESIDUAL' or ':RESIDUAL:GROUP' (KIVI quantisation), "
     "with positive integers, e.g. 'sink:256', 'snapkv:512', 'h2o:512', 'kivi4', 'kivi2:64'"
 )
@@ -99,20 +100,31 @@ class KVPolicy:
         return self
 
 
-def _int(text: str, what: str, spec) -> int:
+def _int(text: str, what: str, spec, least: int = 1) -> int:
     try:
         value = int(text)
     except ValueError:
         raise KVPolicyError(f"bad kv_cache {spec!r}: {what} {text!r} is not an integer; accepted forms: {ACCEPTED_FORMS}") from None
-    if value < 1:
-        raise KVPolicyError(f"bad kv_cache {spec!r}: {what} must be >= 1, got {value}; accepted forms: {ACCEPTED_FORMS}")
+    if value < least:
+        raise KVPolicyError(f"bad kv_cache {spec!r}: {what} must be >= {least}, got {value}; accepted forms: {ACCEPTED_FORMS}")
     return value
 
 
+def spec_of(policy: KVPolicy) -> str:
+    """The string form of a policy's fields (what parse_kv_cache reads back), e.g. 'sink:256:4', 'kivi4:128:32'."""
+    if policy.kind == "kivi":
+        return f"kivi{policy.bits}:{policy.residual}:{policy.group}"
+    return f"{policy.kind}:{policy.budget}" + (f":{policy.sinks}" if policy.kind == "sink" else "")
+
+
 def parse_kv_cache(spec) -> KVPolicy | None:
-    """The user's kv_cache= as a KVPolicy (None stays None: the full cache)."""
-    if spec is None or isinstance(spec, KVPolicy):
+    """The user's kv_cache= as a KVPolicy (None stays None: the full cache). A KVPolicy built by hand is checked as
+    its string form is (bits, budgets, sinks) and gets that form as its `spec` when it has none."""
+    if spec is None:
         return spec
+    if isinstance(spec, KVPolicy):
+        checked = parse_kv_cache(spec_of(spec))
+        return replace(checked, spec=spec.spec or checked.spec)
     if not isinstance(spec, str):
         raise KVPolicyError(f"unknown kv_cache {spec!r}: expected a string; accepted forms: {ACCEPTED_FORMS}")
     text = spec.strip().lower()
@@ -135,7 +147,8 @@ def parse_kv_cache(spec) -> KVPolicy | None:
         raise KVPolicyError(f"bad kv_cache {spec!r}: {name} takes {takes}; accepted forms: {ACCEPTED_FORMS}")
     budget = _int(args[0], "budget", spec)
     if name == "sink":
-        sinks = _int(args[1], "sink count", spec) if len(args) == 2 else min(DEFAULT_SINKS, budget - 1)
+        # 0 sinks: a plain sliding window (also what 'sink:1' gets: a budget of 1 leaves no room for a sink)
+        sinks = _int(args[1], "sink count", spec, least=0) if len(args) == 2 else min(DEFAULT_SINKS, budget - 1)
         if budget <= sinks:
             raise KVPolicyError(f"bad kv_cache {spec!r}: budget {budget} must exceed the {sinks} sink tokens to leave "
                                 "a recent window")

@@ -37,19 +37,20 @@ from speccomp.runtime.decode import KVCache, RootOnly, decode
 
 def _run(step, tokens: torch.Tensor, start: int, past: torch.Tensor, *held):
     """tokens [1, q] at positions start.. over `past` (any number of slots; `held`: KiviCacheRead's inputs)."""
-    q = tokens.shape[1]
-    mask = torch.ones(1, past.shape[4] + q, dtype=torch.long)
+    q, device = tokens.shape[1], past.device  # the model's device: the numpy cache's arrays are moved there
+    mask = torch.ones(1, past.shape[4] + q, dtype=torch.long, device=device)
     with torch.no_grad():
-        return step(tokens, torch.arange(start, start + q)[None], mask, past, *held)
+        return step(tokens, torch.arange(start, start + q, device=device)[None], mask, past, *held)
 
 
-def _reads(cache, kv: KVSpec) -> tuple:
+def _reads(cache, kv: KVSpec, device) -> tuple:
     """What the compressed-cache graph takes after the mask: the dense cache, or past_kv (a stride-0 view: only its
-    shape is read) and KIVI's packed arrays; the numpy cache's arrays as tensors (no copies on the CPU)."""
+    shape is read) and KIVI's packed arrays; the numpy cache's arrays as tensors on `device` (no copies on the CPU)."""
     if not hasattr(cache, "graph_inputs"):
-        return (torch.from_numpy(cache.dense()).to(kv.dtype),)
-    past = torch.zeros((), dtype=kv.dtype).expand(kv.shape(cache.length))
-    return (past, *(torch.from_numpy(a) if a.dtype == np.uint8 else as_torch(a, past) for a in cache.graph_inputs()))
+        return (torch.from_numpy(cache.dense()).to(device, kv.dtype),)
+    past = torch.zeros((), dtype=kv.dtype, device=device).expand(kv.shape(cache.length))
+    return (past, *(torch.from_numpy(a).to(device) if a.dtype == np.uint8 else as_torch(a, past)
+                    for a in cache.graph_inputs()))
 
 
 def _votes(scored, policy: KVPolicy, prompt: torch.Tensor, full_kv: torch.Tensor) -> np.ndarray | None:
@@ -65,16 +66,17 @@ def _votes(scored, policy: KVPolicy, prompt: torch.Tensor, full_kv: torch.Tensor
 def prefill(step, scored, kv: KVSpec, policy: KVPolicy, prompt: torch.Tensor):
     """(logits of the prompt, compressed cache holding it)."""
     cache = make_cache(kv, policy, dtype=numpy_dtype(kv.dtype))
-    outs = _run(step, prompt, 0, torch.zeros(kv.shape(0), dtype=kv.dtype))
+    outs = _run(step, prompt, 0, torch.zeros(kv.shape(0), dtype=kv.dtype, device=prompt.device))
     cache.append(as_numpy(outs[1]))
     cache.compact(_votes(scored, policy, prompt, outs[1]))
     return outs[0], cache
 
 
-def step_token(reader, scored, cache, policy: KVPolicy, token: int, position: int) -> torch.Tensor:
-    """One token through the graph over the compressed cache; its KV joins the cache. Returns logits [V].
-    `reader` reads the cache as held (KIVI: KiviCacheRead graph); H2O reads through `scored`."""
-    outs = _run(scored if policy.kind == "h2o" else reader, torch.tensor([[token]]), position, *_reads(cache, cache.kv))
+def step_token(reader, scored, cache, policy: KVPolicy, token: int, position: int, device) -> torch.Tensor:
+    """One token through the graph (on `device`) over the compressed cache; its KV joins the cache. Returns logits
+    [V]. `reader` reads the cache as held (KIVI: KiviCacheRead graph); H2O reads through `scored`."""
+    outs = _run(scored if policy.kind == "h2o" else reader, torch.tensor([[token]], device=device), position,
+                *_reads(cache, cache.kv, device))
     if policy.kind == "h2o":
         cache.accumulate(as_numpy(outs[-1][:, 0, :, 0]))  # this token's attention over the slots it read
     cache.append(as_numpy(outs[1]))
@@ -94,14 +96,15 @@ class CompressedTarget:
 
     def prefill(self, prompt: torch.Tensor) -> tuple:
         logits, self.compressed = prefill(self.step, self.scored, self.kv, self.policy, prompt)
-        self.prompt_length = prompt.shape[1]
+        self.prompt_length, self.device = prompt.shape[1], prompt.device
         return (logits,)
 
     def verify(self, tokens: torch.Tensor, tree) -> tuple:
         if tree.size != 1:
             raise ValueError("kv_mode='target' decodes plainly: it verifies the root alone")
         position = self.compressed.length  # every token so far is in the cache (compressed or not)
-        logits = step_token(self.reader, self.scored, self.compressed, self.policy, int(tokens[0]), position)
+        logits = step_token(self.reader, self.scored, self.compressed, self.policy, int(tokens[0]), position,
+                            self.device)
         return (logits[None, None],)
 
     def commit(self, path: list[int]) -> None:
@@ -126,7 +129,7 @@ def kv_quality(step, reader, scored, kv: KVSpec, policy: KVPolicy, ids: torch.Te
     T = ids.shape[1]
     if not 0 < prompt_length < T:
         raise ValueError(f"prompt_length must be in [1, {T - 1}] for a text of {T} tokens, got {prompt_length}")
-    full = KVCache(kv, T)
+    full = KVCache(kv, T, ids.device)
     full_outs = _run(step, ids[:, :prompt_length], 0, full.past())
     full.append(full_outs[1])
     full_logits = full_outs[0][0, -1]
@@ -145,7 +148,7 @@ def kv_quality(step, reader, scored, kv: KVSpec, policy: KVPolicy, ids: torch.Te
         outs = _run(step, ids[:, t : t + 1], t, full.past())
         full.append(outs[1])
         full_logits = outs[0][0, -1]
-        small_logits = step_token(reader, scored, cache, policy, target, t)
+        small_logits = step_token(reader, scored, cache, policy, target, t, ids.device)
     m = T - prompt_length
     return {"kv_cache": policy.spec, "tokens_scored": m, "mean_kl": kl / m,
             "perplexity_full": math.exp(nll_full / m), "perplexity_compressed": math.exp(nll_small / m),

@@ -267,9 +267,9 @@ class BenchResult:
         return {"header": self.header, "rows": self.row_dicts()}
 
     def write_json(self, path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        from speccomp.models import write_atomically
+
+        write_atomically(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")  # never half a file
 
     def categories(self) -> list[str]:
         return list(dict.fromkeys(p.category for p in self.prompts))

@@ -9,7 +9,7 @@ layer of a middle span, of several widths) for layer_skip. Each candidate is com
 shared, so this is cheap), warmed up, and timed on the same prompts, candidates interleaved
 prompt by prompt so machine noise falls on all of them alike. The winner is stored under the
 user cache (`speccomp.models.cache_dir() / "search"`), keyed by the model's fingerprint, the
-drafter, the tree, the thread count and the CPU, and `compile` reads it back when the user gives
+drafter, the tree, the device, dtype, thread count and CPU, and `compile` reads it back when the user gives
 no options. Every candidate's decode is checked against the plain model's: a search never picks
 a configuration that changed the output.
 """
@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from speccomp.models import cache_dir, fingerprint, write_atomically
+from speccomp.models import cache_dir, write_atomically
 
 KINDS = ("early_exit", "layer_skip")
 
@@ -53,10 +52,26 @@ def candidates(kind: str, num_layers: int) -> list[dict]:
 def _key(model, kind: str, tree) -> str:
     from speccomp.runtime.tree import parse_tree_spec
 
-    cpu = platform.processor() or platform.machine()
+    from speccomp.tuning.step_curve import machine_key
+
     spec = None if tree is None else parse_tree_spec(tree)  # "4", 4 and Tree.chain(4) are one key
-    parts = [fingerprint(model), kind, repr(spec), str(torch.get_num_threads()), cpu]
+    # what the timing is valid for: model, device, dtype, threads and CPU (not the backend: search times eager and
+    # its layer sets serve every backend's compile)
+    machine = {k: v for k, v in machine_key(model, "eager").items() if k != "backend"}
+    parts = [kind, repr(spec), json.dumps(machine, sort_keys=True)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
+
+
+def check_search_tree(tree) -> None:
+    """Search times layer sets on a fixed tree (or the drafter's default); compile(tree="auto") takes autotune's
+    stored result instead, which a search would neither read nor write."""
+    from speccomp.errors import OptionError
+    from speccomp.runtime.tree import AutoTreeSpec, parse_tree_spec
+
+    if tree is not None and isinstance(parse_tree_spec(tree), AutoTreeSpec):
+        raise OptionError("tree", tree, "search times layer sets on a fixed tree; tree='auto' reads autotune's "
+                          "stored result, which a search neither reads nor writes",
+                          "search with a fixed tree (or none), then run speccomp autotune")
 
 
 def _path(model, kind: str, tree):
@@ -98,6 +113,7 @@ def search_drafter(
 
     if kind not in KINDS:
         raise ValueError(f"search covers the drafters {list(KINDS)}, got {kind!r}")
+    check_search_tree(tree)
     prompts = [p if p.dim() == 2 else p[None] for p in prompts]
     if not prompts:
         raise ValueError("search_drafter needs at least one calibration prompt (token ids)")

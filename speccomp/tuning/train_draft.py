@@ -69,11 +69,11 @@ def _trainable(draft) -> nn.Module:
 def save_draft(draft, out: Path, model, num_layers: int, base_model: str = "") -> Path:
     from safetensors.torch import save_file
 
-    from speccomp.models import fingerprint
+    from speccomp.models import fingerprint, replace_atomically, write_atomically
 
     own = {k: v.detach().contiguous() for k, v in draft.state_dict().items() if _own(k, num_layers)}
-    save_file(own, str(out / WEIGHTS))
-    (out / CONFIG).write_text(json.dumps({
+    replace_atomically(out / WEIGHTS, lambda tmp: save_file(own, str(tmp)))  # each file in one rename, config last
+    write_atomically(out / CONFIG, json.dumps({
         "format": FORMAT, "num_layers": num_layers, "base_model_name_or_path": base_model,
         "base_fingerprint": fingerprint(model), "reads_from_the_model": ["embedding", "lm_head"],
         "config": draft.config.to_dict()}, indent=1, default=str) + "\n")
@@ -88,7 +88,6 @@ def train_draft(model, prompts, *, out, num_layers: int = 2, max_new_tokens: int
     _check(model, prompts, num_layers, epochs=epochs, batch_size=batch_size, max_new_tokens=max_new_tokens, lr=lr)
     out = check_draft_directory(out)
     state = out / "_train"
-    state.mkdir(parents=True, exist_ok=True)
     args = {"kind": "draft_model", "num_layers": num_layers, "max_new_tokens": max_new_tokens, "epochs": epochs,
             "lr": lr, "batch_size": batch_size, "seed": seed, **run_identity(model, prompts), "sampled": sampled,
             "temperature": temperature, "weight_decay": 0.0}

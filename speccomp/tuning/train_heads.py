@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from speccomp.drafters.medusa import MedusaHeads, check_head_directory, new_heads, save_medusa
+from speccomp.errors import OptionError
 
 KINDS = ("medusa", "hydra", "eagle")
 DISTILL_BATCH = 32  # prompts decoded together by HF generate
@@ -71,6 +72,8 @@ def _self_distill(model, prompts, max_new_tokens: int, eos, progress: bool, stat
     from safetensors.torch import save_file
     from tqdm import tqdm
 
+    from speccomp.models import replace_atomically
+
     data_file = state / "tokens.safetensors"
     seqs, starts = distilled_text(state.parent) if data_file.exists() else ([], [])
     jobs = []  # (prompts, temperature, seed) per batch
@@ -94,7 +97,7 @@ def _self_distill(model, prompts, max_new_tokens: int, eos, progress: bool, stat
                 starts.extend(len(p) for p in batch)
                 flat = {f"seq_{i}": x.contiguous() for i, x in enumerate(seqs)}
                 flat.update({f"start_{i}": torch.tensor(st) for i, st in enumerate(starts)})
-                save_file(flat, str(data_file))
+                replace_atomically(data_file, lambda tmp: save_file(flat, str(tmp)))  # noqa: B023 (called at once)
             done += len(batch)
             bar.update(len(batch))
     return seqs, starts
@@ -201,14 +204,19 @@ def _checkpoint(state: Path, heads, opt, args: dict, epoch: int) -> None:
     """Heads, AdamW moments and progress after `epoch` epochs, so a rerun resumes there."""
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().contiguous() for k, v in heads.state_dict().items()}, str(state / "heads.safetensors"))
+    from speccomp.models import replace_atomically, write_atomically
+
+    # each file replaced in one rename, progress.json last: an interrupted checkpoint leaves the previous epoch's
+    # files whole (at worst newer weights with the older epoch count, which reruns that epoch)
+    weights = {k: v.detach().contiguous() for k, v in heads.state_dict().items()}
+    replace_atomically(state / "heads.safetensors", lambda tmp: save_file(weights, str(tmp)))
     moments = {}
     for i, st in opt.state_dict()["state"].items():
         moments[f"{i}.step"] = torch.as_tensor(st["step"]).reshape(1).float()
         moments[f"{i}.exp_avg"] = st["exp_avg"].contiguous()
         moments[f"{i}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
-    save_file(moments, str(state / "optimizer.safetensors"))
-    (state / "progress.json").write_text(json.dumps({"args": args, "epoch": epoch}))
+    replace_atomically(state / "optimizer.safetensors", lambda tmp: save_file(moments, str(tmp)))
+    write_atomically(state / "progress.json", json.dumps({"args": args, "epoch": epoch}))
 
 
 def _resume(state: Path, heads, opt, done: dict) -> int:
@@ -251,8 +259,6 @@ def _check_settings(model, prompts, kind, *, lr, sampled: int, temperature: floa
 def check_on_cpu(model, what: str) -> None:
     """Training runs on the CPU (the replies, hidden states and batches are built there); a model elsewhere is refused
     before any work rather than failing on mixed devices minutes in. What it trains loads onto any device."""
-    from speccomp.errors import OptionError
-
     weight = next(iter(model.parameters()), None)
     if weight is not None and weight.device.type != "cpu":
         raise OptionError("model", f"a model on {weight.device}", f"{what} trains on the CPU",
@@ -273,14 +279,32 @@ def run_identity(model, prompts) -> dict:
     return {"model": fingerprint(model), "prompts": len(prompts), "prompts_sha256": digest.hexdigest()[:16]}
 
 
+def check_not_foreign(out) -> None:
+    """Refuse an `out` holding weights (a config.json) that no training run there started (no _train/progress.json):
+    heads or a draft downloaded or saved by hand are never overwritten by a run."""
+    out = Path(out)
+    if (out / "config.json").exists() and not (out / "_train" / "progress.json").exists():
+        raise OptionError("out", str(out), "holds config.json of weights no training run here wrote; refusing to "
+                          "overwrite them", "choose a new directory (or delete that one first)")
+
+
 def _open_run(state: Path, args: dict) -> dict:
     """The progress stored in `state` by an earlier run with the same `args` ({} for a new run)."""
+    from speccomp.models import write_atomically
+
     progress_file = state / "progress.json"
-    done = json.loads(progress_file.read_text()) if progress_file.exists() else {}
-    if done and done.get("args") != args:
-        raise ValueError(f"{state} holds a run with other settings {done.get('args')}; use another out= or delete it")
-    if not done:
-        progress_file.write_text(json.dumps({"args": args, "epoch": 0}))
+    if not progress_file.exists():
+        check_not_foreign(state.parent)
+        write_atomically(progress_file, json.dumps({"args": args, "epoch": 0}))  # makes `state` (after the check)
+        return {}
+    try:
+        done = json.loads(progress_file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise OptionError("out", str(state.parent), f"holds an unreadable training state {progress_file} ({e})",
+                          f"delete {state} to start the run again") from None
+    if not isinstance(done, dict) or done.get("args") != args:
+        raise ValueError(f"{state} holds a run with other settings {done.get('args') if isinstance(done, dict) else done}; "
+                         "use another out= or delete it")
     return done
 
 
@@ -333,7 +357,6 @@ def train_heads(
                     batch_size=batch_size, draft_vocab=draft_vocab)
     out = check_head_directory(out)  # before minutes of work: never over a folder's own config.json
     state = out / "_train"
-    state.mkdir(parents=True, exist_ok=True)
     args = {"kind": kind, "num_heads": num_heads, "num_layers": num_layers, "max_new_tokens": max_new_tokens,
             "epochs": epochs, "lr": lr, "batch_size": batch_size, "seed": seed, **run_identity(model, prompts),
             "sampled": sampled, "temperature": temperature, "weight_decay": weight_decay}
