@@ -566,9 +566,9 @@ def cmd_bench(args) -> int:
         raise OptionError("kv_mode", args.kv_mode, "applies to the --kv rows, and none were asked for",
                           "add --kv POLICIES (e.g. --kv sink:256) or drop --kv-mode")
     args.kv_mode = args.kv_mode or "draft"
-    if args.tree is not None and not drafters and not (args.kv and args.kv_mode == "draft"):
+    if args.tree is not None and not drafters:  # KV rows draft with their own default tree
         raise OptionError("tree", args.tree, "shapes the drafter rows' trees, and this run has none",
-                          "name drafters with --drafters (or KV rows with --kv) or drop --tree")
+                          "name drafters with --drafters or drop --tree")
     options = _bench_drafter_options(args, drafters)
     for d in drafters:  # each row as compile checks it without a model (merge rules, tree, option types)
         check_options(drafter=d, tree=args.tree, backend=args.backend, drafter_options=options.get(d))

@@ -64,7 +64,10 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
             raise ValueError(f"{source}:{lineno}: expected a JSON object with 'turns', a non-empty list of strings, "
                              f"got {line.strip()[:80]}")
-        prompts.append(Prompt(str(row.get("question_id", lineno)), str(row.get("category", "general")), turns[0]))
+        category = row.get("category") or "general"
+        if not isinstance(category, str):
+            raise ValueError(f"{source}:{lineno}: 'category' must be a string, got {category!r}")
+        prompts.append(Prompt(str(row.get("question_id", lineno)), category, turns[0]))
     if not prompts:
         raise ValueError(f"{source} holds no prompts")
     return prompts[:limit] if limit else prompts

@@ -903,6 +903,7 @@ CLI_ERRORS = [
      ("--json", "--prompts")),
     ("bench-kv-mode-without-kv", ["bench", "--drafters", "none", "--kv-mode", "target"], ("--kv-mode", "--kv")),
     ("bench-tree-without-drafter-rows", ["bench", "--drafters", "none", "--tree", "3"], ("--tree", "none")),
+    ("bench-tree-with-kv-rows-only", ["bench", "--drafters", "none", "--kv", "sink:256", "--tree", "3"], ("--tree",)),
     ("bench-drafter-options-twice", ["bench", "--drafters", "ngram", "--drafter-options", 'ngram={"max_ngram": 3}',
                                      "--drafter-options", 'ngram={"max_ngram": 2}'], ("--drafter-options", "already")),
     ("bench-drafters-twice", ["bench", "--drafters", "ngram,ngram"], ("--drafters", "more than once")),
@@ -975,13 +976,14 @@ def test_prompt_files_are_read_as_written_or_refused(tmp_path):
     from speccomp.prompts import load_prompts
 
     cases = {'{"turns": "Write a poem"}': "list of strings", '["hi"]': "JSON object", '"hi"': "JSON object",
-             '{"turns": [1]}': "list of strings", '{"turns": []}': "list of strings", "{": "not JSON"}
+             '{"turns": [1]}': "list of strings", '{"turns": []}': "list of strings", "{": "not JSON",
+             '{"turns": ["x"], "category": ["a"]}': "'category' must be a string"}
     for i, (line, words) in enumerate(cases.items()):
         f = tmp_path / f"p{i}.jsonl"
         f.write_text('{"turns": ["fine"]}\n' + line + "\n")
         with pytest.raises(ValueError, match=f"p{i}.jsonl:2: .*{words}"):
             load_prompts(f)
-    f.write_text('{"turns": ["one"]}\n{"turns": ["two"], "category": "c"}\n')
+    f.write_text('{"turns": ["one"], "category": null}\n{"turns": ["two"], "category": "c"}\n')
     assert [(p.text, p.category) for p in load_prompts(f)] == [("one", "general"), ("two", "c")]
     assert [p.text for p in load_prompts(f, limit=1)] == ["one"]
     with pytest.raises(ValueError, match="limit must be an int >= 1"):

@@ -643,6 +643,8 @@ def test_a_policy_built_by_hand_is_checked_and_named_like_its_string(llama, tmp_
     assert torch.equal(fast.generate(ids, max_new_tokens=20), ref)
     assert fast.last_stats["kv_cache"] == "sink:16:4" and fast.last_stats["steps"] < 20
     assert speccomp.load(fast.export(tmp_path / "e")).generate(ids.numpy(), max_new_tokens=20).tolist() == ref.tolist()
+    assert parse_kv_cache(parse_kv_cache("sink:16")).spec == "sink:16"  # a parsed policy keeps its words
+    assert parse_kv_cache(KVPolicy("sink", budget=16, sinks=4, spec="sink:256")).spec == "sink:16:4"  # not a stale one
     for bad, words in ((KVPolicy("kivi", bits=3, residual=8), "KIVI bits"), (KVPolicy("sink", budget=4, sinks=4),
                        "must exceed the 4 sink"), (KVPolicy("lru", budget=8), "unknown kv_cache")):
         with pytest.raises(speccomp.OptionError, match=f"^kv_cache=.*{words}"):

@@ -405,7 +405,8 @@ def test_a_head_step_runs_on_the_drafters_device_with_numpy_in_and_out(tmp_path)
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
 def test_heads_draft_for_a_bfloat16_model(model, tmp_path, kind):
-    """Heads load in float32; they now run in the model's dtype (a bfloat16 model's states met float32 weights)."""
+    """Heads load in float32; a bfloat16 model's states met float32 weights. Medusa (inside the target graph) now
+    runs in the model's dtype; Hydra and EAGLE in float32, as their host-side states and EAGLE's cache are held."""
     import copy
 
     from speccomp.drafters.eagle import new_eagle, save_eagle

@@ -221,6 +221,7 @@ def draft_weights(weights, backend: str) -> str:
 def _layer_passes(base, options: dict) -> list:
     """drafter_options {"skip": [...]} or {"exit_layer": k}: the drafter also skips layers (TriForce's
     hierarchy idea: fewer layers *and* fewer keys per draft token). None given: the whole model drafts."""
+    given = dict(options)  # as the user wrote them, for the messages (the passes below take theirs out)
     if "skip" in options and "exit_layer" in options:
         raise OptionError("drafter_options", options, "gives both 'skip' and 'exit_layer'", "give one of them")
     if "skip" in options:
@@ -230,7 +231,7 @@ def _layer_passes(base, options: dict) -> list:
     else:
         passes, rest = [], options
     if rest:
-        raise OptionError("drafter_options", options, f"has unknown compressed-KV drafter options {sorted(rest)}",
+        raise OptionError("drafter_options", given, f"has unknown compressed-KV drafter options {sorted(rest)}",
                           "accepted: 'skip' or 'exit_layer', and 'weights'")
     return passes
 

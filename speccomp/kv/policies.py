@@ -124,7 +124,11 @@ def parse_kv_cache(spec) -> KVPolicy | None:
         return spec
     if isinstance(spec, KVPolicy):
         checked = parse_kv_cache(spec_of(spec))
-        return replace(checked, spec=spec.spec or checked.spec)
+        try:  # its own spec names it only where that spec means these fields (not a label, nor an edited copy's)
+            same = bool(spec.spec) and replace(parse_kv_cache(spec.spec), spec="") == replace(checked, spec="")
+        except KVPolicyError:
+            same = False
+        return replace(checked, spec=spec.spec) if same else checked
     if not isinstance(spec, str):
         raise KVPolicyError(f"unknown kv_cache {spec!r}: expected a string; accepted forms: {ACCEPTED_FORMS}")
     text = spec.strip().lower()

@@ -301,10 +301,10 @@ def _open_run(state: Path, args: dict) -> dict:
         done = json.loads(progress_file.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise OptionError("out", str(state.parent), f"holds an unreadable training state {progress_file} ({e})",
-                          f"delete {state} to start the run again") from None
+                          f"delete {state.parent} to train again there") from None
     if not isinstance(done, dict) or done.get("args") != args:
         raise ValueError(f"{state} holds a run with other settings {done.get('args') if isinstance(done, dict) else done}; "
-                         "use another out= or delete it")
+                         f"use another out= or delete {state.parent}")
     return done
 
 
