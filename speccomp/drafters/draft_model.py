@@ -157,7 +157,8 @@ def sample_children(logits: torch.Tensor, temperature: float, nodes: list[int], 
     (float64, on the CPU where the sampler's generator lives); drawn[(node, r)] = the distribution the rank-r child
     was drawn from: q with ranks 0..r-1 removed, renormalised. Where q has fewer than k tokens it can draw, the
     remaining ranks are the likeliest others as point masses (one-hot rows: exact as deterministic drafts are)."""
-    q = torch.softmax(logits.detach().to("cpu", torch.float64) / temperature, dim=-1)
+    x = logits.detach().to("cpu", torch.float64)
+    q = torch.softmax((x - x.amax(-1, keepdim=True)) / temperature, dim=-1)  # shifted: no overflow near 0 (warp)
     out = []
     for i, u in enumerate(nodes):
         row = q[i].clone()

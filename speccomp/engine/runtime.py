@@ -495,11 +495,17 @@ def tree_arrays(parents: list[int]) -> tuple[np.ndarray, np.ndarray, list[list[i
     return depth, mask, children
 
 
+def _scaled(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """(logits - their max) / temperature in float64 (as speccomp.runtime.sampling.warp: no overflow near 0)."""
+    x = logits.astype(np.float64)
+    return (x - x.max(-1, keepdims=True)) / temperature
+
+
 def warp(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
     """Probabilities after temperature and nucleus filtering, as speccomp.runtime.sampling.warp (HF's warpers).
     Where logits tie exactly at the nucleus cut, which of the tied tokens stay is up to the sort: torch's (HF's) is
     not stable, this one is, so the two may keep different tied tokens (exact ties are rare with float32 logits)."""
-    x = logits.astype(np.float64) / temperature
+    x = _scaled(logits, temperature)
     if top_p < 1.0:
         order = np.argsort(x, kind="stable")  # ascending
         p = np.exp(x[order] - x[order].max())
@@ -557,7 +563,7 @@ def _sample_children(logits: np.ndarray, temperature: float, nodes: list, k: int
     drawn[(node, r)] = the distribution the rank-r child came from (q less ranks 0..r-1, renormalised). Where q has
     fewer than k tokens it can draw, the rest are the likeliest others as point masses (as the torch drafter's
     draft_model.sample_children)."""
-    x = logits.astype(np.float64) / temperature
+    x = _scaled(logits, temperature)
     q = np.exp(x - x.max(-1, keepdims=True))
     q /= q.sum(-1, keepdims=True)
     out = []

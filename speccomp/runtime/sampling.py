@@ -11,7 +11,11 @@ import torch
 
 def warp(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
     """Probabilities over the vocabulary (last dim) after temperature and nucleus filtering."""
-    logits = logits.float() / temperature
+    logits = logits.float()
+    # shifted by the max first (softmax does not change): a temperature near 0 then leaves the max at 0 and sends
+    # the rest to -inf (the argmax's point mass, ties shared) where logits / temperature alone overflows to inf - inf;
+    # one below float32's smallest normal would round to 0 (0 / 0 at the max): it is that point mass already
+    logits = (logits - logits.amax(-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)
     if top_p < 1.0:
         sorted_logits, sorted_idx = torch.sort(logits, descending=False, dim=-1)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
