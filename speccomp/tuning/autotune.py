@@ -1144,6 +1144,7 @@ def _side_by_side(runs: dict, prompts, max_new_tokens: int, eos, name: str, bar)
     keys = list(runs)
     if bar is not None:
         bar.total += len(keys) * len(prompts)
+        bar.set_postfix_str(f"final round: {len(keys)} side by side")
     for key in keys:
         _warm(runs[key], prompts, eos)
     stats = {key: [] for key in keys}
