@@ -379,18 +379,19 @@ def test_wrong_rule_for_sampled_drafts_fails_the_engine_sampling_test(engines, e
 
 
 def test_a_temperature_near_zero_samples_the_greedy_text(captured, heads, engines):
-    """temperature -> 0 leaves the argmax's point mass: sampling at 1e-30 (logits / T overflows float32) and at the
-    smallest float64 (it overflows there too) gives the greedy text, in both runtimes, drafts sampled from a draft
-    LM's q included. Dividing before shifting by the max made inf - inf = nan (multinomial refused it)."""
+    """temperature -> 0 leaves the argmax's point mass: sampling at 1e-45 (logits / T overflows float32: the torch
+    sampler's) and at the smallest float64 (it overflows there too: the engine's and the draft model's q) gives the
+    greedy text, in both runtimes, drafts sampled from a draft LM's q included. Dividing before shifting by the max
+    made inf - inf = nan there (multinomial refused it; HF's sampler does too)."""
     for logits, point in (([0.5, 3.0, -1.0, 2.0], [0, 1, 0, 0]), ([1.0, -np.inf, 4.0, 4.0], [0, 0, 0.5, 0.5])):
-        for t in (1e-30, 5e-324):  # a tie shares the mass
+        for t in (1e-45, 5e-324):  # a tie shares the mass
             assert np.array_equal(warp(torch.tensor(logits), t).numpy(), point)
             assert np.array_equal(speccomp.engine.runtime.warp(np.array(logits, np.float32), t, 1.0), point)
     ids = torch.tensor([PROMPT])
     greedy = speccomp.compile(captured).generate(ids, max_new_tokens=12)
     for case in ("draft_model", "medusa"):
         torch_model = speccomp.compile(captured, backend="onnxruntime", **ENGINE_CASES[case][0](heads))
-        for t in (1e-30, 5e-324):
+        for t in (1e-45, 5e-324):
             for run in (torch_model, engines(case)):
                 out = run.generate(ids, max_new_tokens=12, do_sample=True, temperature=t, seed=0)
                 assert np.array_equal(np.asarray(out), greedy.numpy()), (case, t, type(run).__name__)
