@@ -508,13 +508,13 @@ def warp(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
     x = _scaled(logits, temperature)
     if top_p < 1.0:
         order = np.argsort(x, kind="stable")  # ascending
-        p = np.exp(x[order] - x[order].max())
+        p = np.exp(x[order])
         cumulative = np.cumsum(p / p.sum())
         remove = cumulative <= 1 - top_p
         remove[-1] = False  # always keep the most likely token
         x = x.copy()
         x[order[remove]] = -np.inf
-    p = np.exp(x - x.max())
+    p = np.exp(x)  # x's max is 0 (_scaled), and the nucleus always keeps that token
     return p / p.sum()
 
 
@@ -563,8 +563,7 @@ def _sample_children(logits: np.ndarray, temperature: float, nodes: list, k: int
     drawn[(node, r)] = the distribution the rank-r child came from (q less ranks 0..r-1, renormalised). Where q has
     fewer than k tokens it can draw, the rest are the likeliest others as point masses (as the torch drafter's
     draft_model.sample_children)."""
-    x = _scaled(logits, temperature)
-    q = np.exp(x - x.max(-1, keepdims=True))
+    q = np.exp(_scaled(logits, temperature))  # each row's max is 0 already
     q /= q.sum(-1, keepdims=True)
     out = []
     for i, u in enumerate(nodes):
