@@ -21,7 +21,7 @@ import torch
 from torch.export import Dim
 
 from speccomp.backends.onnx_export import _EXAMPLE_PAST, _EXAMPLE_Q, OrtStep
-from speccomp.engine.runtime import bind_layer
+from speccomp.engine.runtime import LayerBindings
 from speccomp.passes.inplace_kv import free_room
 
 _ONNX_INT32 = 6
@@ -110,6 +110,8 @@ class OrtKVStep(OrtStep):
         super().__init__(path, **options)
         self.call_names, self.n_outputs = list(call_names), n_outputs
         self.inputs = list(zip(self.input_names, self.input_types))
+        layers = [name for name in self.input_names if name not in self.call_names]  # past_<kv>_<l>
+        self.bindings = LayerBindings(self.session, layers, self.output_names[self.n_outputs:])
 
     def at(self, path) -> "OrtKVStep":
         return OrtKVStep(path, self.call_names, self.n_outputs, providers=self.providers, spin=self.spin)
@@ -125,19 +127,14 @@ class OrtKVStep(OrtStep):
         if buffer is None:  # not the runtime's buffer: a scratch one with room for this step's entries
             buffer = past_kv.new_zeros(*past_kv.shape[:4], past_kv.shape[4] + q, past_kv.shape[5])
             buffer[..., : past_kv.shape[4], :] = past_kv
-        binding, kept, host = self.session.io_binding(), [], buffer.numpy()  # a numpy view: no copy
+        binding = self.bindings.binding(buffer.numpy(), self.output_names[: self.n_outputs])  # a numpy view: no copy
+        kept = []
         for name, dtype in self.inputs:
             if name in given:
                 value = given[name]
                 value = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
                 kept.append(np.ascontiguousarray(value, dtype=dtype))
                 binding.bind_cpu_input(name, kept[-1])
-            else:
-                bind_layer(binding.bind_input, name, host)
-        for name in self.output_names[: self.n_outputs]:
-            binding.bind_output(name, "cpu")
-        for name in self.output_names[self.n_outputs :]:  # present_<kv>_<l>: the same memory as past_<kv>_<l>
-            bind_layer(binding.bind_output, name, host)
         self.session.run_with_iobinding(binding)
         return tuple(torch.from_numpy(o.numpy()) for o in binding.get_outputs()[: self.n_outputs])
 

@@ -90,29 +90,24 @@ def _rows(speccomp, model, drafter: str, result, backend: str, wide: bool) -> di
     return rows
 
 
-def _time_rows(rows: dict, bench: list, refs: list, max_new_tokens: int, eos) -> dict:
-    """Every row on every prompt, rows rotating per prompt; totals, per-prompt rates, identical to `refs`."""
-    for sm in rows.values():
-        sm.generate(bench[0][1], max_new_tokens=8, eos_token_id=eos)  # warm-up
-    names = list(rows)
-    stats = {n: {"tokens": 0, "seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0, "steps": 0,
-                 "identical": True, "per_prompt": []} for n in names}
-    for i, (category, ids) in enumerate(bench):
-        for n in names[i % len(names):] + names[: i % len(names)]:
-            out = rows[n].generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
-            s, st = rows[n].last_stats, stats[n]
-            st["tokens"] += s["new_tokens"]
-            st["seconds"] += s["seconds"]
-            st["decode_tokens"] += s["new_tokens"] - 1
-            st["decode_seconds"] += s["seconds"] - s["prefill_seconds"]
-            st["steps"] += s["steps"]
-            st["identical"] &= bool(torch.equal(out, refs[i]))
-            decode_s = s["seconds"] - s["prefill_seconds"]
-            st["per_prompt"].append({"category": category, "tokens_per_s": s["tokens_per_second"], "tau": s["tau"],
-                                     "decode_tokens_per_s": (s["new_tokens"] - 1) / decode_s if decode_s > 0 else 0.0})
-    return {n: {"tokens_per_s": st["tokens"] / st["seconds"], "decode_tokens_per_s": st["decode_tokens"] / st["decode_seconds"],
-                "tau": st["tokens"] / st["steps"], "identical": st["identical"], "per_prompt": st["per_prompt"]}
-            for n, st in stats.items()}
+def _time_rows(rows: dict, bench: list, refs: list, max_new_tokens: int, eos, drafter: str) -> dict:
+    """Every row on every prompt, side by side as autotune's final round times its finalists (rows rotating per
+    prompt: speccomp/tuning/autotune.py `_side_by_side`, which raises where an output differs from HF's `refs`);
+    totals and per-prompt rates."""
+    from speccomp.tuning.autotune import _decode_totals, _side_by_side
+
+    table = {}
+    stats = _side_by_side(rows, [ids for _, ids in bench], max_new_tokens, eos, drafter, None, refs=refs)
+    for name, runs in stats.items():
+        seconds, _ = _decode_totals(runs)
+        per_prompt = [{"category": category, "tokens_per_s": s["tokens_per_second"], "tau": s["tau"],
+                       "decode_tokens_per_s": (s["new_tokens"] - 1) / max(s["seconds"] - s["prefill_seconds"], 1e-12)}
+                      for (category, _), s in zip(bench, runs)]
+        table[name] = {"tokens_per_s": sum(s["new_tokens"] for s in runs) / sum(s["seconds"] for s in runs),
+                       "decode_tokens_per_s": sum(s["new_tokens"] - 1 for s in runs) / seconds,
+                       "tau": sum(s["new_tokens"] for s in runs) / sum(s["steps"] for s in runs),
+                       "identical": True, "per_prompt": per_prompt}
+    return table
 
 
 def _verdict(table: dict, result, noise: float) -> dict:
@@ -202,7 +197,7 @@ def main(argv=None) -> int:
         if args.report_dir:
             plot_report(result, Path(args.report_dir) / f"autotune_{drafter}.png")
         table = _time_rows(_rows(speccomp, model, drafter, result, args.backend, args.wide), bench, refs,
-                           args.max_new_tokens, eos)
+                           args.max_new_tokens, eos, drafter)
         verdict = _verdict(table, result, args.noise)
         report["drafters"][drafter] = {"autotune": result.to_dict(), "rows": table, "verdict": verdict}
         print(f"\n{drafter} on {args.backend} ({len(bench)} prompts, {args.max_new_tokens} new tokens, {args.threads} threads)")

@@ -10,10 +10,16 @@ minus the time inside those sessions is the loop: drafting on the host (tree gro
 top-k), acceptance, cache bookkeeping, Python between forwards. Reported per runtime as seconds and as a share of
 the decode, over the first --limit prompts of gsm8k and vicuna_bench (256 new tokens, each after one untimed
 warm-up prompt). The timer itself costs two perf_counter calls per session run. Run it on an idle machine.
+
+`--before` adds, for each runtime, a row with the loop as it was before 2026-11-28: the KV cache's layers bound to
+the session afresh every run (`LayerBindings`, speccomp/engine/runtime.py, now keeps them bound) and torch's argmax
+for greedy acceptance (runtime/sampling.py `argmax` now scans with numpy): the same run's A/B of those changes.
+The rows take turns prompt by prompt, the order rotating, so a drift of the machine's speed hits them alike.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -64,6 +70,26 @@ def wrap_sessions(obj, clock: list, depth: int = 4, seen=None) -> int:
     return count
 
 
+@contextlib.contextmanager
+def before():
+    """The loop as it was (the module docstring): every in-place session binds the cache's layers afresh each run
+    (LayerBindings forgetting what it bound), greedy acceptance takes torch's argmax."""
+    import speccomp.runtime.decode as decode
+    from speccomp.engine.runtime import LayerBindings
+
+    kept, numpy_argmax = LayerBindings.binding, decode.argmax
+
+    def afresh(self, buffer, outputs):
+        self._kept.clear()
+        return kept(self, buffer, outputs)
+
+    LayerBindings.binding, decode.argmax = afresh, lambda logits: logits.argmax(-1)
+    try:
+        yield
+    finally:
+        LayerBindings.binding, decode.argmax = kept, numpy_argmax
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafter", default="hydra+token_recycling")
@@ -72,6 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=3, help="prompts per file (default 3)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--before", action="store_true", help="also each runtime's loop as it was before 2026-11-28 (A/B)")
     ap.add_argument("--json", default=str(HERE / "results_loop_overhead.json"))
     args = ap.parse_args(argv)
 
@@ -87,26 +114,37 @@ def main(argv=None) -> int:
     options = json.loads(args.tree) if args.tree else None
     fast = speccomp.compile(model, drafter=args.drafter, drafter_options=options, backend="onnxruntime")
     engine = speccomp.load(fast.export(Path(tempfile.mkdtemp()) / "engine"), threads=args.threads)
-    rows = []
-    for name, runner in (("onnxruntime", fast), ("engine", engine)):
-        clock = [0.0]
-        wrapped = wrap_sessions(runner, clock)
-        numpy_in = name == "engine"
+    clocks = {"onnxruntime": [0.0], "engine": [0.0]}
+    wrapped = {"onnxruntime": wrap_sessions(fast, clocks["onnxruntime"]), "engine": wrap_sessions(engine, clocks["engine"])}
+    variants = [(name, runner, False) for name, runner in (("onnxruntime", fast), ("engine", engine))]
+    variants += [(name, runner, True) for name, runner, _ in variants] if args.before else []
+    totals = {(name, old): {"seconds": 0.0, "in_sessions_s": 0.0, "tokens": 0, "steps": 0}
+              for name, _, old in variants}
 
-        def run(ids):
-            runner.generate(ids.numpy() if numpy_in else ids, max_new_tokens=args.max_new_tokens,
+    def run(name, runner, old, ids):
+        with before() if old else contextlib.nullcontext():
+            runner.generate(ids.numpy() if name == "engine" else ids, max_new_tokens=args.max_new_tokens,
                             eos_token_id=tok.eos_token_id)
-            return runner.last_stats
+        return runner.last_stats
 
-        run(prompts[0])  # warm-up
-        clock[0], seconds, tokens, steps = 0.0, 0.0, 0, 0
-        for ids in prompts:
-            stats = run(ids)
-            seconds, tokens, steps = seconds + stats["seconds"], tokens + stats["new_tokens"], steps + stats["steps"]
-        loop = seconds - clock[0]
-        rows.append({"runtime": name, "sessions_wrapped": wrapped, "seconds": seconds, "in_sessions_s": clock[0],
-                     "loop_s": loop, "loop_share": loop / seconds, "tokens_per_s": tokens / seconds,
-                     "steps": steps, "loop_ms_per_step": 1e3 * loop / steps})
+    for variant in variants:
+        run(*variant, prompts[0])  # warm-up
+    for i, ids in enumerate(prompts):
+        for name, runner, old in variants[i % len(variants):] + variants[: i % len(variants)]:
+            clock, total = clocks[name], totals[name, old]
+            start = clock[0]
+            stats = run(name, runner, old, ids)
+            total["in_sessions_s"] += clock[0] - start
+            total["seconds"] += stats["seconds"]
+            total["tokens"] += stats["new_tokens"]
+            total["steps"] += stats["steps"]
+    rows = []
+    for (name, old), t in totals.items():
+        loop = t["seconds"] - t["in_sessions_s"]
+        rows.append({"runtime": name + (", before (layers rebound every run, torch's argmax)" if old else ""),
+                     "sessions_wrapped": wrapped[name], "seconds": t["seconds"], "in_sessions_s": t["in_sessions_s"],
+                     "loop_s": loop, "loop_share": loop / t["seconds"], "tokens_per_s": t["tokens"] / t["seconds"],
+                     "steps": t["steps"], "loop_ms_per_step": 1e3 * loop / t["steps"]})
         print(json.dumps(rows[-1]), file=sys.stderr)
     print(f"\nSmolLM2-135M, {args.drafter}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.threads} threads")
     print("| runtime | decode s | in ONNX Runtime s | loop s | loop share | loop ms per step | tok/s |")

@@ -5,6 +5,7 @@ import random
 import re
 import warnings
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -598,3 +599,33 @@ def test_final_round_times_finalists_side_by_side_on_both_prompt_sets_and_keeps_
     runs["other"].wrong = True
     with pytest.raises(RuntimeError, match="tree other changed the greedy output"):
         _side_by_side(runs, prompts(), 16, 2, "token_recycling", None)
+    runs["other"].wrong = False
+    refs = [runs["plain"].generate(p, max_new_tokens=16, eos_token_id=2) for p in prompts()]
+    _side_by_side(runs, prompts(), 16, 2, "token_recycling", None, refs=refs)  # given references are what counts
+    with pytest.raises(RuntimeError, match="tree plain changed the greedy output"):
+        _side_by_side(runs, prompts(), 16, 2, "token_recycling", None, refs=[r + 1 for r in refs])
+
+
+def test_the_autotune_benchmark_times_its_rows_as_the_final_round():
+    """benchmarks/autotune.py's rows go through the final round's `_side_by_side` (one copy of the rotation): its
+    table adds up the runs' stats, one per-prompt entry each, and an output unlike HF's reference raises."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "autotune.py"
+    spec = importlib.util.spec_from_file_location("autotune_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from speccomp.runtime.decode import RootOnly
+
+    model = tiny_llama(initializer_range=0.2)
+    sm = speccomp.compile(model, drafter="token_recycling")
+    rows = {"plain": sm.with_drafter(RootOnly()), "tree": sm}
+    cases = [("a", p) for p in prompts()]
+    refs = [model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=16, do_sample=False, eos_token_id=2,
+                           pad_token_id=2) for _, p in cases]
+    table = bench._time_rows(rows, cases, refs, 16, 2, "token_recycling")
+    assert set(table) == {"plain", "tree"} and all(len(r["per_prompt"]) == len(cases) for r in table.values())
+    assert table["tree"]["tau"] > table["plain"]["tau"] == 1.0  # drafts were accepted; plain makes one a step
+    assert all(r["decode_tokens_per_s"] > 0 and r["identical"] for r in table.values())
+    with pytest.raises(RuntimeError, match="changed the greedy output"):
+        bench._time_rows(rows, cases, [r[:, :-1] for r in refs], 16, 2, "token_recycling")

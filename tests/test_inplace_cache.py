@@ -199,6 +199,33 @@ def test_onnxruntime_fused_attention_writes_the_runtime_buffer(tree_graph, ort_s
         assert before is None or torch.equal(other._base, before)
 
 
+def test_onnxruntime_keeps_the_cache_layers_bound_between_steps(tree_graph, ort_step):
+    """One IO binding per buffer and output set (LayerBindings): steps of other q and past over the same buffer reuse
+    it and still match the graph; an earlier step's outputs stay intact; another buffer gets a binding of its own."""
+    ort_step.bindings._kept.clear()
+    past_kv = tree_inputs(12, seed=5)[3]
+    buf = room_buffer(past_kv, 2 * TREE.size)
+    kept = []
+    for past, q in [(7, TREE.size), (9, 1), (12, TREE.size), (3, 1)]:
+        ids, pos, mask, _ = step_inputs(past, q, seed=past)
+        block = TREE.mask if q == TREE.size else torch.ones(1, 1, dtype=torch.bool)
+        pos = TREE.positions(past) if q == TREE.size else pos
+        buf.owner.length = past  # the runtime's cache holds `past` entries: the step writes after them
+        want = tree_graph.gm(ids, pos, mask, buf[..., :past, :].clone(), block)
+        got = ort_step(ids, pos, mask, buf[..., :past, :], block)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(buf[..., past : past + q, :], want[1], rtol=1e-6, atol=1e-6)
+        kept.append((got[0], got[0].clone()))
+    assert len(ort_step.bindings._kept) == 1
+    assert all(torch.equal(a, b) for a, b in kept)  # each run's logits are its own, not overwritten by the next
+    other = room_buffer(past_kv, TREE.size)
+    ids, pos, mask, _ = tree_inputs(12, seed=6)
+    want = tree_graph.gm(ids, pos, mask, past_kv, TREE.mask)
+    torch.testing.assert_close(ort_step(ids, pos, mask, other[..., :12, :], TREE.mask)[0], want[0], rtol=1e-5,
+                               atol=1e-5)
+    assert len(ort_step.bindings._kept) == 2
+
+
 @pytest.mark.parametrize("drafter, options", [(None, None), ("layer_skip", {"skip": [1]})])
 def test_onnxruntime_backend_decodes_like_the_model_with_the_cache_in_place(drafter, options, tmp_path, monkeypatch):
     from speccomp.backends.onnx_kv import OrtKVStep

@@ -395,3 +395,19 @@ def test_a_temperature_near_zero_samples_the_greedy_text(captured, heads, engine
             for run in (torch_model, engines(case)):
                 out = run.generate(ids, max_new_tokens=12, do_sample=True, temperature=t, seed=0)
                 assert np.array_equal(np.asarray(out), greedy.numpy()), (case, t, type(run).__name__)
+
+
+def test_greedy_argmax_picks_what_torch_picks():
+    """runtime/sampling.py's argmax (numpy's scan for float32 CPU logits) returns torch's index everywhere: the first of
+    tied maxima, the first NaN, inf over finite values, any shape and any strides; other dtypes go through torch."""
+    from speccomp.runtime.sampling import argmax
+
+    nan, inf = float("nan"), float("inf")
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.tensor([1.0, 3.0, 3.0, 2.0]), torch.tensor([1.0, nan, 5.0, nan]), torch.tensor([-inf] * 4),
+             torch.tensor([1.0, inf, inf]), torch.tensor([[0.0, 0.0], [2.0, 2.0]]),
+             torch.randn(3, 7, 50, generator=g)[:, ::2], torch.randn(2, 5, 50, generator=g).transpose(0, 1),
+             torch.randint(0, 3, (4, 96), generator=g).float(), torch.randn(2, 9, generator=g).to(torch.bfloat16)]
+    for logits in cases:
+        got, want = argmax(logits), logits.argmax(-1)
+        assert got.dtype == want.dtype and torch.equal(got, want), logits

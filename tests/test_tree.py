@@ -67,6 +67,27 @@ def test_root_only_tree():
     assert t.mask.tolist() == [[True]]
 
 
+def test_random_trees_mask_ancestors_and_list_every_root_to_leaf_path():
+    """mask[i, j] says j is i or an ancestor of i, paths lists each leaf's path from the root in node order, for
+    random trees of 1 to 40 nodes (the derived fields are built with numpy and lists, not torch element writes)."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 40)
+        parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+        t = Tree.from_parents(parents)
+
+        def line(i):  # i, its parent, ..., the root
+            return [i] + line(parents[i]) if i >= 0 else []
+
+        assert t.mask.dtype == torch.bool and t.paths.dtype == torch.long and t.depth.dtype == torch.long
+        assert t.mask.tolist() == [[j in line(i) for j in range(n)] for i in range(n)]
+        leaves = [i for i in range(n) if i not in parents]
+        assert t.paths.tolist() == [line(leaf)[::-1] + [-1] * (t.max_depth + 1 - len(line(leaf))) for leaf in leaves]
+        assert t.depth.tolist() == [len(line(i)) - 1 for i in range(n)]
+
+
 def test_from_choices_sorts_like_medusa():
     choices = [[1, 0], [0], [1], [0, 0], [2]]
     t = Tree.from_choices(choices)

@@ -27,7 +27,7 @@ import torch
 
 from speccomp.frontend.convention import KV_ROOM, KVSpec
 from speccomp.runtime.calls import Generation
-from speccomp.runtime.sampling import Sampler
+from speccomp.runtime.sampling import Sampler, argmax
 from speccomp.runtime.tree import Tree, greedy_accept, sample_accept, typical_accept_lossy
 
 
@@ -328,7 +328,7 @@ def accept(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, draft_probs, 
         return typical_accept_lossy(tree, tokens, sampler.probs(logits), generator=sampler.generator)
     if sampler.do_sample:
         return sample_accept(tree, tokens, sampler.probs(logits), draft_probs, sampler.generator)
-    return greedy_accept(tree, tokens, logits.argmax(-1))
+    return greedy_accept(tree, tokens, argmax(logits))
 
 
 class Sequence(Generation):

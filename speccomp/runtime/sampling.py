@@ -6,7 +6,17 @@ The warping matches Hugging Face's `TemperatureLogitsWarper` then `TopPLogitsWar
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1), through numpy where the logits are float32 on the CPU: torch's CPU argmax scans a 49k-token
+    vocabulary about ten times slower than numpy's (215 against 21 us for 5 rows on one thread; a step of a tree of 20
+    nodes spent about 1 ms in it). Both return the first index of the largest value, NaN counting as the largest."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(-1)))
+    return logits.argmax(-1)
 
 
 def warp(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
@@ -42,5 +52,5 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         if not self.do_sample:
-            return int(logits.argmax(-1))
+            return int(argmax(logits))
         return int(torch.multinomial(self.probs(logits).cpu(), 1, generator=self.generator))

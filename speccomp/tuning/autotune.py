@@ -1137,10 +1137,11 @@ def _final_choice(sm, finalists: list[dict], calibration, held_back, max_new_tok
     }
 
 
-def _side_by_side(runs: dict, prompts, max_new_tokens: int, eos, name: str, bar) -> dict[str, list[dict]]:
+def _side_by_side(runs: dict, prompts, max_new_tokens: int, eos, name: str, bar, refs=None) -> dict[str, list[dict]]:
     """key -> every prompt's `last_stats` decoded by `runs[key]`: each after one untimed warm-up, then prompt by
     prompt, every run in turn (the order rotating from prompt to prompt, so no run always follows the same one).
-    Every output must equal the "plain" run's (a tree that changes the greedy output is a bug: it raises)."""
+    Every output must equal `refs[i]` (default: the "plain" run's; a tree that changes the greedy output is a bug:
+    it raises). benchmarks/autotune.py times its rows with it too."""
     keys = list(runs)
     if bar is not None:
         bar.total += len(keys) * len(prompts)
@@ -1156,8 +1157,8 @@ def _side_by_side(runs: dict, prompts, max_new_tokens: int, eos, name: str, bar)
             if bar is not None:
                 bar.update()
         for key, out in outs.items():
-            if not torch.equal(out, outs["plain"]):
-                raise RuntimeError(f"{name} with the tree {key} changed the greedy output in autotune's final round; "
+            if not torch.equal(out, outs["plain"] if refs is None else refs[i]):
+                raise RuntimeError(f"{name} with the tree {key} changed the greedy output while timed side by side; "
                                    "please report this")
     return stats
 
