@@ -226,3 +226,23 @@ def test_draft_model_rows_by_path_and_suffix_rows(tmp_path):
     assert [r["error"] for r in (drafted, suffix)] == [None, None]
     assert drafted["drafter"] == "draft_model itself" and drafted["drafter_options"] == {"path": str(tmp_path / "draft")}
     assert result.all_identical() and drafted["tau"] > 2 and drafted["acceptance_by_depth"][0] == 1.0
+
+
+def test_host_ops_benchmark_times_each_operation_both_ways(tmp_path):
+    """benchmarks/host_ops.py (without its model rows) runs and writes every operation's before and now."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "host_ops.py"
+    spec = importlib.util.spec_from_file_location("host_ops_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    try:
+        assert module.main(["--no-model", "--json", str(tmp_path / "ops.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the script runs torch on one thread
+    rows = json.loads((tmp_path / "ops.json").read_text())["rows"]
+    assert set(rows) == {"argmax_5", "argmax_20", "gather_8_of_20", "tree_21_nodes"}
+    assert all(v > 0 for row in rows.values() for v in row.values())
+    assert set(rows["argmax_20"]) == {"torch", "numpy"} and set(rows["gather_8_of_20"]) == {"list_index", "index_select"}

@@ -386,9 +386,9 @@ LAYER_INPUT = ("past_key_", "past_value_")  # a graph that writes the cache in p
 
 class LayerBindings:
     """IO bindings of a session that writes the KV cache in place, each keeping the cache's per-layer blocks bound
-    between runs: binding them afresh every run (2 x L inputs and outputs, 120 for SmolLM2) cost 0.9 ms a step
-    through ONNX Runtime's Python API, 3-4% of a 25 ms decode step, while the blocks stay where they are as long as
-    the buffer does. A binding is kept per buffer (its address, shape and type) and outputs asked for; each run then
+    between runs: binding them afresh every run (2 x L inputs and outputs, 120 for SmolLM2) cost 0.5-0.8 ms a step
+    through ONNX Runtime's Python API (benchmarks/host_ops.py: 510 us against 6 us kept), 2-4% of a 25 ms decode
+    step, while the blocks stay where they are as long as the buffer does. A binding is kept per buffer (its address, shape and type) and outputs asked for; each run then
     rebinds only the other inputs (the caller) and the outputs asked for, which ONNX Runtime allocates afresh (their
     shapes follow q) and lists first, in the order first bound."""
 

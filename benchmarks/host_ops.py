@@ -1,0 +1,89 @@
+"""The decode loop's host-side operations, each timed against the way the loop did it before 2026-11-28, in one run
+(benchmarks/README.md, "Loop overhead between forwards").
+
+    python benchmarks/host_ops.py          # one torch thread (what the loop runs with beside ONNX Runtime)
+
+    argmax        greedy acceptance over a tree's logits [n, 49152]: torch's CPU argmax against
+                  speccomp.runtime.sampling.argmax (numpy's scan), for trees of 5 and 20 nodes
+    gather        a merged drafter handing one part 8 of 20 nodes' logits: a list index against index_select
+    tree          Tree.from_parents for a tree of 21 nodes (the loop builds about three a step; no before row: the
+                  old construction is gone, its 455 us was measured once by hand)
+    bind          SmolLM2's onnxruntime step at 300 cached tokens: LayerBindings' binding call with the cache's 60
+                  layer blocks bound afresh every run against kept (median over 64 calls each; --no-model skips it)
+
+Medians in microseconds to stdout and --json (default benchmarks/results_host_ops.json). Run it on an idle machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from step_cost import median_ms  # noqa: E402  (one warm-up call, then the median in ms)
+
+
+def median_us(fn, repeats: int = 300) -> float:
+    return 1e3 * median_ms(fn, repeats)
+
+
+def binding_us(calls: int = 64) -> dict:
+    """The binding call of the onnxruntime backend's step, kept against afresh, over the runtime's own cache."""
+    import speccomp
+    from speccomp.engine.runtime import LayerBindings
+    from speccomp.runtime.decode import KVCache
+
+    model, _ = speccomp.load_default_model()
+    fast = speccomp.compile(model, backend="onnxruntime")
+    step = fast.step
+    if not hasattr(step, "bindings"):
+        return {"skipped": f"the step is a {type(step).__name__}, not an in-place ONNX Runtime step"}
+    cache = KVCache(fast.kv, 512)
+    cache.length = 300
+    buffer, outputs = cache.data.numpy(), step.output_names[: step.n_outputs]
+    out = {}
+    for name, forget in (("afresh", True), ("kept", False)):
+        def call():
+            if forget:
+                step.bindings._kept.clear()
+            LayerBindings.binding(step.bindings, buffer, outputs)
+
+        out[name] = median_us(call, calls)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-model", action="store_true", help="skip the binding rows (they load SmolLM2)")
+    ap.add_argument("--json", default=str(HERE / "results_host_ops.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    from speccomp.runtime.sampling import argmax
+    from speccomp.runtime.tree import Tree
+
+    g = torch.Generator().manual_seed(0)
+    rows = {}
+    for n in (5, 20):
+        logits = torch.randn(n, 49152, generator=g)
+        rows[f"argmax_{n}"] = {"torch": median_us(lambda: logits.argmax(-1)), "numpy": median_us(lambda: argmax(logits))}
+    logits, picked = torch.randn(20, 49152, generator=g), [0, 2, 3, 5, 8, 11, 13, 17]
+    rows["gather_8_of_20"] = {"list_index": median_us(lambda: logits[picked]),
+                              "index_select": median_us(lambda: logits.index_select(0, torch.tensor(picked)))}
+    parents = [-1] + [(i - 1) // 2 for i in range(1, 21)]
+    rows["tree_21_nodes"] = {"from_parents": median_us(lambda: Tree.from_parents(parents))}
+    if not args.no_model:
+        rows["bind_smollm2"] = binding_us()
+    for name, row in rows.items():
+        print(f"{name:>16}: " + ", ".join(f"{k} {v:.1f} us" if isinstance(v, float) else f"{k}: {v}"
+                                            for k, v in row.items()))
+    command = " ".join(["python", "benchmarks/host_ops.py", *(argv if argv is not None else sys.argv[1:])])
+    Path(args.json).write_text(json.dumps({"command": command, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
