@@ -123,11 +123,12 @@ class OrtKVStep(OrtStep):
         past_kv, q = given["past_kv"], int(given["input_ids"].shape[1])
         if not isinstance(past_kv, torch.Tensor):
             past_kv = torch.from_numpy(np.asarray(past_kv))
-        buffer = cache_buffer(past_kv, q)
-        if buffer is None:  # not the runtime's buffer: a scratch one with room for this step's entries
+        buffer, outputs = cache_buffer(past_kv, q), self.output_names[: self.n_outputs]
+        scratch = buffer is None
+        if scratch:  # not the runtime's buffer: a scratch one with room for this step's entries
             buffer = past_kv.new_zeros(*past_kv.shape[:4], past_kv.shape[4] + q, past_kv.shape[5])
             buffer[..., : past_kv.shape[4], :] = past_kv
-        binding = self.bindings.binding(buffer.numpy(), self.output_names[: self.n_outputs])  # a numpy view: no copy
+        binding = self.bindings.binding(buffer.numpy(), outputs, keep=not scratch)  # a numpy view: no copy
         kept = []
         for name, dtype in self.inputs:
             if name in given:
@@ -135,8 +136,11 @@ class OrtKVStep(OrtStep):
                 value = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
                 kept.append(np.ascontiguousarray(value, dtype=dtype))
                 binding.bind_cpu_input(name, kept[-1])
-        self.session.run_with_iobinding(binding)
-        return tuple(torch.from_numpy(o.numpy()) for o in binding.get_outputs()[: self.n_outputs])
+        try:
+            self.session.run_with_iobinding(binding)
+            return tuple(torch.from_numpy(o.numpy()) for o in binding.get_outputs()[: self.n_outputs])
+        finally:
+            self.bindings.release(binding, outputs)
 
     def __repr__(self) -> str:
         return f"OrtKVStep({str(self.path)!r}, providers={self.providers})"

@@ -106,7 +106,7 @@ def _time_rows(rows: dict, bench: list, refs: list, max_new_tokens: int, eos, dr
         table[name] = {"tokens_per_s": sum(s["new_tokens"] for s in runs) / sum(s["seconds"] for s in runs),
                        "decode_tokens_per_s": sum(s["new_tokens"] - 1 for s in runs) / seconds,
                        "tau": sum(s["new_tokens"] for s in runs) / sum(s["steps"] for s in runs),
-                       "identical": True, "per_prompt": per_prompt}
+                       "identical": True, "per_prompt": per_prompt}  # else _side_by_side raised
     return table
 
 

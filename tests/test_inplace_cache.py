@@ -218,11 +218,16 @@ def test_onnxruntime_keeps_the_cache_layers_bound_between_steps(tree_graph, ort_
         kept.append((got[0], got[0].clone()))
     assert len(ort_step.bindings._kept) == 1
     assert all(torch.equal(a, b) for a, b in kept)  # each run's logits are its own, not overwritten by the next
-    other = room_buffer(past_kv, TREE.size)
+    other = room_buffer(past_kv, 2 * TREE.size)  # the same shape as buf: only its address tells them apart
+    before = buf.clone()
     ids, pos, mask, _ = tree_inputs(12, seed=6)
     want = tree_graph.gm(ids, pos, mask, past_kv, TREE.mask)
     torch.testing.assert_close(ort_step(ids, pos, mask, other[..., :12, :], TREE.mask)[0], want[0], rtol=1e-5,
                                atol=1e-5)
+    torch.testing.assert_close(other[..., 12 : 12 + TREE.size, :], want[1], rtol=1e-6, atol=1e-6)
+    assert torch.equal(buf, before) and len(ort_step.bindings._kept) == 2
+    for extra in range(1, 4):  # a scratch copy (a view the step may not write after) gets a binding it does not keep
+        ort_step(ids, pos, mask, room_buffer(past_kv, extra)[..., :12, :], TREE.mask)
     assert len(ort_step.bindings._kept) == 2
 
 

@@ -407,7 +407,8 @@ def test_greedy_argmax_picks_what_torch_picks():
     cases = [torch.tensor([1.0, 3.0, 3.0, 2.0]), torch.tensor([1.0, nan, 5.0, nan]), torch.tensor([-inf] * 4),
              torch.tensor([1.0, inf, inf]), torch.tensor([[0.0, 0.0], [2.0, 2.0]]),
              torch.randn(3, 7, 50, generator=g)[:, ::2], torch.randn(2, 5, 50, generator=g).transpose(0, 1),
-             torch.randint(0, 3, (4, 96), generator=g).float(), torch.randn(2, 9, generator=g).to(torch.bfloat16)]
+             torch.randint(0, 3, (4, 96), generator=g).float(), torch.randn(2, 9, generator=g).to(torch.bfloat16),
+             torch.randn(3, 11, generator=g).requires_grad_()]
     for logits in cases:
         got, want = argmax(logits), logits.argmax(-1)
         assert got.dtype == want.dtype and torch.equal(got, want), logits

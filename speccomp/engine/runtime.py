@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 import time
-from collections import namedtuple
+from collections import OrderedDict, namedtuple
 from functools import partial
 from pathlib import Path
 
@@ -365,7 +365,8 @@ class BoundSession:
             if not isinstance(past, CacheView):
                 raise EngineError(f"{self.inputs} take the cache in place: pass past_kv as a CacheView "
                                   "(KVCache.view())")
-            b = self.in_place.binding(past.buffer(feeds["input_ids"].shape[1]), outputs)
+            buffer = past.buffer(feeds["input_ids"].shape[1])
+            b = self.in_place.binding(buffer, outputs, keep=buffer is past.data)
         else:
             if isinstance(past, CacheView):
                 feeds = {**feeds, "past_kv": past.dense(past.n)}
@@ -377,8 +378,12 @@ class BoundSession:
         for name in self.inputs:
             if name not in self.in_place.layers:
                 b.bind_cpu_input(name, feeds[name])
-        self.session.run_with_iobinding(b)
-        return [v.numpy() for v in b.get_outputs()[: len(outputs)]]
+        try:
+            self.session.run_with_iobinding(b)
+            return [v.numpy() for v in b.get_outputs()[: len(outputs)]]
+        finally:
+            if self.layers:
+                self.in_place.release(b, outputs)
 
 
 LAYER_INPUT = ("past_key_", "past_value_")  # a graph that writes the cache in place (backends/onnx_kv.py)
@@ -388,33 +393,44 @@ class LayerBindings:
     """IO bindings of a session that writes the KV cache in place, each keeping the cache's per-layer blocks bound
     between runs: binding them afresh every run (2 x L inputs and outputs, 120 for SmolLM2) cost 0.5-0.8 ms a step
     through ONNX Runtime's Python API (benchmarks/host_ops.py: 510 us against 6 us kept), 2-4% of a 25 ms decode
-    step, while the blocks stay where they are as long as the buffer does. A binding is kept per buffer (its address, shape and type) and outputs asked for; each run then
-    rebinds only the other inputs (the caller) and the outputs asked for, which ONNX Runtime allocates afresh (their
-    shapes follow q) and lists first, in the order first bound."""
+    step, while the blocks stay where they are as long as the buffer does.
+
+        b = bindings.binding(buffer, outputs)   # layers bound once per buffer (its address, shape and type)
+        ... bind the other inputs, run b, read b.get_outputs()[:len(outputs)] ...
+        bindings.release(b, outputs)            # the outputs unbound: the binding holds no run's arrays
+
+    The outputs asked for are bound first (ONNX Runtime lists outputs in the order first bound) and without memory,
+    so ORT allocates them each run (their shapes follow q). The KEPT most recently used bindings are kept; a scratch
+    buffer (`keep=False`: a copy made for one step) gets a binding of its own, not kept."""
 
     KEPT = 4  # bindings kept at most (a buffer that moved, an engine asking now for one output set, now another)
 
     def __init__(self, session, layers: list[str], presents: list[str]):
         self.session, self.layers, self.presents = session, set(layers), presents
-        self._order, self._kept = list(layers), {}
+        self._order, self._kept = list(layers), OrderedDict()
 
-    def binding(self, buffer: np.ndarray, outputs: list[str]):
+    def binding(self, buffer: np.ndarray, outputs: list[str], keep: bool = True):
         key = (buffer.ctypes.data, buffer.shape, buffer.dtype.str, tuple(outputs))
-        b = self._kept.get(key)
-        if b is None:
-            if len(self._kept) >= self.KEPT:
-                self._kept.clear()
-            b = self._kept[key] = self.session.io_binding()
-            for name in self._order:
-                bind_layer(b.bind_input, name, buffer)
-            for name in outputs:
-                b.bind_output(name)
-            for name in self.presents:  # the same memory as past_<kv>_<l>: only this step's entries are written
-                bind_layer(b.bind_output, name, buffer)
-        else:
-            for name in outputs:  # rebound: the last run's arrays stay the caller's, new ones are allocated
-                b.bind_output(name)
+        if keep and key in self._kept:
+            self._kept.move_to_end(key)
+            return self._kept[key]
+        b = self.session.io_binding()
+        for name in self._order:
+            bind_layer(b.bind_input, name, buffer)
+        self.release(b, outputs)
+        for name in self.presents:  # the same memory as past_<kv>_<l>: only this step's entries are written
+            bind_layer(b.bind_output, name, buffer)
+        if keep:
+            self._kept[key] = b
+            if len(self._kept) > self.KEPT:
+                self._kept.popitem(last=False)  # the least recently used
         return b
+
+    @staticmethod
+    def release(b, outputs: list[str]) -> None:
+        """Bind `outputs` without memory: ORT allocates them at the next run, and lets go of the last run's."""
+        for name in outputs:
+            b.bind_output(name)
 
 
 def bind_layer(bind, name: str, buffer: np.ndarray) -> None:

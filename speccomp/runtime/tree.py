@@ -129,9 +129,9 @@ def _ranks(children: list[list[int]], given) -> tuple[int, ...]:
 def _paths(parents, children, depth) -> torch.Tensor:
     """Root-to-leaf paths [leaves, max_depth + 1], -1 padded (built as lists: the decode loop builds trees every
     step, and a torch element write costs microseconds)."""
-    rows = []
+    rows, width = [], max(depth) + 1
     for leaf in (i for i in range(len(parents)) if not children[i]):
-        row, j = [-1] * (max(depth) + 1), leaf
+        row, j = [-1] * width, leaf
         while j != -1:
             row[depth[j]] = j
             j = parents[j]

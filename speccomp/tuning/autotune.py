@@ -1158,8 +1158,9 @@ def _side_by_side(runs: dict, prompts, max_new_tokens: int, eos, name: str, bar,
                 bar.update()
         for key, out in outs.items():
             if not torch.equal(out, outs["plain"] if refs is None else refs[i]):
-                raise RuntimeError(f"{name} with the tree {key} changed the greedy output while timed side by side; "
-                                   "please report this")
+                against = "plain decoding's" if refs is None else "the reference's"
+                raise RuntimeError(f"{name} with the tree {key} changed the greedy output (against {against}) while "
+                                   "timed side by side; please report this")
     return stats
 
 
