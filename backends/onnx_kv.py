@@ -109,8 +109,9 @@ class OrtKVStep(OrtStep):
     def __init__(self, path, call_names: list[str], n_outputs: int, **options):
         super().__init__(path, **options)
         self.call_names, self.n_outputs = list(call_names), n_outputs
-        self.inputs = list(zip(self.input_names, self.input_types))
-        layers = [name for name in self.input_names if name not in self.call_names]  # past_<kv>_<l>
+        typed = list(zip(self.input_names, self.input_types))
+        self.inputs = [(name, dtype) for name, dtype in typed if name in self.call_names]  # the rest: past_<kv>_<l>
+        layers = [name for name, _ in typed if name not in self.call_names]
         self.bindings = LayerBindings(self.session, layers, self.output_names[self.n_outputs:])
 
     def at(self, path) -> "OrtKVStep":
@@ -131,11 +132,10 @@ class OrtKVStep(OrtStep):
         binding = self.bindings.binding(buffer.numpy(), outputs, keep=not scratch)  # a numpy view: no copy
         kept = []
         for name, dtype in self.inputs:
-            if name in given:
-                value = given[name]
-                value = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
-                kept.append(np.ascontiguousarray(value, dtype=dtype))
-                binding.bind_cpu_input(name, kept[-1])
+            value = given[name]
+            value = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
+            kept.append(np.ascontiguousarray(value, dtype=dtype))
+            binding.bind_cpu_input(name, kept[-1])
         try:
             self.session.run_with_iobinding(binding)
             return tuple(torch.from_numpy(o.numpy()) for o in binding.get_outputs()[: self.n_outputs])

@@ -6,10 +6,12 @@
     argmax        greedy acceptance over a tree's logits [n, 49152]: torch's CPU argmax against
                   speccomp.runtime.sampling.argmax (numpy's scan), for trees of 5 and 20 nodes
     gather        a merged drafter handing one part 8 of 20 nodes' logits: a list index against index_select
-    tree          Tree.from_parents for a tree of 21 nodes (the loop builds about three a step; no before row: the
-                  old construction is gone, its 455 us was measured once by hand)
-    bind          SmolLM2's onnxruntime step at 300 cached tokens: LayerBindings' binding call with the cache's 60
-                  layer blocks bound afresh every run against kept (median over 64 calls each; --no-model skips it)
+    tree          Tree.from_parents for a tree of 21 nodes (the loop builds about three a step) against its derived
+                  fields built the old way, by torch row ops and element writes (`torch_writes`, kept here only as
+                  that baseline)
+    bind          SmolLM2's onnxruntime step at 300 cached tokens: a run's binding work (LayerBindings' binding and
+                  release) with the cache's 60 layer blocks bound afresh every run against kept (median over 64
+                  calls each; --no-model skips it)
 
 Medians in microseconds to stdout and --json (default benchmarks/results_host_ops.json). Run it on an idle machine.
 """
@@ -31,10 +33,28 @@ def median_us(fn, repeats: int = 300) -> float:
     return 1e3 * median_ms(fn, repeats)
 
 
+def torch_writes(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tree's mask and paths as runtime/tree.py built them before 2026-11-28 (the baseline of the tree row)."""
+    n = len(parents)
+    children, depth = [[] for _ in range(n)], [0] * n
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        children[parents[i]].append(i)
+        depth[i] = depth[parents[i]] + 1
+        mask[i] |= mask[parents[i]]
+    leaves = [i for i in range(n) if not children[i]]
+    paths = torch.full((len(leaves), max(depth) + 1), -1, dtype=torch.long)
+    for row, leaf in enumerate(leaves):
+        j = leaf
+        while j != -1:
+            paths[row, depth[j]] = j
+            j = parents[j]
+    return mask, paths
+
+
 def binding_us(calls: int = 64) -> dict:
     """The binding call of the onnxruntime backend's step, kept against afresh, over the runtime's own cache."""
     import speccomp
-    from speccomp.engine.runtime import LayerBindings
     from speccomp.runtime.decode import KVCache
 
     model, _ = speccomp.load_default_model()
@@ -44,13 +64,11 @@ def binding_us(calls: int = 64) -> dict:
         return {"skipped": f"the step is a {type(step).__name__}, not an in-place ONNX Runtime step"}
     cache = KVCache(fast.kv, 512)
     cache.length = 300
-    buffer, outputs = cache.data.numpy(), step.output_names[: step.n_outputs]
+    buffer, outputs, bindings = cache.data.numpy(), step.output_names[: step.n_outputs], step.bindings
     out = {}
-    for name, forget in (("afresh", True), ("kept", False)):
+    for name, keep in (("afresh", False), ("kept", True)):
         def call():
-            if forget:
-                step.bindings._kept.clear()
-            LayerBindings.binding(step.bindings, buffer, outputs)
+            bindings.release(bindings.binding(buffer, outputs, keep=keep), outputs)
 
         out[name] = median_us(call, calls)
     return out
@@ -74,7 +92,11 @@ def main(argv=None) -> int:
     rows["gather_8_of_20"] = {"list_index": median_us(lambda: logits[picked]),
                               "index_select": median_us(lambda: logits.index_select(0, torch.tensor(picked)))}
     parents = [-1] + [(i - 1) // 2 for i in range(1, 21)]
-    rows["tree_21_nodes"] = {"from_parents": median_us(lambda: Tree.from_parents(parents))}
+    tree = Tree.from_parents(parents)
+    old_mask, old_paths = torch_writes(parents)
+    assert torch.equal(old_mask, tree.mask) and torch.equal(old_paths, tree.paths)  # the same fields, both ways
+    rows["tree_21_nodes"] = {"torch_writes": median_us(lambda: torch_writes(parents)),
+                             "from_parents": median_us(lambda: Tree.from_parents(parents))}
     if not args.no_model:
         rows["bind_smollm2"] = binding_us()
     for name, row in rows.items():

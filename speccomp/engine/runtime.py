@@ -356,6 +356,7 @@ class BoundSession:
                               "the engine from a model compiled with backend='eager'")
         self.binding = self.session.io_binding()
         self.in_place = LayerBindings(self.session, self.layers, self.presents)
+        self.fed = [n for n in self.inputs if n not in self.layers]  # bound from feeds every run
 
     def run(self, feeds: dict, outputs: list[str]) -> list[np.ndarray]:
         """`outputs` of one run; feeds["past_kv"] may be a CacheView (dense for a past_kv graph, bound in place for
@@ -375,9 +376,8 @@ class BoundSession:
             b.clear_binding_outputs()
             for name in outputs:
                 b.bind_output(name)  # ORT allocates (shapes depend on q)
-        for name in self.inputs:
-            if name not in self.in_place.layers:
-                b.bind_cpu_input(name, feeds[name])
+        for name in self.fed:
+            b.bind_cpu_input(name, feeds[name])
         try:
             self.session.run_with_iobinding(b)
             return [v.numpy() for v in b.get_outputs()[: len(outputs)]]
@@ -392,7 +392,7 @@ LAYER_INPUT = ("past_key_", "past_value_")  # a graph that writes the cache in p
 class LayerBindings:
     """IO bindings of a session that writes the KV cache in place, each keeping the cache's per-layer blocks bound
     between runs: binding them afresh every run (2 x L inputs and outputs, 120 for SmolLM2) cost 0.5-0.8 ms a step
-    through ONNX Runtime's Python API (benchmarks/host_ops.py: 510 us against 6 us kept), 2-4% of a 25 ms decode
+    through ONNX Runtime's Python API (benchmarks/host_ops.py: 517 us against 6.5 us kept), 2-4% of a 25 ms decode
     step, while the blocks stay where they are as long as the buffer does.
 
         b = bindings.binding(buffer, outputs)   # layers bound once per buffer (its address, shape and type)
@@ -406,8 +406,8 @@ class LayerBindings:
     KEPT = 4  # bindings kept at most (a buffer that moved, an engine asking now for one output set, now another)
 
     def __init__(self, session, layers: list[str], presents: list[str]):
-        self.session, self.layers, self.presents = session, set(layers), presents
-        self._order, self._kept = list(layers), OrderedDict()
+        self.session, self.layers, self.presents = session, list(layers), presents
+        self._kept = OrderedDict()
 
     def binding(self, buffer: np.ndarray, outputs: list[str], keep: bool = True):
         key = (buffer.ctypes.data, buffer.shape, buffer.dtype.str, tuple(outputs))
@@ -415,7 +415,7 @@ class LayerBindings:
             self._kept.move_to_end(key)
             return self._kept[key]
         b = self.session.io_binding()
-        for name in self._order:
+        for name in self.layers:
             bind_layer(b.bind_input, name, buffer)
         self.release(b, outputs)
         for name in self.presents:  # the same memory as past_<kv>_<l>: only this step's entries are written

@@ -12,7 +12,7 @@ import torch
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1), through numpy where the logits are float32 on the CPU: torch's CPU argmax scans a 49k-token
-    vocabulary about ten times slower than numpy's (benchmarks/host_ops.py: 807 against 65 us for a tree of 20 nodes,
+    vocabulary about ten times slower than numpy's (benchmarks/host_ops.py: 813 against 65 us for a tree of 20 nodes,
     one thread). Both return the first index of the largest value, NaN counting as the largest."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(-1)))
