@@ -9,6 +9,12 @@
     tree          Tree.from_parents for a tree of 21 nodes (the loop builds about three a step) against its derived
                   fields built the old way, by torch row ops and element writes (`torch_writes`, kept here only as
                   that baseline)
+    top_k         Token Recycling's observe, each node's 8 likeliest ids out of [n, 49152] logits (n = 5, 20): torch.topk
+                  (the torch runtime before) and the engine's numpy argpartition (its fallback when the graph has no
+                  TopK output) against speccomp.runtime.sampling.top_ids / runtime/topk.py `top_k`
+    top_logp      a dynamic tree's expand over 4 frontier nodes: their 4 likeliest tokens' log-probabilities, by
+                  torch's log_softmax then topk (the torch runtime before) and by numpy's whole log-softmax then
+                  argpartition (the engine before) against drafters/grow.py `torch_top` / runtime/topk.py `top_logp`
     bind          SmolLM2's onnxruntime step at 300 cached tokens: a run's binding work (LayerBindings' binding and
                   release) with the cache's 60 layer blocks bound afresh every run against kept (median over 64
                   calls each; --no-model skips it)
@@ -50,6 +56,56 @@ def torch_writes(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
             paths[row, depth[j]] = j
             j = parents[j]
     return mask, paths
+
+
+def numpy_top_ids(scores, k: int):
+    """The engine's top k before 2026-11-28 (baseline of the top_k row): argpartition, then a sort of the k."""
+    import numpy as np
+
+    part = np.argpartition(-scores, k - 1, axis=-1)[..., :k]
+    order = np.argsort(-np.take_along_axis(scores, part, -1), axis=-1, kind="stable")
+    return np.take_along_axis(part, order, -1)
+
+
+def numpy_top_logp(logits, k: int):
+    """The engine's expand answer before 2026-11-28 (baseline of the top_logp row): the whole log-softmax, then
+    numpy_top_ids."""
+    import numpy as np
+
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    ids = numpy_top_ids(logp, k)
+    return np.take_along_axis(logp, ids, -1).tolist(), ids.tolist()
+
+
+def top_rows(g) -> dict:
+    """The top_k and top_logp rows (module docstring), each checked to answer as its baseline does."""
+    from speccomp.drafters.grow import torch_top
+    from speccomp.runtime.sampling import top_ids
+    from speccomp.runtime.topk import top_k, top_logp
+
+    rows = {}
+    for n in (5, 20):
+        logits = torch.randn(n, 49152, generator=g) * 4
+        scores = logits.numpy()
+        assert torch.equal(top_ids(logits, 8), logits.topk(8).indices)
+        assert (numpy_top_ids(scores, 8) == top_k(scores, 8)[1]).all()
+        rows[f"top_k_{n}"] = {"torch_topk": median_us(lambda: logits.topk(8, dim=-1).indices.tolist()),
+                              "top_ids": median_us(lambda: top_ids(logits, 8).tolist()),
+                              "numpy_argpartition": median_us(lambda: numpy_top_ids(scores, 8).tolist()),
+                              "top_k": median_us(lambda: top_k(scores, 8)[1].tolist())}
+    logits = torch.randn(4, 49152, generator=g) * 4
+    scores = logits.numpy()
+    assert numpy_top_logp(scores, 4)[1] == top_logp(scores, 4)[1].tolist() == torch_top(logits, 4)[1]
+
+    def torch_before():
+        logp, ids = logits.log_softmax(-1).topk(4, dim=-1)
+        return logp.tolist(), ids.tolist()
+
+    rows["top_logp_4"] = {"torch_log_softmax_topk": median_us(torch_before), "torch_top": median_us(lambda: torch_top(logits, 4)),
+                          "numpy_log_softmax_argpartition": median_us(lambda: numpy_top_logp(scores, 4)),
+                          "top_logp": median_us(lambda: top_logp(scores, 4))}
+    return rows
 
 
 def binding_us(calls: int = 64) -> dict:
@@ -97,6 +153,7 @@ def main(argv=None) -> int:
     assert torch.equal(old_mask, tree.mask) and torch.equal(old_paths, tree.paths)  # the same fields, both ways
     rows["tree_21_nodes"] = {"torch_writes": median_us(lambda: torch_writes(parents)),
                              "from_parents": median_us(lambda: Tree.from_parents(parents))}
+    rows.update(top_rows(g))
     if not args.no_model:
         rows["bind_smollm2"] = binding_us()
     for name, row in rows.items():

@@ -11,9 +11,15 @@ top-k), acceptance, cache bookkeeping, Python between forwards. Reported per run
 the decode, over the first --limit prompts of gsm8k and vicuna_bench (256 new tokens, each after one untimed
 warm-up prompt). The timer itself costs two perf_counter calls per session run. Run it on an idle machine.
 
-`--before` adds, for each runtime, a row with the loop as it was before 2026-11-28: the KV cache's layers bound to
-the session afresh every run (`LayerBindings`, speccomp/engine/runtime.py, now keeps them bound) and torch's argmax
-for greedy acceptance (runtime/sampling.py `argmax` now scans with numpy): the same run's A/B of those changes.
+`--before [CHANGES]` adds, for each runtime, a row with the loop as it was before these changes (default: all),
+the same run's A/B of them:
+    binding   the KV cache's layers bound to the session afresh every run (`LayerBindings`,
+              speccomp/engine/runtime.py, now keeps them bound; both runtimes)
+    argmax    torch's argmax for greedy acceptance (runtime/sampling.py `argmax` scans with numpy; the torch loop)
+    topk      a drafter's top k over the vocabulary as it was: torch.topk (Token Recycling's observe, Medusa's
+              heads) and log_softmax + topk (a graph drafter's expand) in the torch loop, numpy's whole log-softmax
+              and argpartition in the engine's expand (both now runtime/topk.py's grouped top k; the engine's Token
+              Recycling reads a TopK in its graph either way)
 The rows take turns prompt by prompt, the order rotating, so a drift of the machine's speed hits them alike.
 """
 from __future__ import annotations
@@ -70,24 +76,56 @@ def wrap_sessions(obj, clock: list, depth: int = 4, seen=None) -> int:
     return count
 
 
+CHANGES = ("binding", "argmax", "topk")
+
+
 @contextlib.contextmanager
-def before():
-    """The loop as it was (the module docstring): every in-place session binds the cache's layers afresh each run
-    (LayerBindings forgetting what it bound), greedy acceptance takes torch's argmax."""
+def before(changes):
+    """The loop as it was before `changes` (the module docstring): every in-place session binds the cache's layers
+    afresh each run (LayerBindings forgetting what it bound), greedy acceptance takes torch's argmax, the drafters'
+    top k over the vocabulary is torch's topk (the torch loop) or numpy's argpartition (the engine)."""
+    import numpy as np
+
+    import speccomp.drafters.draft_model as draft_model
+    import speccomp.drafters.graph as graph
+    import speccomp.drafters.head_drafters as heads
+    import speccomp.drafters.ngram as ngram
+    import speccomp.engine.runtime as engine
     import speccomp.runtime.decode as decode
+    from host_ops import numpy_top_ids, numpy_top_logp  # the engine's top k before runtime/topk.py
     from speccomp.engine.runtime import LayerBindings
 
     kept, numpy_argmax = LayerBindings.binding, decode.argmax
+    tops = [(m, name, getattr(m, name)) for m, name in ((ngram, "top_ids"), (heads, "top_ids"), (graph, "torch_top"),
+                                                        (draft_model, "torch_top"), (engine, "top_k"), (engine, "top_logp"))]
 
     def afresh(self, buffer, outputs):
         self._kept.clear()
         return kept(self, buffer, outputs)
 
-    LayerBindings.binding, decode.argmax = afresh, lambda logits: logits.argmax(-1)
+    if "binding" in changes:
+        LayerBindings.binding = afresh
+    if "argmax" in changes:
+        decode.argmax = lambda logits: logits.argmax(-1)
+    if "topk" in changes:
+        ngram.top_ids = heads.top_ids = lambda logits, k: logits.topk(min(k, logits.shape[-1]), dim=-1).indices
+        graph.torch_top = draft_model.torch_top = lambda logits, k: tuple(
+            x.tolist() for x in logits.float().log_softmax(-1).topk(k, dim=-1))
+        engine.top_k = lambda scores, k: (None, numpy_top_ids(scores, k))
+        engine.top_logp = lambda logits, k: tuple(np.asarray(x) for x in numpy_top_logp(logits, k))
     try:
         yield
     finally:
         LayerBindings.binding, decode.argmax = kept, numpy_argmax
+        for module, name, value in tops:
+            setattr(module, name, value)
+
+
+def undone(name: str, changes) -> str:
+    """What a `before` row of runtime `name` puts back (the engine's argmax never went through torch)."""
+    words = {"binding": "layers rebound every run", "argmax": "torch's argmax",
+             "topk": "numpy's argpartition top k" if name == "engine" else "torch's topk"}
+    return ", ".join(words[c] for c in changes if name != "engine" or c != "argmax") or "nothing put back: an A/A row"
 
 
 def main(argv=None) -> int:
@@ -98,9 +136,15 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=3, help="prompts per file (default 3)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--before", action="store_true", help="also each runtime's loop as it was before 2026-11-28 (A/B)")
+    ap.add_argument("--before", nargs="?", const=",".join(CHANGES), default="",
+                    help=f"also each runtime's loop as it was before these changes (A/B), comma-separated from "
+                         f"{','.join(CHANGES)} (bare: all)")
     ap.add_argument("--json", default=str(HERE / "results_loop_overhead.json"))
     args = ap.parse_args(argv)
+    changes = [c for c in args.before.split(",") if c]
+    if set(changes) - set(CHANGES):
+        ap.error(f"--before {args.before}: unknown change(s) {sorted(set(changes) - set(CHANGES))}; choose from "
+                 f"{','.join(CHANGES)}")
 
     import torch
 
@@ -117,12 +161,12 @@ def main(argv=None) -> int:
     clocks = {"onnxruntime": [0.0], "engine": [0.0]}
     wrapped = {"onnxruntime": wrap_sessions(fast, clocks["onnxruntime"]), "engine": wrap_sessions(engine, clocks["engine"])}
     variants = [(name, runner, False) for name, runner in (("onnxruntime", fast), ("engine", engine))]
-    variants += [(name, runner, True) for name, runner, _ in variants] if args.before else []
+    variants += [(name, runner, True) for name, runner, _ in variants] if changes else []
     totals = {(name, old): {"seconds": 0.0, "in_sessions_s": 0.0, "tokens": 0, "steps": 0}
               for name, _, old in variants}
 
     def run(name, runner, old, ids):
-        with before() if old else contextlib.nullcontext():
+        with before(changes) if old else contextlib.nullcontext():
             runner.generate(ids.numpy() if name == "engine" else ids, max_new_tokens=args.max_new_tokens,
                             eos_token_id=tok.eos_token_id)
         return runner.last_stats
@@ -141,7 +185,7 @@ def main(argv=None) -> int:
     rows = []
     for (name, old), t in totals.items():
         loop = t["seconds"] - t["in_sessions_s"]
-        rows.append({"runtime": name + (", before (layers rebound every run, torch's argmax)" if old else ""),
+        rows.append({"runtime": name + (f", before ({undone(name, changes)})" if old else ""),
                      "sessions_wrapped": wrapped[name], "seconds": t["seconds"], "in_sessions_s": t["in_sessions_s"],
                      "loop_s": loop, "loop_share": loop / t["seconds"], "tokens_per_s": t["tokens"] / t["seconds"],
                      "steps": t["steps"], "loop_ms_per_step": 1e3 * loop / t["steps"]})

@@ -243,7 +243,7 @@ def test_host_ops_benchmark_times_each_operation_both_ways(tmp_path):
     finally:
         torch.set_num_threads(threads)  # the script runs torch on one thread
     rows = json.loads((tmp_path / "ops.json").read_text())["rows"]
-    assert set(rows) == {"argmax_5", "argmax_20", "gather_8_of_20", "tree_21_nodes"}
+    assert set(rows) == {"argmax_5", "argmax_20", "gather_8_of_20", "tree_21_nodes", "top_k_5", "top_k_20", "top_logp_4"}
     assert all(v > 0 for row in rows.values() for v in row.values())
     assert set(rows["argmax_20"]) == {"torch", "numpy"} and set(rows["gather_8_of_20"]) == {"list_index", "index_select"}
     assert set(rows["tree_21_nodes"]) == {"torch_writes", "from_parents"}

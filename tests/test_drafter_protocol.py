@@ -135,7 +135,7 @@ def test_bad_declarations_are_refused_at_compile():
 
 
 def scorer(table: dict[int, list[float]], calls: list):
-    """expand() over a fixed table: candidate token -> log-probs of the next token over a vocabulary of 5."""
+    """expand() over a fixed table: candidate token -> logits of the next token (LOGP's are log-probs already)."""
     def expand(d, nodes, grown, k):
         calls.append((d, list(nodes)))
         return torch_top(torch.tensor([table[grown.token[c]] for c in nodes]), k)
@@ -175,7 +175,7 @@ def test_dynamic_growth_keeps_the_likeliest_prefix_closed_candidates():
     assert grow_dynamic(4, 2, 0, scorer(LOGP, []), 3) == (list(tree.parents), tokens)  # the torch-free core
     stop = grow(DynamicTreeSpec(4, 2), DraftContext([4, 0], None, 8, 16), lambda d, n, g, k: None)
     assert stop.tree.size == 1  # expand said: no room
-    flat = {t: [LOG_MIN_PROB - 1.0] * 5 for t in range(5)}  # nothing worth a second level
+    flat = {t: [0.0] * 100 for t in range(100)}  # 1% each, below MIN_PROB: nothing worth a second level
     calls = []
     grow(DynamicTreeSpec(8, 2), DraftContext([4, 0], None, 8, 16), scorer(flat, calls))
     assert len(calls) == 1

@@ -412,3 +412,67 @@ def test_greedy_argmax_picks_what_torch_picks():
     for logits in cases:
         got, want = argmax(logits), logits.argmax(-1)
         assert got.dtype == want.dtype and torch.equal(got, want), logits
+
+
+def _reference_top(row: np.ndarray, k: int) -> list[int]:
+    """The k largest of one row by a plain sort: larger first, ties by the lower id, NaN after every number."""
+    return sorted(range(len(row)), key=lambda j: (bool(np.isnan(row[j])), 0.0 if np.isnan(row[j]) else -row[j], j))[:k]
+
+
+def test_top_k_is_the_k_largest_with_ties_by_id():
+    """runtime/topk.py's grouped top k (the k groups of largest maxima, then their scores) against a plain sort, on
+    rows built to trip it: ties everywhere (integers), ties across groups whose lower id sits in a later group, rows
+    almost all -inf (fewer finite scores than k), NaN, vocabularies not a multiple of its group size, small ones
+    (sorted whole), other dtypes and strides."""
+    from speccomp.runtime.topk import ROWS, top_k
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for trial in range(240):
+        vocab, n, k = int(rng.choice([7, 300, 4096, 4099, 6144])), int(rng.integers(1, 4)), int(rng.integers(1, 12))
+        kind = trial % 4
+        x = rng.standard_normal((n, vocab)).astype(np.float32)
+        if kind == 1:
+            x = rng.integers(-3, 3, (n, vocab)).astype(np.float32)
+        elif kind == 2:
+            x[rng.random((n, vocab)) < 0.998] = -np.inf
+        elif kind == 3:
+            x[rng.random((n, vocab)) < 0.002] = np.nan
+        rows.append((x, k))
+    groups = 4096 // ROWS
+    crafted = np.zeros((1, 4096), dtype=np.float32)
+    crafted[0, groups - 1] = crafted[0, 5 * groups + 3] = 5.0  # group 3 (id 643) is chosen first; id 127 is lower
+    rows += [(crafted, 1), (crafted, 2)]
+    x = rng.standard_normal((3, 9000))
+    rows += [(x, 5), (x.astype(np.float16), 5), (x[:, ::2], 5), (np.full((2, 4096), -np.inf, np.float32), 3)]
+    for x, k in rows:
+        values, ids = top_k(x, k)
+        want = [_reference_top(row, min(k, x.shape[1])) for row in np.asarray(x)]
+        assert ids.tolist() == want, (x.shape, k)
+        assert np.array_equal(values, np.take_along_axis(np.asarray(x), np.array(want), -1), equal_nan=True)
+    assert top_k(crafted, 1)[1].tolist() == [[groups - 1]]
+    with pytest.raises(ValueError, match="scores \\[n, V\\]"):
+        top_k(np.zeros(5), 1)
+
+
+def test_top_logp_and_top_ids_agree_with_torch():
+    """The log-softmax at the top k (runtime/topk.py `top_logp`, both runtimes' dynamic trees) equals torch's
+    log_softmax then topk; the torch runtime's `top_ids` (Token Recycling's observe, Medusa's heads) returns
+    torch.topk's ids on the CPU through numpy (bf16 too, as float32) and through torch elsewhere (a tensor that requires grad)."""
+    from speccomp.drafters.grow import torch_top
+    from speccomp.runtime.sampling import top_ids
+    from speccomp.runtime.topk import top_logp
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 49152, generator=g) * 4
+    want = logits.log_softmax(-1).topk(8)
+    logp, ids = top_logp(logits.numpy(), 8)
+    assert np.array_equal(ids, want.indices.numpy()) and np.allclose(logp, want.values.numpy(), atol=1e-5)
+    assert torch_top(logits, 8) == (logp.tolist(), ids.tolist())
+    for x in (logits, logits[:, ::3], logits[:2].clone().requires_grad_()):
+        assert torch.equal(top_ids(x, 8), x.topk(8).indices), x.shape
+    rounded = logits[:2].to(torch.bfloat16)  # ties among the top values: the lower id first, on both paths
+    want = [_reference_top(row, 8) for row in rounded.float().numpy()]
+    assert top_ids(rounded.float(), 8).tolist() == want
+    assert torch.equal(rounded.float().gather(-1, top_ids(rounded, 8)), rounded.float().topk(8).values)
+    assert top_ids(torch.tensor([[1.0, 3.0, 2.0]]), 10).tolist() == [[1, 2, 0]]  # k cut to the vocabulary

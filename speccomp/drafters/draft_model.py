@@ -125,7 +125,7 @@ class DraftModelDrafter(_DraftLM):
 
         def top(logits: torch.Tensor, nodes: list[int], k: int):
             if not sampled:
-                return torch_top(logits.float().log_softmax(-1), k)
+                return torch_top(logits, k)
             return None, sample_children(logits, ctx.sampler.temperature, nodes, k, drawn, ctx.sampler.generator)
 
         def expand(d: int, nodes: list[int], grown, k: int):

@@ -62,6 +62,6 @@ class GraphDrafter(Drafter):
                 return None
             rows = torch.tensor(ancestor_rows(nodes, grown, slot, used))
             logits = self._forward(cache, base, used, torch.tensor([grown.token[c] for c in nodes]), d, rows)
-            return torch_top(logits.float().log_softmax(-1), k)
+            return torch_top(logits, k)
 
         return grow(self.tree, ctx, expand)

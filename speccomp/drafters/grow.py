@@ -170,7 +170,14 @@ def grow(tree, ctx, expand, max_depth: int = MAX_DYNAMIC_DEPTH):
     return Draft(tree, torch.tensor(tokens, dtype=torch.long))
 
 
-def torch_top(logp, k: int, vocab=None):
-    """expand's answer from log-probabilities [n, V] (torch): the top k, best first, ids mapped through `vocab`."""
-    top_p, top = logp.float().topk(k, dim=-1)
-    return top_p.tolist(), (top if vocab is None else vocab[top]).tolist()
+def torch_top(logits, k: int):
+    """expand's answer from a torch drafter's logits [n, V]: the top k log-probabilities and ids, best first. On the
+    CPU the engine's own numpy (runtime/topk.py `top_logp`: one pass for the top k, the log-softmax at those k only),
+    so both runtimes score candidates alike; elsewhere torch's log_softmax and topk."""
+    if logits.device.type == "cpu" and not logits.requires_grad:
+        from speccomp.runtime.topk import top_logp
+
+        logp, ids = top_logp(logits.float().numpy(), k)
+    else:
+        logp, ids = logits.float().log_softmax(-1).topk(k, dim=-1)
+    return logp.tolist(), ids.tolist()

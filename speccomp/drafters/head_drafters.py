@@ -31,6 +31,7 @@ from speccomp.drafters.hydra import MAX_SIBLINGS, HydraStep, load_hydra
 from speccomp.drafters.medusa import HeadsError, MedusaHeads, display_kind, load_medusa
 from speccomp.models import cache_dir, fingerprint
 from speccomp.runtime.decode import Draft, DraftContext, Drafter, check_tree_kind, truncate
+from speccomp.runtime.sampling import top_ids
 from speccomp.runtime.tree import DynamicTreeSpec, Tree, check_tree_width
 
 # 16 drafts, depth <= 4: Medusa's sparse-tree idea (wide where the first head is sure), CPU-sized
@@ -103,7 +104,7 @@ class MedusaDrafter(Drafter):
 
     def propose(self, ctx: DraftContext) -> Draft:
         tree, _ = truncate(self.tree, ctx.max_depth, ctx.max_nodes)
-        top = self._head_logits().topk(self.top, dim=-1).indices.cpu()  # [K, top]; drafts are host tensors
+        top = top_ids(self._head_logits(), self.top).cpu()  # [K, top]; drafts are host tensors
         children = top[tree.depth[1:] - 1, torch.tensor(tree.ranks[1:], dtype=torch.long)]  # head d-1's rank-r token
         return Draft(tree, torch.cat([torch.tensor([ctx.tokens[-1]], dtype=torch.long), children]))
 

@@ -27,6 +27,7 @@ from speccomp.errors import OptionError, OptionTypeError
 from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, recycle
 from speccomp.drafters.suffix import SuffixDecoder
 from speccomp.runtime.decode import Draft, DraftContext, Drafter, check_tree_kind
+from speccomp.runtime.sampling import top_ids
 from speccomp.runtime.tree import AutoTreeSpec, DynamicTreeSpec, Tree, tree_option
 
 # Token Recycling's default template: 24 drafts, depth 6, wide near the root where the
@@ -159,7 +160,7 @@ class TokenRecyclingDrafter(Drafter):
         return _draft(trie, ctx.max_depth, ctx.max_nodes)
 
     def observe(self, draft: Draft, path: list[int], target_logits: torch.Tensor) -> None:
-        top = target_logits.topk(min(self.top_k, target_logits.shape[-1]), dim=-1).indices.tolist()
+        top = top_ids(target_logits, self.top_k).tolist()
         recycle(self.adj, draft.tokens.tolist(), path, top)
 
 

@@ -33,6 +33,7 @@ from speccomp.runtime.budget import AHEAD_PAST, AHEAD_Q, Budget, StepCosts
 from speccomp.runtime.calls import (MAX_TREE, CallGuard, Generation, as_int, batch_rows, check_context, generate_args,
                                     pad_id, row_seed, row_slots, run_batch, tightest_context)
 from speccomp.runtime.packed import PackedBatch, Part
+from speccomp.runtime.topk import top_k, top_logp
 from speccomp.errors import OptionTypeError, SpeccompError
 from speccomp.drafters.eagle_cache import EagleCache
 from speccomp.drafters.grow import (ancestor_rows, cut, grow_dynamic, grow_static, siblings_in_rank_order,
@@ -742,16 +743,8 @@ class _TokenRecycling(_Drafter):
         return trie.bfs(max_depth, max_nodes)
 
     def observe(self, tokens, path, logits, extras):  # logits [n, V]; extras: ([1, n, >= top_k] ids,) or ()
-        top = extras[0][0, :, : self.top_k] if extras else top_ids(logits, self.top_k)
+        top = extras[0][0, :, : self.top_k] if extras else top_k(logits, self.top_k)[1]
         recycle(self.adj, tokens, path, top.tolist())
-
-
-def top_ids(scores: np.ndarray, k: int) -> np.ndarray:
-    """Indices of each row's k largest scores, largest first."""
-    k = min(k, scores.shape[-1])
-    part = np.argpartition(-scores, k - 1, axis=-1)[..., :k]  # the top k, unordered
-    order = np.argsort(-np.take_along_axis(scores, part, -1), axis=-1, kind="stable")
-    return np.take_along_axis(part, order, -1)
 
 
 class _Medusa(_Drafter):
@@ -883,11 +876,8 @@ class _SelfDraft(_Grown):
 
 def _top_logp(logits: np.ndarray, k: int) -> tuple[list, list]:
     """expand's answer from logits [n, V]: the top k log-probabilities and ids of each row, best first."""
-    x = logits.astype(np.float32)
-    logp = x - x.max(-1, keepdims=True)
-    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-    ids = top_ids(logp, k)
-    return np.take_along_axis(logp, ids, -1).tolist(), ids.tolist()
+    logp, ids = top_logp(logits, k)
+    return logp.tolist(), ids.tolist()
 
 
 class _DraftModel(_Grown):

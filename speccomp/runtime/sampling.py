@@ -19,6 +19,18 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def top_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids of each row's k largest logits [n, V] -> [n, k], largest first (k cut to V), through runtime/topk.py's
+    numpy where the logits are on the CPU: torch.topk reads a 49k-token vocabulary several times (benchmarks/host_ops.py,
+    a tree of 20 nodes, one thread: about 4x slower). Ties: the lower id first, as ONNX Runtime's TopK in an engine's
+    graph (torch.topk does not say)."""
+    if logits.device.type == "cpu" and not logits.requires_grad:
+        from speccomp.runtime.topk import top_k
+
+        return torch.from_numpy(top_k(logits.float().numpy(), k)[1])
+    return logits.topk(min(k, logits.shape[-1]), dim=-1).indices
+
+
 def warp(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
     """Probabilities over the vocabulary (last dim) after temperature and nucleus filtering."""
     logits = logits.float()
