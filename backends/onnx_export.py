@@ -187,10 +187,12 @@ _ORT_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(floa
               "tensor(double)": np.float64, "tensor(float16)": np.float16, "tensor(bool)": np.bool_}
 
 
-def quantize_weights_int4(path, block_size: int = 32) -> Path:
-    """The ONNX graph at `path` with every MatMul against a constant weight turned into ONNX Runtime's 4-bit
-    `MatMulNBits` (blockwise symmetric int4 weights, `block_size` per block, int8 compute: accuracy_level 4), written
-    beside it as NAME-int4.onnx. A step then reads about an eighth of the weight bytes (QuantSpec's draft model):
+def quantize_weights(path, bits: int = 4, block_size: int = 32) -> Path:
+    """The ONNX graph at `path` with every MatMul against a constant weight turned into ONNX Runtime's `MatMulNBits`
+    (blockwise symmetric int4 or int8 weights, `block_size` per block, int8 compute: accuracy_level 4), written
+    beside it as NAME-int{bits}.onnx. A step then reads about an eighth (4 bits) or a quarter (8 bits) of the weight
+    bytes (QuantSpec's draft model); on a CPU both run at about the same speed, and 8 bits agree with the float model
+    far more often (benchmarks/README.md, "The quantized self-drafter"):
 
         before:  x -> MatMul(x, W: float32 [K, N])             after:  x -> MatMulNBits(x, Wq: uint8, scales)
     """
@@ -204,14 +206,16 @@ def quantize_weights_int4(path, block_size: int = 32) -> Path:
 
     root.handlers[:], root.level = handlers, level  # its import runs logging.basicConfig(level=INFO): undone
 
+    if bits not in (4, 8):
+        raise OnnxBackendError(f"bits={bits!r}: MatMulNBits weights are 4 or 8 bits here")
     path = Path(path)
     model = onnx.load(os.fspath(path))
     fold_transposed_weights(model.graph)
-    quantizer = MatMulNBitsQuantizer(model, block_size=block_size, is_symmetric=True, accuracy_level=4)
+    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=4)
     quantizer.process()
     if not any(n.op_type == "MatMulNBits" for n in quantizer.model.model.graph.node):
         raise OnnxBackendError(f"{path.name} has no MatMul with a constant weight to quantise")
-    out = path.with_name(path.stem + "-int4.onnx")
+    out = path.with_name(f"{path.stem}-int{bits}.onnx")
     quantizer.model.save_model_to_file(os.fspath(out), use_external_data_format=False)
     return out
 

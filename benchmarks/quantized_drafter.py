@@ -1,13 +1,16 @@
-"""The quantized self-drafter (QuantSpec: the target's graph with 4-bit MatMulNBits weights drafts, the float graph
-verifies) against plain decoding on the onnxruntime backend, SmolLM2-135M, for a few trees.
+"""The quantized self-drafter (QuantSpec: the target's graph with 4- or 8-bit MatMulNBits weights drafts, the float
+graph verifies) against plain decoding on the onnxruntime backend, SmolLM2-135M, for a few trees.
 
     python benchmarks/quantized_drafter.py              # prompts 3-4 of gsm8k and vicuna_bench, 128 new tokens
     python benchmarks/quantized_drafter.py --context 4096   # one prompt of 4096 tokens: every shipped prompt's text
                                                             # run together (a long-context continuation)
     python benchmarks/quantized_drafter.py --context 4096 --kv sink:256   # + the model drafting over a compressed
-                                                            # cache, float and 4-bit weights
+                                                            # cache, float and quantised weights
+    python benchmarks/quantized_drafter.py --bits 4         # 4-bit rows only (default: 4 and 8)
+    python benchmarks/quantized_drafter.py --files alpaca,humaneval --tree 4 --tree 6   # other prompts and trees
 
-Rows run back to back in one process after one warm-up each; every output is compared with plain decoding's.
+Rows run back to back in one process after one warm-up each, plain decoding first and again last (what the machine
+drifted by); every output is compared with plain decoding's.
 Prints tokens/s, tau and the acceptance by depth of the first prompt; writes --json. Run it on an idle machine.
 """
 from __future__ import annotations
@@ -27,8 +30,15 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=0, help="one long prompt of this many tokens instead (0: chat)")
     ap.add_argument("--kv", action="append", help="also draft over this compressed cache (kv_cache=, e.g. sink:256) "
                     "with float and with 4-bit weights (QuantSpec's hierarchy); repeatable")
+    ap.add_argument("--files", default="gsm8k,vicuna_bench", help="prompt files, comma-separated: their 3rd and 4th "
+                    "prompts (default gsm8k,vicuna_bench: the prompts that chose the default tree)")
+    ap.add_argument("--tree", action="append", help=f"a tree of the quantized rows, repeatable (default {list(TREES)})")
+    ap.add_argument("--bits", default="4,8", help="weight widths of the quantized rows, comma-separated (4, 8)")
     ap.add_argument("--json", default=str(HERE / "results_quantized_drafter.json"))
     args = ap.parse_args(argv)
+    widths = [int(b) for b in args.bits.split(",")]
+    if not widths or set(widths) - {4, 8}:
+        ap.error(f"--bits {args.bits}: MatMulNBits weights are 4 or 8 bits")
 
     import torch
 
@@ -39,7 +49,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(2)
     model, tok = speccomp.load_default_model()
-    prompts = [chat_ids(tok, p.text) for f in ("gsm8k", "vicuna_bench") for p in load_prompts(f, limit=4)[2:4]]
+    prompts = [chat_ids(tok, p.text) for f in args.files.split(",") for p in load_prompts(f, limit=4)[2:4]]
     if args.context:
         text = "\n\n".join(p.text for f in SETS for p in load_prompts(f))
         ids = tok(text, return_tensors="pt").input_ids
@@ -47,17 +57,20 @@ def main(argv=None) -> int:
             raise SystemExit(f"the shipped prompts hold {ids.shape[1]} tokens, fewer than --context {args.context}")
         prompts = [ids[:, : args.context]]
     plain = speccomp.compile(model, backend="onnxruntime")
-    drafted = speccomp.compile(model, drafter="quantized", backend="onnxruntime")
     tree = lambda label: parse_tree_spec(json.loads(label) if label.startswith("[") else label)  # noqa: E731
     makers = {"plain": lambda: plain}
-    makers.update({label: (lambda label=label: drafted.with_drafter(drafted.drafter.with_tree(tree(label))))
-                   for label in TREES})
-    for policy in args.kv or []:  # the model drafting over a compressed cache, float or 4-bit weights
-        for weights, label in (("float", "4"), ("int4", "4"), ("int4", "dynamic:16:4")):
+    for bits in widths:
+        drafted = speccomp.compile(model, drafter="quantized", backend="onnxruntime", drafter_options={"bits": bits})
+        makers.update({f"int{bits} {label}": lambda d=drafted, label=label: d.with_drafter(d.drafter.with_tree(tree(label)))
+                       for label in args.tree or TREES})
+    for policy in args.kv or []:  # the model drafting over a compressed cache, float or quantised weights
+        quantised = [(f"int{bits}", label) for bits in widths for label in ("4", "dynamic:16:4")]
+        for weights, label in [("float", "4")] + quantised:
             makers[f"kv {policy} {weights}, tree {label}"] = (
                 lambda policy=policy, weights=weights, label=label: speccomp.compile(
                     model, kv_cache=policy, tree=tree(label), backend="onnxruntime",
                     drafter_options={"weights": weights}))
+    makers["plain, again"] = lambda: plain
     rows, refs = [], []
     for label, make in makers.items():
         fast = make()
@@ -84,7 +97,8 @@ def main(argv=None) -> int:
     print("|---|---:|---:|---:|---:|---:|---|---|")
     for r in rows:
         acc = ", ".join(f"{a:.2f}" for a in (r["acceptance_by_depth_first_prompt"] or [])[:6])
-        name = r["tree"] if r["tree"] == "plain" or r["tree"].startswith("kv ") else f"quantized, tree {r['tree']}"
+        bits, _, shape = r["tree"].partition(" ")
+        name = r["tree"] if r["tree"].startswith(("plain", "kv ")) else f"quantized {bits}, tree {shape}"
         decode, base = r["decode_tokens_per_s"], rows[0]["decode_tokens_per_s"]
         print(f"| {name} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x | "
               f"{decode:.1f} | {decode / base:.2f}x | {r['tau']:.2f} | {r['identical']} | {acc} |")

@@ -263,6 +263,7 @@ def test_a_static_tree_deeper_than_dynamic_growth_drafts_whole_in_an_engine(llam
     ("h2o:16", {"skip": [1]}, "dynamic:6:2", "eager"),  # + the root's attention each step; fewer layers too
     ("kivi4:8:8", None, 3, "onnxruntime"),
     ("sink:16", {"weights": "int4"}, 3, "onnxruntime"),  # QuantSpec's hierarchy: 4-bit weights over the sink cache
+    ("sink:16", {"weights": "int8"}, 3, "onnxruntime"),  # 8-bit
 ])
 def test_compressed_kv_engines_greedy_identical_and_step_like_torch(llama, kv_cache, options, tree, backend,
                                                                      tmp_path):
@@ -275,8 +276,10 @@ def test_compressed_kv_engines_greedy_identical_and_step_like_torch(llama, kv_ca
     assert part["name"] == "compressed_kv" and part["graph"] == "compressed_kv.onnx"
     assert part["options"]["kv_cache"] == kv_cache and part["options"]["kv_layers"] == fast.drafter.layer_index.tolist()
     graph = onnx.load(str(tmp_path / "e" / "compressed_kv.onnx"), load_external_data=False).graph
-    int4 = bool(options and "weights" in options)
-    assert ("MatMulNBits" in {n.op_type for n in graph.node}) == (part["options"].get("weights") == "int4") == int4
+    packed = (options or {}).get("weights")
+    assert part["options"].get("weights") == packed
+    assert {onnx.helper.get_attribute_value(a) for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+            if a.name == "bits"} == ({int(packed[3:])} if packed else set())
     # the manifest names the source model and its end-of-sequence token (an engine run without eos_token_id stops there)
     assert engine.eos_token_id == llama.generation_config.eos_token_id and engine.manifest["model"]["fingerprint"]
     ids = steps_like_torch(engine, fast, llama)
@@ -493,27 +496,33 @@ def test_import_speccomp_does_not_import_torch():
     assert out.stdout.strip() == "False", out.stderr[-2000:]
 
 
-def test_quantized_drafter_is_lossless_and_exports(llama, tmp_path):
-    """QuantSpec's self-drafter: the target's graph with 4-bit MatMulNBits weights drafts, the float graph verifies:
-    HF's greedy text, drafts accepted, and the engine (quantized.onnx) steps like the torch runtime."""
-    import onnx
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_drafter_is_lossless_and_exports(llama, tmp_path, bits):
+    """QuantSpec's self-drafter: the target's graph with 4- or 8-bit MatMulNBits weights drafts, the float graph
+    verifies: HF's greedy text, drafts accepted, and the engine (quantized.onnx) steps like the torch runtime."""
 
-    fast = speccomp.compile(llama, drafter="quantized", backend="onnxruntime")
+    options = None if bits == 8 else {"bits": bits}  # 8: the default
+    fast = speccomp.compile(llama, drafter="quantized", drafter_options=options, backend="onnxruntime")
     proto = onnx.load(str(fast.drafter.step.path))
     weights = {i.name for i in proto.graph.initializer}
-    assert any(n.op_type == "MatMulNBits" for n in proto.graph.node)
-    assert not [n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in weights]  # every weight is 4-bit
+    packed = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    assert packed and {onnx.helper.get_attribute_value(a) for n in packed for a in n.attribute if a.name == "bits"} == {bits}
+    assert not [n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in weights]  # every weight packed
     engine = speccomp.load(fast.export(tmp_path / "e"))
     part = engine.manifest["drafter"]
-    assert part["graph"] == "quantized.onnx" and part["options"]["block_size"] == 32
+    assert part["graph"] == "quantized.onnx" and part["options"]["block_size"] == 32 and part["options"]["bits"] == bits
     steps_like_torch(engine, fast, llama)
-    assert fast.last_stats["acceptance_by_depth"][0] > 0.5  # the 4-bit model mostly agrees with the float one
+    assert fast.last_stats["acceptance_by_depth"][0] > 0.5  # the quantised model mostly agrees with the float one
+    if bits == 4:
+        return
     with pytest.raises(speccomp.OptionError, match="backend='eager'.*MatMulNBits"):
         speccomp.compile(llama, drafter="quantized")
     with pytest.raises(speccomp.OptionError, match="block_size=24: must be a power of two"):
         speccomp.compile(llama, drafter="quantized", drafter_options={"block_size": 24}, backend="onnxruntime")
-    with pytest.raises(speccomp.OptionError, match=r"unknown quantized options \['bits'\]"):
-        speccomp.compile(llama, drafter="quantized", drafter_options={"bits": 8}, backend="onnxruntime")
+    with pytest.raises(speccomp.OptionError, match="bits=2: MatMulNBits weights are 4 or 8 bits"):
+        speccomp.compile(llama, drafter="quantized", drafter_options={"bits": 2}, backend="onnxruntime")
+    with pytest.raises(speccomp.OptionError, match=r"unknown quantized options \['group'\]"):
+        speccomp.compile(llama, drafter="quantized", drafter_options={"group": 8}, backend="onnxruntime")
 
 
 def test_token_recycling_top_k_past_the_vocabulary_exports_and_runs(llama, tmp_path):

@@ -602,7 +602,7 @@ def test_kivi_cache_read_pass(llama, llama_base, llama_step, spec):
 def test_draft_mode_with_4bit_weights_is_exact_and_refused_off_onnxruntime(llama):
     """drafter_options {"weights": "int4"} (QuantSpec's hierarchy): the draft graph's weight MatMuls as ONNX Runtime's
     MatMulNBits over the compressed cache, the float graph verifying: HF's greedy text, drafts accepted. Other weight
-    kinds, and int4 off ONNX Runtime, are refused by name."""
+    kinds, and int4 / int8 off ONNX Runtime, are refused by name (int8 runs in tests/test_engine.py's matrix)."""
     import onnx
 
     from speccomp.errors import OptionError
@@ -626,10 +626,12 @@ def test_draft_mode_with_4bit_weights_is_exact_and_refused_off_onnxruntime(llama
     assert drafter._room.length == drafter.cache.slots  # the slots in use are no scratch: a shorter view gets no writes
     assert cache_buffer(whole[..., : drafter.cache.slots - 1, :], 4) is None
     assert whole.data_ptr() == drafter.cache.data.ctypes.data  # the numpy cache itself, shared
-    with pytest.raises(OptionError, match=r"weights='int8': unknown weights; accepted values: \['float', 'int4'\]"):
-        speccomp.compile(llama, kv_cache="sink:16", backend="onnxruntime", drafter_options={"weights": "int8"})
-    with pytest.raises(OptionError, match=r"weights='int4': 4-bit draft weights run in ONNX Runtime.*backend='eager'"):
-        speccomp.compile(llama, kv_cache="sink:16", drafter_options={"weights": "int4"})
+    with pytest.raises(OptionError, match=r"weights='int2': unknown weights; accepted values: \['float', 'int4', 'int8'\]"):
+        speccomp.compile(llama, kv_cache="sink:16", backend="onnxruntime", drafter_options={"weights": "int2"})
+    for weights in ("int4", "int8"):
+        with pytest.raises(OptionError, match=rf"weights='{weights}': {weights[3:]}-bit draft weights run in ONNX "
+                                              r"Runtime.*backend='eager'"):
+            speccomp.compile(llama, kv_cache="sink:16", drafter_options={"weights": weights})
 
 
 def test_a_policy_built_by_hand_is_checked_and_named_like_its_string(llama, tmp_path):

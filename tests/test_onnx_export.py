@@ -207,14 +207,14 @@ def test_wrong_number_of_inputs(tiny):
 def test_a_transposed_tied_weight_is_folded_so_the_lm_head_quantises(tmp_path):
     """The exporter writes a tied LM head as MatMul(h, Transpose(W)) with W also the embedding's Gather table; the
     4-bit quantizer takes only constant weights, so the head stayed float32. fold_transposed_weights gives the MatMul
-    its own W.T (the Gather keeps W); quantize_weights_int4 then turns it into MatMulNBits with the same outputs as
-    the float graph within 4-bit error, and the orphaned Transpose is gone."""
+    its own W.T (the Gather keeps W); quantize_weights then turns it into MatMulNBits of 4 or 8 bits with the same outputs as the
+    float graph within their error (8 bits: 16 times finer), and the orphaned Transpose is gone."""
     import numpy as np
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from speccomp.backends.onnx_export import fold_transposed_weights, quantize_weights_int4
+    from speccomp.backends.onnx_export import fold_transposed_weights, quantize_weights
 
     w = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)  # [vocab, hidden]
     graph = helper.make_graph(
@@ -228,9 +228,18 @@ def test_a_transposed_tied_weight_is_folded_so_the_lm_head_quantises(tmp_path):
     folded = onnx.load(str(path))
     assert fold_transposed_weights(folded.graph) == 1
     assert [n.op_type for n in folded.graph.node] == ["Gather", "MatMul"]
-    int4 = onnx.load(str(quantize_weights_int4(path)))
-    assert sorted(n.op_type for n in int4.graph.node) == ["Gather", "MatMulNBits"]
     ids = np.array([1, 5, 9])
     want = ort.InferenceSession(str(path)).run(None, {"ids": ids})[0]
-    got = ort.InferenceSession(str(path.with_name("tied-int4.onnx"))).run(None, {"ids": ids})[0]
-    assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+    errors = {}
+    for bits in (4, 8):
+        out = quantize_weights(path, bits=bits)
+        assert out.name == f"tied-int{bits}.onnx"
+        quantized = onnx.load(str(out))
+        assert sorted(n.op_type for n in quantized.graph.node) == ["Gather", "MatMulNBits"]
+        node = next(n for n in quantized.graph.node if n.op_type == "MatMulNBits")
+        assert {a.name: helper.get_attribute_value(a) for a in node.attribute}["bits"] == bits
+        got = ort.InferenceSession(str(out)).run(None, {"ids": ids})[0]
+        errors[bits] = np.abs(got - want).max() / np.abs(want).max()
+    assert errors[4] < 0.1 and errors[8] < 0.01 and errors[8] < errors[4] / 4, errors
+    with pytest.raises(OnnxBackendError, match="bits=3: MatMulNBits weights are 4 or 8 bits"):
+        quantize_weights(path, bits=3)

@@ -128,7 +128,7 @@ def check_named(name: str, tree, backend: str) -> None:
         how, knobs = OWN_TREES[name]
         raise OptionError("tree", tree, f"the {name} drafter {how}", f"drop tree= (use the {knobs} options)")
     if name == "quantized" and not is_onnxruntime(backend):
-        raise OptionError("backend", backend, "the quantized drafter runs ONNX Runtime's 4-bit MatMulNBits kernels "
+        raise OptionError("backend", backend, "the quantized drafter runs ONNX Runtime's MatMulNBits kernels "
                           "(torch's int8 weight-only CPU matmul measured 5x slower than float32 here)",
                           "use backend='onnxruntime'")
 
@@ -162,26 +162,32 @@ register("layer_skip", GraphDrafter)(_graph_drafter(_layer_skip_passes, "layer_s
 
 @register("quantized", GraphDrafter)
 def _quantized(base: SpecGraph, options: dict, tree, backend: str):
-    """QuantSpec's self-drafter: the target's own graph with 4-bit weights (ONNX Runtime's MatMulNBits, about an
-    eighth of the weight bytes per step) drafts depth by depth over the target's cache; the float graph verifies.
-    Options: block_size (weights per quantisation block, default 32)."""
-    from speccomp.backends.onnx_export import quantize_weights_int4
+    """QuantSpec's self-drafter: the target's own graph with 4- or 8-bit weights (ONNX Runtime's MatMulNBits, an
+    eighth or a quarter of the weight bytes per step) drafts depth by depth over the target's cache; the float graph
+    verifies. Options: bits (8, the default, or 4), block_size (weights per quantisation block, default 32)."""
+    from speccomp.backends.onnx_export import quantize_weights
     from speccomp.passes.tree_attention import TreeAttention
 
     check_named("quantized", tree, backend)
+    bits = as_int("bits", options.pop("bits", 8), "pass 8 or 4")
+    if bits not in (4, 8):
+        raise OptionError("bits", bits, "MatMulNBits weights are 4 or 8 bits", "bits=8 (the default) or bits=4")
     block = as_int("block_size", options.pop("block_size", 32), "pass a power of two >= 16, e.g. 32")
     if block < 16 or block & (block - 1):
         raise OptionError("block_size", block, "must be a power of two >= 16", "e.g. 32 (the default) or 64")
     if options:
-        raise OptionError("drafter_options", options, f"unknown quantized options {sorted(options)}", "accepted: block_size")
-    # default: a chain of 2. Near-perfect drafts, but draft calls cost too much here for big trees to pay: dynamic:16:4
-    # (tau 5.3) was the slowest, chains of 2 and 4 within noise of each other (benchmarks/quantized_drafter.py)
-    spec = _default_tree(tree, Tree.from_choices([[0], [0, 0]]), "quantized")
+        raise OptionError("drafter_options", options, f"unknown quantized options {sorted(options)}",
+                          "accepted: bits, block_size")
+    # default: 8 bits and a chain of 4 (benchmarks/quantized_drafter.py, chosen on gsm8k / vicuna_bench's 3rd and 4th
+    # prompts, checked on alpaca / humaneval's): 8-bit drafts are accepted at every depth of a chain of 4 (tau 4.6)
+    # and a draft call costs about what a 4-bit one does on a CPU (int8 compute either way), 1.30x / 1.36x plain;
+    # 4 bits, a chain of 2 (the earlier default) 1.01x / 1.16x; dynamic:16:4 verifies too many nodes to pay
+    spec = _default_tree(tree, Tree.from_choices([[0] * d for d in range(1, 5)]), "quantized")
     check_tree_width(spec, base.captured.vocab_size, "model", tree)
     sg = run_passes(base.clone(), [TreeAttention()])
     float_step = lower(sg, backend, spin=False)
-    step = float_step.at(quantize_weights_int4(float_step.path, block))
-    return GraphDrafter(step, sg.kv_layers, spec, "quantized", {"block_size": block}, sg)
+    step = float_step.at(quantize_weights(float_step.path, bits, block))
+    return GraphDrafter(step, sg.kv_layers, spec, "quantized", {"bits": bits, "block_size": block}, sg)
 
 
 def _head_drafter(name: str, make):

@@ -83,8 +83,8 @@ def drafter_spec(drafter) -> dict:
             raise EngineError(f"this {name} drafter was built without its graph; compile it with speccomp.compile")
         # compressed_kv (kv_mode="draft"): its layers are kv_layers; the policy spec is parsed again at load
         options = {"kv_cache": drafter.policy.spec} if name == "compressed_kv" else dict(drafter.options)
-        if name == "compressed_kv" and (drafter.options or {}).get("weights") == "int4":
-            options["weights"] = "int4"  # the graph file holds them (MatMulNBits)
+        if name == "compressed_kv" and (drafter.options or {}).get("weights") in ("int4", "int8"):
+            options["weights"] = drafter.options["weights"]  # the graph file holds them (MatMulNBits)
         options.update(kv_layers=drafter.layer_index.tolist(), tree=shape, max_depth=MAX_DYNAMIC_DEPTH)
     else:  # ngram: its options; token_recycling: + tree
         return {"name": name, "options": dict(drafter.options, **shape)}

@@ -175,7 +175,9 @@ def _kv_layout(v) -> bool:
 
 _positive, _indices = partial(_is_int, minimum=1), partial(_ints, minimum=0)
 _SELF_DRAFT = {"kv_layers": _layer_list, "tree": _grown_tree, "max_depth": _positive}
-_OPTIONAL = {"tokenizers", "weights"}  # draft_model: only a draft with its own tokenizer; compressed_kv: 4-bit only
+# draft_model: only a draft with its own tokenizer; compressed_kv: quantised weights only; quantized: engines
+# written before 8-bit weights (4 bits) have no bits
+_OPTIONAL = {"tokenizers", "weights", "bits"}
 _DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free drafters take
     None: {},
     "ngram": dict.fromkeys(("max_ngram", "min_ngram", "num_branches", "max_depth"), _positive),
@@ -194,8 +196,8 @@ _DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free dra
                     "tokenizers": lambda v: isinstance(v, dict) and set(v) == {"target", "draft"}  # own tokenizer
                     and all(map(_is_file_name, v.values()))},
     "layer_skip": {**_SELF_DRAFT, "skip": _layer_list},
-    "quantized": {**_SELF_DRAFT, "block_size": partial(_is_int, minimum=16)},  # 4-bit weights
-    "compressed_kv": {**_SELF_DRAFT, "kv_cache": _kv_policy_ok, "weights": lambda v: v == "int4"},  # kv_mode="draft"
+    "quantized": {**_SELF_DRAFT, "bits": lambda v: v in (4, 8), "block_size": partial(_is_int, minimum=16)},
+    "compressed_kv": {**_SELF_DRAFT, "kv_cache": _kv_policy_ok, "weights": lambda v: v in ("int4", "int8")},  # kv_mode="draft"
 }
 
 
@@ -835,13 +837,14 @@ class _Eagle(_Grown):
 
 class _SelfDraft(_Grown):
     """early_exit / layer_skip / quantized (speccomp/drafters/graph.py's GraphDrafter): NAME.onnx is the target's own
-    graph with layers bypassed (quantized: 4-bit MatMulNBits weights), run depth by depth over the target's cache (the
+    graph with layers bypassed (quantized: 4- or 8-bit MatMulNBits weights), run depth by depth over the target's cache (the
     expanded nodes of one depth in one run); the draft nodes' KV goes to the scratch room past the cache's length,
     which the verification overwrites."""
 
     batches = False
 
-    def __init__(self, kv_layers, tree, max_depth, session: BoundSession, exit_layer=None, skip=None, block_size=None):
+    def __init__(self, kv_layers, tree, max_depth, session: BoundSession, exit_layer=None, skip=None, block_size=None,
+                 bits=None):  # the last four shaped the graph file; recorded, not read
         super().__init__(tree, max_depth)
         self.kv_layers, self.session, self.cache = kv_layers, session, None
 

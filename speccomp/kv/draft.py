@@ -194,10 +194,10 @@ def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options
     passes += [TreeAttention()] + ([AttentionScores()] if policy.needs_attention else [])
     draft_graph = run_passes(base.clone(), passes)
     step = lower(draft_graph, backend, spin=False)
-    if weights == "int4":  # QuantSpec's hierarchy: 4-bit weights (MatMulNBits) over the compressed cache
-        from speccomp.backends.onnx_export import quantize_weights_int4
+    if weights != "float":  # QuantSpec's hierarchy: 4- or 8-bit weights (MatMulNBits) over the compressed cache
+        from speccomp.backends.onnx_export import quantize_weights
 
-        step = step.at(quantize_weights_int4(step.path))
+        step = step.at(quantize_weights(step.path, bits=int(weights[3:])))
     drafter = CompressedKVDrafter(step, base.captured.kv, policy, spec, kv_layers=draft_graph.kv_layers,
                                   options=drafter_options, graph=draft_graph)
     target = run_passes(base.clone(), [TreeAttention()])
@@ -206,15 +206,15 @@ def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options
 
 
 def draft_weights(weights, backend: str) -> str:
-    """drafter_options {"weights": "int4"}: the draft graph's weight MatMuls as ONNX Runtime's 4-bit MatMulNBits
-    (the quantized drafter's export), so a draft step reads about an eighth of the weight bytes as well as fewer
-    keys; "float" (the default): the target's own weights."""
+    """drafter_options {"weights": "int4"} or {"weights": "int8"}: the draft graph's weight MatMuls as ONNX Runtime's
+    4- or 8-bit MatMulNBits (the quantized drafter's export), so a draft step reads an eighth or a quarter of the
+    weight bytes as well as fewer keys; "float" (the default): the target's own weights."""
     from speccomp.backends import is_onnxruntime
 
-    choice("weights", weights, ("float", "int4"))
-    if weights == "int4" and not is_onnxruntime(backend):
-        raise OptionError("weights", weights, f"4-bit draft weights run in ONNX Runtime (MatMulNBits), not on "
-                          f"backend={backend!r}", "use backend='onnxruntime', or weights='float'")
+    choice("weights", weights, ("float", "int4", "int8"))
+    if weights != "float" and not is_onnxruntime(backend):
+        raise OptionError("weights", weights, f"{weights[3:]}-bit draft weights run in ONNX Runtime (MatMulNBits), "
+                          f"not on backend={backend!r}", "use backend='onnxruntime', or weights='float'")
     return weights
 
 
