@@ -187,7 +187,7 @@ _ORT_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(floa
               "tensor(double)": np.float64, "tensor(float16)": np.float16, "tensor(bool)": np.bool_}
 
 
-def quantize_weights(path, bits: int = 4, block_size: int = 32) -> Path:
+def quantize_weights(path, bits: int = 8, block_size: int = 32) -> Path:
     """The ONNX graph at `path` with every MatMul against a constant weight turned into ONNX Runtime's `MatMulNBits`
     (blockwise symmetric int4 or int8 weights, `block_size` per block, int8 compute: accuracy_level 4), written
     beside it as NAME-int{bits}.onnx. A step then reads about an eighth (4 bits) or a quarter (8 bits) of the weight
@@ -207,7 +207,7 @@ def quantize_weights(path, bits: int = 4, block_size: int = 32) -> Path:
     root.handlers[:], root.level = handlers, level  # its import runs logging.basicConfig(level=INFO): undone
 
     if bits not in (4, 8):
-        raise OnnxBackendError(f"bits={bits!r}: MatMulNBits weights are 4 or 8 bits here")
+        raise OnnxBackendError(f"bits={bits!r}: MatMulNBits weights are 4 or 8 bits here; pass bits=8 or bits=4")
     path = Path(path)
     model = onnx.load(os.fspath(path))
     fold_transposed_weights(model.graph)
@@ -222,7 +222,7 @@ def quantize_weights(path, bits: int = 4, block_size: int = 32) -> Path:
 
 def fold_transposed_weights(graph) -> int:
     """MatMul(x, Transpose(W)) with W a constant [N, K] gets its own constant W.T [K, N]: the exporter writes the LM
-    head (tied to the embedding, which keeps W for its Gather) this way, and the 4-bit quantizer takes only a constant
+    head (tied to the embedding, which keeps W for its Gather) this way, and the quantizer takes only a constant
     B, so it left the largest MatMul of the graph in float32 (4.6 of 31 ms of a profiled draft step). The Transpose
     goes where nothing else reads it. Returns how many MatMuls were changed.
 
@@ -298,7 +298,7 @@ class OrtStep:
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def at(self, path) -> "OrtStep":
-        """The same kind of step over another file of this graph (its 4-bit twin, say)."""
+        """The same kind of step over another file of this graph (its quantised twin, say)."""
         return OrtStep(path, providers=self.providers, intra_op_threads=self.threads, spin=self.spin)
 
     def __call__(self, *inputs):

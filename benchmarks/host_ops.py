@@ -62,6 +62,7 @@ def numpy_top_ids(scores, k: int):
     """The engine's top k before 2026-11-28 (baseline of the top_k row): argpartition, then a sort of the k."""
     import numpy as np
 
+    k = min(k, scores.shape[-1])
     part = np.argpartition(-scores, k - 1, axis=-1)[..., :k]
     order = np.argsort(-np.take_along_axis(scores, part, -1), axis=-1, kind="stable")
     return np.take_along_axis(part, order, -1)

@@ -29,16 +29,17 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--context", type=int, default=0, help="one long prompt of this many tokens instead (0: chat)")
     ap.add_argument("--kv", action="append", help="also draft over this compressed cache (kv_cache=, e.g. sink:256) "
-                    "with float and with 4-bit weights (QuantSpec's hierarchy); repeatable")
+                    "with float weights and each --bits width (QuantSpec's hierarchy); repeatable")
     ap.add_argument("--files", default="gsm8k,vicuna_bench", help="prompt files, comma-separated: their 3rd and 4th "
                     "prompts (default gsm8k,vicuna_bench: the prompts that chose the default tree)")
     ap.add_argument("--tree", action="append", help=f"a tree of the quantized rows, repeatable (default {list(TREES)})")
     ap.add_argument("--bits", default="4,8", help="weight widths of the quantized rows, comma-separated (4, 8)")
     ap.add_argument("--json", default=str(HERE / "results_quantized_drafter.json"))
     args = ap.parse_args(argv)
-    widths = [int(b) for b in args.bits.split(",")]
-    if not widths or set(widths) - {4, 8}:
-        ap.error(f"--bits {args.bits}: MatMulNBits weights are 4 or 8 bits")
+    widths = [b.strip() for b in args.bits.split(",")]
+    if not all(b in ("4", "8") for b in widths):
+        ap.error(f"--bits {args.bits!r}: MatMulNBits weights are 4 or 8 bits (e.g. --bits 4,8)")
+    widths = [int(b) for b in widths]
 
     import torch
 

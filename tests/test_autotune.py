@@ -629,3 +629,22 @@ def test_the_autotune_benchmark_times_its_rows_as_the_final_round():
     assert all(r["decode_tokens_per_s"] > 0 and r["identical"] for r in table.values())
     with pytest.raises(RuntimeError, match="changed the greedy output"):
         bench._time_rows(rows, cases, [r[:, :-1] for r in refs], 16, 2, "token_recycling")
+
+
+def test_a_quantized_result_stored_before_8_bit_weights_keeps_its_4_bits(cache):
+    """A tree tuned for the quantized drafter before its default became 8-bit weights was tuned on 4-bit ones: its
+    stored options lack `bits`, and tree="auto" compiles it with bits=4 (its own), not the new default under an old
+    tree; a result that names its bits keeps them."""
+    from speccomp.tuning.autotune import AutotuneResult, cache_key, result_path
+    from speccomp.models import write_atomically
+
+    model = tiny_llama()
+    path = result_path(model, "quantized", "onnxruntime")
+    for stored, bits in (({"block_size": 32}, 4), ({"bits": 8, "block_size": 32}, 8)):
+        result = AutotuneResult("quantized", "onnxruntime", cache_key(model, "quantized", "onnxruntime"), stored,
+                                "static", [[0], [0, 0]], 10.0, 10.0, 64, {}, {})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps(result.to_dict()))
+        assert load_result(model, "quantized", "onnxruntime").drafter_options == {"block_size": 32, "bits": bits}
+        fast = speccomp.compile(model, drafter="quantized", tree="auto", backend="onnxruntime")
+        assert fast.drafter.options == {"bits": bits, "block_size": 32} and fast.drafter.tree.choices == [[0], [0, 0]]

@@ -443,16 +443,22 @@ def test_top_k_is_the_k_largest_with_ties_by_id():
     crafted = np.zeros((1, 4096), dtype=np.float32)
     crafted[0, groups - 1] = crafted[0, 5 * groups + 3] = 5.0  # group 3 (id 643) is chosen first; id 127 is lower
     rows += [(crafted, 1), (crafted, 2)]
+    sparse = np.full((1, 512), -np.inf, dtype=np.float32)  # two numbers, both in group 0: fewer groups than k
+    sparse[0, 0], sparse[0, 512 // ROWS] = 5.0, 4.0
+    rows += [(sparse, 2), (sparse, 5), (rng.integers(0, 50, (2, 4096)), 4), (rng.integers(0, 50, (2, 4096)).astype(np.uint8), 4)]
     x = rng.standard_normal((3, 9000))
     rows += [(x, 5), (x.astype(np.float16), 5), (x[:, ::2], 5), (np.full((2, 4096), -np.inf, np.float32), 3)]
     for x, k in rows:
         values, ids = top_k(x, k)
-        want = [_reference_top(row, min(k, x.shape[1])) for row in np.asarray(x)]
+        want = [_reference_top(row, min(k, x.shape[1])) for row in np.asarray(x, dtype=np.float64)]
         assert ids.tolist() == want, (x.shape, k)
         assert np.array_equal(values, np.take_along_axis(np.asarray(x), np.array(want), -1), equal_nan=True)
     assert top_k(crafted, 1)[1].tolist() == [[groups - 1]]
+    assert top_k(sparse, 2)[1].tolist() == [[0, 512 // ROWS]]
     with pytest.raises(ValueError, match="scores \\[n, V\\]"):
         top_k(np.zeros(5), 1)
+    with pytest.raises(ValueError, match="k >= 1 of a vocabulary of V >= 1, got k=3, V=0"):
+        top_k(np.zeros((2, 0)), 3)
 
 
 def test_top_logp_and_top_ids_agree_with_torch():

@@ -196,7 +196,7 @@ _DRAFTER_OPTIONS = {  # name -> {option: check}; every option the torch-free dra
                     "tokenizers": lambda v: isinstance(v, dict) and set(v) == {"target", "draft"}  # own tokenizer
                     and all(map(_is_file_name, v.values()))},
     "layer_skip": {**_SELF_DRAFT, "skip": _layer_list},
-    "quantized": {**_SELF_DRAFT, "bits": lambda v: v in (4, 8), "block_size": partial(_is_int, minimum=16)},
+    "quantized": {**_SELF_DRAFT, "bits": lambda v: _is_int(v) and v in (4, 8), "block_size": partial(_is_int, minimum=16)},
     "compressed_kv": {**_SELF_DRAFT, "kv_cache": _kv_policy_ok, "weights": lambda v: v in ("int4", "int8")},  # kv_mode="draft"
 }
 
@@ -1137,7 +1137,7 @@ def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | No
         inner = _DraftModel(**options, session=session)
         return inner if files is None else _CrossTokenizer(inner, _text_bridge(files, path))
     if name == "compressed_kv":
-        options.pop("weights", None)  # 4-bit weights are in the graph file itself; the manifest says so
+        options.pop("weights", None)  # quantised weights are in the graph file itself; the manifest says so
         return _CompressedKV(**options, session=session, kv=kv, dtype=dtype)
     return _SelfDraft(**options, session=session)
 

@@ -14,10 +14,10 @@ scratch slots past the compressed tokens and are overwritten next step.
 
 drafter_options {"skip": [...]} or {"exit_layer": k} also drop layers from the draft graph
 (SkipLayers / EarlyExit, TriForce's hierarchy idea): drafts then cost fewer layers as well as
-fewer keys. By default the whole model drafts. {"weights": "int4"} (onnxruntime backends): the draft
-graph's weight MatMuls as 4-bit MatMulNBits, the quantized drafter's export (QuantSpec's hierarchy:
-4-bit weights over a compressed cache; on SmolLM2 at 4k slower than plain decoding, because verifying a tree there
-costs about 1.6x a one-token step: benchmarks/README.md).
+fewer keys. By default the whole model drafts. {"weights": "int4"} or {"weights": "int8"} (onnxruntime
+backends): the draft graph's weight MatMuls as 4- or 8-bit MatMulNBits, the quantized drafter's export
+(QuantSpec's hierarchy: quantised weights over a compressed cache; on SmolLM2 at 4k slower than plain decoding,
+because verifying a tree there costs about 1.6x a one-token step: benchmarks/README.md).
 
 Positions: a compressed cache holds fewer slots than the sequence has tokens, so draft positions
 come from the target's length (keys already carry their rotary position; every cached key is

@@ -18,9 +18,10 @@ groups whose maxima are the k largest:
 
 The groups are chosen by k rounds of a vectorised argmax over the [n, G] maxima (argpartition over 1,536 values
 costs several times more). Ties are ordered by id, as ONNX Runtime's TopK orders them (so the engine's in-graph top k
-and this one agree): where a score left out of the chosen groups could equal the k-th found (a tie across groups,
-or a -inf k-th), that row reads every id whose score reaches the k-th value, in id order; a row with a NaN, or a
-vocabulary too small for the shortcut to pay, is sorted whole.
+and this one agree): where a score left out of the chosen groups could equal the k-th found (a tie across groups),
+or fewer than k groups hold a number above -inf, that row reads every id whose score reaches the k-th value, in id
+order; a row with a NaN, or a vocabulary too small for the shortcut to pay, is sorted whole. Integer scores are
+read as float64.
 """
 from __future__ import annotations
 
@@ -35,10 +36,12 @@ def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     scores = np.asarray(scores)
     if scores.ndim != 2:
         raise ValueError(f"top_k takes scores [n, V], got shape {scores.shape}")
+    if not np.issubdtype(scores.dtype, np.floating):  # integers: -inf marks and negation need a float
+        scores = scores.astype(np.float64)
     n, vocab = scores.shape
+    if vocab == 0 or int(k) < 1:
+        raise ValueError(f"top_k needs k >= 1 of a vocabulary of V >= 1, got k={k}, V={vocab}")
     k = min(int(k), vocab)
-    if k < 1:
-        raise ValueError(f"top_k needs k >= 1, got {k}")
     groups = vocab // ROWS
     if n == 0 or 8 * k > groups:  # a small vocabulary: sorting it whole is as cheap
         return _sorted(scores, np.broadcast_to(np.arange(vocab), scores.shape), k)
@@ -49,17 +52,21 @@ def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     chosen, rows = np.empty((n, k), dtype=np.int64), np.arange(n)
     for i in range(k):  # the k groups of the largest maxima
         chosen[:, i] = maxima.argmax(-1)
+        kth = maxima[rows, chosen[:, i]]
         maxima[rows, chosen[:, i]] = -np.inf
     ids = (np.arange(ROWS)[None, :, None] * groups + np.sort(chosen, -1)[:, None, :]).reshape(n, ROWS * k)
     if vocab > groups * ROWS:  # the last columns belong to no group: always candidates
         ids = np.concatenate([ids, np.broadcast_to(np.arange(groups * ROWS, vocab), (n, vocab - groups * ROWS))], 1)
     values, ids = _sorted(np.take_along_axis(scores, ids, -1), ids, k)
-    # exact as it stands where every score left out is below the k-th found; where one may equal it (a tie, or a
-    # -inf k-th), the k-th found is still the k-th largest value: read every id reaching it, in id order
-    tied = ~(maxima.max(-1) < values[:, -1]) & ~nan
-    for r in np.flatnonzero(tied | nan):
+    # exact as it stands where every score left out is below the k-th found; where one may equal it (a tie), the
+    # k-th found is still the k-th largest value: read every id reaching it, in id order. A -inf k-th group maximum
+    # means fewer than k groups hold a number (the rounds may then take a group twice): such rows, and rows with a
+    # NaN, are sorted whole
+    whole = nan | (kth == -np.inf)
+    tied = ~(maxima.max(-1) < values[:, -1]) & ~whole
+    for r in np.flatnonzero(tied | whole):
         row = scores[r]
-        reach = np.arange(vocab) if nan[r] else np.flatnonzero(row >= values[r, -1])
+        reach = np.arange(vocab) if whole[r] else np.flatnonzero(row >= values[r, -1])
         values[r], ids[r] = (a[0] for a in _sorted(row[reach][None], reach[None], k))
     return values, ids
 

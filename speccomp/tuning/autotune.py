@@ -99,6 +99,9 @@ HAND_TREES = {
     "binary 8": [[0], [1], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0]],
 }
 SCHEMA = 1
+# options a drafter gained after results could be stored, at the value such a result was tuned with: a result without
+# them keeps its own (the quantized drafter's default became 8-bit weights on 2026-11-28; its older trees were 4-bit's)
+TUNED_BEFORE = {"quantized": {"bits": 4}}
 
 
 def untunable(drafter: str) -> str | None:
@@ -174,6 +177,8 @@ def load_result(model, drafter: str, backend: str = "eager") -> "AutotuneResult 
             return None
         result = AutotuneResult.from_dict(data)
         parse_tree_spec(result.tree)  # a tree that no longer parses is no result
+        for option, value in TUNED_BEFORE.get(drafter, {}).items():
+            result.drafter_options.setdefault(option, value)
         return result
     except (ValueError, KeyError, TypeError):
         return None
