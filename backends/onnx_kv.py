@@ -109,6 +109,7 @@ class OrtKVStep(OrtStep):
     def __init__(self, path, call_names: list[str], n_outputs: int, **options):
         super().__init__(path, **options)
         self.call_names, self.n_outputs = list(call_names), n_outputs
+        self.outputs = self.output_names[:n_outputs]  # the outputs callers get (ORT allocates them every run)
         typed = list(zip(self.input_names, self.input_types))
         self.inputs = [(name, dtype) for name, dtype in typed if name in self.call_names]  # the rest: past_<kv>_<l>
         layers = [name for name, _ in typed if name not in self.call_names]
@@ -124,7 +125,7 @@ class OrtKVStep(OrtStep):
         past_kv, q = given["past_kv"], int(given["input_ids"].shape[1])
         if not isinstance(past_kv, torch.Tensor):
             past_kv = torch.from_numpy(np.asarray(past_kv))
-        buffer, outputs = cache_buffer(past_kv, q), self.output_names[: self.n_outputs]
+        buffer, outputs = cache_buffer(past_kv, q), self.outputs
         scratch = buffer is None
         if scratch:  # not the runtime's buffer: a scratch one with room for this step's entries
             buffer = past_kv.new_zeros(*past_kv.shape[:4], past_kv.shape[4] + q, past_kv.shape[5])

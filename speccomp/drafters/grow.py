@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from speccomp.runtime.topk import top_logp
+
 MAX_DYNAMIC_DEPTH = 6  # EAGLE-2's default depth
 MIN_PROB = 0.02  # stop expanding when the best frontier path is less likely than this
 LOG_MIN_PROB = math.log(MIN_PROB)
@@ -175,8 +177,6 @@ def torch_top(logits, k: int):
     CPU the engine's own numpy (runtime/topk.py `top_logp`: one pass for the top k, the log-softmax at those k only),
     so both runtimes score candidates alike; elsewhere torch's log_softmax and topk."""
     if logits.device.type == "cpu" and not logits.requires_grad:
-        from speccomp.runtime.topk import top_logp
-
         logp, ids = top_logp(logits.float().numpy(), k)
     else:
         logp, ids = logits.float().log_softmax(-1).topk(k, dim=-1)

@@ -197,12 +197,15 @@ def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options
     if weights != "float":  # QuantSpec's hierarchy: 4- or 8-bit weights (MatMulNBits) over the compressed cache
         from speccomp.backends.onnx_export import quantize_weights
 
-        step = step.at(quantize_weights(step.path, bits=int(weights[3:])))
+        step = step.at(quantize_weights(step.path, bits=WEIGHT_BITS[weights]))
     drafter = CompressedKVDrafter(step, base.captured.kv, policy, spec, kv_layers=draft_graph.kv_layers,
                                   options=drafter_options, graph=draft_graph)
     target = run_passes(base.clone(), [TreeAttention()])
     return CompressedKVModel(target, lower(target, backend, spin=False), backend, drafter=drafter,
                              model=getattr(base, "model", None))  # the source model: an export's manifest names it
+
+
+WEIGHT_BITS = {"int4": 4, "int8": 8}  # drafter_options {"weights": ...} other than "float"
 
 
 def draft_weights(weights, backend: str) -> str:
@@ -211,9 +214,9 @@ def draft_weights(weights, backend: str) -> str:
     weight bytes as well as fewer keys; "float" (the default): the target's own weights."""
     from speccomp.backends import is_onnxruntime
 
-    choice("weights", weights, ("float", "int4", "int8"))
+    choice("weights", weights, ("float", *WEIGHT_BITS))
     if weights != "float" and not is_onnxruntime(backend):
-        raise OptionError("weights", weights, f"{weights[3:]}-bit draft weights run in ONNX Runtime (MatMulNBits), "
+        raise OptionError("weights", weights, f"{WEIGHT_BITS[weights]}-bit draft weights run in ONNX Runtime (MatMulNBits), "
                           f"not on backend={backend!r}", "use backend='onnxruntime', or weights='float'")
     return weights
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from speccomp.runtime.topk import top_k
+
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1), through numpy where the logits are float32 on the CPU: torch's CPU argmax scans a 49k-token
@@ -25,8 +27,6 @@ def top_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
     a tree of 20 nodes, one thread: about 4x slower). Ties: the lower id first, as ONNX Runtime's TopK in an engine's
     graph (torch.topk does not say)."""
     if logits.device.type == "cpu" and not logits.requires_grad:
-        from speccomp.runtime.topk import top_k
-
         return torch.from_numpy(top_k(logits.float().numpy(), k)[1])
     return logits.topk(min(k, logits.shape[-1]), dim=-1).indices
 

@@ -83,5 +83,5 @@ def top_logp(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     only (the normaliser still reads every logit, once)."""
     x = np.asarray(logits, dtype=np.float32)
     values, ids = top_k(x, k)
-    peak = x.max(-1, keepdims=True)
+    peak = values[:, :1]  # the row's max (a row with a NaN: NaN log-probabilities either way, through the sum)
     return (values - peak) - np.log(np.exp(x - peak).sum(-1, keepdims=True)), ids
