@@ -363,7 +363,11 @@ def test_autotune_layer_skip_then_compile_auto_equals_hf(cache):
     fast = speccomp.compile(model, drafter="layer_skip", tree="auto")
     assert fast.drafter.options == result.drafter_options
     spec = result.tree_spec()
-    assert fast.drafter.tree == spec and (result.mode == "dynamic") == isinstance(spec, DynamicTreeSpec)
+    assert fast.drafter.tree == spec
+    if result.mode == "default":  # the default tree (layer_skip's: dynamic:16:4) held up better: it is stored
+        assert result.tree == result.check["default"]
+    else:
+        assert (result.mode == "dynamic") == isinstance(spec, DynamicTreeSpec)
     for ids in prompts():
         assert torch.equal(fast.generate(ids, max_new_tokens=20, eos_token_id=2), hf_greedy(model, ids, 20))
     # a merge takes its first drafter's stored tree and options
