@@ -187,7 +187,7 @@ _ORT_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(floa
               "tensor(double)": np.float64, "tensor(float16)": np.float16, "tensor(bool)": np.bool_}
 
 
-def quantize_weights(path, bits: int = 8, block_size: int = 32) -> Path:
+def quantize_weights(path, bits: int = 8, block_size: int = 128) -> Path:
     """The ONNX graph at `path` with every MatMul against a constant weight turned into ONNX Runtime's `MatMulNBits`
     (blockwise symmetric int4 or int8 weights, `block_size` per block, int8 compute: accuracy_level 4), written
     beside it as NAME-int{bits}.onnx. A step then reads about an eighth (4 bits) or a quarter (8 bits) of the weight
@@ -297,9 +297,10 @@ class OrtStep:
         self.input_types = [_ORT_TYPES.get(i.type) for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
 
-    def at(self, path) -> "OrtStep":
-        """The same kind of step over another file of this graph (its quantised twin, say)."""
-        return OrtStep(path, providers=self.providers, intra_op_threads=self.threads, spin=self.spin)
+    def at(self, path, threads: int | None = None) -> "OrtStep":
+        """The same kind of step over another file of this graph (its quantised twin, say); `threads`: its own pool's
+        size (default: this step's)."""
+        return OrtStep(path, providers=self.providers, intra_op_threads=threads or self.threads, spin=self.spin)
 
     def __call__(self, *inputs):
         if len(inputs) != len(self.input_names):

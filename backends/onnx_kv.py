@@ -115,8 +115,9 @@ class OrtKVStep(OrtStep):
         layers = [name for name, _ in typed if name not in self.call_names]
         self.bindings = LayerBindings(self.session, layers, self.output_names[self.n_outputs:])
 
-    def at(self, path) -> "OrtKVStep":
-        return OrtKVStep(path, self.call_names, self.n_outputs, providers=self.providers, spin=self.spin)
+    def at(self, path, threads: int | None = None) -> "OrtKVStep":
+        return OrtKVStep(path, self.call_names, self.n_outputs, providers=self.providers,
+                         intra_op_threads=threads or self.threads, spin=self.spin)
 
     def __call__(self, *inputs):
         if len(inputs) != len(self.call_names):

@@ -8,6 +8,7 @@ graph verifies) against plain decoding on the onnxruntime backend, SmolLM2-135M,
                                                             # cache, float and quantised weights
     python benchmarks/quantized_drafter.py --bits 4         # 4-bit rows only (default: 4 and 8)
     python benchmarks/quantized_drafter.py --files alpaca,humaneval --tree 4 --tree 6   # other prompts and trees
+    python benchmarks/quantized_drafter.py --bits 8 --block 32,128 --tree 4     # weights per quantisation block
 
 Rows run back to back in one process after one warm-up each, plain decoding first and again last (what the machine
 drifted by); every output is compared with plain decoding's.
@@ -34,12 +35,17 @@ def main(argv=None) -> int:
                     "prompts (default gsm8k,vicuna_bench: the prompts that chose the default tree)")
     ap.add_argument("--tree", action="append", help=f"a tree of the quantized rows, repeatable (default {list(TREES)})")
     ap.add_argument("--bits", default="4,8", help="weight widths of the quantized rows, comma-separated (4, 8)")
+    ap.add_argument("--block", default="32", help="weights per quantisation block of the quantized rows, "
+                    "comma-separated powers of two >= 16 (default 32); rows name the block when there are several")
     ap.add_argument("--json", default=str(HERE / "results_quantized_drafter.json"))
     args = ap.parse_args(argv)
     widths = [b.strip() for b in args.bits.split(",")]
     if not all(b in ("4", "8") for b in widths):
         ap.error(f"--bits {args.bits!r}: MatMulNBits weights are 4 or 8 bits (e.g. --bits 4,8)")
     widths = [int(b) for b in widths]
+    blocks = [int(b) for b in args.block.split(",") if b.strip().isdigit()]
+    if not blocks or len(blocks) != len(args.block.split(",")):
+        ap.error(f"--block {args.block!r}: comma-separated block sizes, e.g. --block 32,128")
 
     import torch
 
@@ -61,9 +67,12 @@ def main(argv=None) -> int:
     tree = lambda label: parse_tree_spec(json.loads(label) if label.startswith("[") else label)  # noqa: E731
     makers = {"plain": lambda: plain}
     for bits in widths:
-        drafted = speccomp.compile(model, drafter="quantized", backend="onnxruntime", drafter_options={"bits": bits})
-        makers.update({f"int{bits} {label}": lambda d=drafted, label=label: d.with_drafter(d.drafter.with_tree(tree(label)))
-                       for label in args.tree or TREES})
+        for block in blocks:
+            drafted = speccomp.compile(model, drafter="quantized", backend="onnxruntime",
+                                       drafter_options={"bits": bits, "block_size": block})
+            name = f"int{bits}" + (f"/b{block}" if len(blocks) > 1 else "")
+            makers.update({f"{name} {label}": lambda d=drafted, label=label: d.with_drafter(d.drafter.with_tree(tree(label)))
+                           for label in args.tree or TREES})
     for policy in args.kv or []:  # the model drafting over a compressed cache, float or quantised weights
         quantised = [(f"int{bits}", label) for bits in widths for label in ("4", "dynamic:16:4")]
         for weights, label in [("float", "4")] + quantised:

@@ -4,6 +4,9 @@ threads with spinning off (the rule before).
 
     python benchmarks/threads_ab.py                                     # hydra+token_recycling, backend and engine
     python benchmarks/threads_ab.py --drafter eagle --runtimes onnxruntime
+    python benchmarks/threads_ab.py --drafter quantized --options '' --light int8,quantized
+    python benchmarks/threads_ab.py --drafter '' --kv sink:256 --options '{"weights": "int8"}' --light int8,compressed_kv \
+        --tree 4 --context 4096 --max-new-tokens 128      # the packed draft over a compressed cache, one 4096-token prompt x 4
 
 One compile (and one export for the engine); the sessions of that same model are rebuilt under each setting
 ("before" / "now") from the same ONNX files, and the settings alternate per prompt (rotating order), so both see
@@ -46,26 +49,40 @@ def ort_session(path, threads: int, spin: bool):
     return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
 
 
-def variants(runner, runtime: str, threads: int) -> dict:
-    """setting -> a function installing that setting's sessions in `runner` (the target's is the one not named
-    after a drafter graph)."""
-    from speccomp.backends.onnx_export import OrtStep
-    from speccomp.engine.runtime import BoundSession
+def variants(runner, runtime: str, threads: int, light_names: list[str]) -> dict:
+    """setting -> a function installing that setting's sessions in `runner`. A graph is light when its file's stem
+    holds one of `light_names`; the one graph that is not is the target's. Each session holder is copied per setting
+    with its own session and its own in-place cache bindings (a binding belongs to the session that made it)."""
+    import copy
 
-    holders = sessions(runner, [], BoundSession if runtime == "engine" else OrtStep)
-    paths = [Path(v.session._model_path) for _, _, v in holders]  # the ONNX file each session was loaded from
-    light = [p.stem in ("hydra", "eagle", "medusa") for p in paths]
-    if sum(light) != len(holders) - 1:
-        raise SystemExit(f"expected one target and light drafter graphs, found {[p.name for p in paths]}")
-    built = {"before": [ort_session(p, threads, spin=False) for p in paths],
-             "now": [ort_session(p, 1 if is_light else threads, spin=not is_light) for p, is_light in zip(paths, light)]}
+    from speccomp.backends.onnx_export import OrtStep
+    from speccomp.engine.runtime import BoundSession, LayerBindings
+
+    found = sessions(runner, [], BoundSession if runtime == "engine" else OrtStep)
+    holders = {id(v): v for _, _, v in found}  # one holder may be reachable from two owners
+    paths = {key: Path(v.session._model_path) for key, v in holders.items()}  # the file each session loaded
+    light = {key: any(n in p.stem for n in light_names) for key, p in paths.items()}
+    if sum(light.values()) != len(holders) - 1:
+        raise SystemExit(f"expected one target and light drafter graphs (--light {','.join(light_names)}), found "
+                         f"{[p.name for p in paths.values()]}")
+
+    def rebuilt(holder, session):
+        new = copy.copy(holder)
+        new.session = session
+        if runtime == "engine":
+            new.binding, new.in_place = session.io_binding(), LayerBindings(session, holder.layers, holder.presents)
+        elif hasattr(holder, "bindings"):  # OrtKVStep: the cache bound in place
+            new.bindings = LayerBindings(session, holder.bindings.layers, holder.bindings.presents)
+        return new
+
+    built = {"before": {k: rebuilt(h, ort_session(paths[k], threads, spin=False)) for k, h in holders.items()},
+             "now": {k: rebuilt(h, ort_session(paths[k], 1 if light[k] else threads, spin=not light[k]))
+                     for k, h in holders.items()}}
 
     def install(setting):
         def run():
-            for (_, _, holder), session in zip(holders, built[setting]):
-                holder.session = session
-                if runtime == "engine":
-                    holder.binding = session.io_binding()
+            for owner, name, value in found:
+                setattr(owner, name, built[setting][id(value)])
         return run
     return {s: install(s) for s in SETTINGS}
 
@@ -78,6 +95,14 @@ def main(argv=None) -> int:
     ap.add_argument("--runtimes", default="onnxruntime,engine")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--light", default="hydra,eagle,medusa", help="drafter graphs to run on one thread in the 'now' "
+                    "setting: substrings of their ONNX files' stems, comma-separated (the quantized self-drafter: "
+                    "int8,quantized for its backend and engine files)")
+    ap.add_argument("--tree", help="tree= of the compile (a spec such as 4 or dynamic:16:4, or JSON choices)")
+    ap.add_argument("--kv", help="kv_cache= of the compile (e.g. sink:256: the model drafts over that compressed cache)")
+    ap.add_argument("--context", type=int, default=0, help="one prompt of this many tokens (every shipped prompt's text "
+                    "run together), decoded --repeats times, instead of the chat prompts")
+    ap.add_argument("--repeats", type=int, default=4, help="with --context: how many times (settings alternating)")
     ap.add_argument("--json", default=str(HERE / "results_threads_ab.json"))
     args = ap.parse_args(argv)
 
@@ -85,19 +110,25 @@ def main(argv=None) -> int:
 
     import speccomp
     from speccomp.models import chat_ids
-    from speccomp.prompts import load_prompts
+    from speccomp.prompts import SETS, load_prompts
+    from speccomp.runtime.tree import parse_tree_spec
 
     torch.set_num_threads(args.threads)
     model, tok = speccomp.load_default_model()
     prompts = [chat_ids(tok, p.text) for f in ("gsm8k", "vicuna_bench") for p in load_prompts(f, limit=6)[2:6]]
+    if args.context:
+        text = "\n\n".join(p.text for f in SETS for p in load_prompts(f))
+        prompts = [tok(text, return_tensors="pt").input_ids[:, : args.context]] * args.repeats
     options = json.loads(args.options) if args.options else None
-    fast = speccomp.compile(model, drafter=args.drafter, drafter_options=options, backend="onnxruntime")
+    tree = args.tree and parse_tree_spec(json.loads(args.tree) if args.tree.startswith("[") else args.tree)
+    fast = speccomp.compile(model, drafter=args.drafter or None, drafter_options=options, kv_cache=args.kv, tree=tree,
+                            backend="onnxruntime")
     rows = []
     for runtime in args.runtimes.split(","):
         runner = fast if runtime == "onnxruntime" else speccomp.load(
             fast.export(Path(tempfile.mkdtemp()) / "engine"), threads=args.threads)
         as_input = (lambda ids: ids.numpy()) if runtime == "engine" else (lambda ids: ids)
-        install = variants(runner, runtime, args.threads)
+        install = variants(runner, runtime, args.threads, args.light.split(","))
         totals = {s: [0.0, 0, 0] for s in SETTINGS}
         for i, ids in enumerate(prompts):
             replies = {}

@@ -510,9 +510,13 @@ def test_quantized_drafter_is_lossless_and_exports(llama, tmp_path, bits):
     assert not [n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in weights]  # every weight packed
     engine = speccomp.load(fast.export(tmp_path / "e"))
     part = engine.manifest["drafter"]
-    assert part["graph"] == "quantized.onnx" and part["options"]["block_size"] == 32 and part["options"]["bits"] == bits
+    assert part["graph"] == "quantized.onnx" and part["options"]["block_size"] == 128 and part["options"]["bits"] == bits
     steps_like_torch(engine, fast, llama)
     assert fast.last_stats["acceptance_by_depth"][0] > 0.5  # the quantised model mostly agrees with the float one
+    # the packed draft step runs on one thread and the target's pool spins, in both runtimes (as the head steps)
+    assert fast.drafter.light_graphs and fast.drafter.with_tree(fast.drafter.tree).light_graphs
+    assert [pool(x.session) for x in (fast.step, fast.drafter.step)] == [("spins", torch.get_num_threads()), ("sleeps", 1)]
+    assert [pool(x.session) for x in (engine.session, engine.drafter.session)] == [("spins", 0), ("sleeps", 1)]
     if bits == 4:
         return
     with pytest.raises(speccomp.OptionError, match="backend='eager'.*MatMulNBits"):

@@ -22,15 +22,18 @@ class GraphDrafter(Drafter):
     graphs = ("draft",)
     forward_per_level = True
 
-    def __init__(self, step, kv_layers: list[int], tree, name: str, options: dict | None = None, graph=None):
+    def __init__(self, step, kv_layers: list[int], tree, name: str, options: dict | None = None, graph=None,
+                 light: bool = False):
         self.step, self.tree, self.name = step, tree, name
+        self.light_graphs = light  # the quantized self-drafter's step: one thread beside the spinning target
         check_tree_kind(self, tree)
         self.layer_index = torch.tensor(kv_layers)
         self.options = dict(options or {})  # what the user, a stored search or the defaults chose
         self.graph = graph  # the SpecGraph `step` was lowered from (what an engine export writes), if known
 
     def with_tree(self, tree) -> "GraphDrafter":
-        return GraphDrafter(self.step, self.layer_index.tolist(), tree, self.name, self.options, self.graph)
+        return GraphDrafter(self.step, self.layer_index.tolist(), tree, self.name, self.options, self.graph,
+                            self.light_graphs)
 
     def _run(self, cache, base: int, used: int, tokens, position: int, mask) -> tuple:
         """Run `tokens` (all at `position`) after the prefix and the `used` scratch slots; store their KV. The step's

@@ -164,7 +164,7 @@ register("layer_skip", GraphDrafter)(_graph_drafter(_layer_skip_passes, "layer_s
 def _quantized(base: SpecGraph, options: dict, tree, backend: str):
     """QuantSpec's self-drafter: the target's own graph with 4- or 8-bit weights (ONNX Runtime's MatMulNBits, an
     eighth or a quarter of the weight bytes per step) drafts depth by depth over the target's cache; the float graph
-    verifies. Options: bits (8, the default, or 4), block_size (weights per quantisation block, default 32)."""
+    verifies. Options: bits (8, the default, or 4), block_size (weights per quantisation block, default 128)."""
     from speccomp.backends.onnx_export import quantize_weights
     from speccomp.passes.tree_attention import TreeAttention
 
@@ -172,22 +172,27 @@ def _quantized(base: SpecGraph, options: dict, tree, backend: str):
     bits = as_int("bits", options.pop("bits", 8), "pass 8 or 4")
     if bits not in (4, 8):
         raise OptionError("bits", bits, "MatMulNBits weights are 4 or 8 bits", "bits=8 (the default) or bits=4")
-    block = as_int("block_size", options.pop("block_size", 32), "pass a power of two >= 16, e.g. 32")
+    block = as_int("block_size", options.pop("block_size", 128), "pass a power of two >= 16, e.g. 128")
     if block < 16 or block & (block - 1):
-        raise OptionError("block_size", block, "must be a power of two >= 16", "e.g. 32 (the default) or 64")
+        raise OptionError("block_size", block, "must be a power of two >= 16", "e.g. 128 (the default) or 32")
     if options:
         raise OptionError("drafter_options", options, f"unknown quantized options {sorted(options)}",
                           "accepted: bits, block_size")
-    # default: 8 bits and a chain of 4 (benchmarks/quantized_drafter.py, chosen on gsm8k / vicuna_bench's 3rd and 4th
-    # prompts, checked on alpaca / humaneval's): 8-bit drafts are accepted at every depth of a chain of 4 (tau 4.6)
-    # and a draft call costs about what a 4-bit one does on a CPU (int8 compute either way), 1.30x / 1.36x plain;
-    # 4 bits, a chain of 2 (the earlier default) 1.01x / 1.16x; dynamic:16:4 verifies too many nodes to pay
+    # default: 8 bits, blocks of 128 weights and a chain of 4 (benchmarks/quantized_drafter.py, chosen on gsm8k /
+    # vicuna_bench's 3rd and 4th prompts, checked on alpaca / humaneval's): 8-bit drafts are accepted at almost every
+    # depth of a chain of 4 (tau 4.5-4.6) and a draft call costs about what a 4-bit one does on a CPU (int8 compute
+    # either way); blocks of 128 carry a quarter of the scales of blocks of 32 (a draft call 12.6 against 13.9 ms,
+    # tau 4.53 against 4.65: 1.46x / 1.52x plain against 1.38x / 1.35x); 4 bits, a chain of 2 (the first default)
+    # 1.01x / 1.16x; dynamic:16:4 verifies too many nodes to pay
     spec = _default_tree(tree, Tree.from_choices([[0] * d for d in range(1, 5)]), "quantized")
     check_tree_width(spec, base.captured.vocab_size, "model", tree)
     sg = run_passes(base.clone(), [TreeAttention()])
     float_step = lower(sg, backend, spin=False)
-    step = float_step.at(quantize_weights(float_step.path, bits, block))
-    return GraphDrafter(step, sg.kv_layers, spec, "quantized", {"bits": bits, "block_size": block}, sg)
+    # one thread, as the light head steps: a one-token step over packed weights is mostly small nodes, which a second
+    # thread only wakes up for (11.5 against 12.6 ms alone), and the target's pool may then spin between its runs;
+    # 1.06-1.09x in the loop against both on 2 sleeping threads (benchmarks/threads_ab.py --drafter quantized)
+    step = float_step.at(quantize_weights(float_step.path, bits, block), threads=1)
+    return GraphDrafter(step, sg.kv_layers, spec, "quantized", {"bits": bits, "block_size": block}, sg, light=True)
 
 
 def _head_drafter(name: str, make):

@@ -52,7 +52,7 @@ MANIFEST = "manifest.json"
 MEDUSA_FILE = "medusa.onnx"
 # drafter graphs that run on one thread (the drafters' `light_graphs`). Not medusa.onnx: with tied heads it projects
 # every head through the full 49k-token LM head, the model's largest matmul (and was not measured on one thread)
-LIGHT_GRAPHS = ("hydra", "eagle")
+LIGHT_GRAPHS = ("hydra", "eagle", "quantized")
 HYDRA_FILE = "hydra.onnx"
 EAGLE_FILE = "eagle.onnx"
 MANIFEST_KEYS = ("format", "format_version", "speccomp_version", "model", "kv", "graphs", "opset", "max_tree", "drafter")
