@@ -36,16 +36,19 @@ def main(argv=None) -> int:
     ap.add_argument("--tree", action="append", help=f"a tree of the quantized rows, repeatable (default {list(TREES)})")
     ap.add_argument("--bits", default="4,8", help="weight widths of the quantized rows, comma-separated (4, 8)")
     ap.add_argument("--block", default="32", help="weights per quantisation block of the quantized rows, "
-                    "comma-separated powers of two >= 16 (default 32); rows name the block when there are several")
+                    "comma-separated powers of two >= 16 (default 32: the block of every run recorded before the "
+                    "drafter's own default became 128; --kv rows take kv_mode='draft''s default, 128); rows name "
+                    "the block when there are several")
     ap.add_argument("--json", default=str(HERE / "results_quantized_drafter.json"))
     args = ap.parse_args(argv)
     widths = [b.strip() for b in args.bits.split(",")]
     if not all(b in ("4", "8") for b in widths):
         ap.error(f"--bits {args.bits!r}: MatMulNBits weights are 4 or 8 bits (e.g. --bits 4,8)")
     widths = [int(b) for b in widths]
-    blocks = [int(b) for b in args.block.split(",") if b.strip().isdigit()]
-    if not blocks or len(blocks) != len(args.block.split(",")):
+    blocks = [b.strip() for b in args.block.split(",")]
+    if not all(b.isdigit() for b in blocks):
         ap.error(f"--block {args.block!r}: comma-separated block sizes, e.g. --block 32,128")
+    blocks = [int(b) for b in blocks]
 
     import torch
 
