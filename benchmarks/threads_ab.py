@@ -149,7 +149,8 @@ def main(argv=None) -> int:
                          "tokens_per_s": tokens / seconds, "ms_per_step": 1e3 * seconds / steps})
         if runtime == "engine":
             del runner
-    print(f"\nSmolLM2-135M, {args.drafter}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
+    what = args.drafter or (f"the compressed cache's self-drafter (kv_cache={args.kv})" if args.kv else "plain")
+    print(f"\nSmolLM2-135M, {what}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
           f"{args.threads} threads")
     print("| runtime | before: every session 2 threads, none spinning, tok/s | now: light graphs 1 thread, target "
           "spinning, tok/s | now / before |")
