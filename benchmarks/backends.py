@@ -66,6 +66,29 @@ def bench_tree(q: int):
     return Tree.from_choices(DEFAULT_RECYCLING_TREE[: q - 1]) if q > 1 else Tree.from_parents([-1])
 
 
+def skip_indices(text: str) -> str:
+    """--skip's type: comma-separated 0-based prompt indices (kept as given: it is passed on to child processes)."""
+    if not all(i.strip().isdigit() for i in text.split(",") if i.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated 0-based prompt indices (e.g. --skip 2,3)")
+    return text
+
+
+def select_prompts(tok, files: str, limit: int, skip: str) -> list:
+    """(file, chat-templated ids) of the first `limit` prompts of each shipped file in `files` (comma-separated),
+    leaving out the 0-based indices in `skip`: the prompts of a run, here and in hf_alone.py."""
+    from speccomp.models import chat_ids
+    from speccomp.prompts import load_prompts
+
+    left_out = {int(i) for i in skip.split(",") if i.strip()}
+    return [(f, chat_ids(tok, p.text)) for f in files.split(",")
+            for i, p in enumerate(load_prompts(PROMPTS_DIR / f"{f}.jsonl", limit=limit)) if i not in left_out]
+
+
+def by_file(row: dict) -> str:
+    """A row's geometric means per shared file, as a table cell."""
+    return " / ".join(f"{g:.2f}x" for g in row["geomean_by_file"].values())
+
+
 def step_inputs(sg, q: int, past: int):
     """Inputs of the verify graph: q tokens (bench_tree) against `past` cached ones."""
     from speccomp.frontend.convention import example_inputs
@@ -135,14 +158,12 @@ def run_children(args, backends: list[str], argv) -> int:
               "end_to_end": e2e, "step_latency": latency, "processes": children}
     print(f"\nend to end: SmolLM2-135M, {args.max_new_tokens} new tokens, {args.threads} threads; one process per backend, "
           "speedup against HF greedy timed in that process")
-    files = args.files.split(",")
     print("| row | tokens/s | HF greedy tokens/s (same process) | speedup vs HF greedy (total / geomean per prompt) "
-          f"| geomean {' / '.join(files)} | tau | replies equal to HF's | setup s |")
+          f"| geomean {' / '.join(e2e[0]['geomean_by_file'])} | tau | replies equal to HF's | setup s |")
     print("|---|---:|---:|---:|---:|---:|---|---:|")
     for r in e2e:
-        by_file = " / ".join(f"{r['geomean_by_file'][f]:.2f}x" for f in files if f in r.get("geomean_by_file", {}))
         print(f"| {r['row']} | {r['tokens_per_second']:.1f} | {r['hf_tokens_per_second']:.1f} | {r['speedup_vs_hf']:.2f}x / "
-              f"{r['geomean_speedup_vs_hf']:.2f}x | {by_file} | {r['tau']:.2f} | {r['replies_equal_to_hf']}/{r['prompts']} | "
+              f"{r['geomean_speedup_vs_hf']:.2f}x | {by_file(r)} | {r['tau']:.2f} | {r['replies_equal_to_hf']}/{r['prompts']} | "
               f"{r['setup_seconds']:.0f} |")
     print(f"\nstep latency: one verify forward with {args.past} cached tokens (median of {args.repeats})")
     print("| backend | 1 token ms | 16-node tree ms | tree / token |")
@@ -167,7 +188,7 @@ def main(argv=None) -> int:
                          "spec as for compile (default: the drafter's own default tree)")
     ap.add_argument("--limit", type=int, default=1, help="prompts per shared file (default 1)")
     ap.add_argument("--files", default=",".join(FILES), help=f"shared prompt files (default {','.join(FILES)})")
-    ap.add_argument("--skip", default="", help="0-based prompt indices to leave out of every file, comma-separated "
+    ap.add_argument("--skip", default="", type=skip_indices, help="0-based prompt indices to leave out of every file, comma-separated "
                                                "(e.g. the prompts a tree was calibrated on)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
@@ -186,15 +207,11 @@ def main(argv=None) -> int:
         return run_children(args, backends, argv)
 
     import speccomp
-    from speccomp.models import chat_ids
-    from speccomp.prompts import load_prompts
 
     torch.set_num_threads(args.threads)
     model, tok = speccomp.load_default_model()
     eos = tok.eos_token_id
-    skip = {int(i) for i in args.skip.split(",") if i}
-    prompts = [(f, chat_ids(tok, p.text)) for f in args.files.split(",")
-               for i, p in enumerate(load_prompts(PROMPTS_DIR / f"{f}.jsonl", limit=args.limit)) if i not in skip]
+    prompts = select_prompts(tok, args.files, args.limit, args.skip)
     load = lambda: " ".join(f"{x:.2f}" for x in os.getloadavg())  # noqa: E731
     report = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads, "load_start": load()},
               "settings": vars(args), "command": " ".join(["python", "benchmarks/backends.py", *(argv or sys.argv[1:])])}
@@ -317,12 +334,11 @@ def main(argv=None) -> int:
     # ---- tables ---------------------------------------------------------------------------------
     print(f"\nend to end: SmolLM2-135M, {len(prompts)} prompts ({args.files}; {args.limit} each, skipping {args.skip or 'none'}), "
           f"{args.max_new_tokens} new tokens, {args.threads} threads")
-    files = list(e2e[0]["geomean_by_file"])
-    print(f"| row | tokens/s | speedup vs HF greedy | geomean {' / '.join(files)} | tau | replies equal to HF's | setup s |")
+    print(f"| row | tokens/s | speedup vs HF greedy | geomean {' / '.join(e2e[0]['geomean_by_file'])} | tau | "
+          "replies equal to HF's | setup s |")
     print("|---|---:|---:|---:|---:|---|---:|")
     for r in e2e:
-        by_file = " / ".join(f"{r['geomean_by_file'][f]:.2f}x" for f in files)
-        print(f"| {r['row']} | {r['tokens_per_second']:.1f} | {r['speedup_vs_hf']:.2f}x | {by_file} | {r['tau']:.2f} | "
+        print(f"| {r['row']} | {r['tokens_per_second']:.1f} | {r['speedup_vs_hf']:.2f}x | {by_file(r)} | {r['tau']:.2f} | "
               f"{r['replies_equal_to_hf']}/{r['prompts']} | {r['setup_seconds']:.0f} |")
     print(f"\nstep latency: one verify forward with {args.past} cached tokens (median of {args.repeats})")
     print("| backend | 1 token ms | 16-node tree ms | tree / token |")

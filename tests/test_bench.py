@@ -247,3 +247,29 @@ def test_host_ops_benchmark_times_each_operation_both_ways(tmp_path):
     assert all(v > 0 for row in rows.values() for v in row.values())
     assert set(rows["argmax_20"]) == {"torch", "numpy"} and set(rows["gather_8_of_20"]) == {"list_index", "index_select"}
     assert set(rows["tree_21_nodes"]) == {"torch_writes", "from_parents"}
+
+
+def test_backends_benchmark_selects_prompts_as_hf_alone_does(smollm):
+    """benchmarks/backends.py's prompt selection (shared with hf_alone.py, so its HF-alone baseline times the very
+    prompts of a run): --skip checked at parse time, the 0-based indices left out of every file; per-file cells."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    from speccomp.models import chat_ids
+    from speccomp.prompts import load_prompts
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "backends.py"
+    spec = importlib.util.spec_from_file_location("backends_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.skip_indices("2,3") == "2,3" and module.skip_indices("") == ""
+    with pytest.raises(argparse.ArgumentTypeError, match=r"'2,x' is not comma-separated.*--skip 2,3"):
+        module.skip_indices("2,x")
+    _, tok = smollm
+    chosen = module.select_prompts(tok, "gsm8k,vicuna_bench", 4, "0,2")
+    assert [f for f, _ in chosen] == ["gsm8k", "gsm8k", "vicuna_bench", "vicuna_bench"]
+    kept = [chat_ids(tok, p.text) for f in ("gsm8k", "vicuna_bench") for i, p in enumerate(load_prompts(f, limit=4))
+            if i in (1, 3)]
+    assert all(torch.equal(ids, want) for (_, ids), want in zip(chosen, kept))
+    assert module.by_file({"geomean_by_file": {"gsm8k": 2.0, "vicuna_bench": 1.234}}) == "2.00x / 1.23x"
