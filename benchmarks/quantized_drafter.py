@@ -33,7 +33,8 @@ def main(argv=None) -> int:
                     "with float weights and each --bits width (QuantSpec's hierarchy); repeatable")
     ap.add_argument("--files", default="gsm8k,vicuna_bench", help="prompt files, comma-separated: their 3rd and 4th "
                     "prompts (default gsm8k,vicuna_bench: the prompts that chose the default tree)")
-    ap.add_argument("--tree", action="append", help=f"a tree of the quantized rows, repeatable (default {list(TREES)})")
+    ap.add_argument("--tree", action="append", help=f"a tree of the quantized rows, repeatable (default {list(TREES)}; "
+                    "the --kv rows' quantised weights: 4 and dynamic:16:4)")
     ap.add_argument("--bits", default="4,8", help="weight widths of the quantized rows, comma-separated (4, 8)")
     ap.add_argument("--block", default="32", help="weights per quantisation block of the quantized rows, "
                     "comma-separated powers of two >= 16 (default 32: the block of every run recorded before the "
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
             makers.update({f"{name} {label}": lambda d=drafted, label=label: d.with_drafter(d.drafter.with_tree(tree(label)))
                            for label in args.tree or TREES})
     for policy in args.kv or []:  # the model drafting over a compressed cache, float or quantised weights
-        quantised = [(f"int{bits}", label) for bits in widths for label in ("4", "dynamic:16:4")]
+        quantised = [(f"int{bits}", label) for bits in widths for label in args.tree or ("4", "dynamic:16:4")]
         for weights, label in [("float", "4")] + quantised:
             makers[f"kv {policy} {weights}, tree {label}"] = (
                 lambda policy=policy, weights=weights, label=label: speccomp.compile(

@@ -129,7 +129,7 @@ def main(argv=None) -> int:
             fast.export(Path(tempfile.mkdtemp()) / "engine"), threads=args.threads)
         as_input = (lambda ids: ids.numpy()) if runtime == "engine" else (lambda ids: ids)
         install = variants(runner, runtime, args.threads, args.light.split(","))
-        totals = {s: [0.0, 0, 0] for s in SETTINGS}
+        totals = {s: [0.0, 0, 0, 0.0] for s in SETTINGS}  # seconds, new tokens, steps, prefill seconds
         for i, ids in enumerate(prompts):
             replies = {}
             for setting in SETTINGS[i % 2:] + SETTINGS[: i % 2]:
@@ -139,26 +139,28 @@ def main(argv=None) -> int:
                 replies[setting] = runner.generate(as_input(ids), max_new_tokens=args.max_new_tokens,
                                                    eos_token_id=tok.eos_token_id)
                 stats = runner.last_stats
-                for k, v in zip(range(3), (stats["seconds"], stats["new_tokens"], stats["steps"])):
+                for k, v in enumerate((stats["seconds"], stats["new_tokens"], stats["steps"], stats["prefill_seconds"])):
                     totals[setting][k] += v
             if not all((torch.as_tensor(replies[s]) == torch.as_tensor(replies["now"])).all() for s in SETTINGS):
                 raise SystemExit(f"prompt {i}: the two settings decoded different replies")
             print(f"{runtime} prompt {i + 1}/{len(prompts)} done", file=sys.stderr)
-        for setting, (seconds, tokens, steps) in totals.items():
+        for setting, (seconds, tokens, steps, prefill) in totals.items():
             rows.append({"runtime": runtime, "setting": setting, "seconds": seconds, "tokens": tokens, "steps": steps,
-                         "tokens_per_s": tokens / seconds, "ms_per_step": 1e3 * seconds / steps})
+                         "prefill_seconds": prefill, "tokens_per_s": tokens / seconds,
+                         "decode_tokens_per_s": tokens / (seconds - prefill), "ms_per_step": 1e3 * (seconds - prefill) / steps})
         if runtime == "engine":
             del runner
     what = args.drafter or (f"the compressed cache's self-drafter (kv_cache={args.kv})" if args.kv else "plain")
     print(f"\nSmolLM2-135M, {what}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
           f"{args.threads} threads")
     print("| runtime | before: every session 2 threads, none spinning, tok/s | now: light graphs 1 thread, target "
-          "spinning, tok/s | now / before |")
-    print("|---|---:|---:|---:|")
+          "spinning, tok/s | now / before | decode only (prefill left out): before / now tok/s, now / before |")
+    print("|---|---:|---:|---:|---|")
     for runtime in args.runtimes.split(","):
-        before, now = (next(r["tokens_per_s"] for r in rows if r["runtime"] == runtime and r["setting"] == s)
-                       for s in SETTINGS)
-        print(f"| {runtime} | {before:.1f} | {now:.1f} | {now / before:.2f}x |")
+        before, now = (next(r for r in rows if r["runtime"] == runtime and r["setting"] == s) for s in SETTINGS)
+        b, n = before["decode_tokens_per_s"], now["decode_tokens_per_s"]
+        print(f"| {runtime} | {before['tokens_per_s']:.1f} | {now['tokens_per_s']:.1f} | "
+              f"{now['tokens_per_s'] / before['tokens_per_s']:.2f}x | {b:.1f} / {n:.1f}, {n / b:.2f}x |")
     command = " ".join(["python", "benchmarks/threads_ab.py", *(argv if argv is not None else sys.argv[1:])])
     Path(args.json).write_text(json.dumps({"command": command, "settings": vars(args), "rows": rows}, indent=2) + "\n")
     return 0

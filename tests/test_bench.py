@@ -273,3 +273,32 @@ def test_backends_benchmark_selects_prompts_as_hf_alone_does(smollm):
             if i in (1, 3)]
     assert all(torch.equal(ids, want) for (_, ids), want in zip(chosen, kept))
     assert module.by_file({"geomean_by_file": {"gsm8k": 2.0, "vicuna_bench": 1.234}}) == "2.00x / 1.23x"
+
+
+def test_floor_pairs_blocks_of_steps_and_drops_each_blocks_first_call(monkeypatch):
+    """benchmarks/floor.py's paired ratio: each round times a block of plain steps and a block of tree steps back to
+    back (order alternating round by round) and compares the blocks' medians without their first call (a session's
+    first call after another shape pays for the switch). A fake clock: no timing in the test."""
+    import importlib.util
+    import time
+    from pathlib import Path
+
+    bench_dir = Path(__file__).resolve().parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench_dir))
+    spec = importlib.util.spec_from_file_location("floor_benchmark", bench_dir / "floor.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    clock, calls = [0.0], []
+
+    def step(name, cost):
+        def run():
+            first = not calls or calls[-1] != name  # the first call of a block (the shape switched)
+            calls.append(name)
+            clock[0] += cost + (5.0 if first else 0.0)  # a switch costs the same to both shapes
+        return run
+
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    ratios = module.paired_ratios(step("plain", 1.0), step("tree", 1.3), rounds=4, block=2)
+    assert ratios == pytest.approx([1.3] * 4)  # the switch's cost left out of every block (kept, they would read 3.8 / 3.5)
+    blocks = [calls[i] for i in range(2, len(calls), 2)]  # after the two warm-up calls, one name per block of 2
+    assert blocks == ["plain", "tree", "tree", "plain", "plain", "tree", "tree", "plain"]

@@ -280,6 +280,16 @@ def test_compressed_kv_engines_greedy_identical_and_step_like_torch(llama, kv_ca
     assert part["options"].get("weights") == packed
     assert {onnx.helper.get_attribute_value(a) for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute
             if a.name == "bits"} == ({int(packed[3:])} if packed else set())
+    if backend == "onnxruntime":  # a quantised draft step runs on one thread beside the target's spinning pool, in
+        # both runtimes (as the quantized drafter's); a float one reads the float model: both pools then sleep
+        torch_pools = [pool(x.session) for x in (fast.step, fast.drafter.step)]
+        engine_pools = [pool(x.session) for x in (engine.session, engine.drafter.session)]
+        assert fast.drafter.light_graphs == bool(packed) == fast.drafter.with_tree(fast.drafter.tree).light_graphs
+        if packed:
+            assert torch_pools == [("spins", torch.get_num_threads()), ("sleeps", 1)]
+            assert engine_pools == [("spins", 0), ("sleeps", 1)]
+        else:
+            assert [kind for kind, _ in torch_pools + engine_pools] == ["sleeps"] * 4
     # the manifest names the source model and its end-of-sequence token (an engine run without eos_token_id stops there)
     assert engine.eos_token_id == llama.generation_config.eos_token_id and engine.manifest["model"]["fingerprint"]
     ids = steps_like_torch(engine, fast, llama)

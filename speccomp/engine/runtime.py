@@ -52,7 +52,7 @@ MANIFEST = "manifest.json"
 MEDUSA_FILE = "medusa.onnx"
 # drafter graphs that run on one thread (the drafters' `light_graphs`). Not medusa.onnx: with tied heads it projects
 # every head through the full 49k-token LM head, the model's largest matmul (and was not measured on one thread)
-LIGHT_GRAPHS = ("hydra", "eagle", "quantized")
+LIGHT_GRAPHS = ("hydra", "eagle", "quantized")  # + compressed_kv with quantised weights (light_graph, below)
 HYDRA_FILE = "hydra.onnx"
 EAGLE_FILE = "eagle.onnx"
 MANIFEST_KEYS = ("format", "format_version", "speccomp_version", "model", "kv", "graphs", "opset", "max_tree", "drafter")
@@ -71,6 +71,13 @@ _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
 
 class EngineError(SpeccompError, RuntimeError):
     """An engine directory is missing, corrupt or does not match; the message names the fix."""
+
+
+def light_graph(spec: dict) -> bool:
+    """Whether a drafter part's graph runs on one thread: the LIGHT_GRAPHS, and the compressed-cache self-drafter
+    with quantised weights (drafter_options {"weights": "int4" / "int8"}, as speccomp/kv/draft.py compiles it)."""
+    name, options = spec.get("name"), spec.get("options") or {}
+    return name in LIGHT_GRAPHS or (name == "compressed_kv" and options.get("weights", "float") != "float")
 
 
 def check_makeable(path: Path) -> None:
@@ -1123,7 +1130,7 @@ def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | No
         return _Suffix(**options)
     if name == "token_recycling":
         return _TokenRecycling(**options, target_outputs=target_outputs)
-    light = name in LIGHT_GRAPHS  # one thread, no pool (the target's may spin: Engine.__init__)
+    light = light_graph(spec)  # one thread, no pool (the target's may spin: Engine.__init__)
     session = BoundSession(path / spec["graph"], providers, 1 if light else threads, spin=False)
     if name == "medusa":
         check_medusa(options, session.session, target_outputs)
@@ -1345,8 +1352,7 @@ class Engine:
         # a heavy drafter graph (a draft model, a self-drafter) is a second pool: then no session's threads spin
         # between runs (on 2 cores two spinning pools made hydra+token_recycling slower than plain decoding). A light
         # one (Hydra, EAGLE steps) runs on one thread beside the spinning target: benchmarks/README.md
-        second = draft and any(p.get("graph") and p.get("name") not in LIGHT_GRAPHS
-                               for p in m["drafter"].get("drafters") or [m["drafter"]])
+        second = draft and any(p.get("graph") and not light_graph(p) for p in m["drafter"].get("drafters") or [m["drafter"]])
         self.session = BoundSession(self.path / target["file"], providers, threads, spin=not second)
         self._curve_key = engine_key(target["sha256"], self.session.providers, threads, spin=not second)
         check_target(self.session, m, self.dtype)

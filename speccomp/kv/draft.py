@@ -92,9 +92,9 @@ class CompressedKVDrafter(GraphDrafter):
     reads = ("target_cache", "own_cache")  # the accepted tokens' exact KV from the target, kept compressed
 
     def __init__(self, step, kv: KVSpec, policy: KVPolicy, tree, name: str = "compressed_kv", kv_layers=None,
-                 options: dict | None = None, graph=None):
+                 options: dict | None = None, graph=None, light: bool = False):
         super().__init__(step, list(range(kv.num_layers)) if kv_layers is None else list(kv_layers), tree, name,
-                         options, graph)
+                         options, graph, light)
         self.kv, self.policy = kv, policy
         self.min_window = tree_depth(tree) + 1
         policy.check(kv, min_window=self.min_window)
@@ -105,7 +105,7 @@ class CompressedKVDrafter(GraphDrafter):
 
     def with_tree(self, tree) -> "CompressedKVDrafter":
         return CompressedKVDrafter(self.step, self.kv, self.policy, tree, self.name, self.layer_index.tolist(),
-                                   self.options, self.graph)
+                                   self.options, self.graph, self.light_graphs)
 
     def begin(self, prompt: list[int]) -> None:
         self.cache = make_cache(self.kv, self.policy, self.min_window, numpy_dtype(self.kv.dtype))
@@ -194,14 +194,19 @@ def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options
     passes += [TreeAttention()] + ([AttentionScores()] if policy.needs_attention else [])
     draft_graph = run_passes(base.clone(), passes)
     step = lower(draft_graph, backend, spin=False)
-    if weights != "float":  # QuantSpec's hierarchy: 4- or 8-bit weights (MatMulNBits) over the compressed cache
+    light = weights != "float"
+    if light:  # QuantSpec's hierarchy: 4- or 8-bit weights (MatMulNBits) over the compressed cache
         from speccomp.backends.onnx_export import quantize_weights
 
-        step = step.at(quantize_weights(step.path, bits=WEIGHT_BITS[weights]))
+        # on one thread beside the target's spinning pool, as the quantized drafter's step: at a 4096-token prompt,
+        # sink:256, 8 bits, a chain of 2, decode 33.6 against 29.5 tok/s with both on 2 sleeping threads
+        # (benchmarks/threads_ab.py, results_threads_ab_kv_int8_4k_decode.*). Float weights stay on the pool: their
+        # step reads the whole float model, which one thread reads at half the speed
+        step = step.at(quantize_weights(step.path, bits=WEIGHT_BITS[weights]), threads=1)
     drafter = CompressedKVDrafter(step, base.captured.kv, policy, spec, kv_layers=draft_graph.kv_layers,
-                                  options=drafter_options, graph=draft_graph)
+                                  options=drafter_options, graph=draft_graph, light=light)
     target = run_passes(base.clone(), [TreeAttention()])
-    return CompressedKVModel(target, lower(target, backend, spin=False), backend, drafter=drafter,
+    return CompressedKVModel(target, lower(target, backend, spin=light), backend, drafter=drafter,
                              model=getattr(base, "model", None))  # the source model: an export's manifest names it
 
 
