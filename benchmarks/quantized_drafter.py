@@ -33,8 +33,9 @@ def main(argv=None) -> int:
                     "with float weights and each --bits width (QuantSpec's hierarchy); repeatable")
     ap.add_argument("--files", default="gsm8k,vicuna_bench", help="prompt files, comma-separated: their 3rd and 4th "
                     "prompts (default gsm8k,vicuna_bench: the prompts that chose the default tree)")
-    ap.add_argument("--tree", action="append", help=f"a tree of the quantized rows, repeatable (default {list(TREES)}; "
-                    "the --kv rows' quantised weights: 4 and dynamic:16:4)")
+    ap.add_argument("--tree", action="append", help=f"a tree of the quantized rows, repeatable (default {list(TREES)}); "
+                    "also the trees of the --kv rows with quantised weights (default 4 and dynamic:16:4; before "
+                    "2026-11-29 those rows ignored --tree)")
     ap.add_argument("--bits", default="4,8", help="weight widths of the quantized rows, comma-separated (4, 8)")
     ap.add_argument("--block", default="32", help="weights per quantisation block of the quantized rows, "
                     "comma-separated powers of two >= 16 (default 32: the block of every run recorded before the "
