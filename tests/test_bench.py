@@ -302,3 +302,19 @@ def test_floor_pairs_blocks_of_steps_and_drops_each_blocks_first_call(monkeypatc
     assert ratios == pytest.approx([1.3] * 4)  # the switch's cost left out of every block (kept, they would read 3.8 / 3.5)
     blocks = [calls[i] for i in range(2, len(calls), 2)]  # after the two warm-up calls, one name per block of 2
     assert blocks == ["plain", "tree", "tree", "plain", "plain", "tree", "tree", "plain"]
+
+
+def test_score_gemm_benchmark_runs_and_writes_every_row(tmp_path):
+    """benchmarks/score_gemm.py (the attention scores' cost per query row) on a short cache: a row per M, in order."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "score_gemm_benchmark", Path(__file__).resolve().parent.parent / "benchmarks" / "score_gemm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "scores.json"
+    assert module.main(["--keys", "64", "--threads", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["rows"] for r in report["rows"]] == [1, 2, 3, 5] and all(r["ms"] > 0 for r in report["rows"])
+    assert report["command"].endswith("--json " + str(out))
