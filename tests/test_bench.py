@@ -316,5 +316,7 @@ def test_score_gemm_benchmark_runs_and_writes_every_row(tmp_path):
     out = tmp_path / "scores.json"
     assert module.main(["--keys", "64", "--threads", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert [r["rows"] for r in report["rows"]] == [1, 2, 3, 5] and all(r["ms"] > 0 for r in report["rows"])
+    assert [(r["gemm"], r["rows"]) for r in report["rows"]] == [(g, m) for g in ("Q.K^T", "K.Q^T (operands swapped)", "P.V")
+                                                                 for m in (1, 2, 3, 5)]
+    assert all(r["ms"] > 0 for r in report["rows"])
     assert report["command"].endswith("--json " + str(out))
