@@ -140,12 +140,14 @@ def engine_step(engine, context: int, q: int = 1, cache=None, room: int = 0):
 
 
 def main(argv=None) -> int:
+    from speccomp.cli import positive  # argparse type: an int >= 1, the bad value named
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="128,300,512,1024,2048,4096,8000",
                     help="cached tokens per row, comma-separated")
     ap.add_argument("--tree", type=int, default=8, help="also time verifying a chain of this many nodes at 300 tokens "
                     "of context, against the plain step there (0: skip)")
-    ap.add_argument("--pairs", type=int, default=21, help="rounds of the paired tree / plain ratio (default 21)")
+    ap.add_argument("--pairs", type=positive, default=21, help="rounds of the paired tree / plain ratio (default 21)")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated (default {','.join(ROWS)})")
     ap.add_argument("--repeats", type=int, default=10, help="timed steps per cell (default 10)")
     ap.add_argument("--threads", type=int, default=2)

@@ -21,9 +21,11 @@ HERE = Path(__file__).resolve().parent
 
 
 def main(argv=None) -> int:
+    from speccomp.cli import positive  # argparse type: an int >= 1, the bad value named
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--keys", type=int, default=4096)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--keys", type=positive, default=4096)
+    ap.add_argument("--threads", type=positive, default=2)
     ap.add_argument("--json", default=str(HERE / "results_score_gemm.json"))
     args = ap.parse_args(argv)
 

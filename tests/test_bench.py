@@ -320,3 +320,6 @@ def test_score_gemm_benchmark_runs_and_writes_every_row(tmp_path):
                                                                  for m in (1, 2, 3, 5)]
     assert all(r["ms"] > 0 for r in report["rows"])
     assert report["command"].endswith("--json " + str(out))
+    with pytest.raises(SystemExit):  # argparse: "--keys: ... 0 ..."; nothing timed or written
+        module.main(["--keys", "0", "--json", str(tmp_path / "never.json")])
+    assert not (tmp_path / "never.json").exists()

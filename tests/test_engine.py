@@ -277,7 +277,7 @@ def test_compressed_kv_engines_greedy_identical_and_step_like_torch(llama, kv_ca
     assert part["options"]["kv_cache"] == kv_cache and part["options"]["kv_layers"] == fast.drafter.layer_index.tolist()
     graph = onnx.load(str(tmp_path / "e" / "compressed_kv.onnx"), load_external_data=False).graph
     packed = (options or {}).get("weights")
-    assert part["options"].get("weights") == packed
+    assert part["options"].get("weights") == packed and part["light"] == bool(packed)  # the compile's verdict, kept
     assert {onnx.helper.get_attribute_value(a) for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute
             if a.name == "bits"} == ({int(packed[3:])} if packed else set())
     if backend == "onnxruntime":  # a quantised draft step runs on one thread beside the target's spinning pool, in
@@ -290,6 +290,12 @@ def test_compressed_kv_engines_greedy_identical_and_step_like_torch(llama, kv_ca
             assert engine_pools == [("spins", 0), ("sleeps", 1)]
         else:
             assert [kind for kind, _ in torch_pools + engine_pools] == ["sleeps"] * 4
+        if packed == "int8":  # an engine exported before parts recorded "light" keeps the old rule (names only)
+            m = json.loads((tmp_path / "e" / "manifest.json").read_text())
+            del m["drafter"]["light"]
+            (tmp_path / "e" / "manifest.json").write_text(json.dumps(m))
+            old = speccomp.load(tmp_path / "e")
+            assert [pool(x.session) for x in (old.session, old.drafter.session)] == [("sleeps", 0), ("sleeps", 0)]
     # the manifest names the source model and its end-of-sequence token (an engine run without eos_token_id stops there)
     assert engine.eos_token_id == llama.generation_config.eos_token_id and engine.manifest["model"]["fingerprint"]
     ids = steps_like_torch(engine, fast, llama)
@@ -333,6 +339,7 @@ def test_hydra_engine_runs_without_torch_and_checks_its_manifest(hydra_model, tm
         (lambda d: d["drafters"][0]["options"].update(tree={"budget": 0, "top_k": 2}), r"drafter.drafters\[0\].options.tree="),
         (lambda d: d["drafters"].reverse(), "drafter.drafters=.*one entry per drafter"),
         (lambda d: d["drafters"][0].update(graph="target.onnx"), r"drafter.drafters\[0\].graph="),
+        (lambda d: d["drafters"][0].update(light="yes"), r"drafter.drafters\[0\].light='yes' is not true or false"),
         (lambda d: d["drafters"][0]["options"].update(top=1), "returns the top 10 tokens but drafter.options.top=1"),
     ]:
         broken = json.loads(json.dumps(manifest))

@@ -88,7 +88,8 @@ def drafter_spec(drafter) -> dict:
         options.update(kv_layers=drafter.layer_index.tolist(), tree=shape, max_depth=MAX_DYNAMIC_DEPTH)
     else:  # ngram: its options; token_recycling: + tree
         return {"name": name, "options": dict(drafter.options, **shape)}
-    return {"name": name, "options": options, "graph": GRAPH_FILES[name]}
+    # light: the compiled drafter's own verdict (Drafter.light_graphs), which the engine's sessions follow
+    return {"name": name, "options": options, "graph": GRAPH_FILES[name], "light": bool(drafter.light_graphs)}
 
 
 def _parts(spec: dict) -> list[dict]:

@@ -50,9 +50,10 @@ from speccomp.kv.policies import KVPolicyError, parse_kv_cache, snapkv_window
 FORMAT, FORMAT_VERSION, READABLE_VERSIONS = "speccomp-engine", 3, (1, 2, 3)
 MANIFEST = "manifest.json"
 MEDUSA_FILE = "medusa.onnx"
-# drafter graphs that run on one thread (the drafters' `light_graphs`). Not medusa.onnx: with tied heads it projects
-# every head through the full 49k-token LM head, the model's largest matmul (and was not measured on one thread)
-LIGHT_GRAPHS = ("hydra", "eagle", "quantized")  # + compressed_kv with quantised weights (light_graph, below)
+# drafter graphs that run on one thread in an engine whose manifest does not say (exported before its parts recorded
+# the compiled drafter's `light_graphs` as "light"). Not medusa.onnx: with tied heads it projects every head through
+# the full 49k-token LM head, the model's largest matmul (and was not measured on one thread)
+LIGHT_GRAPHS = ("hydra", "eagle", "quantized")
 HYDRA_FILE = "hydra.onnx"
 EAGLE_FILE = "eagle.onnx"
 MANIFEST_KEYS = ("format", "format_version", "speccomp_version", "model", "kv", "graphs", "opset", "max_tree", "drafter")
@@ -74,10 +75,9 @@ class EngineError(SpeccompError, RuntimeError):
 
 
 def light_graph(spec: dict) -> bool:
-    """Whether a drafter part's graph runs on one thread: the LIGHT_GRAPHS, and the compressed-cache self-drafter
-    with quantised weights (drafter_options {"weights": "int4" / "int8"}, as speccomp/kv/draft.py compiles it)."""
-    name, options = spec.get("name"), spec.get("options") or {}
-    return name in LIGHT_GRAPHS or (name == "compressed_kv" and options.get("weights", "float") != "float")
+    """Whether a drafter part's graph runs on one thread: what the compiled drafter declared (`light` in the manifest,
+    its `light_graphs`), else, for an older engine, whether it is one of the LIGHT_GRAPHS."""
+    return spec.get("light", spec.get("name") in LIGHT_GRAPHS)
 
 
 def check_makeable(path: Path) -> None:
@@ -276,6 +276,8 @@ def _check_drafter(drafter: dict, graphs: dict, field: str, need) -> None:
     if name in GRAPH_FILES:
         need(drafter.get("graph") == GRAPH_FILES[name] and name in graphs, f"{field}.graph", drafter.get("graph"),
              f"{GRAPH_FILES[name]!r} with a {name!r} entry in graphs")
+        need(isinstance(drafter.get("light", False), bool), f"{field}.light", drafter.get("light"),
+             "true or false (whether the graph runs on one thread)")
 
 
 # ---- ONNX Runtime session with IO binding ----------------------------------------------------------------
