@@ -61,14 +61,20 @@ def check(backend: str) -> None:
         check_available()
 
 
-def lower(sg, backend: str, spin: bool = True):
+def lower(sg, backend: str, spin: bool = True, quantize: tuple[int, int] | None = None):
     """`spin=False`: one of several ONNX Runtime sessions of a compiled model (a drafter graph beside the target):
     idle pool threads then sleep between runs instead of spinning against each other and the host-side work (the
-    engine's rule: speccomp/engine/runtime.py). Other backends have no pools to set."""
+    engine's rule: speccomp/engine/runtime.py). Other backends have no pools to set.
+
+    `quantize=(bits, block_size)`: ONNX Runtime only; the exported graph's weight MatMuls become MatMulNBits
+    (onnx_export.quantize_weights) before a session loads it, and the step runs on one thread (a light drafter
+    graph beside the target's spinning pool: the quantised self-drafters)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; accepted values: {sorted(BACKENDS)}")
     if is_onnxruntime(backend):
-        return BACKENDS[backend](sg, spin)
+        return BACKENDS[backend](sg, spin, quantize)
+    if quantize is not None:
+        raise ValueError(f"quantize={quantize!r}: MatMulNBits weights are ONNX Runtime's; backend {backend!r} has none")
     return BACKENDS[backend](sg)
 
 

@@ -148,9 +148,10 @@ class OrtKVStep(OrtStep):
         return f"OrtKVStep({str(self.path)!r}, providers={self.providers})"
 
 
-def lower_in_place(sg, path, providers: list, spin: bool):
-    """An OrtKVStep for `sg` (exported to `path`), or None where OrtAttention does not apply (the caller exports
-    the plain graph). CPU only: a GPU provider would copy the host buffer in and out every step."""
+def lower_in_place(sg, path, providers: list, spin: bool, rewrite=lambda path: path, threads: int | None = None):
+    """An OrtKVStep for `sg` (exported to `path`, then `rewrite(path)`: the file the session loads), or None where
+    OrtAttention does not apply (the caller exports the plain graph). CPU only: a GPU provider would copy the host
+    buffer in and out every step."""
     import torch.fx.experimental._config as fx_config
 
     from speccomp.backends.onnx_export import _without_slow_rewrites, export_copy, onnx_program
@@ -181,7 +182,7 @@ def lower_in_place(sg, path, providers: list, spin: bool):
                                    dynamic_shapes=dynamic, input_names=names, output_names=outputs,
                                    custom_translation_table=translation_table())
         program.save(path)
-        return OrtKVStep(path, call_names, n_outputs, providers=providers, spin=spin)
+        return OrtKVStep(rewrite(path), call_names, n_outputs, providers=providers, spin=spin, intra_op_threads=threads)
     except Exception as exc:  # export or ONNX Runtime refused the fused graph: the plain export still works
         warnings.warn(f"the cache stays a copied input for {Path(path).name}: {str(exc).splitlines()[0]}", stacklevel=2)
         return None

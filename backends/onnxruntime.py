@@ -24,7 +24,8 @@ from torch.export import Dim
 from speccomp.frontend.convention import INPUT_NAMES, example_inputs
 from speccomp.passes.tree_attention import TREE_MASK
 
-from speccomp.backends.onnx_export import _EXAMPLE_PAST, _EXAMPLE_Q, OrtStep, _dynamic_shapes, export_onnx
+from speccomp.backends.onnx_export import (_EXAMPLE_PAST, _EXAMPLE_Q, OrtStep, _dynamic_shapes, export_onnx,
+                                           quantize_weights)
 from speccomp.backends.onnx_kv import lower_in_place
 
 
@@ -53,20 +54,23 @@ def export_args(sg):
     return tuple(args), tuple(dynamic)
 
 
-def lower_onnxruntime(sg, provider: str = "cpu", spin: bool = True):
-    """An OrtStep running `sg` exported to ONNX on `provider` ("cpu", "cuda", "tensorrt"); `spin`: see lower().
-    On the CPU, graphs whose attention OrtAttention fuses write the cache in place (backends/onnx_kv.py)."""
+def lower_onnxruntime(sg, provider: str = "cpu", spin: bool = True, quantize: tuple[int, int] | None = None):
+    """An OrtStep running `sg` exported to ONNX on `provider` ("cpu", "cuda", "tensorrt"); `spin`, `quantize`: see
+    lower(). On the CPU, graphs whose attention OrtAttention fuses write the cache in place (backends/onnx_kv.py)."""
     from speccomp.engine.runtime import check_provider
 
     check_exported_from_cpu(sg, provider)
     providers = check_provider(provider)  # before the export: a missing provider fails in a second, not a minute
     name = "-".join(sg.applied) or "plain"  # e.g. "tree_attention", "skip_layers-tree_attention"
-    step = lower_in_place(sg, _export_dir(name) / f"{name}.onnx", providers, spin)
+    # the float file is only the quantiser's input then: no session loads it (538 MB of weights for nothing)
+    rewrite = (lambda path: quantize_weights(path, *quantize)) if quantize else (lambda path: path)
+    threads = 1 if quantize else None
+    step = lower_in_place(sg, _export_dir(name) / f"{name}.onnx", providers, spin, rewrite, threads)
     if step is not None:
         return step
     args, dynamic = export_args(sg)
     path = export_onnx(sg, _export_dir(name) / f"{name}.onnx", example_args=args, dynamic_shapes=dynamic)
-    return OrtStep(path, providers=providers, spin=spin)
+    return OrtStep(rewrite(path), providers=providers, spin=spin, intra_op_threads=threads)
 
 
 def check_exported_from_cpu(sg, provider: str) -> None:

@@ -329,8 +329,12 @@ def cmd_train_draft(args) -> int:
     """Distil a small draft model for the default model on its own replies to prompt files; store it."""
     from speccomp.models import chat_ids
     from speccomp.tuning.synthetic_prompts import synthetic_prompts
-    from speccomp.tuning.train_draft import check_draft_directory, drafts_dir, train_draft
+    from speccomp.models import default_config
+    from speccomp.tuning.train_draft import check_draft_directory, check_num_layers, drafts_dir, train_draft
 
+    config = default_config()  # converted once: --layers is checked before the model loads (a first run checks after)
+    if config and "num_hidden_layers" in config:
+        check_num_layers(args.layers, config["num_hidden_layers"])
     extra = synthetic_prompts(args.synthetic, seed=args.seed) if args.synthetic else []
     _directory("out", args.out)
     if args.out:

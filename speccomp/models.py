@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -132,6 +133,14 @@ def _convert(target: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def default_config() -> dict | None:
+    """The default model's config once it has been converted (no weights read), else None."""
+    try:
+        return json.loads((cache_dir() / "models" / DEFAULT_NAME / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def load_default_model(attn_implementation: str = "sdpa"):

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import onnx
@@ -519,7 +520,19 @@ def test_quantized_drafter_is_lossless_and_exports(llama, tmp_path, bits):
     verifies: HF's greedy text, drafts accepted, and the engine (quantized.onnx) steps like the torch runtime."""
 
     options = None if bits == 8 else {"bits": bits}  # 8: the default
-    fast = speccomp.compile(llama, drafter="quantized", drafter_options=options, backend="onnxruntime")
+    import onnxruntime
+
+    loaded, session = [], onnxruntime.InferenceSession
+
+    def spy(path, *args, **kwargs):
+        loaded.append(Path(path).name)
+        return session(path, *args, **kwargs)
+
+    with mock.patch.object(onnxruntime, "InferenceSession", spy):
+        fast = speccomp.compile(llama, drafter="quantized", drafter_options=options, backend="onnxruntime")
+    # the target's session and the packed draft graph's; the float draft file is only the quantiser's input
+    assert sorted(loaded) == sorted([fast.step.path.name, fast.drafter.step.path.name]), loaded
+    assert fast.drafter.step.path.name.endswith(f"-int{bits}.onnx")
     proto = onnx.load(str(fast.drafter.step.path))
     weights = {i.name for i in proto.graph.initializer}
     packed = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]

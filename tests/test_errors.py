@@ -954,6 +954,23 @@ def test_cli_reports_bad_flags_before_loading_the_model(cli_main, engine_dir, tm
     assert good.read_text() == '{"turns": ["Write a poem"]}\n'
 
 
+def test_train_draft_layers_checked_before_the_model_loads_once_it_was_converted(cli_main, tmp_path, monkeypatch):
+    """`train-draft --layers N` needs N below the model's layer count: read from the converted model's config.json
+    (no weights), so a bad N fails at once; before any conversion there is nothing to read and the model loads."""
+    from speccomp.models import DEFAULT_NAME
+
+    monkeypatch.setenv("SPECCOMP_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(pytest.fail.Exception, match="loaded the model"):  # no converted config yet: it must load
+        cli_main(["train-draft", "--layers", "7", "--out", str(tmp_path / "d")])
+    (tmp_path / "cache" / "models" / DEFAULT_NAME).mkdir(parents=True)
+    (tmp_path / "cache" / "models" / DEFAULT_NAME / "config.json").write_text(json.dumps({"num_hidden_layers": 6}))
+    rc, err = cli_main(["train-draft", "--layers", "7", "--out", str(tmp_path / "d")])
+    assert rc == 2 and "num_layers=7" in err and "[1, 5]" in err and "6 layers" in err, err
+    assert not (tmp_path / "d").exists()
+    with pytest.raises(pytest.fail.Exception, match="loaded the model"):  # a good N goes on to load the model
+        cli_main(["train-draft", "--layers", "5", "--out", str(tmp_path / "d")])
+
+
 def test_long_values_are_cut_in_the_middle_so_a_path_keeps_its_file_name():
     from speccomp.errors import OptionError
 

@@ -165,7 +165,6 @@ def _quantized(base: SpecGraph, options: dict, tree, backend: str):
     """QuantSpec's self-drafter: the target's own graph with 4- or 8-bit weights (ONNX Runtime's MatMulNBits, an
     eighth or a quarter of the weight bytes per step) drafts depth by depth over the target's cache; the float graph
     verifies. Options: bits (8, the default, or 4), block_size (weights per quantisation block, default 128)."""
-    from speccomp.backends.onnx_export import quantize_weights
     from speccomp.passes.tree_attention import TreeAttention
 
     check_named("quantized", tree, backend)
@@ -187,11 +186,11 @@ def _quantized(base: SpecGraph, options: dict, tree, backend: str):
     spec = _default_tree(tree, Tree.from_choices([[0] * d for d in range(1, 5)]), "quantized")
     check_tree_width(spec, base.captured.vocab_size, "model", tree)
     sg = run_passes(base.clone(), [TreeAttention()])
-    float_step = lower(sg, backend, spin=False)
-    # one thread, as the light head steps: a one-token step over packed weights is mostly small nodes, which a second
-    # thread only wakes up for (11.5 against 12.6 ms alone), and the target's pool may then spin between its runs;
-    # 1.06-1.09x in the loop against both on 2 sleeping threads (benchmarks/threads_ab.py --drafter quantized)
-    step = float_step.at(quantize_weights(float_step.path, bits, block), threads=1)
+    # one thread (lower's `quantize`), as the light head steps: a one-token step over packed weights is mostly small
+    # nodes, which a second thread only wakes up for (11.5 against 12.6 ms alone), and the target's pool may then spin
+    # between its runs; 1.06-1.09x in the loop against both on 2 sleeping threads (benchmarks/threads_ab.py
+    # --drafter quantized)
+    step = lower(sg, backend, spin=False, quantize=(bits, block))
     return GraphDrafter(step, sg.kv_layers, spec, "quantized", {"bits": bits, "block_size": block}, sg, light=True)
 
 

@@ -193,16 +193,13 @@ def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options
     passes = _layer_passes(base, options)
     passes += [TreeAttention()] + ([AttentionScores()] if policy.needs_attention else [])
     draft_graph = run_passes(base.clone(), passes)
-    step = lower(draft_graph, backend, spin=False)
     light = weights != "float"
-    if light:  # QuantSpec's hierarchy: 4- or 8-bit weights (MatMulNBits) over the compressed cache
-        from speccomp.backends.onnx_export import quantize_weights
-
-        # on one thread beside the target's spinning pool, as the quantized drafter's step: at a 4096-token prompt,
-        # sink:256, 8 bits, a chain of 2, decode 33.6 against 29.5 tok/s with both on 2 sleeping threads
-        # (benchmarks/threads_ab.py, results_threads_ab_kv_int8_4k_decode.*). Float weights stay on the pool: their
-        # step reads the whole float model, which one thread reads at half the speed
-        step = step.at(quantize_weights(step.path, bits=WEIGHT_BITS[weights]), threads=1)
+    # QuantSpec's hierarchy: 4- or 8-bit weights (MatMulNBits) over the compressed cache, on one thread beside the
+    # target's spinning pool, as the quantized drafter's step: at a 4096-token prompt, sink:256, 8 bits, a chain of 2,
+    # decode 33.6 against 29.5 tok/s with both on 2 sleeping threads (benchmarks/threads_ab.py,
+    # results_threads_ab_kv_int8_4k_decode.*). Float weights stay on the pool: their step reads the whole float
+    # model, which one thread reads at half the speed
+    step = lower(draft_graph, backend, spin=False, quantize=(WEIGHT_BITS[weights], 128) if light else None)
     drafter = CompressedKVDrafter(step, base.captured.kv, policy, spec, kv_layers=draft_graph.kv_layers,
                                   options=drafter_options, graph=draft_graph, light=light)
     target = run_passes(base.clone(), [TreeAttention()])

@@ -130,16 +130,20 @@ def draft_accuracy(draft, model, seqs, starts) -> float:
     return right / max(total, 1)
 
 
+def check_num_layers(num_layers, layers: int) -> None:
+    """A draft of `num_layers` layers cut from a model of `layers` (the CLI checks it before the model loads)."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers < layers:
+        raise OptionError("num_layers", num_layers, f"must be an int in [1, {layers - 1}] (the model has {layers} "
+                          "layers)", "e.g. num_layers=2 (CLI: --layers 2)")
+
+
 def _check(model, prompts, num_layers, **values) -> None:
     """Refuse bad settings before minutes of work, naming the setting and the value."""
     if not hasattr(model, "config") or not hasattr(model, "get_input_embeddings"):
         raise OptionTypeError("model", type(model).__name__, "train_draft needs a Hugging Face causal LM (its config "
                               "builds the draft)", "pass an AutoModelForCausalLM; a plain module's draft is any smaller "
                               "module given as compile(model, drafter=draft)")
-    layers = model.config.num_hidden_layers
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers < layers:
-        raise OptionError("num_layers", num_layers, f"must be an int in [1, {layers - 1}] (the model has {layers} "
-                          "layers)", "e.g. num_layers=2 (CLI: --layers 2)")
+    check_num_layers(num_layers, model.config.num_hidden_layers)
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or (
                 name != "lr" and not isinstance(value, int)):
