@@ -34,6 +34,7 @@ UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logpr
                "suffix": None, "tools": None, "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
                "repetition_penalty": 1, "top_k": None, "min_p": 0, "response_format": {"type": "text"}}
 # accepted only at these values (or null): anything else would change the text, so it is refused, never ignored
+DISCONNECT_CHECK = 0.5  # seconds between checks that a non-streaming request's client is still there
 
 
 class StepFailed(RuntimeError):
@@ -94,6 +95,15 @@ class Scheduler:
             self.counts["requests"] += 1
             self.waiting.append(job)
             self.wake.notify()
+
+    def room(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of `prompt_len` tokens can ask for here: the model's (and a draft model's)
+        context, and this server's cache slots (a request that leaves max_tokens unset asks for at most this)."""
+        limits = [self.batch.cache.shape[4] - self.batch.need(prompt_len, 0)]
+        for context in (self.engine.max_positions, getattr(self.engine.drafter, "max_positions", None)):
+            if context is not None:
+                limits.append(context - prompt_len)
+        return min(limits)
 
     def stop(self) -> None:
         with self.wake:
@@ -180,8 +190,12 @@ def _options(body: dict, default_max_tokens: int | None) -> dict:
     """generate()'s options from an OpenAI request body (checked by the engine's own checks after this)."""
     for key, allowed in UNSUPPORTED.items():
         value = body.get(key)
-        if value not in (None, allowed) and (allowed is not None or value):  # logprobs: false is no request
+        if value is None or (allowed is None and not value and not (key == "logprobs" and value is not False)):
+            continue  # unset, or an empty value (stop: [], logprobs: false); logprobs: 0 asks for the chosen tokens'
+        if allowed is None or value != allowed or isinstance(value, bool) != isinstance(allowed, bool):  # n: true
             raise OptionError(key, body[key], "is not supported by speccomp serve", f"leave it out or use {allowed!r}")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise OptionTypeError("stream", body["stream"], "must be true or false", "a string such as \"false\" is not")
     def given(key: str, default):  # null asks for the default, as in OpenAI's API (clients send it for "unset")
         return default if body.get(key) is None else body[key]
 
@@ -264,6 +278,8 @@ async def _respond(scheduler, engine, model_name: str, request, ids: list[int], 
     """One completion request, submitted to the scheduler: its JSON reply, or a stream of server-sent events."""
     from fastapi.responses import JSONResponse
 
+    # unset max_tokens: the default, or what room the prompt leaves (a too-long prompt is then refused at 1 token)
+    default_max_tokens = max(1, min(default_max_tokens, scheduler.room(len(ids))))
     job = Job(ids, _options(body, default_max_tokens), asyncio.get_running_loop())
     # stream_options.include_usage: every chunk carries "usage": null, a last chunk (no choices) the counts
     usage = len(ids) if body.get("stream") and _stream_options(body).get("include_usage") else None
@@ -276,7 +292,7 @@ async def _respond(scheduler, engine, model_name: str, request, ids: list[int], 
     tokens, finish = await _collect(job, request)
     if finish is None:
         return JSONResponse({}, status_code=499)
-    text = _text(engine, tokens)
+    text = _text(engine, tokens, [] if chat else ids)  # a completion's text reads on from its prompt
     choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
               else {"index": 0, "text": text, "logprobs": None})
     return {**head, "object": kind, "choices": [{**choice, "finish_reason": finish, "token_ids": tokens}],
@@ -300,15 +316,20 @@ def _job_stream(job: Job, content, **options):
 
 async def _collect(job: Job, request) -> tuple[list[int], str | None]:
     """A non-streaming job's tokens and finish reason; (tokens, None) when the client went away (its row freed)."""
-    tokens = []
+    tokens, loop = [], asyncio.get_running_loop()
+    checked = loop.time()
     try:
         while True:
             try:
-                item = await asyncio.wait_for(job.queue.get(), timeout=0.5)
+                item = await asyncio.wait_for(job.queue.get(), timeout=DISCONNECT_CHECK)
             except asyncio.TimeoutError:
+                item = None
+            if loop.time() - checked >= DISCONNECT_CHECK or item is None:  # also while tokens keep coming
+                checked = loop.time()
                 if await request.is_disconnected():
                     job.cancelled = True  # the scheduler frees its row
                     return tokens, None
+            if item is None:
                 continue
             if isinstance(item, Exception):
                 raise item
@@ -353,7 +374,7 @@ async def _stream(engine, job: Job, head: dict, kind: str, chat: bool, prompt_to
                 return
             done = isinstance(item, str)
             tokens += [] if done else item
-            text = _text(engine, tokens)
+            text = _text(engine, tokens, [] if chat else job.ids)
             if text.endswith("\ufffd") and not done:
                 continue  # a character cut between tokens: wait for the rest of its bytes
             piece, sent = text[len(sent):], text
@@ -418,8 +439,16 @@ async def _body(request) -> dict:
     return body
 
 
-def _text(engine, tokens: list[int]) -> str:
-    return engine.decode(tokens) if engine.manifest.get("tokenizer") else ""
+def _text(engine, tokens: list[int], prompt: list[int]) -> str:
+    """The reply's text as it reads after `prompt` (a completion's; a chat reply's is []): decoded behind the prompt's
+    last tokens, whose text is then cut off, so prompt + text is the whole sequence decoded, as OpenAI's API (a
+    SentencePiece tokenizer drops the leading space of a text's first word: decoded apart, "w5 w6" and "w7" join
+    into "w5 w6w7")."""
+    if not engine.manifest.get("tokenizer"):
+        return ""
+    before = prompt[-4:]
+    head, full = engine.decode(before), engine.decode(before + tokens)
+    return full[len(head):] if full.startswith(head) else engine.decode(tokens)
 
 
 def _event(obj: dict) -> str:

@@ -89,7 +89,8 @@ def test_concurrent_requests_batch_and_each_gets_its_own_greedy_text(server, mod
         choice = answer["choices"][0]
         assert choice["token_ids"] == want
         assert choice["finish_reason"] == ("stop" if want[-1] == EOS else "length")
-        assert choice["text"] == " ".join(f"w{t}" for t in want if t not in (0, EOS))  # w0, w2: special
+        words = lambda ids: " ".join(f"w{t}" for t in ids if t not in (0, EOS))  # noqa: E731 (w0, w2: special)
+        assert words(prompt) + choice["text"] == words(prompt + want)  # the text reads on from the prompt
         assert answer["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(want),
                                    "total_tokens": len(prompt) + len(want)}
     after = metrics(url)
@@ -149,6 +150,10 @@ def test_chat_stream_carries_the_same_tokens(server, model):
     ({"prompt": "w5 w6", "presence_penalty": 0.5}, "presence_penalty"),  # would change the text: refused, not ignored
     ({"prompt": "w5 w6", "top_k": 5}, "top_k"),
     ({"prompt": "w5 w6", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": [5, 10**30]}, "prompt"),  # past int64: refused as any id outside the vocabulary (was a 500)
+    ({"prompt": "w5 w6", "n": True}, "n"),  # true == 1 in Python, not in the API
+    ({"prompt": "w5 w6", "stream": "false"}, "stream"),  # a string: was read as true, a stream
+    ({"prompt": "w5 w6", "logprobs": 0}, "logprobs"),  # on /v1/completions 0 asks for the chosen tokens' logprobs
 ])
 def test_bad_requests_get_400_naming_the_parameter(server, body, param):
     url, _ = server
@@ -184,6 +189,84 @@ def test_a_client_that_goes_away_frees_its_row(server):
     assert m["requests_cancelled_total"] == before["requests_cancelled_total"] + 1 and m["running_requests"] == 0
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["object"] == "model"
+
+
+def test_a_dropped_non_streaming_client_frees_its_row_while_tokens_still_flow(server):
+    """A row that gains a token every step must not hide its client's disconnect (it was noticed only after half a
+    second without tokens, so a steady row ran to max_tokens for nobody)."""
+    url, app = server
+    batch = app.state.scheduler.batch
+    before, step = metrics(url), batch.step
+
+    def slow_step():  # a token every 20 ms: max_tokens 400 would take 8 s
+        time.sleep(0.02)
+        return step()
+
+    batch.step = slow_step
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0},
+                       timeout=0.3)
+        for _ in range(60):
+            m = metrics(url)
+            if m["requests_cancelled_total"] > before["requests_cancelled_total"] and m["running_requests"] == 0:
+                break
+            time.sleep(0.05)
+    finally:
+        batch.step = step
+    assert m["requests_cancelled_total"] == before["requests_cancelled_total"] + 1 and m["running_requests"] == 0
+    assert m["tokens_generated_total"] - before["tokens_generated_total"] < 150  # freed long before its 200 tokens
+
+
+def test_max_tokens_unset_asks_for_what_the_context_leaves(server, model):
+    """A chat request without max_tokens (default 256) on a prompt that leaves fewer positions gets what fits (as
+    OpenAI's API), not a 400 about a max_tokens the client never sent; a prompt that fills the context is refused."""
+    url, app = server
+    messages = [{"role": "user", "content": " ".join(f"w{5 + i % 80}" for i in range(200))}]
+    prompt = app.state.scheduler.engine.chat_ids(messages)[0].tolist()
+    assert 200 < len(prompt) < 250  # 256 positions: fewer than the default 256 new tokens fit
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(prompt)
+    want = hf_greedy(model, torch.tensor([prompt]), 256 - len(prompt), eos=EOS)[0, len(prompt):].tolist()
+    assert r.json()["choices"][0]["token_ids"] == (want[: want.index(EOS) + 1] if EOS in want else want)
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": [5 + i % 80 for i in range(256)], "temperature": 0}, timeout=30)
+    assert r.status_code == 400 and "256 positions" in r.json()["error"]["message"]
+
+
+def test_reply_text_reads_on_from_the_prompt_with_a_sentencepiece_tokenizer():
+    """A Metaspace (SentencePiece) tokenizer drops the leading space of a decoded text's first word: the reply is
+    decoded behind the prompt's last tokens, so prompt + reply reads as the whole sequence decoded."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from speccomp.serve import _text
+
+    vocab = {f"\u2581w{i}": i for i in range(96)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="\u2581w0"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    engine = SimpleNamespace(manifest={"tokenizer": {"file": "tokenizer.json"}}, decode=tok.decode)
+    prompt, reply = tok.encode("w5 w6").ids, [64, 33]
+    assert tok.decode(reply) == "w64 w33"  # alone: no space before the first word
+    assert tok.decode(prompt) + _text(engine, reply, prompt) == tok.decode(prompt + reply) == "w5 w6 w64 w33"
+    assert _text(SimpleNamespace(manifest={}), reply, prompt) == ""  # no tokenizer: token ids only
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400_on_messages(engine_path):
+    """Chat templates (Llama-2's, Mistral's, Gemma's) call raise_exception() on a conversation they refuse, as
+    transformers defines it: the engine renders them too, and the refusal names `messages` (was a 500: jinja's
+    'raise_exception is undefined')."""
+    engine = speccomp.load(engine_path)
+    info = engine.manifest["tokenizer"]
+    info["chat_template"] = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                             "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+                             "w1 {{ m['content'] }} {% endfor %}w3")
+    engine._template = engine._chat_template()
+    assert engine.chat_ids([{"role": "user", "content": "w5"}])[0].tolist() == [1, 5, 3]
+    with pytest.raises(speccomp.OptionError, match="messages=.*roles must alternate") as refused:
+        engine.chat_ids([{"role": "assistant", "content": "w5"}])
+    assert refused.value.parameter == "messages"  # serve answers a SpeccompError 400, naming its parameter
 
 
 def test_a_failed_step_answers_500_and_a_client_gone_while_queued_is_counted(engine_path):

@@ -34,7 +34,7 @@ from speccomp.runtime.calls import (MAX_TREE, CallGuard, Generation, as_int, bat
                                     pad_id, row_seed, row_slots, run_batch, tightest_context)
 from speccomp.runtime.packed import PackedBatch, Part
 from speccomp.runtime.topk import top_k, top_logp
-from speccomp.errors import OptionTypeError, SpeccompError
+from speccomp.errors import OptionError, OptionTypeError, SpeccompError
 from speccomp.drafters.eagle_cache import EagleCache
 from speccomp.drafters.grow import (ancestor_rows, cut, grow_dynamic, grow_static, siblings_in_rank_order,
                                     state_expander)
@@ -68,6 +68,14 @@ HYDRA_OUTPUTS = ["next_states", "top_logp", "top_ids"]
 EAGLE_INPUTS = ["feats", "tokens", "positions", "past_k", "past_v", "mask"]
 EAGLE_OUTPUTS = ["out", "new_k", "new_v", "top_logp", "top_ids"]
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
+
+
+def _template_refuses(message: str):
+    """`raise_exception(message)` inside a chat template (transformers defines it; templates call it to refuse a
+    conversation): a jinja2 TemplateError, which chat_ids answers as an OptionError on `messages`."""
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
 
 
 class EngineError(SpeccompError, RuntimeError):
@@ -1327,8 +1335,6 @@ class Engine:
 
     def __init__(self, path, provider: str = "cpu", threads: int | None = None, verify: bool = True,
                  draft: bool = True):
-        from speccomp.errors import OptionError, OptionTypeError
-
         for name, value in (("draft", draft), ("verify", verify)):
             if not isinstance(value, bool):
                 raise OptionTypeError(name, value, "must be True or False")
@@ -1412,6 +1418,7 @@ class Engine:
         except ImportError:
             return None
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _template_refuses  # as transformers: templates refuse bad conversations
         try:
             return env.from_string(template)
         except TemplateError as exc:
@@ -1426,7 +1433,15 @@ class Engine:
         if info.get("chat_template"):
             if self._template is None:
                 raise EngineError("rendering the engine's chat template needs jinja2: pip install jinja2")
-            text = self._template.render(messages=messages, add_generation_prompt=True, **info.get("special_tokens", {}))
+            from jinja2 import TemplateError
+
+            try:
+                text = self._template.render(messages=messages, add_generation_prompt=True,
+                                             **info.get("special_tokens", {}))
+            except TemplateError as exc:  # the template's own refusal (roles must alternate, ...) or its bug
+                raise OptionError("messages", messages, f"the model's chat template refused them: {exc}",
+                                  "order the messages as the model's chat template expects (e.g. user and "
+                                  "assistant turns alternating)") from None
         else:
             text = "\n".join(m["content"] for m in messages)
         return np.array([self._tok().encode(text, add_special_tokens=False).ids], dtype=np.int64)

@@ -135,6 +135,8 @@ def _prompt(input_ids, vocab_size: int):
         rows = input_ids if input_ids and isinstance(input_ids[0], (list, tuple)) else [input_ids]
         shape = (len(rows), len(rows[0]) if rows else 0)
         flat = [as_int(f"input_ids[{i}]", v, "every entry must be a token id") for i, v in enumerate(v for r in rows for v in r)]
+        if flat:  # checked as Python ints: an id past int64 would overflow the array first
+            _check_ids_in(min(flat), max(flat), vocab_size, input_ids)
         ids = np.array(flat, dtype=np.int64)
     else:
         dtype = str(getattr(input_ids, "dtype", ""))
@@ -151,11 +153,14 @@ def _prompt(input_ids, vocab_size: int):
     if ids is None:
         host = input_ids.detach().cpu() if hasattr(input_ids, "detach") else input_ids  # a torch tensor
         ids = np.asarray(host).reshape(-1).astype(np.int64, copy=False)
-    lo, hi = int(ids.min()), int(ids.max())
+    _check_ids_in(int(ids.min()), int(ids.max()), vocab_size, input_ids)
+    return ids
+
+
+def _check_ids_in(lo: int, hi: int, vocab_size: int, input_ids) -> None:
     if lo < 0 or hi >= vocab_size:
         raise OptionError("input_ids", input_ids, f"token ids must be in [0, {vocab_size}), got values in [{lo}, {hi}]",
                           "encode the prompt with this model's tokenizer")
-    return ids
 
 
 def batch_rows(input_ids, attention_mask) -> list[np.ndarray] | None:
