@@ -1,6 +1,7 @@
 """Exported engines: `compiled.export(dir)` + `speccomp.load(dir)` decode exactly like the model, in a
 process that has no torch; bad directories and missing providers fail with errors naming the fix."""
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -569,3 +570,58 @@ def test_token_recycling_top_k_past_the_vocabulary_exports_and_runs(llama, tmp_p
     engine = speccomp.load(fast.export(tmp_path / "e"))
     assert engine.generate(ids.numpy(), max_new_tokens=16).tolist() == ref.tolist()
     assert engine.last_stats["steps"] == fast.last_stats["steps"]
+
+
+def test_export_stops_at_the_generation_configs_eos_ids_and_the_tokenizers():
+    """A chat model's end-of-turn id often lives only in its generation config (Llama-3-Instruct: [eos, eot]): an
+    export with tokenizer= kept only the tokenizer's eos, so engines ran past the end of every turn."""
+    from types import SimpleNamespace
+
+    from speccomp.engine.export import _eos_ids
+
+    def model(eos):
+        return SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=eos))
+
+    assert _eos_ids(model([2, 7]), SimpleNamespace(eos_token_id=2)) == [2, 7]
+    assert _eos_ids(model(7), SimpleNamespace(eos_token_id=2)) == [7, 2]
+    assert _eos_ids(model(2), SimpleNamespace(eos_token_id=2)) == 2
+    assert _eos_ids(model(None), None) is None and _eos_ids(None, SimpleNamespace(eos_token_id=5)) == 5
+
+
+def test_named_chat_templates_export_their_default(tmp_path):
+    """transformers allows named chat templates ({"default": ..., "tool_use": ...}); the engine stores the default
+    one (what chat uses), where it stored the dict and then failed to load."""
+    from test_serve import word_tokenizer
+
+    from speccomp.engine.export import _tokenizer_entry
+
+    tok = word_tokenizer()
+    tok.chat_template = {"default": "{% for m in messages %}w1 {{ m['content'] }} {% endfor %}w3", "tool_use": "w4"}
+    assert _tokenizer_entry(tok, tmp_path)["chat_template"].startswith("{% for m in messages %}")
+    tok.chat_template = {"tool_use": "w4"}  # no default: no template (chat joins the messages' contents)
+    assert _tokenizer_entry(tok, tmp_path)["chat_template"] is None
+
+
+def test_an_onnx_file_with_external_weights_is_copied_with_its_own_data_file(tmp_path):
+    """A graph over 2 GB keeps its weights in NAME.onnx.data and names that file inside: a copy under another name
+    must name its own copy (the backend's file, named after its passes, is removed at exit)."""
+    import onnxruntime
+    from onnx import TensorProto, helper, numpy_helper
+
+    from speccomp.engine.export import _copy_onnx
+
+    weight = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(3, 4), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], initializer=[weight])
+    src = tmp_path / "src"
+    src.mkdir()
+    onnx.save(helper.make_model(graph), str(src / "tree_attention.onnx"), save_as_external_data=True,
+              location="tree_attention.onnx.data", size_threshold=0)
+    dst = tmp_path / "engine"
+    dst.mkdir()
+    _copy_onnx(src / "tree_attention.onnx", dst / "target.onnx")
+    shutil.rmtree(src)
+    assert sorted(p.name for p in dst.iterdir()) == ["target.onnx", "target.onnx.data"]
+    y = onnxruntime.InferenceSession(str(dst / "target.onnx")).run(None, {"x": np.ones((1, 3), np.float32)})[0]
+    assert y.tolist() == [[12.0, 15.0, 18.0, 21.0]]

@@ -454,8 +454,28 @@ def test_triton_model_repository(engine_path, model, tmp_path, monkeypatch):
         export_triton_repository(engine_path, Path(engine_path) / "repo")
     assert not (Path(engine_path) / "repo").exists()
     # a copy that fails leaves the old model whole and nothing half-written beside it
-    monkeypatch.setattr("shutil.copytree", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr("shutil.copyfile", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError, match="disk full"):
         export_triton_repository(engine_path, repo, name="tiny", overwrite=True)
     assert (copy / "manifest.json").is_file() and (repo / "tiny" / "1" / "model.py").is_file()
     assert sorted(q.name for q in repo.iterdir()) == ["other", "tiny"]
+    monkeypatch.undo()
+    # a user's files inside the model (beside model.py, inside its engine copy) are never replaced with it
+    for mine in (repo / "tiny" / "1" / "my_notes.txt", copy / "extra.bin"):
+        mine.write_text("precious")
+        with pytest.raises(EngineError, match=f"files it did not write.*{mine.name}"):
+            export_triton_repository(engine_path, repo, name="tiny", overwrite=True)
+        assert mine.read_text() == "precious"
+        mine.unlink()
+    (Path(engine_path) / "notes.txt").write_text("beside the engine")  # copied? only the files its manifest names
+    try:
+        export_triton_repository(engine_path, repo, name="tiny", overwrite=True)
+    finally:
+        (Path(engine_path) / "notes.txt").unlink()
+    assert not (copy / "notes.txt").exists() and (copy / "manifest.json").is_file()
+    for bad in (0, -5, 1.5, "12", True, '1"\n}'):
+        with pytest.raises(OptionError, match="max_new_tokens=.*positive int"):
+            export_triton_repository(engine_path, repo, name="fresh", max_new_tokens=bad)
+    with pytest.raises(OptionError, match="name=5"):
+        export_triton_repository(engine_path, repo, name=5)
+    assert not (repo / "fresh").exists()

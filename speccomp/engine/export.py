@@ -144,7 +144,10 @@ def _tokenizer_entry(tokenizer, out: Path) -> dict | None:
         return None
     tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
     special = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-    return {"file": "tokenizer.json", "chat_template": getattr(tokenizer, "chat_template", None),
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates ({"default": ..., "tool_use": ...}): the one chat uses
+        template = template.get("default")
+    return {"file": "tokenizer.json", "chat_template": template if isinstance(template, str) else None,
             "special_tokens": {k: v for k, v in special.items() if isinstance(v, str)}}
 
 
@@ -176,12 +179,33 @@ def _module_onnx(drafter, path: Path) -> Path:
 
 
 def _copy_onnx(src: Path, path: Path) -> Path:
-    """An ONNX file copied to `path`, with its external weights (NAME.data: beyond protobuf's 2 GB) if it has them."""
-    shutil.copyfile(src, path)
+    """An ONNX file copied to `path`, with its external weights (NAME.data: beyond protobuf's 2 GB) if it has them:
+    then the copy's graph names PATH.data (the source names its own file, which the backend removes at exit)."""
     data = src.with_name(src.name + ".data")
-    if data.exists():
-        shutil.copyfile(data, path.with_name(path.name + ".data"))
+    if not data.exists():
+        shutil.copyfile(src, path)
+        return path
+    import onnx
+
+    proto = onnx.load(str(src), load_external_data=False)
+    for tensor in _tensors(proto.graph):
+        for entry in tensor.external_data:
+            if entry.key == "location" and entry.value == data.name:
+                entry.value = path.name + ".data"
+    onnx.save(proto, str(path))
+    shutil.copyfile(data, path.with_name(path.name + ".data"))
     return path
+
+
+def _tensors(graph):
+    """Every TensorProto of an ONNX graph: initializers and node attributes, subgraphs included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            yield from ([attribute.t] if attribute.HasField("t") else [])
+            yield from attribute.tensors
+            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                yield from _tensors(sub)
 
 
 def _target_onnx(fast, out: Path) -> Path:
@@ -246,7 +270,7 @@ def _graph_entry(path: Path, proto) -> dict:
             "inputs": [i.name for i in proto.graph.input], "outputs": [o.name for o in proto.graph.output]}
 
 
-def _engine_files(path: Path) -> set[str] | None:
+def engine_files(path: Path) -> set[str] | None:
     """The names of the files the engine at `path` consists of (its manifest's own list), or None when `path`
     holds no readable speccomp manifest (format field checked: a file named manifest.json proves nothing)."""
     try:
@@ -297,7 +321,7 @@ def check_destination(path, overwrite: bool) -> Path:
 def _check_replaceable(where: Path, overwrite: bool, path: Path) -> None:
     """The non-empty directory `where` (the destination `path`, or where it was moved aside) may be replaced: it
     is an engine (its manifest's format says so), holds nothing its manifest does not name, and overwrite=True."""
-    owned = _engine_files(where)
+    owned = engine_files(where)
     if owned is None:
         raise EngineError(f"{path} is a non-empty directory that is not a speccomp engine; refusing to replace it "
                           "(choose a new directory)")
@@ -348,15 +372,26 @@ def swap_in(tmp: Path, path: Path, check, what: str = "engine") -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _eos_ids(model, tokenizer):
+    """The ids an engine stops at: the model's generation config's (a chat model's end-of-turn token is often only
+    there: Llama-3-Instruct) and the tokenizer's eos, together; an int when there is one, None when there are none."""
+    ids = []
+    for value in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                  getattr(tokenizer, "eos_token_id", None)):
+        for i in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(i, int) and not isinstance(i, bool) and i not in ids:
+                ids.append(i)
+    return ids[0] if len(ids) == 1 else ids or None
+
+
 def _model_entry(fast, tokenizer, model_id: str | None) -> dict:
     from speccomp.models import fingerprint
 
     model, captured = getattr(fast, "model", None), fast.graph.captured
-    eos = (getattr(tokenizer, "eos_token_id", None) if tokenizer is not None
-           else getattr(getattr(model, "generation_config", None), "eos_token_id", None))
     return {"name": model_id or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__,
             "model_type": captured.model_type, "fingerprint": fingerprint(model) if model is not None else None,
-            "vocab_size": captured.vocab_size, "max_positions": fast.max_positions, "eos_token_id": eos,
+            "vocab_size": captured.vocab_size, "max_positions": fast.max_positions,
+            "eos_token_id": _eos_ids(model, tokenizer),
             "sliding_window_layers": len(captured.sliding_windows)}  # a batch packs rows only where there are none
 
 

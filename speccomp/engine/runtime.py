@@ -231,8 +231,9 @@ def check_schema(m: dict, file: Path, remake: str) -> None:
     need(mp is None or _is_int(mp, 1), "model.max_positions", mp, "a positive int or null")
     windows = model.get("sliding_window_layers")
     need(windows is None or _is_int(windows, 0), "model.sliding_window_layers", windows, "a layer count or absent")
-    eos = model.get("eos_token_id")
-    need(eos is None or _is_int(eos, 0) or _ints(eos, 0), "model.eos_token_id", eos, "a token id, a list of them or null")
+    eos, vocab = model.get("eos_token_id"), model["vocab_size"]
+    need(eos is None or (_is_int(eos, 0) and eos < vocab) or (_ints(eos, 0) and all(i < vocab for i in eos)),
+         "model.eos_token_id", eos, f"a token id in [0, {vocab}), a list of them or null")
     for key in ("num_layers", "num_kv_heads", "head_dim"):
         need(_is_int(kv.get(key), 1), f"kv.{key}", kv.get(key), "a positive int")
     need(isinstance(kv.get("dtype"), str) and kv["dtype"] in _DTYPES, "kv.dtype", kv.get("dtype"), f"one of {list(_DTYPES)}")
@@ -262,6 +263,11 @@ def check_schema(m: dict, file: Path, remake: str) -> None:
     tokenizer = m.get("tokenizer")
     need(tokenizer is None or (isinstance(tokenizer, dict) and _is_file_name(tokenizer.get("file"))), "tokenizer",
          tokenizer, "null or an object naming its file")
+    if tokenizer is not None:
+        template, special = tokenizer.get("chat_template"), tokenizer.get("special_tokens", {})
+        need(template is None or isinstance(template, str), "tokenizer.chat_template", template, "a string or null")
+        need(isinstance(special, dict) and all(isinstance(v, str) for v in special.values()),
+             "tokenizer.special_tokens", special, "an object of token strings")
 
 
 def _check_drafter(drafter: dict, graphs: dict, field: str, need) -> None:

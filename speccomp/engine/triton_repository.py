@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from speccomp.engine.export import swap_in
+from speccomp.engine.export import engine_files, swap_in
 from speccomp.engine.runtime import EngineError, check_makeable, read_manifest
 
 CONFIG = """name: "{name}"
@@ -120,11 +120,18 @@ class TritonPythonModel:
 def _check_model(where: Path, overwrite: bool, model: Path) -> None:
     """The non-empty directory `where` (the model folder `model`, or where it was moved aside) may be replaced: it
     holds a speccomp Triton model and nothing else, and overwrite=True."""
-    ours = {p.name for p in where.iterdir()} <= {"config.pbtxt", "1"} and (where / "1" / "model.py").is_file() \
-        and (where / "1" / "model.py").read_text().startswith(MODEL_PY.splitlines()[0])
-    if not ours:
-        raise EngineError(f"{model} holds files that are not a speccomp Triton model; refusing to replace them "
+    version, engine = where / "1", where / "1" / "engine"
+    model_py = version / "model.py"
+    if not (model_py.is_file() and model_py.read_text().startswith(MODEL_PY.splitlines()[0])):
+        raise EngineError(f"{model} is not a speccomp Triton model (no speccomp 1/model.py); refusing to replace it "
                           "(choose another --name or repository)")
+    # what a speccomp Triton model holds: config.pbtxt, 1/model.py and the files its engine's manifest names
+    owned = {where: {"config.pbtxt", "1"}, version: {"model.py", "engine"}, engine: engine_files(engine) or set()}
+    foreign = [str(p.relative_to(where)) for folder, names in owned.items() if folder.is_dir()
+               for p in sorted(folder.iterdir()) if p.name not in names or p.is_symlink()]
+    if foreign:
+        raise EngineError(f"{model} holds a speccomp Triton model plus files it did not write {foreign[:5]}; refusing "
+                          "to replace it (move those files out, or choose another --name or repository)")
     if not overwrite:
         raise EngineError(f"{model} already holds a speccomp Triton model; pass overwrite=True (CLI: "
                           "--overwrite) to replace it")
@@ -137,12 +144,15 @@ def export_triton_repository(engine_dir, out, name: str = "speccomp", max_new_to
 
     engine_dir = Path(engine_dir)
     read_manifest(engine_dir)  # a missing or corrupt engine is named before anything is written
-    if not name or not all(c.isalnum() or c in "-_" for c in name):
+    if not isinstance(name, str) or not name or not all(c.isalnum() or c in "-_" for c in name):
         raise OptionError("name", name, "must be letters, digits, '-' or '_' (a Triton model name)")
     if provider not in ("cpu", "cuda", "tensorrt"):
         raise OptionError("provider", provider, "unknown execution provider", "cpu, cuda or tensorrt")
     if not isinstance(overwrite, bool):
         raise OptionTypeError("overwrite", overwrite, "must be True or False")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise OptionError("max_new_tokens", max_new_tokens, "must be a positive int (the config's default reply "
+                          "length)", "e.g. max_new_tokens=128 (the default)")
     model = Path(out).expanduser().absolute() / name
     source = engine_dir.expanduser().absolute()
     if model.resolve() == source.resolve() or source.resolve() in model.resolve().parents:
@@ -158,7 +168,10 @@ def export_triton_repository(engine_dir, out, name: str = "speccomp", max_new_to
     new = Path(tempfile.mkdtemp(prefix=f".{name}-new-", dir=model.parent))
     try:
         (new / "1").mkdir()
-        shutil.copytree(engine_dir, new / "1" / "engine")
+        (new / "1" / "engine").mkdir()
+        for file in sorted(engine_files(engine_dir) or ()):  # the engine's own files, not what else lies beside them
+            if (engine_dir / file).is_file():
+                shutil.copyfile(engine_dir / file, new / "1" / "engine" / file)
         if not (new / "1" / "engine" / "manifest.json").is_file():
             raise EngineError(f"copying the engine {engine_dir} failed")
         kind = "KIND_CPU" if provider == "cpu" else "KIND_GPU"

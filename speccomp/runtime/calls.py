@@ -192,6 +192,8 @@ def batch_rows(input_ids, attention_mask) -> list[np.ndarray] | None:
         return None
     if shape[0] == 0:
         raise OptionError("input_ids", input_ids, "holds no sequences (batch of 0)")
+    if shape[1] == 0:
+        raise OptionError("input_ids", f"shape {tuple(shape)}", "is empty", "give every row at least one prompt token")
     host = input_ids.detach().cpu() if hasattr(input_ids, "detach") else input_ids
     ids = np.asarray(host)
     if mask is None:
