@@ -40,7 +40,7 @@ def check_options(*, drafter=None, tree=None, kv_cache=None, kv_mode=None, backe
     if drafter_options and not all(isinstance(k, str) for k in drafter_options):
         raise OptionTypeError("drafter_options", drafter_options, "option names must be strings")
     if kv_cache is not None or kv_mode is not None:
-        _, mode = check_kv_options(kv_cache, kv_mode, drafter)
+        _, mode = check_kv_options(kv_cache, kv_mode, drafter, tree)
         if mode == "target" and (tree is not None or drafter_options):
             raise OptionError("kv_mode", kv_mode, "'target' decodes without a drafter", "drop tree= and drafter_options=")
     elif isinstance(drafter, Drafter):

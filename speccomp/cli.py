@@ -120,6 +120,40 @@ def check_plot_flag(parameter: str, path):
     return path
 
 
+def check_output_file(parameter: str, path, ours) -> None:
+    """An output file flag, before any work: not a directory, its folder makeable, and an existing file replaced only
+    when speccomp wrote it (`ours(path)`: a result or plot of an earlier run), never a user's own file."""
+    if not path:
+        return
+    out = Path(path)
+    if out.is_dir():
+        raise OptionError(parameter, path, "is a directory", f"name a file, e.g. {out / ('results' + (out.suffix or '.json'))}")
+    out.resolve().parent.mkdir(parents=True, exist_ok=True)  # a file on the way: one-line OSError
+    if out.exists() and not ours(out):
+        raise OptionError(parameter, path, "exists and is not a file an earlier speccomp run wrote; refusing to replace "
+                          "it", "name a new file, or move that one away")
+
+
+def _our_json(path: Path) -> bool:
+    """A `speccomp bench --json` result (its header and rows)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and set(data) == {"header", "rows"}
+
+
+def _our_plot(path: Path) -> bool:
+    """A plot speccomp saved (tuning/bench.py save_figure marks its metadata)."""
+    from speccomp.tuning.bench import PLOT_MARK
+
+    try:
+        with open(path, "rb") as f:
+            return PLOT_MARK.encode() in f.read(1 << 16)
+    except OSError:
+        return False
+
+
 def check_text_drafter_options(drafter: str, options: dict | None) -> None:
     """Options of the text drafters (ngram, token_recycling; also inside a merge), checked by building them: they
     need no model. A model drafter's options (layers, heads) are checked by compile once it has the model."""
@@ -285,6 +319,9 @@ def _check_train_flags(args) -> list[str]:
         raise OptionError("draft_vocab", args.draft_vocab, "Medusa heads score the whole vocabulary",
                           "drop --draft-vocab, or train --kind hydra or eagle")
     args.draft_vocab = args.draft_vocab or 8192
+    if args.max_new_tokens < args.heads:  # a position trains only with --heads reply tokens after it
+        raise OptionError("max-new-tokens", args.max_new_tokens, f"is shorter than --heads {args.heads}: no reply "
+                          "would hold a training position", f"use --max-new-tokens >= {args.heads} (default 256)")
     if args.kind == "eagle" and args.layers != 1:
         raise ValueError(f"--layers is the ResBlocks per Medusa/Hydra head; an EAGLE head is one decoder layer, got --layers {args.layers}")
     # more kinds of request than the files hold (speccomp/tuning/synthetic_prompts.py); checked before the model loads
@@ -368,6 +405,7 @@ def cmd_autotune(args) -> int:
     _drafter_among(args.drafter, tunable, untunable(args.drafter) or "autotune tunes the tree of one drafter (of a "
                                                                      "merged drafter: autotune its first one)")
     args.report = check_plot_flag("report", args.report)
+    check_output_file("report", args.report, _our_plot)
     texts = _prompts(args.prompts or [None], args.limit)  # None: the prompts shipped with speccomp
     model, tok = _load(args)
     result = autotune(model, args.drafter, _chat(tok, texts, model.device), backend=args.backend, max_nodes=args.max_nodes,
@@ -402,6 +440,11 @@ def cmd_run(args) -> int:
     """Generate from an exported engine directory: ONNX Runtime + numpy + tokenizers, no torch."""
     from speccomp.engine.runtime import load
 
+    if not args.do_sample:  # greedy decoding reads none of them: refused, not ignored
+        for flag, value, unset in (("temperature", args.temperature, 1.0), ("top-p", args.top_p, 1.0),
+                                   ("seed", args.seed, None)):
+            if value != unset:
+                raise OptionError(flag, value, "applies only when sampling", f"add --do-sample, or drop --{flag}")
     engine = load(args.engine, provider=args.provider, threads=args.threads, draft=not args.no_draft)
     ids = engine.chat_ids(args.prompt)
     out = engine.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=engine.eos_token_id,
@@ -425,12 +468,30 @@ def cmd_serve(args) -> int:
     options = dict(host=args.host, port=args.port, max_batch=args.max_batch, kv_slots=args.kv_slots,
                    provider=args.provider, threads=args.threads, draft=not args.no_draft)
     if args.replicas is None:
+        _check_listen(args.host, args.port)  # before the engine loads and the step costs are measured (minutes)
         serve(args.engine, **options)
     else:
         from speccomp.serve_ray import serve_replicas
 
         serve_replicas(args.engine, replicas=args.replicas, **options)
     return 0
+
+
+def _check_listen(host: str, port: int) -> None:
+    """--host resolves and --port can be bound there now (as uvicorn will: SO_REUSEADDR)."""
+    import socket
+
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise OptionError("host", host, f"does not resolve to an address ({exc})", "e.g. 127.0.0.1 or 0.0.0.0") from None
+    with socket.socket(family, kind) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise OptionError("port", port, f"cannot be listened on at {host} ({exc.strerror})",
+                              "choose another --port, or stop what holds it") from None
 
 
 def cmd_export_triton(args) -> int:
@@ -581,13 +642,11 @@ def cmd_bench(args) -> int:
     args.plot = check_plot_flag("plot", args.plot)
     prompts = load_bench_prompts(args.prompts, args.limit)
     inputs = {Path(f).resolve(): "--prompts" for f in args.prompts or []}
-    for flag, out in (("json", args.json), ("plot", args.plot)):  # before minutes of benchmarking, not after
-        if out and Path(out).is_dir():
-            raise OptionError(flag, out, "is a directory", f"name a file, e.g. {Path(out) / ('bench.' + flag)}")
+    for flag, out, ours in (("json", args.json, _our_json), ("plot", args.plot, _our_plot)):  # before the run
         if out and Path(out).resolve() in inputs:  # the results would replace what they were measured on
             raise OptionError(flag, out, f"is also given as {inputs[Path(out).resolve()]}", "name another file")
+        check_output_file(flag, out, ours)
         if out:
-            Path(out).resolve().parent.mkdir(parents=True, exist_ok=True)  # a file on the way: one-line OSError
             inputs[Path(out).resolve()] = f"--{flag}"
 
     model, tok = _load(args)

@@ -29,6 +29,7 @@ import warnings
 
 from speccomp.errors import OptionError, OptionTypeError, SpeccompError
 from speccomp.runtime.budget import AHEAD_PAST, AHEAD_Q
+from speccomp.runtime.calls import row_slots
 
 UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "stop": None,
                "suffix": None, "tools": None, "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
@@ -59,6 +60,10 @@ class Scheduler:
 
     def __init__(self, engine, max_batch: int = 8, kv_slots: int = 8192, store_curve: bool = False):
         engine.check_batchable(max(max_batch, 2))
+        least = row_slots(1, 1, engine.max_tree)  # a one-token prompt and one new token, with its tree's room
+        if isinstance(kv_slots, bool) or not isinstance(kv_slots, int) or kv_slots < least:
+            raise OptionError("kv_slots", kv_slots, f"must be an int >= {least}: every request needs its prompt, its "
+                              f"reply and {engine.max_tree + 1} slots for its last step's tree", "e.g. 8192 (the default)")
         self.engine, self.max_batch = engine, max_batch
         self.batch = engine.batch(kv_slots)
         if self.batch.budget is not None:  # the step-cost curve now, not during the first requests

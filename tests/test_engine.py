@@ -298,7 +298,8 @@ def test_compressed_kv_engines_greedy_identical_and_step_like_torch(llama, kv_ca
             (tmp_path / "e" / "manifest.json").write_text(json.dumps(m))
             old = speccomp.load(tmp_path / "e")
             assert [pool(x.session) for x in (old.session, old.drafter.session)] == [("sleeps", 0), ("sleeps", 0)]
-    # the manifest names the source model and its end-of-sequence token (an engine run without eos_token_id stops there)
+    # the manifest names the source model and its end-of-sequence ids (serve, `speccomp run` and Triton stop there;
+    # generate() stops only at the eos_token_id it is given)
     assert engine.eos_token_id == llama.generation_config.eos_token_id and engine.manifest["model"]["fingerprint"]
     ids = steps_like_torch(engine, fast, llama)
     assert fast.last_stats["kv_tokens_draft"] < fast.last_stats["kv_tokens_full"] or kv_cache.startswith("kivi")

@@ -924,6 +924,25 @@ CLI_ERRORS = [
     ("demo-prompts-turns-a-string", ["demo", "--prompts", "{bad}"], ("bad.jsonl:1", "list of strings")),
     ("train-heads-over-heads-no-run-wrote", ["train-heads", "--out", "{tmp}/heads"], ("--out", "no training run")),
     ("train-draft-over-a-draft-no-run-wrote", ["train-draft", "--out", "{tmp}/draft"], ("--out", "no training run")),
+    # review, 2026-11-29: checked before the model loads (or the engine, or the step-cost measurement)
+    ("generate-kv-cache-window-below-the-tree", ["generate", "--prompt", "hi", "--kv-cache", "sink:2"],
+     ("--kv-cache", "sink:2", "at least 7")),
+    ("generate-kv-cache-superscript", ["generate", "--prompt", "hi", "--kv-cache", "kivi\u00b2"], ("kv", "\u00b2")),
+    ("bench-tree-superscript", ["bench", "--drafters", "token_recycling", "--tree", "\u00b2"], ("tree", "\u00b2")),
+    ("bench-json-a-users-file", ["bench", "--drafters", "none", "--json", "{tmp}/mine/notes.txt"],
+     ("--json", "notes.txt", "refusing to replace")),
+    ("bench-plot-a-users-file", ["bench", "--drafters", "none", "--plot", "{tmp}/mine/picture.png"],
+     ("--plot", "picture.png", "refusing to replace")),
+    ("autotune-report-directory", ["autotune", "--report", "{tmp}/mine/d.png"], ("--report", "directory")),
+    ("autotune-report-a-users-file", ["autotune", "--report", "{tmp}/mine/picture.png"], ("--report", "refusing")),
+    ("train-heads-max-new-tokens-below-heads", ["train-heads", "--heads", "3", "--max-new-tokens", "2"],
+     ("--max-new-tokens", "--heads 3")),
+    ("run-temperature-without-do-sample", ["run", "--engine", "{engine}", "--prompt", "w3", "--temperature", "0.5"],
+     ("--temperature", "--do-sample")),
+    ("run-seed-without-do-sample", ["run", "--engine", "{engine}", "--prompt", "w3", "--seed", "3"],
+     ("--seed", "--do-sample")),
+    ("serve-host-unresolvable", ["serve", "{engine}", "--host", "no-such-host.invalid"], ("--host", "no-such-host")),
+    ("serve-kv-slots-below-one-request", ["serve", "{engine}", "--kv-slots", "1"], ("--kv-slots", "1")),
     # good ones stay good
     ("good-max-new-tokens", ["generate", "--prompt", "hi", "--max-new-tokens", "0"], ("max-new-tokens",)),
     ("good-bench-drafters", ["bench", "--drafters", "nope"], ("nope",)),
@@ -939,6 +958,8 @@ def test_cli_reports_bad_flags_before_loading_the_model(cli_main, engine_dir, tm
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("precious")
+    (mine / "picture.png").write_bytes(b"\x89PNG\r\n\x1a\n mine")  # a user's picture, not a plot speccomp saved
+    (mine / "d.png").mkdir()
     notok = _mutated(engine_dir, tmp_path / "notok", files=lambda d: (d / "tokenizer.json").unlink())
     (tmp_path / "bad.jsonl").write_text('{"turns": "Write a poem"}\n')  # a string, not a list: was read as "W"
     for folder, config in (("heads", {"medusa_num_heads": 2}), ("draft", {"format": "speccomp-draft-model"})):
@@ -960,6 +981,7 @@ def test_cli_reports_bad_flags_before_loading_the_model(cli_main, engine_dir, tm
         alternatives = tuple(fill(a) for a in (needle if isinstance(needle, tuple) else (needle,)))
         assert any(a in err for a in alternatives), f"stderr does not name {alternatives}: {err[-500:]}"
     assert (mine / "notes.txt").read_text() == "precious"
+    assert (mine / "picture.png").read_bytes() == b"\x89PNG\r\n\x1a\n mine"
     assert good.read_text() == '{"turns": ["Write a poem"]}\n'
 
 
@@ -1014,3 +1036,31 @@ def test_prompt_files_are_read_as_written_or_refused(tmp_path):
     assert [p.text for p in load_prompts(f, limit=1)] == ["one"]
     with pytest.raises(ValueError, match="limit must be an int >= 1"):
         load_prompts(f, limit=0)  # was every prompt
+
+
+def test_output_files_replace_only_what_speccomp_wrote(tmp_path):
+    """bench --json / --plot and autotune --report replace an earlier run's result or plot (a JSON of header and
+    rows; a figure saved with speccomp's mark in its metadata) and refuse any other existing file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from speccomp.cli import _our_json, _our_plot, check_output_file
+    from speccomp.tuning.bench import save_figure
+
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps({"header": {"command": "speccomp bench"}, "rows": []}))
+    check_output_file("json", result, _our_json)  # an earlier result: replaced
+    for suffix in (".png", ".svg", ".pdf"):
+        plot = save_figure(plt.figure(), tmp_path / f"p{suffix}", dpi=40)
+        check_output_file("plot", plot, _our_plot)
+        plot.write_bytes(plot.read_bytes().replace(b"speccomp", b"someone"))  # the same picture, not ours
+        with pytest.raises(OptionError, match="refusing to replace"):
+            check_output_file("plot", plot, _our_plot)
+    assert save_figure(plt.figure(), tmp_path / "bare", dpi=40).name == "bare.png"  # what matplotlib writes
+    result.write_text(json.dumps({"rows": []}))
+    with pytest.raises(OptionError, match="json=.*refusing to replace"):
+        check_output_file("json", result, _our_json)
+    check_output_file("json", tmp_path / "new" / "r.json", _our_json)  # a new file: its folder made
+    assert (tmp_path / "new").is_dir()

@@ -186,8 +186,8 @@ def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options
     from speccomp.passes.kv_compress import AttentionScores
     from speccomp.passes.tree_attention import TreeAttention
 
-    spec = _default_tree(tree, DynamicTreeSpec(16, 4), "compressed_kv", dynamic_ok=True)
-    policy.check(base.captured.kv, base.captured.max_positions, tree_depth(spec) + 1)
+    spec = _draft_tree(tree)
+    _fits(policy.spec, lambda: policy.check(base.captured.kv, base.captured.max_positions, tree_depth(spec) + 1))
     options = dict(drafter_options or {})
     weights = draft_weights(options.pop("weights", "float"), backend)
     passes = _layer_passes(base, options)
@@ -241,8 +241,9 @@ def _layer_passes(base, options: dict) -> list:
     return passes
 
 
-def check_kv_options(kv_cache, kv_mode, drafter) -> tuple[KVPolicy, str]:
-    """Validate compile's kv_cache= / kv_mode= before anything is captured."""
+def check_kv_options(kv_cache, kv_mode, drafter, tree=None) -> tuple[KVPolicy, str]:
+    """Validate compile's kv_cache= / kv_mode= before anything is captured (with kv_mode 'draft', that the policy's
+    recent window keeps the drafter's tree: the CLI checks it before it loads a model)."""
     if kv_cache is not None and not isinstance(kv_cache, (str, KVPolicy)):
         raise OptionTypeError("kv_cache", kv_cache, f"must be a policy string, got {type(kv_cache).__name__}",
                               "e.g. 'sink:256', 'snapkv:512' or 'kivi4'")
@@ -259,4 +260,19 @@ def check_kv_options(kv_cache, kv_mode, drafter) -> tuple[KVPolicy, str]:
         what = ("'target' (LOSSY: the target reads the compressed cache) runs plain decoding only for now"
                 if mode == "target" else "'draft' makes the drafter itself (the model over its compressed cache)")
         raise OptionError("drafter", drafter, f"given with kv_mode={what}", "drop drafter=")
+    if mode == "draft" and not (isinstance(tree, str) and tree.strip().lower() == "auto"):
+        _fits(kv_cache, lambda: policy.check_window(tree_depth(_draft_tree(tree)) + 1))
     return policy, mode
+
+
+def _draft_tree(tree):
+    """kv_mode='draft''s tree: the user's, or a dynamic tree of 16 nodes, depth 4."""
+    return _default_tree(tree, DynamicTreeSpec(16, 4), "compressed_kv", dynamic_ok=True)
+
+
+def _fits(kv_cache, check) -> None:
+    """A policy check whose KVPolicyError is an OptionError naming kv_cache (the CLI: --kv-cache)."""
+    try:
+        check()
+    except KVPolicyError as exc:
+        raise OptionError("kv_cache", kv_cache, str(exc).removeprefix(f"kv_cache {kv_cache!r}: ")) from None

@@ -78,6 +78,13 @@ class KVPolicy:
         """SnapKV and H2O choose tokens by attention probabilities; the graph must output them."""
         return self.kind in ("snapkv", "h2o")
 
+    def check_window(self, min_window: int) -> None:
+        """Raise KVPolicyError unless the recent window keeps a token tree of depth min_window - 1 (needs no model)."""
+        if self.window < min_window:
+            raise KVPolicyError(f"kv_cache {self.spec!r}: its recent full-precision window is {self.window} tokens but "
+                                f"at least {min_window} (the token tree's depth + 1) must never be evicted or "
+                                "quantised; raise the budget")
+
     def check(self, kv, max_positions: int | None = None, min_window: int = 1) -> "KVPolicy":
         """Raise KVPolicyError unless the policy fits this model's KV layout `kv` (a KVSpec, or anything with
         head_dim) and a token tree of depth min_window - 1."""
@@ -87,10 +94,7 @@ class KVPolicy:
                 what = "budget" if self.budget is not None else "full-precision window"
                 raise KVPolicyError(f"kv_cache {self.spec!r}: {what} {size} is larger than the model's context of "
                                     f"{max_positions} positions; use at most {max_positions}")
-        if self.window < min_window:
-            raise KVPolicyError(f"kv_cache {self.spec!r}: its recent full-precision window is {self.window} tokens but "
-                                f"at least {min_window} (the token tree's depth + 1) must never be evicted or "
-                                "quantised; raise the budget")
+        self.check_window(min_window)
         if self.kind == "kivi":
             per_byte = 8 // self.bits
             if kv.head_dim % per_byte:
@@ -135,7 +139,7 @@ def parse_kv_cache(spec) -> KVPolicy | None:
     name, *args = text.split(":")
     if name.startswith("kivi"):
         bits_text = name[len("kivi"):]
-        if not bits_text.isdigit() or int(bits_text) not in KIVI_BITS:
+        if not (bits_text.isdecimal() and bits_text.isascii()) or int(bits_text) not in KIVI_BITS:
             raise KVPolicyError(f"bad kv_cache {spec!r}: KIVI bits must be one of {list(KIVI_BITS)} (e.g. 'kivi4'), "
                                 f"got {bits_text!r}")
         if len(args) > 2:

@@ -347,7 +347,7 @@ def parse_tree_spec(spec, max_nodes: int | None = None):
             except json.JSONDecodeError as e:
                 raise TreeError(f"bad tree spec {spec!r}: not a valid choice list ({e}); accepted forms: {_SPEC_FORMS}") from None
             return Tree.from_choices(choices, max_nodes=max_nodes)
-        if text.isdigit():
+        if text.isdecimal() and text.isascii():
             return Tree.chain(int(text), max_nodes=max_nodes)
         name, sep, rest = text.partition(":")
         if name != "dynamic":

@@ -1229,8 +1229,6 @@ def plot_report(result: AutotuneResult, path) -> Path:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    from speccomp.tuning.bench import save_figure
+
+    return save_figure(fig, path, dpi=110)

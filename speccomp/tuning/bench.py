@@ -609,10 +609,7 @@ def plot_rows(rows: list[dict], categories: list[str], path, title: str = "") ->
         fig.suptitle(title, fontsize=10)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=min(4, max(1, len(shown))), fontsize=8)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 # ---- Command line (registered by speccomp/cli.py) ----------------------------------------------
@@ -630,3 +627,21 @@ def load_bench_prompts(files: Sequence[str] | None, limit: int | None):
             pid = f"{stem}/{p.id}" if len(files) > 1 else p.id
             out.append(Prompt(pid, p.category or stem, p.text))
     return out
+
+
+PLOT_MARK = "speccomp"  # in a plot's metadata: the CLI replaces an existing plot only if it carries this
+
+
+def save_figure(fig, path, dpi: int) -> Path:
+    """Save a matplotlib figure marked as speccomp's (PNG Software, PDF/SVG Creator), so that a later run may
+    replace it and never a user's own picture (cli.check_output_file); closes the figure."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path = path if path.suffix else path.with_name(path.name + ".png")  # what matplotlib writes for a bare name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = {".png": "Software", ".pdf": "Creator", ".svg": "Creator"}.get(path.suffix.lower() or ".png")
+    fig.savefig(path, dpi=dpi, metadata={key: PLOT_MARK} if key else None)
+    plt.close(fig)
+    return path
+
