@@ -575,10 +575,14 @@ def _bench_drafters(args, available: list) -> list:
     if args.drafters.strip() == "all":  # all that run here with these flags (the quantized drafter: onnxruntime)
         from speccomp.drafters.registry import check_named
 
+        from speccomp.tuning.train_draft import any_draft_stored
+
         rows = []
         for name in available:
             try:
                 check_named(name, args.tree, args.backend)
+                if name == "draft_model" and not any_draft_stored():
+                    raise ValueError("no trained draft is stored; train one with `speccomp train-draft`")
                 rows.append(name)
             except ValueError as exc:
                 print(f"speccomp bench: no {name} row: {exc}", file=sys.stderr)

@@ -1064,3 +1064,20 @@ def test_output_files_replace_only_what_speccomp_wrote(tmp_path):
         check_output_file("json", result, _our_json)
     check_output_file("json", tmp_path / "new" / "r.json", _our_json)  # a new file: its folder made
     assert (tmp_path / "new").is_dir()
+
+
+def test_bench_all_skips_the_draft_model_row_without_a_trained_draft(tmp_path, monkeypatch, capsys):
+    """`speccomp bench` (--drafters all) on a fresh install: no draft has been trained, so the draft_model row is
+    left out before the model loads, saying why (it failed after minutes of benchmarking, exit status 1)."""
+    from types import SimpleNamespace
+
+    from speccomp.cli import _bench_drafters
+
+    monkeypatch.setenv("SPECCOMP_CACHE", str(tmp_path))
+    available = speccomp.available_drafters()
+    rows = _bench_drafters(SimpleNamespace(drafters="all", tree=None, backend="eager"), available)
+    assert "draft_model" in available and "draft_model" not in rows and "token_recycling" in rows
+    assert "no draft_model row: no trained draft" in capsys.readouterr().err
+    (tmp_path / "drafts" / "0123abcd").mkdir(parents=True)
+    (tmp_path / "drafts" / "0123abcd" / "config.json").write_text("{}")
+    assert "draft_model" in _bench_drafters(SimpleNamespace(drafters="all", tree=None, backend="eager"), available)

@@ -184,6 +184,17 @@ def drafts_dir(model) -> Path:
     return cache_dir() / "drafts" / fingerprint(model)
 
 
+def any_draft_stored() -> bool:
+    """Whether any trained draft lies where load_draft looks without a path (the user cache, the shipped drafts), for
+    any model: without one, drafter='draft_model' cannot run (bench --drafters all skips its row before a model loads)."""
+    from importlib import resources
+
+    from speccomp.models import cache_dir
+
+    shipped = Path(str(resources.files("speccomp").joinpath("data/drafts")))
+    return any(any(folder.glob(f"*/{CONFIG}")) for folder in (cache_dir() / "drafts", shipped) if folder.is_dir())
+
+
 def load_draft(model, path=None):
     """The draft `train_draft` saved for `model` (at `path`, else the user cache, else the drafts shipped with speccomp),
     rebuilt around the model's own embedding and LM head; or, at `path`, any Hugging Face causal LM checkpoint
