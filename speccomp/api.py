@@ -107,7 +107,7 @@ def compile(model, *, drafter=None, tree=None, kv_cache=None, kv_mode: str | Non
 
 
 def _compile_kv(captured, model, kv_cache, kv_mode, tree, backend: str, drafter_options):
-    policy, mode = check_kv_options(kv_cache, kv_mode, None)
+    policy, mode = check_kv_options(kv_cache, kv_mode, None, tree)
     base = SpecGraph.from_captured(captured)
     base.model = model
     if mode == "target":  # the target itself reads the compressed cache
