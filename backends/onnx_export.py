@@ -297,11 +297,6 @@ class OrtStep:
         self.input_types = [_ORT_TYPES.get(i.type) for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
 
-    def at(self, path, threads: int | None = None) -> "OrtStep":
-        """The same kind of step over another file of this graph (its quantised twin, say); `threads`: its own pool's
-        size (default: this step's)."""
-        return OrtStep(path, providers=self.providers, intra_op_threads=threads or self.threads, spin=self.spin)
-
     def __call__(self, *inputs):
         if len(inputs) != len(self.input_names):
             raise TypeError(f"{self.path.name} takes {len(self.input_names)} inputs {self.input_names}, got {len(inputs)}")

@@ -115,10 +115,6 @@ class OrtKVStep(OrtStep):
         layers = [name for name, _ in typed if name not in self.call_names]
         self.bindings = LayerBindings(self.session, layers, self.output_names[self.n_outputs:])
 
-    def at(self, path, threads: int | None = None) -> "OrtKVStep":
-        return OrtKVStep(path, self.call_names, self.n_outputs, providers=self.providers,
-                         intra_op_threads=threads or self.threads, spin=self.spin)
-
     def __call__(self, *inputs):
         if len(inputs) != len(self.call_names):
             raise TypeError(f"{self.path.name} takes {len(self.call_names)} inputs {self.call_names}, got {len(inputs)}")
@@ -182,7 +178,14 @@ def lower_in_place(sg, path, providers: list, spin: bool, rewrite=lambda path: p
                                    dynamic_shapes=dynamic, input_names=names, output_names=outputs,
                                    custom_translation_table=translation_table())
         program.save(path)
-        return OrtKVStep(rewrite(path), call_names, n_outputs, providers=providers, spin=spin, intra_op_threads=threads)
-    except Exception as exc:  # export or ONNX Runtime refused the fused graph: the plain export still works
-        warnings.warn(f"the cache stays a copied input for {Path(path).name}: {str(exc).splitlines()[0]}", stacklevel=2)
-        return None
+    except Exception as exc:  # export refused the fused graph: the plain export still works
+        return _copied_cache(path, exc)
+    loaded = rewrite(path)  # the quantiser's failures are its own, not the fused graph's
+    try:
+        return OrtKVStep(loaded, call_names, n_outputs, providers=providers, spin=spin, intra_op_threads=threads)
+    except Exception as exc:  # ONNX Runtime refused the fused graph: the plain export still works
+        return _copied_cache(path, exc)
+
+
+def _copied_cache(path, exc: Exception) -> None:
+    warnings.warn(f"the cache stays a copied input for {Path(path).name}: {str(exc).splitlines()[0]}", stacklevel=3)

@@ -102,20 +102,20 @@ def _directory(parameter: str, path) -> None:
 
 
 def check_plot_flag(parameter: str, path):
-    """A PNG flag (bench --plot, autotune --report) needs matplotlib: fail now, not after the run. Returns the file
-    written: matplotlib adds .png to a name without a suffix, so the messages name that file."""
+    """A plot flag (bench --plot, autotune --report) needs matplotlib and a PNG, PDF or SVG name (the formats whose
+    metadata marks the plot as speccomp's, so a later run may replace it): fail now, not after the run. Returns the
+    file written: a name without a suffix gets .png, so the messages name that file."""
     if path:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise OptionError(parameter, path, "writing a plot needs matplotlib", "pip install matplotlib") from None
-        from matplotlib.backend_bases import FigureCanvasBase
+        from speccomp.tuning.bench import PLOT_KEYS
 
-        kinds = FigureCanvasBase.get_supported_filetypes()
-        suffix = Path(path).suffix.lower().lstrip(".")
-        if suffix and suffix not in kinds:
-            raise OptionError(parameter, path, f"matplotlib cannot write .{suffix} files",
-                              f"name a file ending in one of {', '.join('.' + k for k in sorted(kinds))}")
+        suffix = Path(path).suffix.lower()
+        if suffix and suffix not in PLOT_KEYS:
+            raise OptionError(parameter, path, f"plots are written as {', '.join(PLOT_KEYS)}",
+                              f"name a file ending in one of {', '.join(PLOT_KEYS)}")
         return path if suffix else f"{path}.png"
     return path
 
@@ -148,8 +148,7 @@ def _our_plot(path: Path) -> bool:
     from speccomp.tuning.bench import PLOT_MARK
 
     try:
-        with open(path, "rb") as f:
-            return PLOT_MARK.encode() in f.read(1 << 16)
+        return PLOT_MARK.encode() in path.read_bytes()  # a PDF keeps its metadata at the end
     except OSError:
         return False
 
@@ -320,7 +319,7 @@ def _check_train_flags(args) -> list[str]:
                           "drop --draft-vocab, or train --kind hydra or eagle")
     args.draft_vocab = args.draft_vocab or 8192
     if args.max_new_tokens < args.heads:  # a position trains only with --heads reply tokens after it
-        raise OptionError("max-new-tokens", args.max_new_tokens, f"is shorter than --heads {args.heads}: no reply "
+        raise OptionError("max_new_tokens", args.max_new_tokens, f"is shorter than --heads {args.heads}: no reply "
                           "would hold a training position", f"use --max-new-tokens >= {args.heads} (default 256)")
     if args.kind == "eagle" and args.layers != 1:
         raise ValueError(f"--layers is the ResBlocks per Medusa/Hydra head; an EAGLE head is one decoder layer, got --layers {args.layers}")
@@ -441,10 +440,11 @@ def cmd_run(args) -> int:
     from speccomp.engine.runtime import load
 
     if not args.do_sample:  # greedy decoding reads none of them: refused, not ignored
-        for flag, value, unset in (("temperature", args.temperature, 1.0), ("top-p", args.top_p, 1.0),
+        for name, value, unset in (("temperature", args.temperature, 1.0), ("top_p", args.top_p, 1.0),
                                    ("seed", args.seed, None)):
             if value != unset:
-                raise OptionError(flag, value, "applies only when sampling", f"add --do-sample, or drop --{flag}")
+                raise OptionError(name, value, "applies only when sampling",
+                                  f"add --do-sample, or drop --{name.replace('_', '-')}")
     engine = load(args.engine, provider=args.provider, threads=args.threads, draft=not args.no_draft)
     ids = engine.chat_ids(args.prompt)
     out = engine.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=engine.eos_token_id,
@@ -478,17 +478,17 @@ def cmd_serve(args) -> int:
 
 
 def _check_listen(host: str, port: int) -> None:
-    """--host resolves and --port can be bound there now (as uvicorn will: SO_REUSEADDR)."""
+    """--host resolves and --port can be bound there now, as uvicorn binds them (IPv6 where the host has a ':',
+    SO_REUSEADDR)."""
     import socket
 
-    try:
-        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except (socket.gaierror, UnicodeError) as exc:
-        raise OptionError("host", host, f"does not resolve to an address ({exc})", "e.g. 127.0.0.1 or 0.0.0.0") from None
-    with socket.socket(family, kind) as probe:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind(address)
+            probe.bind((host, port))
+        except (socket.gaierror, UnicodeError) as exc:
+            raise OptionError("host", host, f"does not resolve to an address ({exc})",
+                              "e.g. 127.0.0.1 or 0.0.0.0") from None
         except OSError as exc:
             raise OptionError("port", port, f"cannot be listened on at {host} ({exc.strerror})",
                               "choose another --port, or stop what holds it") from None

@@ -27,6 +27,7 @@ import time
 import uuid
 import warnings
 
+from speccomp.drafters.text_bridge import WINDOW, text_after
 from speccomp.errors import OptionError, OptionTypeError, SpeccompError
 from speccomp.runtime.budget import AHEAD_PAST, AHEAD_Q
 from speccomp.runtime.calls import row_slots
@@ -200,7 +201,8 @@ def _options(body: dict, default_max_tokens: int | None) -> dict:
         if allowed is None or value != allowed or isinstance(value, bool) != isinstance(allowed, bool):  # n: true
             raise OptionError(key, body[key], "is not supported by speccomp serve", f"leave it out or use {allowed!r}")
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise OptionTypeError("stream", body["stream"], "must be true or false", "a string such as \"false\" is not")
+        raise OptionTypeError("stream", body["stream"], "must be true or false (JSON booleans, not strings)",
+                              'send "stream": true or leave it out')
     def given(key: str, default):  # null asks for the default, as in OpenAI's API (clients send it for "unset")
         return default if body.get(key) is None else body[key]
 
@@ -283,8 +285,11 @@ async def _respond(scheduler, engine, model_name: str, request, ids: list[int], 
     """One completion request, submitted to the scheduler: its JSON reply, or a stream of server-sent events."""
     from fastapi.responses import JSONResponse
 
-    # unset max_tokens: the default, or what room the prompt leaves (a too-long prompt is then refused at 1 token)
-    default_max_tokens = max(1, min(default_max_tokens, scheduler.room(len(ids))))
+    room = scheduler.room(len(ids))  # unset max_tokens: the default, or what room the prompt leaves if less
+    if room < 1 and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        raise OptionError("prompt", f"{len(ids)} tokens", "leaves no room for a reply in the model's context or this "
+                          "server's cache (--kv-slots)", "shorten the prompt")
+    default_max_tokens = max(1, min(default_max_tokens, room))
     job = Job(ids, _options(body, default_max_tokens), asyncio.get_running_loop())
     # stream_options.include_usage: every chunk carries "usage": null, a last chunk (no choices) the counts
     usage = len(ids) if body.get("stream") and _stream_options(body).get("include_usage") else None
@@ -451,9 +456,8 @@ def _text(engine, tokens: list[int], prompt: list[int]) -> str:
     into "w5 w6w7")."""
     if not engine.manifest.get("tokenizer"):
         return ""
-    before = prompt[-4:]
-    head, full = engine.decode(before), engine.decode(before + tokens)
-    return full[len(head):] if full.startswith(head) else engine.decode(tokens)
+    text = text_after(engine.decode, prompt[-WINDOW:], tokens)
+    return engine.decode(tokens) if text is None else text
 
 
 def _event(obj: dict) -> str:

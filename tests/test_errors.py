@@ -934,6 +934,7 @@ CLI_ERRORS = [
     ("bench-plot-a-users-file", ["bench", "--drafters", "none", "--plot", "{tmp}/mine/picture.png"],
      ("--plot", "picture.png", "refusing to replace")),
     ("autotune-report-directory", ["autotune", "--report", "{tmp}/mine/d.png"], ("--report", "directory")),
+    ("bench-plot-jpg", ["bench", "--drafters", "none", "--plot", "{tmp}/r.jpg"], ("--plot", "r.jpg", ".png, .pdf, .svg")),
     ("autotune-report-a-users-file", ["autotune", "--report", "{tmp}/mine/picture.png"], ("--report", "refusing")),
     ("train-heads-max-new-tokens-below-heads", ["train-heads", "--heads", "3", "--max-new-tokens", "2"],
      ("--max-new-tokens", "--heads 3")),
@@ -1055,7 +1056,7 @@ def test_output_files_replace_only_what_speccomp_wrote(tmp_path):
     for suffix in (".png", ".svg", ".pdf"):
         plot = save_figure(plt.figure(), tmp_path / f"p{suffix}", dpi=40)
         check_output_file("plot", plot, _our_plot)
-        plot.write_bytes(plot.read_bytes().replace(b"speccomp", b"someone"))  # the same picture, not ours
+        plot.write_bytes(plot.read_bytes().replace(b"speccomp-plot-1", b"someones-plot-1"))  # not ours
         with pytest.raises(OptionError, match="refusing to replace"):
             check_output_file("plot", plot, _our_plot)
     assert save_figure(plt.figure(), tmp_path / "bare", dpi=40).name == "bare.png"  # what matplotlib writes

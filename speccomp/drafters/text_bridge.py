@@ -23,6 +23,15 @@ from speccomp.errors import OptionError, OptionTypeError
 WINDOW = 4  # draft tokens decoded before a path, so that a decoder's word-start rules see the path mid-text
 
 
+def text_after(decode, before: list[int], ids: list[int], before_text: str | None = None) -> str | None:
+    """The text `ids` add after `before` (decoded together, `before`'s own text cut off, so a tokenizer's word-start
+    rules see `ids` mid-text: SentencePiece drops a text's leading space), or None where decoding them together
+    rewrote `before`'s text (a decoder's cleanup). `before_text`: decode(before), if known."""
+    head = decode(before) if before_text is None else before_text
+    text = decode(before + ids)
+    return text[len(head):] if text.startswith(head) else None
+
+
 def as_tokenizer(tok, param: str):
     """A `tokenizers.Tokenizer` for `tok`: a transformers fast tokenizer (its backend) or a tokenizers.Tokenizer.
     One kind of object on both runtimes, serialisable into an engine (tokenizer.json) and fast (Rust). A path (str or
@@ -75,10 +84,10 @@ class TextBridge:
         return root, self.target.decode([root]), window, self.draft.decode(window, skip_special_tokens=True)
 
     def _mapped(self, root: int, root_text: str, window: list[int], before: str, path: list[int]) -> list[int]:
-        text = self.draft.decode(window + path, skip_special_tokens=True)
-        if not text.startswith(before):  # the path rewrote the decoded window (a decoder's cleanup): no guess
+        new = text_after(lambda ids: self.draft.decode(ids, skip_special_tokens=True), window, path, before)
+        if new is None:  # the path rewrote the decoded window (a decoder's cleanup): no guess
             return []
-        new = text[len(before):].rstrip("\ufffd")  # a path may end inside a multi-byte character
+        new = new.rstrip("\ufffd")  # a path may end inside a multi-byte character
         if not new:
             return []
         anchored = self.target.encode(root_text + new, add_special_tokens=False).ids

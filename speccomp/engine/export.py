@@ -187,25 +187,16 @@ def _copy_onnx(src: Path, path: Path) -> Path:
         return path
     import onnx
 
+    from onnx.external_data_helper import _get_all_tensors  # what onnx's own save walks (no public name)
+
     proto = onnx.load(str(src), load_external_data=False)
-    for tensor in _tensors(proto.graph):
+    for tensor in _get_all_tensors(proto):
         for entry in tensor.external_data:
             if entry.key == "location" and entry.value == data.name:
                 entry.value = path.name + ".data"
     onnx.save(proto, str(path))
     shutil.copyfile(data, path.with_name(path.name + ".data"))
     return path
-
-
-def _tensors(graph):
-    """Every TensorProto of an ONNX graph: initializers and node attributes, subgraphs included."""
-    yield from graph.initializer
-    for node in graph.node:
-        for attribute in node.attribute:
-            yield from ([attribute.t] if attribute.HasField("t") else [])
-            yield from attribute.tensors
-            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
-                yield from _tensors(sub)
 
 
 def _target_onnx(fast, out: Path) -> Path:

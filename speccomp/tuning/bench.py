@@ -629,19 +629,20 @@ def load_bench_prompts(files: Sequence[str] | None, limit: int | None):
     return out
 
 
-PLOT_MARK = "speccomp"  # in a plot's metadata: the CLI replaces an existing plot only if it carries this
+PLOT_MARK = "speccomp-plot-1"  # in a plot's metadata: the CLI replaces an existing plot only if it carries this
+PLOT_KEYS = {".png": "Software", ".pdf": "Creator", ".svg": "Creator"}  # the formats plots are saved in, and where
 
 
 def save_figure(fig, path, dpi: int) -> Path:
-    """Save a matplotlib figure marked as speccomp's (PNG Software, PDF/SVG Creator), so that a later run may
-    replace it and never a user's own picture (cli.check_output_file); closes the figure."""
+    """Save a matplotlib figure (PNG, PDF or SVG: cli.check_plot_flag) marked as speccomp's in its metadata, so that a
+    later run may replace it and never a user's own picture (cli.check_output_file); closes the figure."""
     import matplotlib.pyplot as plt
 
     path = Path(path)
     path = path if path.suffix else path.with_name(path.name + ".png")  # what matplotlib writes for a bare name
     path.parent.mkdir(parents=True, exist_ok=True)
-    key = {".png": "Software", ".pdf": "Creator", ".svg": "Creator"}.get(path.suffix.lower() or ".png")
-    fig.savefig(path, dpi=dpi, metadata={key: PLOT_MARK} if key else None)
+    key = PLOT_KEYS.get(path.suffix.lower())
+    fig.savefig(path, dpi=dpi, **({"metadata": {key: PLOT_MARK}} if key else {}))
     plt.close(fig)
     return path
 

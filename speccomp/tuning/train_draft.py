@@ -187,12 +187,16 @@ def drafts_dir(model) -> Path:
 def any_draft_stored() -> bool:
     """Whether any trained draft lies where load_draft looks without a path (the user cache, the shipped drafts), for
     any model: without one, drafter='draft_model' cannot run (bench --drafters all skips its row before a model loads)."""
-    from importlib import resources
-
     from speccomp.models import cache_dir
 
-    shipped = Path(str(resources.files("speccomp").joinpath("data/drafts")))
-    return any(any(folder.glob(f"*/{CONFIG}")) for folder in (cache_dir() / "drafts", shipped) if folder.is_dir())
+    return any(any(folder.glob(f"*/{CONFIG}")) for folder in (cache_dir() / "drafts", _shipped_drafts()) if folder.is_dir())
+
+
+def _shipped_drafts() -> Path:
+    """The drafts shipped inside the speccomp package, one folder per model fingerprint."""
+    from importlib import resources
+
+    return Path(str(resources.files("speccomp").joinpath("data/drafts")))
 
 
 def load_draft(model, path=None):
@@ -200,13 +204,11 @@ def load_draft(model, path=None):
     rebuilt around the model's own embedding and LM head; or, at `path`, any Hugging Face causal LM checkpoint
     directory (config.json with a model_type, safetensors weights: a small model of the target's family, say).
     Safetensors only: nothing is unpickled."""
-    from importlib import resources
-
     from safetensors.torch import load_file
 
     from speccomp.models import fingerprint
 
-    shipped = Path(str(resources.files("speccomp").joinpath(f"data/drafts/{fingerprint(model)}")))
+    shipped = _shipped_drafts() / fingerprint(model)
     candidates = [Path(path)] if path is not None else [drafts_dir(model), shipped]
     found = next((c for c in candidates if (c / CONFIG).is_file()), None)
     if found is None:
