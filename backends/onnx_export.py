@@ -187,7 +187,10 @@ _ORT_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(floa
               "tensor(double)": np.float64, "tensor(float16)": np.float16, "tensor(bool)": np.bool_}
 
 
-def quantize_weights(path, bits: int = 8, block_size: int = 128) -> Path:
+QUANT_BLOCK = 128  # weights per MatMulNBits block, the quantised drafters' default (benchmarks/README: blocks of 128)
+
+
+def quantize_weights(path, bits: int = 8, block_size: int = QUANT_BLOCK) -> Path:
     """The ONNX graph at `path` with every MatMul against a constant weight turned into ONNX Runtime's `MatMulNBits`
     (blockwise symmetric int4 or int8 weights, `block_size` per block, int8 compute: accuracy_level 4), written
     beside it as NAME-int{bits}.onnx. A step then reads about an eighth (4 bits) or a quarter (8 bits) of the weight

@@ -371,6 +371,7 @@ async def _stream(engine, job: Job, head: dict, kind: str, chat: bool, prompt_to
     `prompt_tokens` given (stream_options.include_usage): usage null on each chunk, then one chunk with the counts."""
     tokens, sent, sent_tokens, done = [], "", 0, False
     chunk = kind + ".chunk" if chat else kind  # OpenAI's streamed object names
+    text_of = _reply_text(engine, [] if chat else job.ids)
     if prompt_tokens is not None:
         head = {**head, "usage": None}
     try:
@@ -384,7 +385,7 @@ async def _stream(engine, job: Job, head: dict, kind: str, chat: bool, prompt_to
                 return
             done = isinstance(item, str)
             tokens += [] if done else item
-            text = _text(engine, tokens, [] if chat else job.ids)
+            text = text_of(tokens)
             if text.endswith("\ufffd") and not done:
                 continue  # a character cut between tokens: wait for the rest of its bytes
             piece, sent = text[len(sent):], text
@@ -450,14 +451,25 @@ async def _body(request) -> dict:
 
 
 def _text(engine, tokens: list[int], prompt: list[int]) -> str:
-    """The reply's text as it reads after `prompt` (a completion's; a chat reply's is []): decoded behind the prompt's
-    last tokens, whose text is then cut off, so prompt + text is the whole sequence decoded, as OpenAI's API (a
-    SentencePiece tokenizer drops the leading space of a text's first word: decoded apart, "w5 w6" and "w7" join
-    into "w5 w6w7")."""
+    """The reply `tokens`' text after `prompt` (see _reply_text)."""
+    return _reply_text(engine, prompt)(tokens)
+
+
+def _reply_text(engine, prompt: list[int]):
+    """tokens -> the reply's text as it reads after `prompt` (a completion's; a chat reply's is []): decoded behind the
+    prompt's last tokens, whose text is then cut off, so prompt + text is the whole sequence decoded, as OpenAI's API
+    (a SentencePiece tokenizer drops the leading space of a text's first word: decoded apart, "w5 w6" and "w7" join
+    into "w5 w6w7"). The window's own text is decoded once, not once per streamed event."""
     if not engine.manifest.get("tokenizer"):
-        return ""
-    text = text_after(engine.decode, prompt[-WINDOW:], tokens)
-    return engine.decode(tokens) if text is None else text
+        return lambda tokens: ""
+    window = prompt[-WINDOW:]
+    head = engine.decode(window)
+
+    def text(tokens: list[int]) -> str:
+        after = text_after(engine.decode, window, tokens, head)
+        return engine.decode(tokens) if after is None else after
+
+    return text
 
 
 def _event(obj: dict) -> str:

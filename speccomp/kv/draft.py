@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from speccomp.backends import lower
+from speccomp.backends.onnx_export import QUANT_BLOCK
 from speccomp.drafters.registry import _default_tree, _early_exit_passes, _layer_skip_passes
 from speccomp.frontend.graph import run_passes
 from speccomp.runtime.model import SpecModel
@@ -199,7 +200,7 @@ def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options
     # decode 33.6 against 29.5 tok/s with both on 2 sleeping threads (benchmarks/threads_ab.py,
     # results_threads_ab_kv_int8_4k_decode.*). Float weights stay on the pool: their step reads the whole float
     # model, which one thread reads at half the speed
-    step = lower(draft_graph, backend, spin=False, quantize=(WEIGHT_BITS[weights], 128) if light else None)
+    step = lower(draft_graph, backend, spin=False, quantize=(WEIGHT_BITS[weights], QUANT_BLOCK) if light else None)
     drafter = CompressedKVDrafter(step, base.captured.kv, policy, spec, kv_layers=draft_graph.kv_layers,
                                   options=drafter_options, graph=draft_graph, light=light)
     target = run_passes(base.clone(), [TreeAttention()])
