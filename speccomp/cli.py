@@ -317,7 +317,6 @@ def _check_train_flags(args) -> list[str]:
     if args.kind == "medusa" and args.draft_vocab is not None:
         raise OptionError("draft_vocab", args.draft_vocab, "Medusa heads score the whole vocabulary",
                           "drop --draft-vocab, or train --kind hydra or eagle")
-    args.draft_vocab = args.draft_vocab or 8192
     if args.max_new_tokens < args.heads:  # a position trains only with --heads reply tokens after it
         raise OptionError("max_new_tokens", args.max_new_tokens, f"is shorter than --heads {args.heads}: no reply "
                           "would hold a training position", f"use --max-new-tokens >= {args.heads} (default 256)")
@@ -766,7 +765,7 @@ def _add_train_heads(sub) -> None:
     p.add_argument("--layers", type=positive, default=1, help="ResBlocks per head (default 1)")
     p.add_argument("--epochs", type=positive, default=3, help="training epochs (default 3)")
     p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW peak learning rate, decayed linearly (default 1e-3)")
-    p.add_argument("--draft-vocab", type=positive, default=None, help="hydra, eagle: tokens the heads score (default 8192)")
+    p.add_argument("--draft-vocab", type=positive, default=None, help="hydra, eagle: tokens the heads score (default 8192, or the whole vocabulary when smaller)")
     p.add_argument("--soft-labels", type=int, default=0,
                    help="also learn the model's top-K next-token probabilities (teacher distillation; default 0 = argmax only)")
     p.add_argument("--synthetic", type=non_negative, default=0,

@@ -453,6 +453,36 @@ def test_bad_engine_directories(engine_dir, tmp_path):
         load(bad)
 
 
+def test_a_graph_with_external_weights_is_verified_with_its_data_file(engine_dir, llama, tmp_path):
+    """Graphs over 2 GB keep their weights in NAME.onnx.data: the manifest records that file's size and SHA-256
+    too, so a corrupt or missing weights file is caught at load like a corrupt graph (not run as other weights)."""
+    from speccomp.engine.export import _graph_entry
+
+    eng = _copy(engine_dir, tmp_path / "external")
+    proto = onnx.load(str(eng / "target.onnx"))
+    onnx.save(proto, str(eng / "target.onnx"), save_as_external_data=True, location="target.onnx.data")
+    m = json.loads((eng / "manifest.json").read_text())
+    m["graphs"]["target"] = _graph_entry(eng / "target.onnx", proto)
+    assert m["graphs"]["target"]["data"]["bytes"] == (eng / "target.onnx.data").stat().st_size > 0
+    (eng / "manifest.json").write_text(json.dumps(m))
+    ids = torch.tensor([[5, 17, 42, 8, 5, 17]])
+    ref = llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert load(eng).generate(ids.numpy(), 12).tolist() == ref.tolist()
+
+    data = bytearray((eng / "target.onnx.data").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (eng / "target.onnx.data").write_bytes(bytes(data))
+    with pytest.raises(EngineError, match="target graph file .*target.onnx.data does not match its manifest"):
+        load(eng)
+    (eng / "target.onnx.data").unlink()
+    with pytest.raises(EngineError, match="target graph file .*target.onnx.data is missing"):
+        load(eng)
+    m["graphs"]["target"]["data"] = {"bytes": "many"}
+    (eng / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(EngineError, match="graphs.target.data"):
+        load(eng)
+
+
 def test_engine_generate_input_errors(engine_dir):
     engine = load(engine_dir)
     with pytest.raises(ValueError, match=r"or a batch \[B, seq\], got shape"):

@@ -10,6 +10,7 @@ from speccomp.frontend.graph import SpecGraph, run_passes
 from speccomp.drafters.medusa import HeadsError, load_medusa, new_heads, save_medusa
 from speccomp.passes.medusa_heads import MedusaHeadsPass
 from speccomp.tuning.train_heads import distilled_text, head_accuracy, train_heads
+from speccomp.errors import OptionError
 from tiny_models import tiny_llama
 
 
@@ -126,7 +127,7 @@ def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
     seqs, _ = distilled_text(tmp_path / "a")
     trained, untrained = head_accuracy(a, model, seqs), head_accuracy(new_heads(model, 2), model, seqs)
     assert all(t > u + 0.05 for t, u in zip(trained, untrained)), (trained, untrained)
-    with pytest.raises(ValueError, match="other settings"):
+    with pytest.raises(OptionError, match=r"other settings \(lr: 0.03 there, 1.0 now\); train with the same"):
         train_heads(model, train, out=tmp_path / "a", **{**kw, "lr": 1.0})
     # a finished run's folder is no cache for other prompts (as many) or another model: refused, never handed back
     with pytest.raises(ValueError, match="other settings"):
@@ -140,6 +141,8 @@ def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
     (dict(batch_size=-1), "batch_size"), (dict(prompts=[]), "at least one prompt"),
     (dict(soft_labels=-1), "soft_labels"), (dict(soft_labels=True), "soft_labels"), (dict(soft_labels=2.0), "soft_labels"),
     (dict(soft_labels=97), "more than the model's vocabulary"), (dict(soft_labels=1), "argmax label again"),
+    (dict(kind="hydra", draft_vocab=97), r"draft_vocab=97: is more than the model's vocabulary \(96 tokens\); use at"),
+    (dict(kind="eagle", draft_vocab=0), "draft_vocab must be an int >= 1"),
 ])
 def test_training_rejects_bad_settings(model, tmp_path, bad, match):
     kw = {"prompts": prompts(2), "out": tmp_path / "x", "progress": False, **bad}
@@ -296,8 +299,10 @@ def test_soft_labels_teach_the_models_distribution(model, tmp_path, kind):
     from speccomp.tuning.train_heads import _examples, _hidden_states, soft_cross_entropy
 
     train = prompts(8, seed=1)
-    kw = dict(kind=kind, num_heads=2, max_new_tokens=24, epochs=4, lr=3e-2, batch_size=32, draft_vocab=96, progress=False)
+    kw = dict(kind=kind, num_heads=2, max_new_tokens=24, epochs=4, lr=3e-2, batch_size=32, progress=False)
     hard = train_heads(model, train, out=tmp_path / "hard", **kw)
+    # draft_vocab left unset: 8192 tokens, or (here) the whole vocabulary of 96 when it is smaller
+    assert kind == "medusa" or len(hard.draft_vocab) == 96
     soft = train_heads(model, train, out=tmp_path / "soft", soft_labels=8, **kw)
     seqs, starts = distilled_text(tmp_path / "soft")
     assert all(torch.equal(a, b) for a, b in zip(seqs, distilled_text(tmp_path / "hard")[0]))  # the same text

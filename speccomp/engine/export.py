@@ -257,8 +257,12 @@ def _add_top_ids(path: Path, k: int):
 
 
 def _graph_entry(path: Path, proto) -> dict:
-    return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256(path),
-            "inputs": [i.name for i in proto.graph.input], "outputs": [o.name for o in proto.graph.output]}
+    entry = {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256(path),
+             "inputs": [i.name for i in proto.graph.input], "outputs": [o.name for o in proto.graph.output]}
+    data = path.with_name(path.name + ".data")  # external weights (graphs over 2 GB): verified like the graph
+    if data.is_file():
+        entry["data"] = {"bytes": data.stat().st_size, "sha256": sha256(data)}
+    return entry
 
 
 def engine_files(path: Path) -> set[str] | None:

@@ -135,14 +135,16 @@ def read_manifest(path, verify: bool = True) -> dict:
     check_schema(manifest, file, remake)
     for name, graph in manifest["graphs"].items():
         onnx_file = path / graph["file"]
-        if not onnx_file.is_file():
-            raise EngineError(f"the engine's {name} graph {onnx_file} is missing; {remake}")
-        if verify:
-            size = onnx_file.stat().st_size
-            if size != graph["bytes"] or sha256(onnx_file) != graph["sha256"]:
-                raise EngineError(f"the engine's {name} graph {onnx_file} does not match its manifest (size {size} "
-                                  f"bytes, manifest {graph['bytes']}; or a different SHA-256): the file is corrupt or "
-                                  f"was replaced; {remake}")
+        files = [(onnx_file, graph)]
+        if "data" in graph:
+            files.append((onnx_file.with_name(onnx_file.name + ".data"), graph["data"]))
+        for file_, entry in files:
+            if not file_.is_file():
+                raise EngineError(f"the engine's {name} graph file {file_} is missing; {remake}")
+            if verify and (file_.stat().st_size != entry["bytes"] or sha256(file_) != entry["sha256"]):
+                raise EngineError(f"the engine's {name} graph file {file_} does not match its manifest (size "
+                                  f"{file_.stat().st_size} bytes, manifest {entry['bytes']}; or a different SHA-256): "
+                                  f"the file is corrupt or was replaced; {remake}")
     return manifest
 
 
@@ -243,6 +245,9 @@ def check_schema(m: dict, file: Path, remake: str) -> None:
         need(_is_file_name(graph.get("file")), f"graphs.{name}.file", graph.get("file"), "a file name inside the engine")
         need(_is_int(graph.get("bytes"), 0), f"graphs.{name}.bytes", graph.get("bytes"), "a byte count")
         need(isinstance(graph.get("sha256"), str), f"graphs.{name}.sha256", graph.get("sha256"), "a hex digest")
+        data = graph.get("data", {"bytes": 0, "sha256": ""})  # external weights: only graphs over 2 GB have them
+        need(isinstance(data, dict) and _is_int(data.get("bytes"), 0) and isinstance(data.get("sha256"), str),
+             f"graphs.{name}.data", data, "an object {bytes, sha256} for the graph's external weights file")
         for key in ("inputs", "outputs"):
             value = graph.get(key)
             need(isinstance(value, list) and all(isinstance(v, str) for v in value), f"graphs.{name}.{key}", value,

@@ -35,6 +35,7 @@ from speccomp.drafters.medusa import MedusaHeads, check_head_directory, new_head
 from speccomp.errors import OptionError
 
 KINDS = ("medusa", "hydra", "eagle")
+DRAFT_VOCAB = 8192  # hydra, eagle: tokens the heads score by default (a larger vocabulary's most frequent ones)
 DISTILL_BATCH = 32  # prompts decoded together by HF generate
 
 
@@ -254,6 +255,9 @@ def _check_settings(model, prompts, kind, *, lr, sampled: int, temperature: floa
     check_on_cpu(model, "train_heads")
     if soft_labels > _vocab_size(model):
         raise ValueError(f"soft_labels={soft_labels} is more than the model's vocabulary ({_vocab_size(model)} tokens)")
+    if kind in ("hydra", "eagle") and ints["draft_vocab"] > _vocab_size(model):  # would be cut to the vocabulary
+        raise OptionError("draft_vocab", ints["draft_vocab"], f"is more than the model's vocabulary "
+                          f"({_vocab_size(model)} tokens)", f"use at most {_vocab_size(model)} (the whole vocabulary)")
 
 
 def check_on_cpu(model, what: str) -> None:
@@ -302,9 +306,13 @@ def _open_run(state: Path, args: dict) -> dict:
     except (ValueError, UnicodeDecodeError) as e:
         raise OptionError("out", str(state.parent), f"holds an unreadable training state {progress_file} ({e})",
                           f"delete {state.parent} to train again there") from None
-    if not isinstance(done, dict) or done.get("args") != args:
-        raise ValueError(f"{state} holds a run with other settings {done.get('args') if isinstance(done, dict) else done}; "
-                         f"use another out= or delete {state.parent}")
+    stored = done.get("args") if isinstance(done, dict) else None
+    if stored != args:  # a resumed run must be the same run; name what differs, not two whole settings dicts
+        stored = stored if isinstance(stored, dict) else {}
+        differ = [f"{k}: {stored.get(k, 'unset')!r} there, {args.get(k, 'unset')!r} now"
+                  for k in sorted(set(stored) | set(args)) if stored.get(k) != args.get(k)]
+        raise OptionError("out", str(state.parent), f"holds a training run with other settings ({'; '.join(differ)})",
+                          f"train with the same settings to resume it, or choose another out= (or delete {state.parent})")
     return done
 
 
@@ -342,7 +350,7 @@ def _fit(head, batches: list, loss_of, *, state: Path, args: dict, done: dict, p
 
 def train_heads(
     model, prompts, *, out, kind: str = "medusa", num_heads: int = 4, num_layers: int = 1, max_new_tokens: int = 128,
-    epochs: int = 3, lr: float = 1e-3, batch_size: int | None = None, draft_vocab: int = 8192, sampled: int = 0,
+    epochs: int = 3, lr: float = 1e-3, batch_size: int | None = None, draft_vocab: int | None = None, sampled: int = 0,
     temperature: float = 0.8, weight_decay: float = 0.0, soft_labels: int = 0, seed: int = 0, eos_token_id=None,
     progress: bool = True, base_model: str = "",
 ):
@@ -352,6 +360,8 @@ def train_heads(
     if kind == "eagle" and soft_labels:
         raise ValueError("soft_labels does not apply to kind='eagle': it always learns the model's whole distribution "
                          "over its draft vocabulary")
+    if draft_vocab is None:  # hydra, eagle: the 8192 most frequent tokens, or every token of a smaller vocabulary
+        draft_vocab = min(DRAFT_VOCAB, _vocab_size(model))
     _check_settings(model, prompts, kind, lr=lr, sampled=sampled, temperature=temperature, soft_labels=soft_labels,
                     num_heads=num_heads, num_layers=num_layers, max_new_tokens=max_new_tokens, epochs=epochs,
                     batch_size=batch_size, draft_vocab=draft_vocab)
