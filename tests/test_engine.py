@@ -257,6 +257,14 @@ def test_a_static_tree_deeper_than_dynamic_growth_drafts_whole_in_an_engine(llam
     fast.generate(ids, max_new_tokens=30)
     assert len(fast.last_stats["acceptance_by_depth"]) == 8 and fast.last_stats["acceptance_by_depth"][7] > 0
     assert engine.last_stats["steps"] == fast.last_stats["steps"]
+    # a hand-edited layer list: past the target's 4 layers (an IndexError at the first draft) or a layer twice
+    manifest = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    for layers in ([0, 9], [0, 0]):
+        manifest["drafter"]["options"]["kv_layers"] = layers
+        (tmp_path / "e" / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(EngineError, match=r"drafter.options.kv_layers=\[0, \d\] is not distinct layer indices "
+                                              r"of the target's 4 layers"):
+            speccomp.load(tmp_path / "e")
 
 
 @pytest.mark.parametrize("kv_cache, options, tree, backend", [
@@ -617,6 +625,25 @@ def test_export_stops_at_the_generation_configs_eos_ids_and_the_tokenizers():
     assert _eos_ids(model(7), SimpleNamespace(eos_token_id=2)) == [7, 2]
     assert _eos_ids(model(2), SimpleNamespace(eos_token_id=2)) == 2
     assert _eos_ids(model(None), None) is None and _eos_ids(None, SimpleNamespace(eos_token_id=5)) == 5
+
+
+def test_the_engine_renders_chat_templates_as_transformers_does(llama, tmp_path):
+    """Templates use what transformers' apply_chat_template provides: {% break %} (jinja's loopcontrols), a tojson
+    that leaves '<' unescaped, strftime_now (Llama 3's date line) and every named special token (sep_token here).
+    The engine renders the same prompt ids as models.chat_ids (it failed to load, or rendered other tokens)."""
+    from test_serve import word_tokenizer
+
+    from speccomp.models import chat_ids
+
+    tok = word_tokenizer()
+    tok.sep_token = "w9"
+    tok.chat_template = ("{% if strftime_now is defined and strftime_now('%Y') | int > 2000 %}w4 {% else %}w5 {% endif %}"
+                         "{% if ('<' | tojson) == '\"<\"' %}w6 {% else %}w7 {% endif %}"
+                         "{% for m in messages %}w1 {{ m['content'] }} {{ sep_token }} {% break %}{% endfor %}w3")
+    speccomp.compile(llama).export(tmp_path / "e", tokenizer=tok)
+    expected = chat_ids(tok, "w10")[0].tolist()
+    assert expected == [4, 6, 1, 10, 9, 3]
+    assert load(tmp_path / "e").chat_ids("w10")[0].tolist() == expected
 
 
 def test_named_chat_templates_export_their_default(tmp_path):

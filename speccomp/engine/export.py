@@ -143,7 +143,10 @@ def _tokenizer_entry(tokenizer, out: Path) -> dict | None:
     if tokenizer is None:
         return None
     tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
-    special = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    # what apply_chat_template hands the template beside the messages (bos_token, eos_token, sep_token, ...)
+    special = getattr(tokenizer, "special_tokens_map", None)
+    if not isinstance(special, dict):
+        special = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates ({"default": ..., "tool_use": ...}): the one chat uses
         template = template.get("default")

@@ -78,6 +78,22 @@ def _template_refuses(message: str):
     raise TemplateError(message)
 
 
+def _template_env():
+    """A sandbox that renders chat templates as transformers' apply_chat_template does: {% break %} / {% continue %},
+    a tojson that leaves < > & ' unescaped, strftime_now (Llama 3's date line) and raise_exception."""
+    import datetime
+
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals.update(raise_exception=_template_refuses,
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    return env
+
+
 class EngineError(SpeccompError, RuntimeError):
     """An engine directory is missing, corrupt or does not match; the message names the fix."""
 
@@ -262,9 +278,9 @@ def check_schema(m: dict, file: Path, remake: str) -> None:
         need(sum(p["name"] in GRAPH_FILES for p in parts) <= 1, "drafter.name", name, "a merge of at most one "
              "drafter that reads the model")
         for i, part in enumerate(parts):
-            _check_drafter(part, graphs, f"drafter.drafters[{i}]", need)
+            _check_drafter(part, graphs, f"drafter.drafters[{i}]", need, kv["num_layers"])
     else:
-        _check_drafter(drafter, graphs, "drafter", need)
+        _check_drafter(drafter, graphs, "drafter", need, kv["num_layers"])
     tokenizer = m.get("tokenizer")
     need(tokenizer is None or (isinstance(tokenizer, dict) and _is_file_name(tokenizer.get("file"))), "tokenizer",
          tokenizer, "null or an object naming its file")
@@ -275,8 +291,9 @@ def check_schema(m: dict, file: Path, remake: str) -> None:
              "tokenizer.special_tokens", special, "an object of token strings")
 
 
-def _check_drafter(drafter: dict, graphs: dict, field: str, need) -> None:
-    """One (unmerged) drafter entry: a known name and exactly its options, each valid; its graph if it has one."""
+def _check_drafter(drafter: dict, graphs: dict, field: str, need, num_layers: int) -> None:
+    """One (unmerged) drafter entry: a known name and exactly its options, each valid; its graph if it has one.
+    `num_layers`: the target's, which the layer lists (kv_layers, skip) index, each layer once."""
     name = drafter.get("name")
     need(name in ENGINE_DRAFTERS and (name is not None or field == "drafter"), f"{field}.name", name,
          f"one of {list(ENGINE_DRAFTERS)}")
@@ -287,6 +304,15 @@ def _check_drafter(drafter: dict, graphs: dict, field: str, need) -> None:
         need(key in checks and checks[key](value), f"{field}.options.{key}", value, f"a valid {name} option")
     missing = sorted(set(checks) - set(options) - _OPTIONAL)
     need(not missing, f"{field}.options", sorted(options), f"complete (missing {missing})")
+    if name == "draft_model":  # its kv_layers are the draft's own layers
+        num_layers, whose = options["kv"]["num_layers"], f"the draft's {options['kv']['num_layers']} layers"
+    else:
+        whose = f"the target's {num_layers} layers (kv.num_layers)"
+    for key in ("kv_layers", "skip"):
+        if checks.get(key) is _layer_list:
+            layers = options[key]
+            need(max(layers) < num_layers and len(set(layers)) == len(layers), f"{field}.options.{key}", layers,
+                 f"distinct layer indices of {whose}")
     if "parents" in options:
         need(len(options["ranks"]) == len(options["parents"]), f"{field}.options.ranks", options["ranks"],
              f"one rank per node of {field}.options.parents={options['parents']!r}")
@@ -1425,13 +1451,10 @@ class Engine:
             return None
         try:
             from jinja2 import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment  # what transformers renders templates with
         except ImportError:
             return None
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _template_refuses  # as transformers: templates refuse bad conversations
         try:
-            return env.from_string(template)
+            return _template_env().from_string(template)
         except TemplateError as exc:
             raise EngineError(f"the engine's tokenizer.chat_template is not a valid Jinja template ({exc}); re-export "
                               "the engine with a tokenizer whose chat template works") from None
