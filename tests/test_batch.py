@@ -614,6 +614,8 @@ def test_what_cannot_batch_is_refused_by_name(captured, prompts, tmp_path):
                               (dict(load_aware="yes"), OptionTypeError, "load_aware.*True or False")):
         with pytest.raises(error, match=words):
             plain.generate(ids, max_new_tokens=4, attention_mask=mask, **bad)
+        with pytest.raises(error, match=words):  # one sequence: checked the same, though it pads nothing
+            plain.generate(ids[:1], max_new_tokens=4, **bad)
 
 
 ENGINE_CASES = {
@@ -654,6 +656,8 @@ def test_engine_refuses_batches_it_cannot_pack(captured, prompts, tmp_path):
                               (dict(load_aware=1), OptionTypeError, "load_aware.*True or False")):
         with pytest.raises(error, match=words):
             plain.generate(ids.numpy(), max_new_tokens=4, attention_mask=mask.numpy(), **bad)
+        with pytest.raises(error, match=words):
+            plain.generate(ids.numpy()[1:], max_new_tokens=4, **bad)
 
 
 def test_persist_gives_every_row_one_recycling_table(captured, prompts, greedy, tmp_path):
@@ -673,3 +677,21 @@ def test_persist_gives_every_row_one_recycling_table(captured, prompts, greedy, 
         learned = dict(runtime.drafter.adj)
         runtime.generate(array(ids[:1, -prompts[0].shape[0]:]), max_new_tokens=4)  # a later single call reads it
         assert set(learned) <= set(runtime.drafter.adj)
+
+
+def test_load_aware_batches_of_a_model_with_learned_positions(tmp_path):
+    """GPT-2's position table ends at its context (256 here): the budget's timing forwards run over a batch's slots,
+    all rows' together (from 256), and once fed those as positions, an IndexError in both runtimes. Their positions
+    wrap at the context now (a forward's cost does not depend on them): every row its own HF greedy text."""
+    from tiny_models import ARCHITECTURES
+
+    model = ARCHITECTURES["gpt2"].build()
+    assert model.config.n_positions == 256
+    fast = speccomp.compile(model, drafter="ngram", backend="onnxruntime")
+    rows = [repetitive_prompt(96, seed, n)[0] for seed, n in ((1, 10), (2, 6))]
+    ids, mask = left_padded(rows)
+    engine = speccomp.load(fast.export(tmp_path / "e"))
+    for runtime, array in ((fast, lambda t: t), (engine, lambda t: t.numpy())):
+        out = runtime.generate(array(ids), max_new_tokens=12, attention_mask=array(mask), load_aware=True)
+        for i, row in enumerate(rows):
+            assert out[i, ids.shape[1]:].tolist() == hf_greedy(model, row[None], 12)[0, len(row):].tolist(), (runtime, i)

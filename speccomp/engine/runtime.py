@@ -1519,6 +1519,8 @@ class Engine:
         batch [B, n] with `attention_mask` decodes every row as if alone ([B, n + m], padded with `pad_token_id`,
         default the first eos id; `load_aware`: caps on each row's tree by goodput), as SpecModel.generate. Arguments are checked as SpecModel.generate's
         (speccomp/runtime/calls.py)."""
+        if not isinstance(load_aware, bool):  # checked for one sequence too, where it changes nothing
+            raise OptionTypeError("load_aware", load_aware, "must be True or False")
         rows = batch_rows(input_ids, attention_mask)
         if rows is not None:
             return self._generate_batch(input_ids, rows, max_new_tokens, eos_token_id, do_sample, temperature, top_p,
@@ -1526,6 +1528,7 @@ class Engine:
         args = generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed,
                              vocab_size=self.vocab_size, max_positions=self.max_positions)
         check_context(self.drafter, len(args.prompt), args.max_new_tokens)
+        pad_id(pad_token_id, args.eos, self.vocab_size)  # unused by one sequence, checked all the same
         with self._calls.lock:
             out, stats = self._decode(args)
             self._calls.stats = stats
@@ -1562,8 +1565,6 @@ class Engine:
         for a in args:
             check_context(self.drafter, len(a.prompt), a.max_new_tokens)
         self.check_batchable(len(rows))
-        if not isinstance(load_aware, bool):
-            raise OptionTypeError("load_aware", load_aware, "must be True or False")
         pad = pad_id(pad_token_id, args[0].eos, self.vocab_size)
         with self._calls.lock:
             start = time.perf_counter()
@@ -1629,7 +1630,8 @@ class Engine:
                     held["cache"] = KVCache(self.kv, past + q, self.dtype)
                 cache = held["cache"]
                 cache.length = past
-                self._forward(cache, [0] * q, np.arange(past, past + q, dtype=np.int64),
+                positions = np.arange(past, past + q, dtype=np.int64)  # wrapped: a batch's slots pass a row's context
+                self._forward(cache, [0] * q, positions if self.max_positions is None else positions % self.max_positions,
                               np.tril(np.ones((q, past + q), dtype=bool), past))
 
             run.release = held.clear  # StepCosts lets go of the cache after each grid point

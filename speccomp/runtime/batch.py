@@ -38,10 +38,13 @@ from speccomp.runtime.decode import KVCache, Sequence, synchronize
 from speccomp.runtime.packed import PackedBatch, Part
 
 
-def step_costs(target, kv: KVSpec, device, threads=contextlib.nullcontext, measured: dict | None = None):
+def step_costs(target, kv: KVSpec, device, threads=contextlib.nullcontext, measured: dict | None = None,
+               max_positions: int | None = None):
     """runtime/budget.py's StepCosts for `target`: forwards of q tokens over `past` cached slots (zeros), each under
     the `threads()` context decoding runs in (model.py's host_threads). The cache is allocated outside the timing
-    (in a warm-up call): a fresh one per forward timed its zeroing too (3x t(1) at 3k slots)."""
+    (in a warm-up call): a fresh one per forward timed its zeroing too (3x t(1) at 3k slots). A batch's slots are
+    all its rows' together, more than one row's context: positions wrap at `max_positions` (a learned position table,
+    GPT-2's, has no row past it; what a forward costs does not depend on the positions' values)."""
     held = {}
 
     def run(q: int, past: int) -> None:
@@ -52,7 +55,9 @@ def step_costs(target, kv: KVSpec, device, threads=contextlib.nullcontext, measu
         cache = held["cache"]
         cache.length = past
         with torch.no_grad(), threads():
-            target(torch.zeros(1, q, dtype=torch.long, device=device), torch.arange(past, n, device=device)[None],
+            positions = torch.arange(past, n, device=device)
+            target(torch.zeros(1, q, dtype=torch.long, device=device),
+                   (positions if max_positions is None else positions % max_positions)[None],
                    torch.ones(1, n, dtype=torch.long, device=device), cache.past(),
                    torch.ones(q, n, dtype=torch.bool, device=device).tril(past))
         synchronize(device)  # StepCosts times this call

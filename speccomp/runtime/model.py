@@ -128,6 +128,8 @@ class SpecModel:
         which ran). A batch's first row samples with `seed`, the others with seeds derived from (seed, row)
         (calls.row_seed). Every argument is checked before any work (speccomp/runtime/calls.py); a bad one raises
         OptionError / OptionTypeError naming it."""
+        if not isinstance(load_aware, bool):  # checked for one sequence too, where it changes nothing
+            raise OptionTypeError("load_aware", load_aware, "must be True or False")
         rows = batch_rows(input_ids, attention_mask)
         if rows is not None:
             return self._generate_batch(input_ids, rows, max_new_tokens, eos_token_id, do_sample, temperature, top_p,
@@ -135,6 +137,7 @@ class SpecModel:
         args = generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed,
                              vocab_size=self.graph.captured.vocab_size, max_positions=self.max_positions)
         self._check_call(args, acceptance)
+        pad_id(pad_token_id, args.eos, self.graph.captured.vocab_size)  # unused by one sequence, checked all the same
         if isinstance(input_ids, torch.Tensor):
             device, given = input_ids.device, input_ids.reshape(1, -1).long()
         else:
@@ -151,7 +154,8 @@ class SpecModel:
         model, backend and machine (tuning/step_curve.py), any other point measured at its first use."""
         if getattr(self, "_step_costs", None) is None:
             self._step_costs = step_costs(self.step, self.kv, self.device, threads=lambda: host_threads(self.backend),
-                                          measured=load_curve(self.model, self.backend, user_threads()))
+                                          measured=load_curve(self.model, self.backend, user_threads()),
+                                          max_positions=self.max_positions)
         return self._step_costs
 
     def _check_call(self, args, acceptance: str) -> None:
@@ -171,8 +175,6 @@ class SpecModel:
         for a in args:
             self._check_call(a, acceptance)
         check_batchable(self, len(rows))
-        if not isinstance(load_aware, bool):
-            raise OptionTypeError("load_aware", load_aware, "must be True or False")
         eos = args[0].eos
         pad = pad_id(pad_token_id, eos, vocab)
         a = args[0]
