@@ -188,6 +188,7 @@ _ORT_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(floa
 
 
 QUANT_BLOCK = 128  # weights per MatMulNBits block, the quantised drafters' default (benchmarks/README: blocks of 128)
+QUANT_BLOCKS = (16, 32, 64, 128, 256)  # the block sizes ONNX Runtime's MatMulNBits quantiser takes
 
 
 def quantize_weights(path, bits: int = 8, block_size: int = QUANT_BLOCK) -> Path:

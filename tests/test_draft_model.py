@@ -231,6 +231,13 @@ def test_train_draft_distils_a_draft_that_compile_finds_by_name(tmp_path):
         speccomp.load_draft(tiny_llama(num_hidden_layers=4), out)
     with pytest.raises(OptionError, match="no trained draft"):
         speccomp.compile(tiny_llama(num_hidden_layers=4), drafter="draft_model")
+    # a path that is not a directory of a draft, or not a path at all: named as `path` (was a raw TypeError)
+    with pytest.raises(OptionError, match=r"path='.*nowhere': holds no config.json"):
+        speccomp.compile(target, drafter="draft_model", drafter_options={"path": str(out.parent / "nowhere")})
+    from speccomp.errors import OptionTypeError
+
+    with pytest.raises(OptionTypeError, match="path=3: must be a draft's directory, got int"):
+        speccomp.compile(target, drafter="draft_model", drafter_options={"path": 3})
 
 
 def test_a_draft_lm_given_itself_is_autotuned_and_tree_auto_finds_its_tree(capsys):

@@ -90,6 +90,8 @@ def test_parse_accepted_forms(spec, fields):
         ("kivi4:0", r"full-precision window must be >= 1"),
         ("kivi4:8:8:8", r"too many"),
         ("zip", r"unknown kv_cache 'zip'; accepted forms: 'sink:BUDGET'"),
+        ("sink:8_0", r"budget '8_0' is not an integer"), ("h2o:\u0661\u0666", r"is not an integer"),
+        ("kivi4: 16", r"is not an integer"),
         (42, r"expected a string"),
     ],
 )
@@ -498,13 +500,17 @@ def test_bad_kv_options_fail_before_capture(llama, kwargs, match):
         (dict(kv_cache="sink:300"), r"budget 300 is larger than the model's context of 256"),
         (dict(kv_cache="h2o:8"), r"window is 4 tokens but at least 7"),  # dynamic tree: depth up to 6
         (dict(kv_cache="h2o:8", tree=2), None),  # a chain of 2 needs a window of 3 only
+        # a group that never leaves the window within the context: nothing would ever be quantised (was accepted)
+        (dict(kv_cache="kivi4:16:500"), r"a group of 500 tokens .* never happens within the model's context of 256"),
+        (dict(kv_cache="snapkv:300", kv_mode="target"), r"budget 300 is larger"),  # was a bare KVPolicyError
+        (dict(kv_cache="kivi4:200:64", kv_mode="target"), r"use a window \+ group of at most 256"),
     ],
 )
 def test_budget_checked_against_context_and_tree(llama, kwargs, match):
     if match is None:
         assert speccomp.compile(llama, **kwargs).drafter.min_window == 3
         return
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(speccomp.OptionError, match=r"kv_cache='.*': .*" + match):  # named as the parameter, both modes
         speccomp.compile(llama, **kwargs)
 
 

@@ -138,6 +138,9 @@ def test_merged_drafter_bad_input(llama6):
         speccomp.compile(llama6, drafter="ngram+token_recycling", drafter_options={"token_recycling": {"top_k": 1}})
     assert speccomp.compile(llama6, drafter="ngram+token_recycling",  # the fix the message gives works
                             drafter_options={"token_recycling": {"top_k": 1, "tree": 3}}).drafter is not None
+    # a tree a drafter refuses, given in its own options: named there (the message blamed a tree= nobody passed)
+    with pytest.raises(ValueError, match=r"drafter_options\['ngram'\]\['tree'\]=3: .*drop drafter_options\['ngram'\]"):
+        speccomp.compile(llama6, drafter="suffix+ngram", drafter_options={"ngram": {"tree": 3}})
     with pytest.raises(ValueError, match="exit_layer=9: must be"):  # each drafter still checks its own options
         speccomp.compile(llama6, drafter="early_exit+ngram", drafter_options={"early_exit": {"exit_layer": 9}})
 

@@ -105,6 +105,14 @@ def test_suffix_options_are_checked():
     model = tiny_llama()
     with pytest.raises(OptionError, match="min_prob"):
         speccomp.compile(model, drafter="suffix", drafter_options={"min_prob": 0})
+    from speccomp.errors import OptionTypeError
+
+    with pytest.raises(OptionTypeError, match="min_prob='0.1': must be a number, got str"):  # was "a probability"
+        speccomp.compile(model, drafter="suffix", drafter_options={"min_prob": "0.1"})
+    # numpy's and torch's numbers are numbers (were refused as "not a probability")
+    for number in (np.float32(0.25), torch.tensor(0.25)):
+        assert speccomp.compile(model, drafter="suffix", drafter_options={"min_prob": number}).drafter.options[
+            "min_prob"] == 0.25
     with pytest.raises(OptionError, match="budget"):
         speccomp.compile(model, drafter="suffix", drafter_options={"budget": 0})
     with pytest.raises(OptionError, match="unknown suffix options"):

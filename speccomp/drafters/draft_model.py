@@ -35,13 +35,14 @@ re-tokenized for the draft each step and its tree's paths are decoded to text an
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
 from speccomp.drafters.grow import ancestor_rows, grow, siblings_in_rank_order, torch_top
 from speccomp.drafters.lookup import shared_prefix
 from speccomp.drafters.text_bridge import TextBridge, as_tokenizer, check_vocabulary
-from speccomp.errors import OptionError
+from speccomp.errors import OptionError, OptionTypeError
 from speccomp.runtime.decode import ROOT_ONLY, Draft, DraftContext, Drafter, KVCache, check_tree_kind
 from speccomp.runtime.tree import DynamicTreeSpec, Tree, max_tree_nodes
 
@@ -271,6 +272,9 @@ def make_named_draft_model(base, options: dict, tree, backend: str):
                           "Hugging Face checkpoint's directory) and, for a draft with a tokenizer of its own, "
                           "draft_tokenizer and target_tokenizer", "drop the other options")
     check_draft_model_options(tokenizers)
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise OptionTypeError("path", path, f"must be a draft's directory, got {type(path).__name__}",
+                              "e.g. drafter_options={'path': 'my-draft/'}")
     from speccomp.tuning.train_draft import load_draft
 
     drafter = make_draft_model(base, load_draft(base.model, path), tokenizers or None, tree, backend)

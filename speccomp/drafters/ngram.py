@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 import torch
 
-from speccomp.runtime.calls import as_int
+from speccomp.runtime.calls import as_int, as_number
 from speccomp.errors import OptionError, OptionTypeError
 from speccomp.drafters.lookup import NGramIndex, Trie, fill_template, recycle
 from speccomp.drafters.suffix import SuffixDecoder
@@ -180,9 +180,10 @@ class SuffixDrafter(Drafter):
                  memory: int = 100_000):
         ints = {k: _int_option(k, v, lo) for k, v, lo in (("max_match", max_match, 1), ("max_depth", max_depth, 1),
                                                            ("budget", budget, 1), ("memory", memory, 0))}
-        if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0 < min_prob <= 1:
+        min_prob = as_number("min_prob", min_prob, "e.g. min_prob=0.1")  # numpy and 0-d tensor numbers too
+        if not 0 < min_prob <= 1:
             raise OptionError("min_prob", min_prob, "must be a probability in (0, 1]", "e.g. min_prob=0.1")
-        self.options = dict(ints, min_prob=float(min_prob))
+        self.options = dict(ints, min_prob=min_prob)
         self.decoder = SuffixDecoder(**self.options)
 
     def fresh(self) -> "SuffixDrafter":

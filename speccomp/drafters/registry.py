@@ -9,7 +9,7 @@ holds for a model.
 from __future__ import annotations
 
 from speccomp.backends import is_onnxruntime, lower
-from speccomp.backends.onnx_export import QUANT_BLOCK
+from speccomp.backends.onnx_export import QUANT_BLOCK, QUANT_BLOCKS
 from speccomp.drafters.draft_model import DraftModelDrafter, make_named_draft_model
 from speccomp.drafters.eagle_drafter import EagleDrafter, make_eagle
 from speccomp.drafters.graph import GraphDrafter
@@ -172,9 +172,10 @@ def _quantized(base: SpecGraph, options: dict, tree, backend: str):
     bits = as_int("bits", options.pop("bits", 8), "pass 8 or 4")
     if bits not in (4, 8):
         raise OptionError("bits", bits, "MatMulNBits weights are 4 or 8 bits", "bits=8 (the default) or bits=4")
-    block = as_int("block_size", options.pop("block_size", QUANT_BLOCK), "pass a power of two >= 16, e.g. 128")
-    if block < 16 or block & (block - 1):
-        raise OptionError("block_size", block, "must be a power of two >= 16", "e.g. 128 (the default) or 32")
+    block = as_int("block_size", options.pop("block_size", QUANT_BLOCK), f"pass one of {list(QUANT_BLOCKS)}")
+    if block not in QUANT_BLOCKS:
+        raise OptionError("block_size", block, f"ONNX Runtime's quantiser takes blocks of {list(QUANT_BLOCKS)} weights",
+                          "e.g. 128 (the default) or 32")
     if options:
         raise OptionError("drafter_options", options, f"unknown quantized options {sorted(options)}",
                           "accepted: bits, block_size")

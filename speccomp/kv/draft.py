@@ -188,7 +188,7 @@ def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options
     from speccomp.passes.tree_attention import TreeAttention
 
     spec = _draft_tree(tree)
-    _fits(policy, policy.spec, lambda: policy.check(base.captured.kv, base.captured.max_positions, tree_depth(spec) + 1))
+    policy_fits(policy, policy.spec, lambda: policy.check(base.captured.kv, base.captured.max_positions, tree_depth(spec) + 1))
     options = dict(drafter_options or {})
     weights = draft_weights(options.pop("weights", "float"), backend)
     passes = _layer_passes(base, options)
@@ -262,7 +262,7 @@ def check_kv_options(kv_cache, kv_mode, drafter, tree=None) -> tuple[KVPolicy, s
                 if mode == "target" else "'draft' makes the drafter itself (the model over its compressed cache)")
         raise OptionError("drafter", drafter, f"given with kv_mode={what}", "drop drafter=")
     if mode == "draft" and not (isinstance(tree, str) and tree.strip().lower() == "auto"):
-        _fits(policy, kv_cache, lambda: policy.check_window(tree_depth(_draft_tree(tree)) + 1))
+        policy_fits(policy, kv_cache, lambda: policy.check_window(tree_depth(_draft_tree(tree)) + 1))
     return policy, mode
 
 
@@ -272,7 +272,7 @@ def _draft_tree(tree):
     return _default_tree(tree, DynamicTreeSpec(16, 4), "compressed_kv", dynamic_ok=True)
 
 
-def _fits(policy: KVPolicy, kv_cache, check) -> None:
+def policy_fits(policy: KVPolicy, kv_cache, check) -> None:
     """A check of `policy` whose KVPolicyError is an OptionError naming kv_cache (the CLI: --kv-cache)."""
     try:
         check()

@@ -94,6 +94,11 @@ class KVPolicy:
                 what = "budget" if self.budget is not None else "full-precision window"
                 raise KVPolicyError(f"kv_cache {self.spec!r}: {what} {size} is larger than the model's context of "
                                     f"{max_positions} positions; use at most {max_positions}")
+            if self.kind == "kivi" and self.residual + self.group > max_positions:  # no group ever leaves the window
+                raise KVPolicyError(f"kv_cache {self.spec!r}: a group of {self.group} tokens is quantised once it has "
+                                    f"left the window of {self.residual}, which never happens within the model's "
+                                    f"context of {max_positions} positions; use a window + group of at most "
+                                    f"{max_positions}")
         self.check_window(min_window)
         if self.kind == "kivi":
             per_byte = 8 // self.bits
@@ -106,6 +111,9 @@ class KVPolicy:
 
 def _int(text: str, what: str, spec, least: int = 1) -> int:
     try:
+        digits = text[1:] if text.startswith("-") else text  # a negative number is refused below, as one
+        if not (digits.isascii() and digits.isdecimal()):  # int() also reads "8_0", " 8" and other scripts' digits
+            raise ValueError(text)
         value = int(text)
     except ValueError:
         raise KVPolicyError(f"bad kv_cache {spec!r}: {what} {text!r} is not an integer; accepted forms: {ACCEPTED_FORMS}") from None

@@ -30,7 +30,7 @@ from speccomp.frontend.graph import run_passes
 from speccomp.runtime.model import SpecModel
 from speccomp.frontend.convention import KVSpec
 from speccomp.kv.cache import make_cache
-from speccomp.kv.draft import as_numpy, as_torch, numpy_dtype
+from speccomp.kv.draft import as_numpy, as_torch, numpy_dtype, policy_fits
 from speccomp.kv.policies import KVPolicy, full_bytes, policy_bytes, snapkv_window, value_group
 from speccomp.runtime.decode import KVCache, RootOnly, decode
 
@@ -183,7 +183,7 @@ def compile_kv_target(base, policy: KVPolicy, backend: str) -> LossyKVModel:
     from speccomp.passes.kv_compress import AttentionScores, KiviCacheRead
 
     kv = base.captured.kv
-    policy.check(kv, base.captured.max_positions)
+    policy_fits(policy, policy.spec, lambda: policy.check(kv, base.captured.max_positions))  # an OptionError on kv_cache
     target = run_passes(base.clone(), [])
     reader = scored = None
     if policy.needs_attention:

@@ -211,6 +211,9 @@ def load_draft(model, path=None):
     shipped = _shipped_drafts() / fingerprint(model)
     candidates = [Path(path)] if path is not None else [drafts_dir(model), shipped]
     found = next((c for c in candidates if (c / CONFIG).is_file()), None)
+    if found is None and path is not None:
+        raise OptionError("path", str(path), f"holds no {CONFIG} of a draft or a Hugging Face checkpoint",
+                          "pass the directory `speccomp train-draft` (speccomp.train_draft) wrote, or a checkpoint's")
     if found is None:
         raise OptionError("drafter", "draft_model", f"no trained draft for this model in {[str(c) for c in candidates]}",
                           "train one with `speccomp train-draft` (default model) or speccomp.train_draft(model, "
@@ -219,10 +222,10 @@ def load_draft(model, path=None):
     if path is not None and config.get("format") is None and isinstance(config.get("model_type"), str):
         return load_hf_checkpoint(found, next(model.parameters()).dtype)
     if config.get("format") != FORMAT or not isinstance(config.get("num_layers"), int):
-        raise OptionError("drafter_options", str(found), "is not a speccomp draft (config.json)", "pass a directory "
+        raise OptionError("path", str(found), "is not a speccomp draft (config.json)", "pass a directory "
                           "written by speccomp train-draft")
     if config.get("base_fingerprint") != fingerprint(model):
-        raise OptionError("drafter_options", str(found), f"holds a draft trained for another model "
+        raise OptionError("path" if path is not None else "drafter_options", str(found), f"holds a draft trained for another model "
                           f"({config.get('base_model_name_or_path') or config.get('base_fingerprint')})",
                           "train a draft for this model with speccomp.train_draft")
     draft = draft_architecture(model, config["num_layers"])
