@@ -33,7 +33,7 @@ from speccomp.frontend.graph import Pass, SpecGraph
 from speccomp.passes import replace_node
 
 aten = torch.ops.aten
-_PACKED: dict[int, torch.Tensor] = {}  # id(weight) -> packed copy, dropped when the weight dies
+_PACKED: dict[int, tuple] = {}  # id(weight) -> (the weight's stamp when packed, packed copy); dropped when it dies
 
 
 def available() -> bool:
@@ -43,11 +43,16 @@ def available() -> bool:
 
 def packed(weight: torch.Tensor) -> torch.Tensor:
     key = id(weight)
-    if key not in _PACKED:
+    # a weight changed in place since it was packed (load_state_dict, an optimizer step: the same Parameter) has a
+    # newer version counter: packed again, so a later compile decodes the weights the model holds now
+    stamp = (weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape))
+    held = _PACKED.get(key)
+    if held is None or held[0] != stamp:
+        if held is None:
+            weakref.finalize(weight, _PACKED.pop, key, None)
         # no batch-size hint: one layout serves every row count (prefill, decode, trees)
-        _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        weakref.finalize(weight, _PACKED.pop, key, None)
-    return _PACKED[key]
+        _PACKED[key] = held = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
+    return held[1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

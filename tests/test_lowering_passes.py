@@ -95,6 +95,28 @@ def test_prepack_shares_packed_weights_between_graphs():
 
 
 @needs_onednn
+@needs_onednn
+def test_a_compile_after_the_weights_changed_in_place_decodes_the_new_weights():
+    """load_state_dict (or an optimizer step) writes into the same Parameter objects: the packed copies, cached per
+    weight, are packed again for the next compile (it decoded the old linears with the new embeddings and norms)."""
+    model, other = tiny_llama(initializer_range=0.2), tiny_llama(initializer_range=0.2, vocab_size=96)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.normal_(0, 0.2, generator=torch.Generator().manual_seed(p.numel()))
+    ids = torch.arange(5, 17)[None]
+
+    def hf():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                              pad_token_id=0, eos_token_id=None)
+
+    first = speccomp.compile(model)
+    assert torch.equal(first.generate(ids, max_new_tokens=12), hf())
+    before = hf()
+    model.load_state_dict(other.state_dict())
+    assert not torch.equal(hf(), before)  # the new weights decode another text
+    assert torch.equal(speccomp.compile(model).generate(ids, max_new_tokens=12), hf())
+
+
 def test_prepack_refuses_non_float32_weights():
     model = tiny_llama().to(torch.bfloat16)
     sg = SpecGraph.from_captured(capture(model, check=False))
