@@ -324,7 +324,10 @@ def _unexpanded(operand: fx.Node, seq, where: str, what: str) -> _Source:
 
 
 def _is_causal_mask(gm: fx.GraphModule, mask: fx.Node, input_ids: fx.Node) -> bool:
-    """Evaluate the mask's subgraph for a few lengths: is it exactly the causal mask, and only a function of length?"""
+    """Evaluate the mask's subgraph for a few lengths: is it exactly the causal mask, and only a function of length?
+    Short lengths must evaluate; longer ones (up to 4096) are checked where the module computes them: a sliding
+    window (i - j < W) is the causal mask up to W tokens. A mask cut from a table shorter than a length (nanoGPT's
+    tril buffer) ends the check there: the module's context ends there too."""
     nodes, todo = {mask}, [mask]  # everything the mask is computed from, shape reads included
     while todo:
         for a in todo.pop().all_input_nodes:
@@ -348,14 +351,14 @@ def _is_causal_mask(gm: fx.GraphModule, mask: fx.Node, input_ids: fx.Node) -> bo
         env[input_ids] = sub.placeholder("input_ids")
     sub.output(env[mask])
     module = fx.GraphModule(gm, sub)
-    for n in (1, 2, 5):
+    for n in (1, 2, 5, 64, 512, 4096):
         try:
             with torch.no_grad():
                 m = module(torch.zeros(1, n, dtype=torch.long))
         except Exception:  # noqa: BLE001 - a mask we cannot evaluate is not one we can replace
-            return False
+            return n > 5  # past a short length: past the module's own context
         if m.dim() < 2 or m.shape[-2:] != (n, n):
-            return False
+            return n > 5
         m, tril = m.reshape(-1, n, n), torch.ones(n, n, dtype=torch.bool).tril()
         if m.dtype == torch.bool:
             causal = bool((m == tril).all())
