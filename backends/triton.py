@@ -51,6 +51,10 @@ def check_attention(sg) -> None:
     if eager:
         warnings.warn(f"backend='triton': attention of {eager} stays eager (not SDPA), only the other layers run in "
                       "the Triton kernel", stacklevel=3)
+    if sg.captured.kv.dtype != torch.float32:  # the kernel's loads and accumulators are float32
+        raise TritonBackendError(f"backend='triton': the Triton attention kernel computes in float32, and this model "
+                                 f"is {sg.captured.kv.dtype}. Compile model.float(), or use backend='eager' or "
+                                 "'inductor' for half precision")
 
 
 def lower_triton(sg):

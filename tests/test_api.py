@@ -101,6 +101,18 @@ def test_not_a_module():
         speccomp.compile("llama")
 
 
+def test_weights_without_values_or_on_two_devices_are_refused():
+    """A model on the meta device (built empty, or offloaded by device_map) cannot run to be captured: named, with
+    the fix, before the export (was a raw RuntimeError from inside transformers)."""
+    model = tiny_llama()
+    model.lm_head.to("meta")
+    with pytest.raises(speccomp.OptionError, match=r"model='LlamaForCausalLM': has weights on the meta device "
+                                                   r"\(lm_head.weight, ...\).*load the weights first"):
+        speccomp.compile(model)
+    with pytest.raises(speccomp.OptionError, match="meta device"):
+        speccomp.compile(tiny_llama().to("meta"))
+
+
 def test_structure_found(tiny):
     model, fast = tiny
     s = annotate(fast.graph.captured)

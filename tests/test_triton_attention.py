@@ -255,6 +255,18 @@ def test_interpreter_set_after_triton_import_is_named(monkeypatch, tree_graph):
 
 
 @parent_only
+def test_a_half_precision_model_is_refused_naming_the_fix():
+    """The kernel computes in float32: a float16 / bfloat16 model is refused as the backend's error with its fix (it
+    was the TritonAttention pass's internal GraphStructureError)."""
+    from speccomp.frontend.graph import SpecGraph
+
+    sg = SpecGraph.from_captured(speccomp.capture(tiny_llama().to(torch.float16)))
+    with pytest.raises(TritonBackendError, match=r"computes in float32, and this model is torch.float16. Compile "
+                                                 r"model.float\(\), or use backend='eager'"):
+        lower(sg, "triton")
+
+
+@parent_only
 def test_triton_not_installed_names_the_install(monkeypatch, tree_graph):
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
     with pytest.raises(TritonBackendError, match=r"pip install 'speccomp\[triton\]' \(triton==3\.9\.0\)"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from speccomp.errors import OptionTypeError
+from speccomp.errors import OptionError, OptionTypeError
 from speccomp.frontend.convention import CapturedModel
 from speccomp.frontend.hf import capture_hf
 from speccomp.frontend.module import capture_module
@@ -31,6 +31,7 @@ def capture(model: nn.Module, *, check: bool = True) -> CapturedModel:
     if not isinstance(model, nn.Module):
         raise OptionTypeError("model", model, f"expected a torch.nn.Module causal LM, got {type(model).__name__}",
                               "pass a Hugging Face *ForCausalLM or an nn.Module mapping input_ids to logits")
+    _check_devices(model)
     modes = {m: m.training for m in model.modules()}
     try:
         captured = capture_hf(model, check) if is_hf(model) else capture_module(model, check=check)
@@ -41,3 +42,20 @@ def capture(model: nn.Module, *, check: bool = True) -> CapturedModel:
     return captured
 
 
+
+
+def _check_devices(model: nn.Module) -> None:
+    """Weights that are not there (the meta device: a model built empty, or loaded with device_map and offloaded) or
+    on two devices cannot be run to capture: named before the export fails somewhere inside it."""
+    devices = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        devices.setdefault(tensor.device, name)
+    meta = [name for device, name in devices.items() if device.type == "meta"]
+    if meta:
+        raise OptionError("model", type(model).__name__, f"has weights on the meta device ({meta[0]}, ...): they hold "
+                          "no values", "load the weights first (e.g. from_pretrained without device_map, or "
+                          "model.to_empty(device='cpu') then load_state_dict)")
+    if len(devices) > 1:
+        where = ", ".join(f"{name} on {device}" for device, name in devices.items())
+        raise OptionError("model", type(model).__name__, f"has weights on several devices ({where})",
+                          "move the whole model to one device: model.to('cpu') or model.to('cuda')")
