@@ -283,6 +283,15 @@ def test_train_draft_refuses_bad_settings_before_work(tmp_path):
         train_draft(target, [], out=tmp_path / "d")
     with pytest.raises(OptionTypeError, match="model=.*Hugging Face causal LM"):
         train_draft(torch.nn.Linear(2, 2), prompts, out=tmp_path / "d")
+    # prompts and sampling checked as train_heads checks them, before the run folder exists (a failure after it
+    # blocked the corrected rerun); temperature 0 made "sampled" replies copies of the greedy ones
+    for bad, match in ((dict(temperature=0.0), "temperature must be > 0"), (dict(sampled=-1), "sampled"),
+                       (dict(prompts=[[5, 6, 7]]), r"prompts\[0\]=.*integer tensor"),
+                       (dict(prompts=[torch.tensor([5, 500])]), r"prompts\[0\]=.*outside the model's vocabulary"),
+                       (dict(prompts=[torch.zeros(2, 4, dtype=torch.long)]), r"prompts\[0\]=.*\[n\] or \[1, n\]")):
+        with pytest.raises(ValueError, match=match):
+            train_draft(target, bad.pop("prompts", prompts), out=tmp_path / "d", **bad)
+    assert not (tmp_path / "d").exists()
     (tmp_path / "project").mkdir()
     (tmp_path / "project" / "config.json").write_text('{"name": "mine"}')
     with pytest.raises(OptionError, match="not a speccomp draft's; refusing to overwrite"):

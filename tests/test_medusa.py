@@ -129,6 +129,9 @@ def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
     assert all(t > u + 0.05 for t, u in zip(trained, untrained)), (trained, untrained)
     with pytest.raises(OptionError, match=r"other settings \(lr: 0.03 there, 1.0 now\); train with the same"):
         train_heads(model, train, out=tmp_path / "a", **{**kw, "lr": 1.0})
+    # replies that stop at another eos are another training text (the run's stored replies were handed back)
+    with pytest.raises(OptionError, match=r"other settings \(eos_token_id: 'unset' there, \[80\] now\)"):
+        train_heads(model, train, out=tmp_path / "a", **{**kw, "eos_token_id": 80})
     # a finished run's folder is no cache for other prompts (as many) or another model: refused, never handed back
     with pytest.raises(ValueError, match="other settings"):
         train_heads(model, prompts(8, seed=2), out=tmp_path / "a", **kw)
@@ -143,6 +146,9 @@ def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
     (dict(soft_labels=97), "more than the model's vocabulary"), (dict(soft_labels=1), "argmax label again"),
     (dict(kind="hydra", draft_vocab=97), r"draft_vocab=97: is more than the model's vocabulary \(96 tokens\); use at"),
     (dict(kind="eagle", draft_vocab=0), "draft_vocab must be an int >= 1"),
+    (dict(prompts=[torch.tensor([5, 500])]), r"prompts\[0\]=.*outside the model's vocabulary"),
+    (dict(prompts=[[5, 6]]), r"prompts\[0\]=.*integer tensor"),
+    (dict(num_heads=4, max_new_tokens=3), r"max_new_tokens=3: is shorter than num_heads=4"),
 ])
 def test_training_rejects_bad_settings(model, tmp_path, bad, match):
     kw = {"prompts": prompts(2), "out": tmp_path / "x", "progress": False, **bad}

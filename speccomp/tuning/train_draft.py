@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from speccomp.errors import OptionError, OptionTypeError
-from speccomp.tuning.train_heads import _fit, _hidden_states, _open_run, _self_distill, check_on_cpu, run_identity
+from speccomp.tuning.train_heads import (_fit, _hidden_states, _open_run, _self_distill, _vocab_size, check_on_cpu,
+                                        check_prompts, check_sampling, eos_identity, run_identity)
 
 CONFIG = "config.json"
 WEIGHTS = "draft.safetensors"
@@ -86,14 +87,16 @@ def train_draft(model, prompts, *, out, num_layers: int = 2, max_new_tokens: int
     """Train a `num_layers`-layer draft for `model` on its own replies to `prompts` (token id tensors); save it to
     `out` (a new directory or one this function wrote). Returns `out`."""
     _check(model, prompts, num_layers, epochs=epochs, batch_size=batch_size, max_new_tokens=max_new_tokens, lr=lr)
+    check_sampling(sampled, temperature)
+    prompts = check_prompts(prompts, _vocab_size(model))
     out = check_draft_directory(out)
     state = out / "_train"
     args = {"kind": "draft_model", "num_layers": num_layers, "max_new_tokens": max_new_tokens, "epochs": epochs,
             "lr": lr, "batch_size": batch_size, "seed": seed, **run_identity(model, prompts), "sampled": sampled,
-            "temperature": temperature, "weight_decay": 0.0}
+            "temperature": temperature, "weight_decay": 0.0, **eos_identity(eos_token_id)}
     done = _open_run(state, args)
-    seqs, starts = _self_distill(model, [p.reshape(-1) for p in prompts], max_new_tokens, eos_token_id, progress,
-                                 state, sampled, temperature, seed)
+    seqs, starts = _self_distill(model, prompts, max_new_tokens, eos_token_id, progress, state, sampled, temperature,
+                                 seed)
     labels = [g for _, g, _ in _hidden_states(model, seqs, progress)]
     draft = draft_architecture(model, num_layers)
     order = torch.Generator().manual_seed(seed)

@@ -245,14 +245,14 @@ def _check_settings(model, prompts, kind, *, lr, sampled: int, temperature: floa
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr!r}")
-    if isinstance(sampled, bool) or not isinstance(sampled, int) or sampled < 0:
-        raise ValueError(f"sampled (extra sampled replies per prompt) must be an int >= 0, got {sampled!r}")
+    check_sampling(sampled, temperature)
     check_soft_labels(soft_labels)
-    if sampled and not temperature > 0:
-        raise ValueError(f"temperature must be > 0 for sampled replies, got {temperature!r}")
     if not prompts:
         raise ValueError("train_heads needs at least one prompt (token ids) to self-distill from")
     check_on_cpu(model, "train_heads")
+    if ints["num_heads"] > ints["max_new_tokens"] and kind != "eagle":  # a position trains with num_heads tokens after it
+        raise OptionError("max_new_tokens", ints["max_new_tokens"], f"is shorter than num_heads={ints['num_heads']}: "
+                          "no reply would hold a training position", f"use max_new_tokens >= {ints['num_heads']}")
     if soft_labels > _vocab_size(model):
         raise ValueError(f"soft_labels={soft_labels} is more than the model's vocabulary ({_vocab_size(model)} tokens)")
     if kind in ("hydra", "eagle") and ints["draft_vocab"] > _vocab_size(model):  # would be cut to the vocabulary
@@ -267,6 +267,42 @@ def check_on_cpu(model, what: str) -> None:
     if weight is not None and weight.device.type != "cpu":
         raise OptionError("model", f"a model on {weight.device}", f"{what} trains on the CPU",
                           "pass model.cpu() (the trained weights then load with the model on any device)")
+
+
+def check_prompts(prompts, vocab: int) -> list[torch.Tensor]:
+    """The prompts as 1-D int64 tensors, checked before a run folder is made (a failure after it blocked the corrected
+    rerun): each [n] or [1, n] with n >= 1 (several rows are several prompts: a list), its ids in [0, vocab)."""
+    fix = "pass a list of token id tensors, each [n] or [1, n], e.g. [chat_ids(tokenizer, text)[0] for text in texts]"
+    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)) or not prompts:
+        raise OptionError("prompts", prompts, "must be a non-empty list of prompts", fix)
+    checked = []
+    for i, p in enumerate(prompts):
+        t = p if isinstance(p, torch.Tensor) else None
+        if t is None or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or not (
+                t.dim() == 1 or (t.dim() == 2 and t.shape[0] == 1)) or t.numel() == 0:
+            raise OptionError(f"prompts[{i}]", p, "must be a non-empty integer tensor [n] or [1, n]", fix)
+        t = t.reshape(-1).to(torch.int64)
+        if int(t.min()) < 0 or int(t.max()) >= vocab:
+            raise OptionError(f"prompts[{i}]", p, f"has token ids outside the model's vocabulary [0, {vocab})",
+                              "tokenize with the model's own tokenizer")
+        checked.append(t)
+    return checked
+
+
+def check_sampling(sampled, temperature) -> None:
+    """`sampled` extra replies per prompt drawn at `temperature` (train_heads, train_draft)."""
+    if isinstance(sampled, bool) or not isinstance(sampled, int) or sampled < 0:
+        raise ValueError(f"sampled (extra sampled replies per prompt) must be an int >= 0, got {sampled!r}")
+    if sampled and (isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0):
+        raise ValueError(f"temperature must be > 0 for sampled replies, got {temperature!r}")
+
+
+def eos_identity(eos_token_id) -> dict:
+    """The eos ids a run's replies stop at, for its stored settings: a rerun with others is another run (left out
+    when unset, so runs stored before it was recorded still resume)."""
+    if eos_token_id is None:
+        return {}
+    return {"eos_token_id": sorted({int(eos_token_id)} if isinstance(eos_token_id, int) else set(map(int, eos_token_id)))}
 
 
 def run_identity(model, prompts) -> dict:
@@ -365,18 +401,20 @@ def train_heads(
     _check_settings(model, prompts, kind, lr=lr, sampled=sampled, temperature=temperature, soft_labels=soft_labels,
                     num_heads=num_heads, num_layers=num_layers, max_new_tokens=max_new_tokens, epochs=epochs,
                     batch_size=batch_size, draft_vocab=draft_vocab)
+    prompts = check_prompts(prompts, _vocab_size(model))
     out = check_head_directory(out)  # before minutes of work: never over a folder's own config.json
     state = out / "_train"
     args = {"kind": kind, "num_heads": num_heads, "num_layers": num_layers, "max_new_tokens": max_new_tokens,
             "epochs": epochs, "lr": lr, "batch_size": batch_size, "seed": seed, **run_identity(model, prompts),
-            "sampled": sampled, "temperature": temperature, "weight_decay": weight_decay}
+            "sampled": sampled, "temperature": temperature, "weight_decay": weight_decay,
+            **eos_identity(eos_token_id)}
     if kind in ("hydra", "eagle"):
         args["draft_vocab"] = draft_vocab
     if soft_labels:  # only when on, so runs stored before the option existed still resume
         args["soft_labels"] = soft_labels
     done = _open_run(state, args)
-    seqs, starts = _self_distill(model, [p.reshape(-1) for p in prompts], max_new_tokens, eos_token_id, progress, state,
-                                 sampled, temperature, seed)
+    seqs, starts = _self_distill(model, prompts, max_new_tokens, eos_token_id, progress, state, sampled, temperature,
+                                 seed)
     mass = torch.zeros(_vocab_size(model)) if kind in ("hydra", "eagle") else None
     run = dict(state=state, args=args, done=done, progress=progress)
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
