@@ -385,7 +385,14 @@ def test_autotune_layer_skip_then_compile_auto_equals_hf(cache):
     png = plot_report(result, cache / "report.png")
     assert png.stat().st_size > 10_000 and open(png, "rb").read(4) == b"\x89PNG"
     assert "chosen" in result.summary()
-    # a damaged cache file is no result
+    # a damaged or hand-edited cache file is no result (these crashed tree="auto" or were trusted as they stood)
+    good = json.loads(open(result.path).read())
+    for edit in ([], "x", {"drafter_options": None}, {"drafter_options": [1]}, {"plain": "false"},
+                 {"plain": True, "check": {"kept": "tuned"}}):
+        open(result.path, "w").write(json.dumps({**good, **edit} if isinstance(edit, dict) else edit))
+        assert load_result(model, "layer_skip") is None, edit
+    open(result.path, "w").write(json.dumps(good))
+    assert load_result(model, "layer_skip").tree == result.tree
     open(result.path, "w").write("{not json")
     assert load_result(model, "layer_skip") is None
 
@@ -538,6 +545,8 @@ def test_tree_auto_compiles_plain_decoding_where_no_tree_paid(cache):
                                check_prompts=prompts())
     c = result.check
     assert result.plain == (c["plain_tokens_per_s"] > c[f"{c['kept']}_tokens_per_s"]) and "decoding without drafts" in result.summary()
+    # the default tree (25 nodes) is above max_nodes=8: the held-back check's baseline, never what is stored
+    assert c["kept"] == "tuned" and result.mode != "default" and len(result.tree) + 1 <= 8
     stored = dataclasses.replace(result, plain=True)  # the verdict where no tree paid
     open(result.path, "w").write(json.dumps(stored.to_dict(), default=float))
     with pytest.warns(UserWarning, match=r"faster than the tree it kept for token_recycling .*" + re.escape(str(cache))):

@@ -177,11 +177,25 @@ def load_result(model, drafter: str, backend: str = "eager") -> "AutotuneResult 
             return None
         result = AutotuneResult.from_dict(data)
         parse_tree_spec(result.tree)  # a tree that no longer parses is no result
+        if not _well_formed(result):
+            return None
         for option, value in TUNED_BEFORE.get(drafter, {}).items():
             result.drafter_options.setdefault(option, value)
         return result
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):  # AttributeError: JSON that is not an object
         return None
+
+
+def _well_formed(result: "AutotuneResult") -> bool:
+    """The fields tree="auto" reads have their types (a hand-edited file counts as none, as a damaged one does)."""
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    c = result.check
+    return (isinstance(result.drafter_options, dict) and isinstance(result.plain, bool) and isinstance(c, dict)
+            and number(result.plain_tokens_per_s) and number(result.measured_tokens_per_s)
+            and (not c or (c.get("kept") in ("tuned", "default")
+                           and all(number(c.get(f"{k}_tokens_per_s")) for k in ("plain", c["kept"])))))
 
 
 def resolve_auto(model, drafter, backend: str, drafter_options: dict | None, merged: bool = False):
@@ -920,6 +934,12 @@ def _fits(s: _Session, choices: list) -> bool:
             and ranks <= (d.max_siblings or ranks))
 
 
+def _default_fits(tree, max_nodes: int) -> bool:
+    """Whether the drafter's default tree (root included) is within the max_nodes this run was given: a larger one is
+    only the baseline of the held-back check, never stored."""
+    return (tree.budget if isinstance(tree, DynamicTreeSpec) else len(tree.parents) - 1) + 1 <= max_nodes
+
+
 def _candidates(s: _Session, static_rows: list[dict], p, timing: dict, top_k: int) -> list[tuple[str, str, object, dict]]:
     """(label, mode, tree, predicted row) of every configuration decoded on the calibration prompts: the DP trees
     with the best predictions, the report's sizes, the hand-made shapes users pick (HAND_TREES) and the drafter's
@@ -944,7 +964,8 @@ def _candidates(s: _Session, static_rows: list[dict], p, timing: dict, top_k: in
                 add(label, "static", choices, predict_static(p, timing, choices))
     default = _tree_value(s.sm.drafter.tree)
     dynamic_default = isinstance(s.sm.drafter.tree, DynamicTreeSpec)
-    if (s.budgets if dynamic_default else s.do_static) and default not in [f"dynamic:{b}:{top_k}" for b in s.budgets]:
+    if ((s.budgets if dynamic_default else s.do_static) and default not in [f"dynamic:{b}:{top_k}" for b in s.budgets]
+            and _default_fits(s.sm.drafter.tree, s.max_nodes)):
         row = {} if dynamic_default else predict_static(p, timing, default)
         add("default", "default", default, row)
     return out
@@ -1053,7 +1074,7 @@ def autotune(
     s.bar.total += len(candidates) * len(prompts)
     measured = _decode_candidates(s, candidates, ref["outputs"]) + [_measured_dynamic(r) for r in dynamic_rows]
     chosen, check = _final_choice(sm, _finalists(measured), prompts, check_prompts, max_new_tokens, eos_token_id,
-                                  s.bar)  # 3.
+                                  s.bar, keep_default=_default_fits(sm.drafter.tree, s.max_nodes))  # 3.
     s.bar.close()
     acceptance = {"p": acc.p, "p_raw": acc.p_raw, "hits": acc.hits, "visits": acc.visits, "probe_depth": s.depth,
                   "probe_ranks": s.ranks, "warmup": warmup}
@@ -1108,11 +1129,13 @@ def _tree_value(spec):
     return str(spec) if isinstance(spec, DynamicTreeSpec) else [list(c) for c in spec.choices]
 
 
-def _final_choice(sm, finalists: list[dict], calibration, held_back, max_new_tokens: int, eos, bar) -> tuple[dict, dict]:
+def _final_choice(sm, finalists: list[dict], calibration, held_back, max_new_tokens: int, eos, bar,
+                  keep_default: bool = True) -> tuple[dict, dict]:
     """The final round: the finalists (measured rows), the drafter's default tree (`sm`'s own) and plain decoding
     decode the calibration and the held-back prompts side by side (`_side_by_side`), every output checked against
     plain decoding's. The finalist fastest over both sets of prompts wins; the default is kept ("kept": "default")
-    unless the winner also decodes the held-back prompts faster than it. ({} and the calibration's fastest
+    unless the winner also decodes the held-back prompts faster than it, or the default is above the run's max_nodes
+    (`keep_default` False: it is then the baseline only). ({} and the calibration's fastest
     without held-back prompts.)
 
     Why again, side by side: the calibration decoded one configuration after the other, so a load that came and
@@ -1131,7 +1154,7 @@ def _final_choice(sm, finalists: list[dict], calibration, held_back, max_new_tok
     held_rate = lambda key: _rate([stats[key][i] for i in held])  # noqa: E731
     winner = max(finalists, key=lambda r: both(r["tree"]))
     tuned, base = held_rate(json.dumps(winner["tree"])), held_rate(json.dumps(default))
-    beats = winner["tree"] != default and tuned > base
+    beats = winner["tree"] != default and (tuned > base or not keep_default)  # a default above max_nodes is no choice
     return winner, {
         "prompts": len(held), "calibration_prompts": len(calibration), "tuned": winner["tree"], "default": default,
         "tuned_tokens_per_s": tuned, "default_tokens_per_s": base, "kept": "tuned" if beats else "default",
