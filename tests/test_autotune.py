@@ -493,6 +493,12 @@ def test_tree_auto_tunes_on_first_use_and_keeps_what_held_back_prompts_prefer(ca
     assert load_result(model, "token_recycling") is None
     with pytest.raises(AutotuneError, match="check_prompts must be token id tensors"):
         speccomp.autotune(model, "token_recycling", [torch.tensor([[5, 6, 7]])], check_prompts=["hello"])
+    for bad, words in ((dict(prompts=[[5, 6, 7]]), "prompts must be a list of token id tensors"),
+                       (dict(dynamic_budgets=4), "dynamic_budgets must be a list of ints"),
+                       (dict(measure_sizes=["x"]), "measure_sizes must be a list of ints"),
+                       (dict(drafter_options=[1]), "drafter_options must be a dict")):  # each a raw error before
+        with pytest.raises(AutotuneError, match=words):
+            speccomp.autotune(model, "token_recycling", bad.pop("prompts", [torch.tensor([[5, 6, 7]])]), **bad)
     fast = speccomp.compile(model, drafter="token_recycling", tree="auto")
     assert "tuning it now on 8 shipped prompts" in capsys.readouterr().err
     stored = load_result(model, "token_recycling")

@@ -76,6 +76,11 @@ def test_search_rejects_bad_input(cache):
         search_drafter(model, "ngram", [torch.arange(3, 9)])
     with pytest.raises(ValueError, match="calibration prompt"):
         search_drafter(model, "layer_skip", [])
+    # raw errors before (a ZeroDivisionError, an AttributeError): named now
+    with pytest.raises(speccomp.OptionError, match=r"options=\[\]: must be a non-empty list of drafter_options"):
+        search_drafter(model, "layer_skip", [torch.arange(3, 9)], options=[])
+    with pytest.raises(speccomp.OptionError, match=r"prompts=\[\[3, 4, 5\]\]: must be a list of token id tensors"):
+        search_drafter(model, "layer_skip", [[3, 4, 5]])
     # compile(tree="auto") reads autotune's result, never a search's: such a search was stored where nothing looks
     with pytest.raises(speccomp.OptionError, match="^tree='auto': .*speccomp autotune"):
         search_drafter(model, "layer_skip", [torch.arange(3, 9)], tree="auto")

@@ -783,9 +783,24 @@ def _check_arguments(drafter, mode: str, **ints) -> None:
             raise AutotuneError(f"{name} must be an int >= {lows[name]}, got {value!r}")
 
 
+def _check_lists(drafter_options, **lists) -> None:
+    """drafter_options a dict (or None); dynamic_budgets, measure_sizes lists of ints (measure_sizes also "report")."""
+    if drafter_options is not None and not isinstance(drafter_options, dict):
+        raise AutotuneError(f"drafter_options must be a dict of the drafter's options, got {drafter_options!r:.200}")
+    for name, value in lists.items():
+        if value is None or (name == "measure_sizes" and value == "report"):
+            continue
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__") or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise AutotuneError(f"{name} must be a list of ints, got {value!r:.200}")
+
+
 def _split_prompts(prompts, check_prompts) -> tuple[list, list]:
     """(calibration prompts, held-back prompts), each [1, n]; without `check_prompts`, every third prompt is held
     back (prompts listed file by file in turn, as the shipped ones are, then leave out prompts of several files)."""
+    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)) or not all(
+            isinstance(p, torch.Tensor) and p.dim() in (1, 2) for p in prompts):
+        raise AutotuneError(f"prompts must be a list of token id tensors [1, n] or [n], got {prompts!r:.200}")
     prompts = [p if p.dim() == 2 else p[None] for p in prompts]
     if not prompts:
         raise AutotuneError("autotune needs at least one calibration prompt (token ids)")
@@ -1056,6 +1071,7 @@ def autotune(
     name = drafter_key(drafter, drafter_options)  # stored under: a drafter's name, or a draft LM's fingerprint
     _check_arguments(drafter, mode, max_nodes=max_nodes, max_depth=max_depth, ranks=ranks,
                      max_new_tokens=max_new_tokens, repeats=repeats, dynamic_top_k=dynamic_top_k, warmup=warmup)
+    _check_lists(drafter_options, dynamic_budgets=dynamic_budgets, measure_sizes=measure_sizes)
     prompts, check_prompts = _split_prompts(prompts, check_prompts)
     options = _default_options(model, drafter, drafter_options)
     sm = speccomp.compile(model, drafter=drafter, drafter_options=None if options is None else dict(options),

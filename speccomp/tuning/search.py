@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speccomp.models import cache_dir, write_atomically
+from speccomp.errors import OptionError
 
 KINDS = ("early_exit", "layer_skip")
 
@@ -114,9 +115,17 @@ def search_drafter(
     if kind not in KINDS:
         raise ValueError(f"search covers the drafters {list(KINDS)}, got {kind!r}")
     check_search_tree(tree)
+    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)) or not all(
+            isinstance(p, torch.Tensor) and p.dim() in (1, 2) for p in prompts):
+        raise OptionError("prompts", prompts, "must be a list of token id tensors [1, n] or [n]",
+                          "e.g. [chat_ids(tokenizer, text) for text in texts]")
     prompts = [p if p.dim() == 2 else p[None] for p in prompts]
     if not prompts:
         raise ValueError("search_drafter needs at least one calibration prompt (token ids)")
+    if options is not None and (not isinstance(options, (list, tuple)) or not options
+                                or not all(isinstance(o, dict) for o in options)):
+        raise OptionError("options", options, "must be a non-empty list of drafter_options dicts (the candidates)",
+                          "e.g. [{'exit_layer': 8}, {'exit_layer': 12}], or None for the default candidates")
     plain = speccomp.compile(model)
     n_layers = len(plain.graph.structure.layers)
     options = options if options is not None else candidates(kind, n_layers)
