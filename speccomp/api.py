@@ -95,6 +95,10 @@ def compile(model, *, drafter=None, tree=None, kv_cache=None, kv_mode: str | Non
                   drafter_options=drafter_options)
     if kv_cache is not None or kv_mode is not None:  # KV compression: kv_mode "draft" (lossless) or "target" (LOSSY)
         return _compile_kv(captured or capture(model), model, kv_cache, kv_mode, tree, backend, drafter_options)
+    from speccomp.tuning.autotune import is_auto  # (speccomp.tuning imports this module)
+
+    options = drafter_options or {}  # the user's own option names (a merge's nested ones too)
+    auto, given = is_auto(tree), set(options) | {k for v in options.values() if isinstance(v, dict) for k in v}
     tree, drafter_options, plain = _resolve_auto(model, drafter, tree, backend, drafter_options)
     base = SpecGraph.from_captured(captured or capture(model))
     base.model = model  # drafters that look things up per model (stored heads, searches) need it
@@ -103,7 +107,14 @@ def compile(model, *, drafter=None, tree=None, kv_cache=None, kv_mode: str | Non
     if drafter is None or plain:  # plain decoding: the same loop and graph, verifying the root alone each step
         sg = run_passes(base, [TreeAttention()])
         return SpecModel(sg, lower(sg, backend), backend, model=model)
-    return _compile_drafter(base, model, drafter, tree, backend, drafter_options)
+    try:
+        return _compile_drafter(base, model, drafter, tree, backend, drafter_options)
+    except (OptionError, OptionTypeError) as exc:
+        if not auto or (exc.parameter != "tree" and exc.parameter in given):  # the user's own option: as it is
+            raise
+        raise type(exc)(exc.parameter, exc.value, f"{exc.problem} (the tree and options tree='auto' read from the "
+                        f"stored autotune result, not given)", "delete that result (speccomp autotune writes it "
+                        "again) or pass an explicit tree") from None
 
 
 def _compile_kv(captured, model, kv_cache, kv_mode, tree, backend: str, drafter_options):
@@ -144,12 +155,19 @@ def _compile_drafter(base: SpecGraph, model, drafter, tree, backend: str, drafte
     elif merged:
         drafter_obj = make_merged(merged, base, drafter_options, tree, backend, DRAFTERS)
     else:
-        options = drafter_options
+        options, stored = drafter_options, None
         if options is None and drafter in SEARCHED:  # a search on this machine may have chosen the layers
-            from speccomp.tuning.search import cached_options
+            from speccomp.tuning.search import cached_options, search_path
 
             options = cached_options(model, drafter, tree)
-        drafter_obj = DRAFTERS[drafter](base, dict(options or {}), tree, backend)
+            stored = search_path(model, drafter, tree) if options is not None else None
+        try:
+            drafter_obj = DRAFTERS[drafter](base, dict(options or {}), tree, backend)
+        except (OptionError, OptionTypeError) as exc:
+            if stored is None:
+                raise
+            raise type(exc)(exc.parameter, exc.value, f"{exc.problem} (read from the stored search {stored}, not "
+                            "given)", f"delete that file or run `speccomp search` again") from None
     # a drafter may need the target graph to compute more (Medusa: head states on every token)
     target = run_passes(base.clone(), list(drafter_obj.target_passes) + [TreeAttention()])
     # a drafter with graphs of its own runs them as more sessions: then none spins (backends.lower), unless they

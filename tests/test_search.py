@@ -68,6 +68,11 @@ def test_damaged_cache_entry_is_ignored(cache):
     open(result.path, "w").write("{not json")
     assert cached_options(model, "early_exit", None) is None
     assert speccomp.compile(model, drafter="early_exit").drafter.options == {"exit_layer": 0}  # n // 2 - 1 default
+    # an edited entry's bad option names the file it came from (the user gave no options)
+    open(result.path, "w").write(json.dumps({"best": {"exit_layer": 99}}))
+    with pytest.raises(speccomp.OptionError, match=r"exit_layer=99: .*read from the stored search .*early_exit-.*, "
+                                                   r"not given\); delete that file"):
+        speccomp.compile(model, drafter="early_exit")
 
 
 def test_search_rejects_bad_input(cache):

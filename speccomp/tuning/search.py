@@ -75,13 +75,13 @@ def check_search_tree(tree) -> None:
                           "search with a fixed tree (or none), then run speccomp autotune")
 
 
-def _path(model, kind: str, tree):
+def search_path(model, kind: str, tree):
     return cache_dir() / "search" / f"{kind}-{_key(model, kind, tree)}.json"
 
 
 def cached_options(model, kind: str, tree) -> dict | None:
     """The options a previous search stored for this model/drafter/tree/machine, or None."""
-    path = _path(model, kind, tree)
+    path = search_path(model, kind, tree)
     if not path.exists():
         return None
     try:
@@ -162,7 +162,7 @@ def search_drafter(
     best = max(valid, key=lambda r: r["tokens_per_s"])["options"]
     result = SearchResult(kind, best, rows)
     if save:
-        path = _path(model, kind, tree)
+        path = search_path(model, kind, tree)
         write_atomically(path, json.dumps({"kind": kind, "tree": repr(tree), "best": best, "rows": rows}, indent=1))
         result.path = str(path)
     return result
