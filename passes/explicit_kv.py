@@ -325,9 +325,9 @@ def _unexpanded(operand: fx.Node, seq, where: str, what: str) -> _Source:
 
 def _is_causal_mask(gm: fx.GraphModule, mask: fx.Node, input_ids: fx.Node) -> bool:
     """Evaluate the mask's subgraph for a few lengths: is it exactly the causal mask, and only a function of length?
-    Short lengths must evaluate; longer ones (up to 4096) are checked where the module computes them: a sliding
-    window (i - j < W) is the causal mask up to W tokens. A mask cut from a table shorter than a length (nanoGPT's
-    tril buffer) ends the check there: the module's context ends there too."""
+    Short lengths must evaluate; longer ones (up to 4097) are checked where the module computes them: a sliding
+    window (i - j < W) is the causal mask up to W tokens (a window above 4096 is not seen here). A mask cut from a
+    table shorter than a length (nanoGPT's tril buffer) ends the check there: the module's context ends there too."""
     nodes, todo = {mask}, [mask]  # everything the mask is computed from, shape reads included
     while todo:
         for a in todo.pop().all_input_nodes:
@@ -351,7 +351,7 @@ def _is_causal_mask(gm: fx.GraphModule, mask: fx.Node, input_ids: fx.Node) -> bo
         env[input_ids] = sub.placeholder("input_ids")
     sub.output(env[mask])
     module = fx.GraphModule(gm, sub)
-    for n in (1, 2, 5, 64, 512, 4096):
+    for n in (1, 2, 5, 64, 512, 4097):  # 4097: a window of 4096 (Mistral's) shows there
         try:
             with torch.no_grad():
                 m = module(torch.zeros(1, n, dtype=torch.long))

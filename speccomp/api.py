@@ -97,8 +97,7 @@ def compile(model, *, drafter=None, tree=None, kv_cache=None, kv_mode: str | Non
         return _compile_kv(captured or capture(model), model, kv_cache, kv_mode, tree, backend, drafter_options)
     from speccomp.tuning.autotune import is_auto  # (speccomp.tuning imports this module)
 
-    options = drafter_options or {}  # the user's own option names (a merge's nested ones too)
-    auto, given = is_auto(tree), set(options) | {k for v in options.values() if isinstance(v, dict) for k in v}
+    auto, given = is_auto(tree), _option_names(drafter_options)
     tree, drafter_options, plain = _resolve_auto(model, drafter, tree, backend, drafter_options)
     base = SpecGraph.from_captured(captured or capture(model))
     base.model = model  # drafters that look things up per model (stored heads, searches) need it
@@ -110,11 +109,22 @@ def compile(model, *, drafter=None, tree=None, kv_cache=None, kv_mode: str | Non
     try:
         return _compile_drafter(base, model, drafter, tree, backend, drafter_options)
     except (OptionError, OptionTypeError) as exc:
-        if not auto or (exc.parameter != "tree" and exc.parameter in given):  # the user's own option: as it is
+        stored = exc.parameter == "tree" or exc.parameter in _option_names(drafter_options) - given
+        if not (auto and stored):  # the user's own argument: as it is
             raise
-        raise type(exc)(exc.parameter, exc.value, f"{exc.problem} (the tree and options tree='auto' read from the "
-                        f"stored autotune result, not given)", "delete that result (speccomp autotune writes it "
-                        "again) or pass an explicit tree") from None
+        from speccomp.tuning.autotune import result_path
+
+        first = (split_names(drafter) or [drafter])[0]
+        where = f" {result_path(model, first, backend)}" if isinstance(first, str) else ""
+        raise type(exc)(exc.parameter, exc.value, f"{exc.problem} (read by tree='auto' from the stored autotune "
+                        f"result{where}, not given)", f"{exc.fix + '; or ' if exc.fix else ''}delete that result "
+                        "(speccomp autotune writes it again) or pass an explicit tree") from None
+
+
+def _option_names(options) -> set:
+    """The option names in drafter_options (a merge's nested ones too)."""
+    options = options if isinstance(options, dict) else {}
+    return set(options) | {k for v in options.values() if isinstance(v, dict) for k in v}
 
 
 def _compile_kv(captured, model, kv_cache, kv_mode, tree, backend: str, drafter_options):

@@ -395,11 +395,14 @@ def test_autotune_layer_skip_then_compile_auto_equals_hf(cache):
     assert load_result(model, "layer_skip").tree == result.tree
     # a stored option the drafter refuses names the stored result as its source (the user passed tree="auto" only)
     open(result.path, "w").write(json.dumps({**good, "drafter_options": {"skip": [99]}}))
-    with pytest.raises(speccomp.OptionError, match=r"skip=.*read from the stored autotune result, not given\); delete"):
+    with pytest.raises(speccomp.OptionError, match=r"skip=.*read by tree='auto' from the stored autotune result .*layer_skip-.*json, "
+                                                   r"not given\).*delete that result"):
         speccomp.compile(model, drafter="layer_skip", tree="auto")
     with pytest.raises(speccomp.OptionError, match=r"skip=\[77\]: (?!.*stored autotune)"):  # the user's own: as it is
         speccomp.compile(model, drafter="layer_skip", tree="auto", drafter_options={"skip": [77]})
     open(result.path, "w").write(json.dumps(good))
+    with pytest.raises(speccomp.OptionError, match=r"unknown layer_skip options \['bogus'\](?!.*stored autotune)"):
+        speccomp.compile(model, drafter="layer_skip", tree="auto", drafter_options={"bogus": 1})
     open(result.path, "w").write("{not json")
     assert load_result(model, "layer_skip") is None
 

@@ -95,7 +95,6 @@ def test_prepack_shares_packed_weights_between_graphs():
 
 
 @needs_onednn
-@needs_onednn
 def test_a_compile_after_the_weights_changed_in_place_decodes_the_new_weights():
     """load_state_dict (or an optimizer step) writes into the same Parameter objects: the packed copies, cached per
     weight, are packed again for the next compile (it decoded the old linears with the new embeddings and norms)."""
@@ -117,6 +116,7 @@ def test_a_compile_after_the_weights_changed_in_place_decodes_the_new_weights():
     assert torch.equal(speccomp.compile(model).generate(ids, max_new_tokens=12), hf())
 
 
+@needs_onednn
 def test_prepack_refuses_non_float32_weights():
     model = tiny_llama().to(torch.bfloat16)
     sg = SpecGraph.from_captured(capture(model, check=False))

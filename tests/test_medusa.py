@@ -130,8 +130,14 @@ def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
     with pytest.raises(OptionError, match=r"other settings \(lr: 0.03 there, 1.0 now\); train with the same"):
         train_heads(model, train, out=tmp_path / "a", **{**kw, "lr": 1.0})
     # replies that stop at another eos are another training text (the run's stored replies were handed back)
-    with pytest.raises(OptionError, match=r"other settings \(eos_token_id: 'unset' there, \[80\] now\)"):
+    with pytest.raises(OptionError, match=r"other settings \(eos_token_id: \[\] there, \[80\] now\)"):
         train_heads(model, train, out=tmp_path / "a", **{**kw, "eos_token_id": 80})
+    # a run stored before eos ids were recorded (the CLI always passes one) still resumes
+    progress = tmp_path / "a" / "_train" / "progress.json"
+    old = json.loads(progress.read_text())
+    del old["args"]["eos_token_id"]
+    progress.write_text(json.dumps(old))
+    train_heads(model, train, out=tmp_path / "a", **{**kw, "eos_token_id": 80})
     # a finished run's folder is no cache for other prompts (as many) or another model: refused, never handed back
     with pytest.raises(ValueError, match="other settings"):
         train_heads(model, prompts(8, seed=2), out=tmp_path / "a", **kw)

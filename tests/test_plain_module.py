@@ -106,7 +106,8 @@ def apply_rotary(x, cos, sin):  # x [B, T, H, D]; cos, sin [T, D/2]; interleaved
 
 class Attention(nn.Module):
     gqa = "repeat_interleave"  # variants: "enable_gqa", "expand" (HF repeat_kv), "meta" (Meta-Llama repeat_kv)
-    mask = "is_causal"  # variant: "tril" (a bool causal mask built in the graph)
+    mask = "is_causal"  # variant: "tril" (a bool causal mask built in the graph), "window" (of `window` tokens)
+    window = 12
 
     def __init__(self, dim: int, n_head: int, n_kv: int):
         super().__init__()
@@ -134,9 +135,9 @@ class Attention(nn.Module):
             kwargs["enable_gqa"] = True
         if self.mask == "tril":
             kwargs = {**kwargs, "is_causal": False, "attn_mask": torch.ones(T, T, dtype=torch.bool, device=x.device).tril()}
-        elif self.mask == "window":  # a sliding window of 12: the causal mask up to 12 tokens, not after
+        elif self.mask == "window":  # a sliding window: the causal mask up to `window` tokens, not after
             ones = torch.ones(T, T, dtype=torch.bool, device=x.device)
-            kwargs = {**kwargs, "is_causal": False, "attn_mask": ones.tril() & ones.triu(-11)}
+            kwargs = {**kwargs, "is_causal": False, "attn_mask": ones.tril() & ones.triu(1 - self.window)}
         y = F.scaled_dot_product_attention(q, k, v, **kwargs)
         return self.wo(y.transpose(1, 2).contiguous().view(B, T, -1))
 
@@ -343,10 +344,12 @@ def test_unsupported_plain_modules(build, message):
         speccomp.compile(build().eval())
 
 
-def test_a_sliding_window_mask_is_refused(monkeypatch):
-    """A mask computed from the length, (i >= j) & (i - j < 12), equals the causal mask for up to 12 tokens: checked
+@pytest.mark.parametrize("window", [12, 4096])
+def test_a_sliding_window_mask_is_refused(monkeypatch, window):
+    """A mask computed from the length, (i >= j) & (i - j < W), equals the causal mask for up to W tokens: checked
     at short lengths only, it was taken for causal and decoded other tokens once past the window."""
     monkeypatch.setattr(Attention, "mask", "window")
+    monkeypatch.setattr(Attention, "window", window)
     with pytest.raises(speccomp.UnsupportedModelError, match="not the plain causal mask"):
         capture(_init(GptFast(n_layer=1), 2))
 

@@ -191,11 +191,11 @@ def _well_formed(result: "AutotuneResult") -> bool:
     def number(x):
         return isinstance(x, (int, float)) and not isinstance(x, bool)
 
-    c = result.check
+    c = result.check  # its speeds are read where plain decoding won (results stored before the verdict have none)
     return (isinstance(result.drafter_options, dict) and isinstance(result.plain, bool) and isinstance(c, dict)
-            and number(result.plain_tokens_per_s) and number(result.measured_tokens_per_s)
-            and (not c or (c.get("kept") in ("tuned", "default")
-                           and all(number(c.get(f"{k}_tokens_per_s")) for k in ("plain", c["kept"])))))
+            and (not result.plain or (number(result.plain_tokens_per_s) and number(result.measured_tokens_per_s)
+                                      and (not c or (c.get("kept") in ("tuned", "default") and all(
+                                          number(c.get(f"{k}_tokens_per_s")) for k in ("plain", c["kept"])))))))
 
 
 def resolve_auto(model, drafter, backend: str, drafter_options: dict | None, merged: bool = False):
@@ -783,24 +783,29 @@ def _check_arguments(drafter, mode: str, **ints) -> None:
             raise AutotuneError(f"{name} must be an int >= {lows[name]}, got {value!r}")
 
 
-def _check_lists(drafter_options, **lists) -> None:
-    """drafter_options a dict (or None); dynamic_budgets, measure_sizes lists of ints (measure_sizes also "report")."""
-    if drafter_options is not None and not isinstance(drafter_options, dict):
-        raise AutotuneError(f"drafter_options must be a dict of the drafter's options, got {drafter_options!r:.200}")
-    for name, value in lists.items():
-        if value is None or (name == "measure_sizes" and value == "report"):
-            continue
-        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__") or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in value):
-            raise AutotuneError(f"{name} must be a list of ints, got {value!r:.200}")
+def _int_list(name: str, value):
+    """`value` (dynamic_budgets, measure_sizes: any iterable of integers, numpy's included) as a list of ints."""
+    import operator
+
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        value = list(value)  # once: a generator is read here, not used up by a check
+        if any(isinstance(v, bool) for v in value):
+            raise TypeError
+        return [operator.index(v) for v in value]
+    except TypeError:
+        raise AutotuneError(f"{name} must be a list of ints, got {value!r:.200}; e.g. {name}=[4, 8, 16]") from None
 
 
 def _split_prompts(prompts, check_prompts) -> tuple[list, list]:
     """(calibration prompts, held-back prompts), each [1, n]; without `check_prompts`, every third prompt is held
     back (prompts listed file by file in turn, as the shipped ones are, then leave out prompts of several files)."""
+    prompts = list(prompts) if isinstance(prompts, torch.Tensor) and prompts.dim() == 2 else prompts  # rows [B, n]
     if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)) or not all(
             isinstance(p, torch.Tensor) and p.dim() in (1, 2) for p in prompts):
-        raise AutotuneError(f"prompts must be a list of token id tensors [1, n] or [n], got {prompts!r:.200}")
+        raise AutotuneError(f"prompts must be a list of token id tensors [1, n] or [n], got {prompts!r:.200}; e.g. "
+                            "[chat_ids(tokenizer, text) for text in texts]")
     prompts = [p if p.dim() == 2 else p[None] for p in prompts]
     if not prompts:
         raise AutotuneError("autotune needs at least one calibration prompt (token ids)")
@@ -1071,7 +1076,12 @@ def autotune(
     name = drafter_key(drafter, drafter_options)  # stored under: a drafter's name, or a draft LM's fingerprint
     _check_arguments(drafter, mode, max_nodes=max_nodes, max_depth=max_depth, ranks=ranks,
                      max_new_tokens=max_new_tokens, repeats=repeats, dynamic_top_k=dynamic_top_k, warmup=warmup)
-    _check_lists(drafter_options, dynamic_budgets=dynamic_budgets, measure_sizes=measure_sizes)
+    if drafter_options is not None and not isinstance(drafter_options, dict):
+        raise AutotuneError(f"drafter_options must be a dict of the drafter's options, got {drafter_options!r:.200}; "
+                            "e.g. drafter_options={'top_k': 8}")
+    dynamic_budgets = _int_list("dynamic_budgets", dynamic_budgets)
+    if measure_sizes is not None and measure_sizes != "report":
+        measure_sizes = _int_list("measure_sizes", measure_sizes)
     prompts, check_prompts = _split_prompts(prompts, check_prompts)
     options = _default_options(model, drafter, drafter_options)
     sm = speccomp.compile(model, drafter=drafter, drafter_options=None if options is None else dict(options),

@@ -115,6 +115,7 @@ def search_drafter(
     if kind not in KINDS:
         raise ValueError(f"search covers the drafters {list(KINDS)}, got {kind!r}")
     check_search_tree(tree)
+    prompts = list(prompts) if isinstance(prompts, torch.Tensor) and prompts.dim() == 2 else prompts  # rows [B, n]
     if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)) or not all(
             isinstance(p, torch.Tensor) and p.dim() in (1, 2) for p in prompts):
         raise OptionError("prompts", prompts, "must be a list of token id tensors [1, n] or [n]",

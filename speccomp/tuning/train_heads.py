@@ -250,7 +250,7 @@ def _check_settings(model, prompts, kind, *, lr, sampled: int, temperature: floa
     if not prompts:
         raise ValueError("train_heads needs at least one prompt (token ids) to self-distill from")
     check_on_cpu(model, "train_heads")
-    if ints["num_heads"] > ints["max_new_tokens"] and kind != "eagle":  # a position trains with num_heads tokens after it
+    if ints["num_heads"] > ints["max_new_tokens"]:  # a position trains with num_heads reply tokens after it (CLI: same)
         raise OptionError("max_new_tokens", ints["max_new_tokens"], f"is shorter than num_heads={ints['num_heads']}: "
                           "no reply would hold a training position", f"use max_new_tokens >= {ints['num_heads']}")
     if soft_labels > _vocab_size(model):
@@ -273,6 +273,7 @@ def check_prompts(prompts, vocab: int) -> list[torch.Tensor]:
     """The prompts as 1-D int64 tensors, checked before a run folder is made (a failure after it blocked the corrected
     rerun): each [n] or [1, n] with n >= 1 (several rows are several prompts: a list), its ids in [0, vocab)."""
     fix = "pass a list of token id tensors, each [n] or [1, n], e.g. [chat_ids(tokenizer, text)[0] for text in texts]"
+    prompts = list(prompts) if isinstance(prompts, torch.Tensor) and prompts.dim() == 2 else prompts  # rows [B, n]
     if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise OptionError("prompts", prompts, "must be a non-empty list of prompts", fix)
     checked = []
@@ -298,11 +299,10 @@ def check_sampling(sampled, temperature) -> None:
 
 
 def eos_identity(eos_token_id) -> dict:
-    """The eos ids a run's replies stop at, for its stored settings: a rerun with others is another run (left out
-    when unset, so runs stored before it was recorded still resume)."""
-    if eos_token_id is None:
-        return {}
-    return {"eos_token_id": sorted({int(eos_token_id)} if isinstance(eos_token_id, int) else set(map(int, eos_token_id)))}
+    """The eos ids a run's replies stop at, for its stored settings: a rerun with others is another run (a run stored
+    before they were recorded has none: `_open_run` compares it without them, so it still resumes)."""
+    ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+    return {"eos_token_id": sorted({int(i) for i in ids})}
 
 
 def run_identity(model, prompts) -> dict:
@@ -343,6 +343,8 @@ def _open_run(state: Path, args: dict) -> dict:
         raise OptionError("out", str(state.parent), f"holds an unreadable training state {progress_file} ({e})",
                           f"delete {state.parent} to train again there") from None
     stored = done.get("args") if isinstance(done, dict) else None
+    if isinstance(stored, dict) and "eos_token_id" not in stored:  # stored before eos ids were part of a run
+        args = {k: v for k, v in args.items() if k != "eos_token_id"}
     if stored != args:  # a resumed run must be the same run; name what differs, not two whole settings dicts
         stored = stored if isinstance(stored, dict) else {}
         differ = [f"{k}: {stored.get(k, 'unset')!r} there, {args.get(k, 'unset')!r} now"
