@@ -84,8 +84,8 @@ def check_exported_from_cpu(sg, provider: str) -> None:
         raise OptionError("backend", backend, f"exports the model from the CPU; this model is on {weight.device}",
                           "compile model.cpu() (backend='onnxruntime:cuda' then runs it on the GPU through ONNX "
                           "Runtime's CUDA provider), or use backend='eager', 'inductor' or 'triton' on the GPU")
-    bf16 = sg.captured.kv.dtype == torch.bfloat16 or any(p.dtype == torch.bfloat16 for p in sg.gm.parameters())
-    if provider == "cpu" and bf16:  # said before a minute of export and a session that cannot load
+    if provider == "cpu" and (sg.captured.kv.dtype == torch.bfloat16  # before a minute of export and a failed load
+                              or any(p.dtype == torch.bfloat16 for p in sg.gm.parameters())):
         raise OptionError("backend", "onnxruntime", "ONNX Runtime's CPU provider has no bfloat16 kernels for this "
                           "model's ops (Mul, MatMul, ...)", "compile model.float() (or model.half()), or use "
                           "backend='eager' or 'inductor' for bfloat16")

@@ -116,9 +116,15 @@ def compile(model, *, drafter=None, tree=None, kv_cache=None, kv_mode: str | Non
 
         first = (split_names(drafter) or [drafter])[0]
         where = f" {result_path(model, first, backend)}" if isinstance(first, str) else ""
-        raise type(exc)(exc.parameter, exc.value, f"{exc.problem} (read by tree='auto' from the stored autotune "
-                        f"result{where}, not given)", f"{exc.fix + '; or ' if exc.fix else ''}delete that result "
-                        "(speccomp autotune writes it again) or pass an explicit tree") from None
+        raise _from_stored(exc, f"read by tree='auto' from the stored autotune result{where}",
+                           f"{exc.fix + '; or ' if exc.fix else ''}delete that result (speccomp autotune writes it "
+                           "again) or pass an explicit tree") from None
+
+
+def _from_stored(exc, source: str, fix: str):
+    """`exc` about an option that came from a stored result (a search's, an autotune's), not from the user's call:
+    the same error, naming where the value was read."""
+    return type(exc)(exc.parameter, exc.value, f"{exc.problem} ({source}, not given)", fix)
 
 
 def _option_names(options) -> set:
@@ -176,8 +182,8 @@ def _compile_drafter(base: SpecGraph, model, drafter, tree, backend: str, drafte
         except (OptionError, OptionTypeError) as exc:
             if stored is None:
                 raise
-            raise type(exc)(exc.parameter, exc.value, f"{exc.problem} (read from the stored search {stored}, not "
-                            "given)", f"delete that file or run `speccomp search` again") from None
+            raise _from_stored(exc, f"read from the stored search {stored}",
+                               "delete that file or run `speccomp search` again") from None
     # a drafter may need the target graph to compute more (Medusa: head states on every token)
     target = run_passes(base.clone(), list(drafter_obj.target_passes) + [TreeAttention()])
     # a drafter with graphs of its own runs them as more sessions: then none spins (backends.lower), unless they

@@ -42,8 +42,6 @@ def capture(model: nn.Module, *, check: bool = True) -> CapturedModel:
     return captured
 
 
-
-
 def _check_devices(model: nn.Module) -> None:
     """Weights that are not there (the meta device: a model built empty, or loaded with device_map and offloaded) or
     on two devices cannot be run to capture: named before the export fails somewhere inside it."""

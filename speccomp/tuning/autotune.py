@@ -801,12 +801,13 @@ def _int_list(name: str, value):
 def _split_prompts(prompts, check_prompts) -> tuple[list, list]:
     """(calibration prompts, held-back prompts), each [1, n]; without `check_prompts`, every third prompt is held
     back (prompts listed file by file in turn, as the shipped ones are, then leave out prompts of several files)."""
-    prompts = list(prompts) if isinstance(prompts, torch.Tensor) and prompts.dim() == 2 else prompts  # rows [B, n]
-    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)) or not all(
-            isinstance(p, torch.Tensor) and p.dim() in (1, 2) for p in prompts):
+    from speccomp.tuning.search import prompt_list
+
+    checked = prompt_list(prompts)
+    if checked is None:
         raise AutotuneError(f"prompts must be a list of token id tensors [1, n] or [n], got {prompts!r:.200}; e.g. "
                             "[chat_ids(tokenizer, text) for text in texts]")
-    prompts = [p if p.dim() == 2 else p[None] for p in prompts]
+    prompts = checked
     if not prompts:
         raise AutotuneError("autotune needs at least one calibration prompt (token ids)")
     if check_prompts is None:

@@ -75,6 +75,15 @@ def check_search_tree(tree) -> None:
                           "search with a fixed tree (or none), then run speccomp autotune")
 
 
+def prompt_list(prompts) -> list | None:
+    """Calibration prompts (search_drafter, autotune), token id tensors [n] or [1, n] (a [B, n] tensor: its rows), as
+    a list of [1, n] tensors; None where `prompts` is not that."""
+    prompts = list(prompts) if isinstance(prompts, torch.Tensor) and prompts.dim() == 2 else prompts
+    ok = not isinstance(prompts, torch.Tensor) and isinstance(prompts, (list, tuple)) and all(
+        isinstance(p, torch.Tensor) and p.dim() in (1, 2) for p in prompts)
+    return [p if p.dim() == 2 else p[None] for p in prompts] if ok else None
+
+
 def search_path(model, kind: str, tree):
     return cache_dir() / "search" / f"{kind}-{_key(model, kind, tree)}.json"
 
@@ -115,12 +124,11 @@ def search_drafter(
     if kind not in KINDS:
         raise ValueError(f"search covers the drafters {list(KINDS)}, got {kind!r}")
     check_search_tree(tree)
-    prompts = list(prompts) if isinstance(prompts, torch.Tensor) and prompts.dim() == 2 else prompts  # rows [B, n]
-    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)) or not all(
-            isinstance(p, torch.Tensor) and p.dim() in (1, 2) for p in prompts):
+    checked = prompt_list(prompts)
+    if checked is None:
         raise OptionError("prompts", prompts, "must be a list of token id tensors [1, n] or [n]",
                           "e.g. [chat_ids(tokenizer, text) for text in texts]")
-    prompts = [p if p.dim() == 2 else p[None] for p in prompts]
+    prompts = checked
     if not prompts:
         raise ValueError("search_drafter needs at least one calibration prompt (token ids)")
     if options is not None and (not isinstance(options, (list, tuple)) or not options
