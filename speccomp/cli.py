@@ -84,7 +84,7 @@ def _check_device(device: str) -> None:
 def _drafter_among(drafter, usable, problem: str) -> None:
     """The --drafter of a command that can use only some of the known drafters (search, autotune)."""
     if drafter not in usable:
-        raise OptionError("drafter", drafter, problem, f"accepted values: {[d or 'plain' for d in usable]}")
+        raise OptionError("drafter", drafter or "plain", problem, f"accepted values: {[d or 'plain' for d in usable]}")
 
 
 def _prompts(files, limit: int | None) -> list:
@@ -466,8 +466,8 @@ def cmd_serve(args) -> int:
         raise FileNotFoundError(f"speccomp serve needs FastAPI and uvicorn ({exc}): pip install 'speccomp[serve]'") from None
     options = dict(host=args.host, port=args.port, max_batch=args.max_batch, kv_slots=args.kv_slots,
                    provider=args.provider, threads=args.threads, draft=not args.no_draft)
+    _check_listen(args.host, args.port)  # before the engine loads and the step costs are measured (minutes)
     if args.replicas is None:
-        _check_listen(args.host, args.port)  # before the engine loads and the step costs are measured (minutes)
         serve(args.engine, **options)
     else:
         from speccomp.serve_ray import serve_replicas

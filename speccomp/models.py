@@ -34,6 +34,13 @@ def set_default_mode(path: Path) -> None:
     os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~mask)
 
 
+def is_broad_directory(path) -> bool:
+    """`path` is the working directory, one of its parents, the home directory or the filesystem root: places an
+    export or a training run must never fill (they hold the user's own files)."""
+    real, cwd = Path(os.path.abspath(Path(path).expanduser())).resolve(), Path.cwd().resolve()
+    return real == cwd or real in cwd.parents or real == Path.home().resolve() or real == Path(real.anchor)
+
+
 def write_atomically(path: Path, text: str) -> None:
     """Write `text` to `path` through a fresh temporary file beside it and a rename: a reader never sees half a
     file, and two writers at once (threads, processes) never share a temporary file."""

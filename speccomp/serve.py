@@ -8,6 +8,8 @@ Endpoints (FastAPI on uvicorn): POST /v1/completions and POST /v1/chat/completio
 shapes; "stream": true sends server-sent events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics
 (Prometheus text: requests, tokens, target forwards, tokens per row step, throughput, running and waiting rows).
 temperature 0 is greedy decoding (the engine's output is the model's own greedy text); > 0 samples losslessly.
+Every choice carries its `token_ids` beside its `text`; an engine exported without a tokenizer takes prompts of token
+ids only and answers with those ids and an empty `text`.
 
 One thread owns the engine (`Scheduler`): between two steps of the running batch (speccomp/engine/runtime.py's
 `EngineBatch`, which packs every row into one forward) it admits waiting requests while the batch has room for the
@@ -34,8 +36,16 @@ from speccomp.runtime.calls import row_slots
 
 UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "stop": None,
                "suffix": None, "tools": None, "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
-               "repetition_penalty": 1, "top_k": None, "min_p": 0, "response_format": {"type": "text"}}
+               "repetition_penalty": 1, "top_k": None, "min_p": 0, "response_format": {"type": "text"},
+               "functions": None, "function_call": None, "tool_choice": "none", "parallel_tool_calls": None,
+               # vLLM's and SGLang's extra sampling parameters, which OpenAI clients pass through
+               "ignore_eos": False, "min_tokens": 0, "stop_token_ids": None, "typical_p": 1,
+               "include_stop_str_in_output": False, "skip_special_tokens": True}
 # accepted only at these values (or null): anything else would change the text, so it is refused, never ignored
+KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream",
+         "stream_options", "user", "metadata", "store", "service_tier", *UNSUPPORTED}
+# a key outside KNOWN (and not null) is refused too: an option speccomp has never heard of may change the reply
+ROLES = ("system", "developer", "user", "assistant")  # chat roles; "tool" and "function" need tools (refused)
 DISCONNECT_CHECK = 0.5  # seconds between checks that a non-streaming request's client is still there
 
 
@@ -60,13 +70,14 @@ class Scheduler:
     """The engine's batch, run by one thread; requests join and leave between steps (continuous batching)."""
 
     def __init__(self, engine, max_batch: int = 8, kv_slots: int = 8192, store_curve: bool = False):
+        check_sizes(max_batch, kv_slots, engine.max_tree)
         engine.check_batchable(max(max_batch, 2))
-        least = row_slots(1, 1, engine.max_tree)  # a one-token prompt and one new token, with its tree's room
-        if isinstance(kv_slots, bool) or not isinstance(kv_slots, int) or kv_slots < least:
-            raise OptionError("kv_slots", kv_slots, f"must be an int >= {least}: every request needs its prompt, its "
-                              f"reply and {engine.max_tree + 1} slots for its last step's tree", "e.g. 8192 (the default)")
         self.engine, self.max_batch = engine, max_batch
-        self.batch = engine.batch(kv_slots)
+        try:
+            self.batch = engine.batch(kv_slots)
+        except MemoryError:
+            raise OptionError("kv_slots", kv_slots, "is a larger KV cache than this machine could allocate",
+                              "give a smaller --kv-slots") from None
         if self.batch.budget is not None:  # the step-cost curve now, not during the first requests
             grid = min(max_batch * engine.max_tree, AHEAD_Q), min(kv_slots, AHEAD_PAST)
             self.batch.budget.costs.measure_ahead(*grid)
@@ -192,8 +203,23 @@ class Scheduler:
         return "".join(f"# HELP speccomp_{n} {h}\n# TYPE speccomp_{n} {t}\nspeccomp_{n} {v}\n" for n, t, h, v in rows)
 
 
+def check_sizes(max_batch, kv_slots, max_tree: int) -> None:
+    """--max-batch and --kv-slots: positive ints, and room for at least one request (`speccomp serve` and each Ray
+    replica check them; serve_replicas before any replica starts)."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise OptionError("max_batch", max_batch, "must be a positive int: the rows decoded together", "e.g. 8")
+    least = row_slots(1, 1, max_tree)  # a one-token prompt and one new token, with its tree's room
+    if isinstance(kv_slots, bool) or not isinstance(kv_slots, int) or kv_slots < least:
+        raise OptionError("kv_slots", kv_slots, f"must be an int >= {least}: every request needs its prompt, its "
+                          f"reply and {max_tree + 1} slots for its last step's tree", "e.g. 8192 (the default)")
+
+
 def _options(body: dict, default_max_tokens: int | None) -> dict:
     """generate()'s options from an OpenAI request body (checked by the engine's own checks after this)."""
+    for key in sorted(set(body) - KNOWN):
+        if body[key] is not None:  # null asks for the default
+            raise OptionError(key, body[key], "is not a parameter speccomp serve knows; refused rather than ignored",
+                              "leave it out")
     for key, allowed in UNSUPPORTED.items():
         value = body.get(key)
         if value is None or (allowed is None and not value and not (key == "logprobs" and value is not False)):
@@ -209,9 +235,17 @@ def _options(body: dict, default_max_tokens: int | None) -> dict:
     temperature = given("temperature", 1.0)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
         raise OptionError("temperature", temperature, "must be a number >= 0", "0 for greedy decoding")
+    if body.get("stream_options") is not None and body.get("stream") is not True:
+        raise OptionError("stream_options", body["stream_options"], "applies only to a stream",
+                          'add "stream": true, or leave stream_options out')
+    for key in ("max_tokens", "max_completion_tokens"):  # OpenAI's old name and its new one: each checked as sent
+        value = body.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise OptionError(key, value, "must be a positive int")
+    if given("max_tokens", None) is not None and given("max_completion_tokens", None) not in (None, body["max_tokens"]):
+        raise OptionError("max_completion_tokens", body["max_completion_tokens"], f"differs from max_tokens="
+                          f"{body['max_tokens']}; they name the same limit", "send one of them")
     max_tokens = given("max_tokens", given("max_completion_tokens", default_max_tokens))
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise OptionError("max_tokens", max_tokens, "must be a positive int")
     return {"max_new_tokens": max_tokens, "do_sample": temperature > 0, "temperature": temperature or 1.0,
             "top_p": given("top_p", 1.0), "seed": body.get("seed")}
 
@@ -421,6 +455,10 @@ def _message_ids(engine, body: dict) -> list[int]:
     if not ok:
         raise OptionTypeError("messages", messages, "must be a non-empty list of {role, content} objects with "
                               "string content")
+    for i, m in enumerate(messages):
+        if m["role"] not in ROLES:
+            raise OptionError(f"messages[{i}].role", m["role"], "is not a chat role speccomp serve takes (tool "
+                              "messages need tools, which it does not support)", f"one of {list(ROLES)}")
     return engine.chat_ids(messages)[0].tolist()
 
 

@@ -65,12 +65,15 @@ def serve_replicas(engine_dir, host: str = "127.0.0.1", port: int = 8000, replic
                    kv_slots: int = 8192, provider: str = "cpu", threads: int | None = None, draft: bool = True) -> None:
     """Deploy `replicas` copies on the Ray cluster (a local one unless RAY_ADDRESS names another) and serve until
     interrupted."""
-    from speccomp.engine.runtime import check_provider, read_manifest
+    from speccomp.engine.runtime import check_batchable, check_provider, read_manifest
+    from speccomp.serve import check_sizes
 
-    # a bad directory or provider fails here, with the engine's own message, not inside a replica (which loads and
-    # verifies the graphs itself: no sessions are built in this process)
-    read_manifest(engine_dir, verify=False)
+    # a bad directory, provider, size or an engine that cannot batch fails here, with the engine's own message, not
+    # inside a replica (which loads and verifies the graphs itself: no sessions are built in this process)
+    manifest = read_manifest(engine_dir, verify=False)
     check_provider(provider)
+    check_sizes(max_batch, kv_slots, manifest["max_tree"])
+    check_batchable(manifest, max(max_batch, 2), draft)
     ray, serve = _ray()
 
     def interrupted(*_):

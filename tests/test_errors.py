@@ -924,6 +924,8 @@ CLI_ERRORS = [
     ("demo-prompts-turns-a-string", ["demo", "--prompts", "{bad}"], ("bad.jsonl:1", "list of strings")),
     ("train-heads-over-heads-no-run-wrote", ["train-heads", "--out", "{tmp}/heads"], ("--out", "no training run")),
     ("train-draft-over-a-draft-no-run-wrote", ["train-draft", "--out", "{tmp}/draft"], ("--out", "no training run")),
+    ("train-heads-into-a-user-folder", ["train-heads", "--out", "{tmp}/mine"], ("--out", "no training run started")),
+    ("train-draft-into-the-working-directory", ["train-draft", "--out", "."], ("--out", "working directory")),
     # review, 2026-11-29: checked before the model loads (or the engine, or the step-cost measurement)
     ("generate-kv-cache-window-below-the-tree", ["generate", "--prompt", "hi", "--kv-cache", "sink:2"],
      ("--kv-cache", "sink:2", "at least 7")),

@@ -450,9 +450,15 @@ def test_training_never_overwrites_heads_it_did_not_write(model, tmp_path):
     save_medusa(random_heads(model), tmp_path / "mine")
     before = {f.name: f.read_bytes() for f in (tmp_path / "mine").iterdir()}
     for kind in ("hydra", "medusa"):
-        with pytest.raises(speccomp.OptionError, match=r"^out=.*no training run here wrote.*choose a new directory"):
+        with pytest.raises(speccomp.OptionError, match=r"^out=.*no training run started.*choose a new or empty dir"):
             train_heads(model, prompts(2), out=tmp_path / "mine", kind=kind, **kw)
     assert {f.name: f.read_bytes() for f in (tmp_path / "mine").iterdir()} == before
+    (tmp_path / "proj").mkdir()  # a project folder with a weights file of the heads' name and no config.json: was
+    (tmp_path / "proj" / "medusa_lm_head.safetensors").write_bytes(b"mine")  # replaced by the run's heads
+    with pytest.raises(speccomp.OptionError, match=r"^out=.*non-empty directory no training run started"):
+        train_heads(model, prompts(2), out=tmp_path / "proj", **kw)
+    assert [f.name for f in (tmp_path / "proj").iterdir()] == ["medusa_lm_head.safetensors"]
+    assert (tmp_path / "proj" / "medusa_lm_head.safetensors").read_bytes() == b"mine"
     train_heads(model, prompts(2), out=tmp_path / "ours", **kw)
     train_heads(model, prompts(2), out=tmp_path / "ours", **kw)  # a run's own folder: finished, handed back
     (tmp_path / "ours" / "_train" / "progress.json").write_text("")  # an interrupted write (before: no such thing)

@@ -154,6 +154,16 @@ def test_chat_stream_carries_the_same_tokens(server, model):
     ({"prompt": "w5 w6", "n": True}, "n"),  # true == 1 in Python, not in the API
     ({"prompt": "w5 w6", "stream": "false"}, "stream"),  # a string: was read as true, a stream
     ({"prompt": "w5 w6", "logprobs": 0}, "logprobs"),  # on /v1/completions 0 asks for the chosen tokens' logprobs
+    # vLLM's extras and keys speccomp never heard of: were answered 200 with them ignored
+    ({"prompt": "w5 w6", "ignore_eos": True}, "ignore_eos"),
+    ({"prompt": "w5 w6", "min_tokens": 20}, "min_tokens"),
+    ({"prompt": "w5 w6", "guided_choice": ["w7"]}, "guided_choice"),
+    ({"messages": [{"role": "user", "content": "w5"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "banana", "content": "w5"}]}, "messages[0].role"),
+    ({"prompt": "w5 w6", "max_completion_tokens": -1}, "max_completion_tokens"),  # was blamed on max_tokens
+    ({"prompt": "w5 w6", "max_tokens": 4, "max_completion_tokens": 0}, "max_completion_tokens"),  # was never checked
+    ({"prompt": "w5 w6", "max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
+    ({"prompt": "w5 w6", "stream_options": {"include_usage": True}}, "stream_options"),  # without a stream
 ])
 def test_bad_requests_get_400_naming_the_parameter(server, body, param):
     url, _ = server
@@ -322,6 +332,8 @@ def test_an_engine_whose_drafter_cannot_batch_is_served_plainly_with_no_draft(mo
         path, tokenizer=word_tokenizer())
     with pytest.raises(EngineError, match="--no-draft"):
         make_app(speccomp.load(path), max_batch=1)
+    with pytest.raises(speccomp.OptionError, match="^max_batch=0: must be a positive int"):  # was: every request hung
+        make_app(speccomp.load(path, draft=False), max_batch=0)
     with TestClient(make_app(speccomp.load(path, draft=False), max_batch=2, kv_slots=256)) as client:
         answer = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}).json()
     want = hf_greedy(model, torch.tensor([[5, 6, 7]]), 8, eos=EOS)[0, 3:].tolist()

@@ -93,3 +93,21 @@ def test_a_bad_engine_directory_fails_before_ray_starts(tmp_path):
         serve_replicas(tmp_path / "missing", replicas=2)
     with pytest.raises(EngineError, match="is not a speccomp engine"):
         serve_replicas(tmp_path, replicas=2)
+
+
+def test_sizes_and_batching_are_checked_before_ray_starts(engine_path, model, tmp_path):
+    """--kv-slots too small for one request and an engine whose drafter cannot batch failed inside every replica
+    (pages of Ray tracebacks); now in the calling process, with the message `speccomp serve` gives."""
+    import speccomp
+    from speccomp.engine.runtime import EngineError
+    from speccomp.errors import OptionError
+    from speccomp.serve_ray import serve_replicas
+
+    with pytest.raises(OptionError, match="^kv_slots=3: must be an int >= "):
+        serve_replicas(engine_path, replicas=2, kv_slots=3)
+    with pytest.raises(OptionError, match="^max_batch=0: must be a positive int"):
+        serve_replicas(engine_path, replicas=2, max_batch=0)
+    path = tmp_path / "early_exit"
+    speccomp.compile(model, drafter="early_exit", drafter_options={"exit_layer": 1}, backend="onnxruntime").export(path)
+    with pytest.raises(EngineError, match="--no-draft"):
+        serve_replicas(path, replicas=2)

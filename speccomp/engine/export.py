@@ -35,7 +35,7 @@ from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
 from speccomp.engine.runtime import (ENGINE_DRAFTERS, FORMAT, FORMAT_VERSION, GRAPH_FILES, MANIFEST, MEDUSA_FILE,
                                      SELF_DRAFTERS, TOP_IDS_OUTPUT, TOP_ROWS_INPUT, EngineError, check_makeable,
                                      sha256)
-from speccomp.models import set_default_mode
+from speccomp.models import is_broad_directory, set_default_mode
 
 # a draft model with a tokenizer of its own: both tokenizers beside draft_model.onnx (engine/runtime.py _text_bridge)
 DRAFT_TOKENIZERS = {"target": "draft_model.target_tokenizer.json", "draft": "draft_model.tokenizer.json"}
@@ -302,8 +302,7 @@ def check_destination(path, overwrite: bool) -> Path:
     if not isinstance(overwrite, bool):
         raise OptionTypeError("overwrite", overwrite, "must be True or False")
     path = Path(os.path.abspath(Path(path).expanduser()))
-    real, cwd = path.resolve(), Path.cwd().resolve()
-    if real == cwd or real in cwd.parents or real == Path.home().resolve() or real == Path(real.anchor):
+    if is_broad_directory(path):
         raise EngineError(f"refusing to export into {path}: it is the working directory, one of its parents, the home "
                           "directory or the filesystem root; give a new directory such as ./my-engine")
     if path.is_symlink():

@@ -704,7 +704,6 @@ class _Drafter:
     extras) after each verification (extras: its outputs at every verified node)."""
 
     outputs: tuple[str, ...] = ()  # the target graph's outputs it reads (none: a text drafter)
-    batches = True  # False: it drafts over the target's cache, which a batch shares between rows
     # Drafter.observe_optional (runtime/decode.py): skipping observe costs acceptance only. True here, where observe
     # does nothing and the text drafters catch up on the text at their next propose; Token Recycling says why too
     observe_optional = True
@@ -895,8 +894,6 @@ class _SelfDraft(_Grown):
     expanded nodes of one depth in one run); the draft nodes' KV goes to the scratch room past the cache's length,
     which the verification overwrites."""
 
-    batches = False
-
     def __init__(self, kv_layers, tree, max_depth, session: BoundSession, exit_layer=None, skip=None, block_size=None,
                  bits=None):  # the last four shaped the graph file; recorded, not read
         super().__init__(tree, max_depth)
@@ -1079,7 +1076,6 @@ class _Merged(_Drafter):
     def __init__(self, drafters: list, name: str):
         self.drafters, self.drafts, self.wheres, self.name = drafters, [], [], name
         self.outputs = tuple(o for d in drafters for o in d.outputs)
-        self.batches = all(d.batches for d in drafters)
         self.observe_optional = all(d.observe_optional for d in drafters)
         self.max_positions = tightest_context(drafters)  # a draft model's bounds the merge's text (check_context)
 
@@ -1161,6 +1157,27 @@ def _text_bridge(files: dict, path: Path) -> TextBridge:
             raise EngineError(f"the draft model's {side} tokenizer {file} is corrupt ({str(exc).splitlines()[0]}); "
                               "re-export the engine") from None
     return TextBridge(loaded["target"], loaded["draft"])
+
+
+def check_batchable(manifest: dict, rows: int, draft: bool = True) -> None:
+    """A batch of `rows` > 1 needs a model without sliding windows and (`draft`: the engine loaded with its drafter) a
+    drafter that reads no target cache. From the manifest alone, so `speccomp serve --replicas` checks it before
+    any replica loads the engine."""
+    if rows <= 1:
+        return
+    fix = "call generate once per prompt"
+    windows = manifest["model"].get("sliding_window_layers")
+    if windows is None:
+        raise EngineError(f"a batch of {rows}: this engine's manifest does not say whether the model has "
+                          f"sliding-window attention (exported by an older speccomp); re-export it, or {fix}")
+    if windows:
+        raise EngineError(f"a batch of {rows}: the model has sliding-window attention ({windows} layers), whose "
+                          f"window counts cache slots; packed rows' slots are not their positions; {fix}")
+    name = manifest["drafter"].get("name")
+    if draft and name is not None and any(part in SELF_DRAFTERS for part in name.split("+")):
+        raise EngineError(f"a batch of {rows}: the {name} drafter drafts over the target's own KV cache, which a "
+                          f"batch shares between rows; load the engine with draft=False (`speccomp serve "
+                          f"--no-draft`: plain decoding), or {fix}")
 
 
 def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | None, target_outputs: list[str],
@@ -1583,21 +1600,7 @@ class Engine:
         return np.concatenate([given, new], axis=1)
 
     def check_batchable(self, rows: int) -> None:
-        """A batch of `rows` > 1 needs a model without sliding windows and a drafter that reads no target cache."""
-        if rows <= 1:
-            return
-        fix = "call generate once per prompt"
-        windows = self.manifest["model"].get("sliding_window_layers")
-        if windows is None:
-            raise EngineError(f"a batch of {rows}: this engine's manifest does not say whether the model has "
-                              f"sliding-window attention (exported by an older speccomp); re-export it, or {fix}")
-        if windows:
-            raise EngineError(f"a batch of {rows}: the model has sliding-window attention ({windows} layers), whose "
-                              f"window counts cache slots; packed rows' slots are not their positions; {fix}")
-        if self.drafter is not None and not self.drafter.batches:
-            raise EngineError(f"a batch of {rows}: the {self.manifest['drafter']['name']} drafter drafts over the "
-                              f"target's own KV cache, which a batch shares between rows; load the engine with "
-                              f"draft=False (`speccomp serve --no-draft`: plain decoding), or {fix}")
+        check_batchable(self.manifest, rows, draft=self.drafter is not None)
 
     def _decode_batch(self, rows: list, load_aware: bool = True) -> int:
         """All rows to the end together; the number of target forwards."""

@@ -320,12 +320,21 @@ def run_identity(model, prompts) -> dict:
 
 
 def check_not_foreign(out) -> None:
-    """Refuse an `out` holding weights (a config.json) that no training run there started (no _train/progress.json):
-    heads or a draft downloaded or saved by hand are never overwritten by a run."""
+    """Refuse an `out` a training run may not write into: one holding files that no run there started (no
+    _train/progress.json), such as heads or a draft downloaded or saved by hand, a project folder or an engine; and the
+    working directory, its parents, home or the root. New and empty directories are fine."""
+    from speccomp.models import is_broad_directory
+
     out = Path(out)
-    if (out / "config.json").exists() and not (out / "_train" / "progress.json").exists():
-        raise OptionError("out", str(out), "holds config.json of weights no training run here wrote; refusing to "
-                          "overwrite them", "choose a new directory (or delete that one first)")
+    if is_broad_directory(out):
+        raise OptionError("out", str(out), "is the working directory, one of its parents, the home directory or the "
+                          "filesystem root", "give a new directory such as ./my-heads")
+    if (out / "_train" / "progress.json").exists():  # a run started here: it resumes, or refuses other settings
+        return
+    if out.is_dir() and any(out.iterdir()):
+        held = sorted(p.name for p in out.iterdir())
+        raise OptionError("out", str(out), f"is a non-empty directory no training run started (it holds {held[:3]}, "
+                          "no _train/progress.json); refusing to write into it", "choose a new or empty directory")
 
 
 def _open_run(state: Path, args: dict) -> dict:
