@@ -12,7 +12,7 @@ Rewrite (per site; sites without the pattern, e.g. G == 1, are left alone):
 Why: the clone writes G copies of the whole cache (past + q rows) every step, per layer;
 at 2k cached tokens that is ~95% of attention time. SDPA's `enable_gqa` maps query head h
 to KV head h // G — the same pairing as repeat_kv — and gives bitwise-identical outputs
-(checked in tests/test_passes.py).
+(checked in tests/test_lowering_passes.py).
 """
 from __future__ import annotations
 

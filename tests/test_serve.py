@@ -334,6 +334,8 @@ def test_an_engine_whose_drafter_cannot_batch_is_served_plainly_with_no_draft(mo
         make_app(speccomp.load(path), max_batch=1)
     with pytest.raises(speccomp.OptionError, match="^max_batch=0: must be a positive int"):  # was: every request hung
         make_app(speccomp.load(path, draft=False), max_batch=0)
+    with pytest.raises(speccomp.OptionError, match="^kv_slots=10000000000000: is a larger KV cache than"):
+        make_app(speccomp.load(path, draft=False), kv_slots=10**13)  # was numpy's MemoryError and its traceback
     with TestClient(make_app(speccomp.load(path, draft=False), max_batch=2, kv_slots=256)) as client:
         answer = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}).json()
     want = hf_greedy(model, torch.tensor([[5, 6, 7]]), 8, eos=EOS)[0, 3:].tolist()

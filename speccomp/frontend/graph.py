@@ -464,9 +464,10 @@ def dump(sg: SpecGraph, stage: str) -> None:
     """With SPECCOMP_DEBUG=1: print a one-line summary per stage and write the graph's code.
 
     Files go to $SPECCOMP_DEBUG_DIR (default ./speccomp_debug) as NN_<passes applied so far>.py, NN counting
-    every dump of the process (a compile dumps the drafter's graphs and the target's: 00_captured.py,
-    01_early_exit.py, 02_early_exit+tree_attention.py, 03_captured.py, 04_tree_attention.py), so a newcomer
-    can diff what each pass changed and no file overwrites another."""
+    every dump of the process (a compile dumps the drafter's graphs, then the target's, each after every pass,
+    lowering passes included: 00_captured.py, 01_early_exit.py, 02_early_exit+tree_attention.py, ...,
+    06_captured.py, 07_tree_attention.py, ...), so a newcomer can diff what each pass changed and no file
+    overwrites another."""
     if os.environ.get("SPECCOMP_DEBUG", "0") in ("", "0"):
         return
     out = Path(os.environ.get("SPECCOMP_DEBUG_DIR", "speccomp_debug"))
