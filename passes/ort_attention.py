@@ -97,6 +97,8 @@ class OrtAttention(Pass):
             if query is None or query.dim() != 4 or (mask is not None and tuple(mask.shape[:2]) != (1, 1)):
                 raise UnsupportedModelError(f"{site.module}: query or mask not [1, H, q, D] / [1, 1, q, T]")
             for cat in (site.key_cat, site.value_cat):
+                if not self._reads_past(cat.args[0][0], past_kv):  # KiviCacheRead's dequantised cache, say
+                    raise UnsupportedModelError(f"{site.module}: the cache read {cat.name} does not take past_kv[l, kv]")
                 if any(u is not site.node and not self._tail(u, past_kv) for u in cat.users):
                     raise UnsupportedModelError(f"{site.module}: the cache read {cat.name} has other users")
                 cats.add(cat)
@@ -106,6 +108,12 @@ class OrtAttention(Pass):
             if user.target is not aten.select.int or not all(
                     u.target is aten.select.int and set(u.users) <= cats for u in user.users):
                 raise UnsupportedModelError(f"past_kv is read by {user.format_node()}, not only by cat(past, new)")
+
+    @staticmethod
+    def _reads_past(node, past_kv: fx.Node) -> bool:
+        """True for past_kv[l][kv]: select(select(past_kv, 0, l), 0, kv), the buffer the fused op reads in place."""
+        return (isinstance(node, fx.Node) and node.target is aten.select.int and isinstance(node.args[0], fx.Node)
+                and node.args[0].target is aten.select.int and node.args[0].args[0] is past_kv)
 
     @staticmethod
     def _tail(node: fx.Node, past_kv: fx.Node) -> bool:

@@ -428,7 +428,7 @@ GENERATE_ERRORS = [
     ("temperature-nan", dict(temperature=float("nan")), VALUE, ("temperature", "nan")),
     ("temperature-inf", dict(temperature=float("inf"), **SAMPLE), VALUE, ("temperature", "inf")),
     ("temperature-negative", dict(temperature=-1.0), VALUE, ("temperature", "-1")),
-    ("temperature-0", dict(temperature=0), VALUE, ("temperature", "0")),
+    ("temperature-0", dict(temperature=0, **SAMPLE), VALUE, ("temperature", "0")),  # greedy takes 0 (below)
     ("top_p-str", dict(top_p="0.9"), TYPE, ("top_p", "0.9")),
     ("top_p-None", dict(top_p=None), TYPE, ("top_p", "None")),
     ("top_p-bool", dict(top_p=True), TYPE, ("top_p", "True")),
@@ -499,9 +499,13 @@ def test_sampling_options_without_do_sample_warn_and_decode_greedily(runtime):
     with pytest.warns(UserWarning, match="ignored without do_sample=True"):
         out = runtime.generate(temperature=0.5)
     assert np.asarray(out).tolist() == runtime.ref.tolist()
+    with pytest.warns(UserWarning, match="seed=3 are ignored without do_sample=True"):  # was silent
+        runtime.generate(seed=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         runtime.generate(temperature=1.0, top_p=1.0)  # the defaults: nothing to say
+        out = runtime.generate(temperature=0.0)  # greedy decoding, as HF takes it (was refused, advising greedy)
+    assert np.asarray(out).tolist() == runtime.ref.tolist()
 
 
 # ---------------------------------------------------------------------------------------------

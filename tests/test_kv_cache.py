@@ -440,12 +440,45 @@ def step_kv(model) -> KVSpec:
 
 @pytest.mark.parametrize("name, spec", [("mistral", "sink:16"), ("gemma2", "h2o:16")])  # sliding windows; eager softmax
 def test_draft_mode_other_architectures(name, spec):
+    """Sliding windows count cache slots, and an evicting cache's slots are not positions: the drafter masked every
+    kept key once anything was evicted, and no draft was ever accepted (exact output, a drafter doing nothing, every
+    step paying its forward). Eviction is refused there; KIVI keeps every token, so its slots are positions: it drafts,
+    and its drafts are accepted."""
     model = ARCHITECTURES[name].build()
     model.generation_config.eos_token_id = None
-    fast = speccomp.compile(model, kv_cache=spec)
+    with pytest.raises(speccomp.OptionError, match=r"^kv_cache=.*sliding-window attention.*use a KIVI policy"):
+        speccomp.compile(model, kv_cache=spec)
+    fast = speccomp.compile(model, kv_cache="kivi4:4:4", tree=3)
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(2))
     assert torch.equal(fast.generate(ids, max_new_tokens=24), hf_greedy(model, ids, 24))
-    assert fast.last_stats["kv_tokens_draft"] == 16 < fast.last_stats["kv_tokens_full"]
+    assert fast.last_stats["steps"] < 24  # drafts accepted
+    assert fast.last_stats["kv_bytes_draft"] < fast.last_stats["kv_bytes_full"]
+
+
+def test_the_compressed_drafters_tree_is_checked_as_every_drafters(llama):
+    """A rank past the vocabulary compiled and then failed in generate (IndexError); a top-k past it was accepted;
+    tree='auto' was refused only after the capture."""
+    for tree, words in (([[0], [100]], "sibling rank 100"), ("dynamic:16:100", "top_k"), ("auto", "autotune")):
+        with pytest.raises(speccomp.OptionError, match=rf"^tree=.*{words}"):
+            speccomp.compile(llama, kv_cache="sink:32", tree=tree)
+
+
+def test_kivi_target_mode_on_onnxruntime_is_refused_naming_the_backend(llama, llama_base):
+    """KIVI's target mode reads its cache through KiviCacheRead's graph (codes, scales, minima as inputs), which the
+    ONNX Runtime backends do not feed: it failed with a KeyError inside OrtAttention, which took the dequantised cache
+    for past_kv's own slice (now refused by its check, so such a graph keeps the copied-cache export)."""
+    from speccomp.errors import UnsupportedModelError
+    from speccomp.passes.grouped_query_attention import GroupedQueryAttention
+    from speccomp.passes.ort_attention import OrtAttention
+
+    with pytest.raises(speccomp.OptionError, match=r"^backend='onnxruntime'.*kv_mode='draft'"):
+        speccomp.compile(llama, kv_cache="kivi4:8:8", kv_mode="target", backend="onnxruntime")
+    read = run_passes(llama_base.clone(), [KiviCacheRead(4, 8, 8)])
+    with pytest.raises(UnsupportedModelError, match="does not take past_kv"):
+        run_passes(read, [GroupedQueryAttention(), OrtAttention()])
+    fast = speccomp.compile(llama, kv_cache="kivi4:8:8", kv_mode="target")
+    with pytest.raises(speccomp.OptionTypeError, match=r"^ids=.*\[1, T\] tensor"):  # was an AttributeError
+        fast.quality(prompt(seed=9)[0].tolist(), prompt_length=4)
 
 
 def test_zero_compression_drafts_like_the_target(llama):
@@ -572,7 +605,7 @@ def test_quality_measured_token_by_token(llama, llama_base, llama_step, llama_sc
         assert 1 < r["perplexity_compressed"] < 1000 and r["perplexity_full"] == results["sink:16"]["perplexity_full"]
     # fewer bits, further from the full-cache model
     assert results["kivi8:8:8"]["mean_kl"] < results["kivi4:8:8"]["mean_kl"] < results["kivi2:8:8"]["mean_kl"]
-    with pytest.raises(ValueError, match=r"prompt_length must be in \[1, 119\]"):
+    with pytest.raises(ValueError, match=r"prompt_length=.*must be an int in \[1, 119\]"):
         kv_quality(llama_step, llama_step, None, kv, parse_kv_cache("sink:16"), text_ids(), 120)
 
 

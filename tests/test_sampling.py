@@ -378,6 +378,19 @@ def test_wrong_rule_for_sampled_drafts_fails_the_engine_sampling_test(engines, e
     assert p < 1e-3, f"a wrong rule for sampled drafts passed the engine sampling test (chi-square p={p:.2g})"
 
 
+def test_the_nucleus_cut_at_exactly_one_minus_top_p_is_hfs_in_both_runtimes():
+    """Uniform logits over 5 tokens: running totals 0.2, 0.4, ... land exactly on 1 - top_p. HF (and the torch
+    runtime) cut such a total in float32; the engine cut it in float64 and kept one token more, a token the target
+    never samples (at top_p=0.8 it drew token 0 a fifth of the time)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    for top_p in (0.8, 0.6, 0.4):
+        hf = TopPLogitsWarper(top_p)(None, torch.zeros(1, 5))[0].isfinite()
+        assert hf.sum() < 5
+        assert torch.equal(warp(torch.zeros(5), 1.0, top_p) > 0, hf)
+        assert np.array_equal(speccomp.engine.runtime.warp(np.zeros(5, np.float32), 1.0, top_p) > 0, hf.numpy())
+
+
 def test_a_temperature_near_zero_samples_the_greedy_text(captured, heads, engines):
     """temperature -> 0 leaves the argmax's point mass: sampling at 1e-45 (logits / T overflows float32: the torch
     sampler's) and at the smallest float64 (it overflows there too: the engine's and the draft model's q) gives the

@@ -610,13 +610,18 @@ def _scaled(logits: np.ndarray, temperature: float) -> np.ndarray:
 def warp(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
     """Probabilities after temperature and nucleus filtering, as speccomp.runtime.sampling.warp (HF's warpers).
     Where logits tie exactly at the nucleus cut, which of the tied tokens stay is up to the sort: torch's (HF's) is
-    not stable, this one is, so the two may keep different tied tokens (exact ties are rare with float32 logits)."""
+    not stable, this one is, so the two may keep different tied tokens (exact ties are rare with float32 logits). The
+    cut is made in float32, as torch makes it (a running total of exactly 1 - top_p is cut there; in float64 it was
+    kept: uniform logits over 5 tokens at top_p=0.8 kept a token the target never samples); float32 sums in another
+    order may still round a total at the cut differently, in ties alone."""
     x = _scaled(logits, temperature)
     if top_p < 1.0:
-        order = np.argsort(x, kind="stable")  # ascending
-        p = np.exp(x[order])
-        cumulative = np.cumsum(p / p.sum())
-        remove = cumulative <= 1 - top_p
+        x32 = logits.astype(np.float32)
+        x32 = (x32 - x32.max(-1, keepdims=True)) / np.float32(max(temperature, np.finfo(np.float32).tiny))
+        order = np.argsort(x32, kind="stable")  # ascending
+        p = np.exp(x32[order])  # x32.max() is 0
+        cumulative = np.cumsum(p / p.sum(dtype=np.float32), dtype=np.float32)
+        remove = cumulative <= np.float32(1 - top_p)
         remove[-1] = False  # always keep the most likely token
         x = x.copy()
         x[order[remove]] = -np.inf

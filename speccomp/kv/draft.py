@@ -21,8 +21,9 @@ because verifying a tree there costs about 1.6x a one-token step: benchmarks/REA
 
 Positions: a compressed cache holds fewer slots than the sequence has tokens, so draft positions
 come from the target's length (keys already carry their rotary position; every cached key is
-visible to the draft, so which slot a key sits in does not matter). Models with sliding windows
-still draft losslessly but their window is then counted in slots, not positions.
+visible to the draft, so which slot a key sits in does not matter). Models with sliding windows take KIVI only: their
+window is counted in slots, which in an evicting cache are not positions, so every kept key would fall outside it and
+no draft would ever be accepted (refused by compile_kv_draft; KIVI keeps every token, slots equal positions).
 
 SnapKV and H2O need attention: after the prompt, one extra forward of the last w prompt tokens
 (SnapKV's observation window) against the target's cache gives the votes; H2O then adds the root
@@ -49,7 +50,7 @@ from speccomp.errors import OptionError, OptionTypeError
 from speccomp.kv.policies import KVPolicy, KVPolicyError, parse_kv_cache, policy_bytes, snapkv_window
 from speccomp.runtime.calls import choice
 from speccomp.runtime.decode import KVCache, DraftContext
-from speccomp.runtime.tree import DynamicTreeSpec
+from speccomp.runtime.tree import DynamicTreeSpec, check_tree_width, max_tree_nodes, tree_option
 
 KV_MODES = ("draft", "target")
 
@@ -188,6 +189,15 @@ def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options
     from speccomp.passes.tree_attention import TreeAttention
 
     spec = _draft_tree(tree)
+    windows = sorted({s.sliding_window for s in base.structure.attention if s.sliding_window})
+    if windows and policy.kind != "kivi":
+        raise OptionError("kv_cache", policy.spec, f"evicts tokens, but the model has sliding-window attention "
+                          f"(windows {windows}), counted in cache slots: in the drafter's evicting cache every kept "
+                          "key would fall outside it and no draft would ever be accepted",
+                          "use a KIVI policy (it keeps every token), e.g. 'kivi4', or no kv_cache")
+    if tree is not None:  # as every drafter's tree: it fits the model's windows and scores existing tokens
+        tree_option(tree, max_tree_nodes(base.structure))
+    check_tree_width(spec, base.captured.vocab_size, "model", tree)
     policy_fits(policy, policy.spec, lambda: policy.check(base.captured.kv, base.captured.max_positions, tree_depth(spec) + 1))
     options = dict(drafter_options or {})
     weights = draft_weights(options.pop("weights", "float"), backend)
@@ -261,7 +271,10 @@ def check_kv_options(kv_cache, kv_mode, drafter, tree=None) -> tuple[KVPolicy, s
         what = ("'target' (LOSSY: the target reads the compressed cache) runs plain decoding only for now"
                 if mode == "target" else "'draft' makes the drafter itself (the model over its compressed cache)")
         raise OptionError("drafter", drafter, f"given with kv_mode={what}", "drop drafter=")
-    if mode == "draft" and not (isinstance(tree, str) and tree.strip().lower() == "auto"):
+    if mode == "draft" and isinstance(tree, str) and tree.strip().lower() == "auto":  # was refused after capture
+        raise OptionError("tree", tree, "autotune does not tune the compressed-cache drafter's tree",
+                          "give a tree, e.g. tree=3 or 'dynamic:16:4', or leave it out (the default dynamic tree)")
+    if mode == "draft":
         policy_fits(policy, kv_cache, lambda: policy.check_window(tree_depth(_draft_tree(tree)) + 1))
     return policy, mode
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from speccomp.backends import lower
+from speccomp.errors import OptionError, OptionTypeError
 from speccomp.frontend.graph import run_passes
 from speccomp.runtime.model import SpecModel
 from speccomp.frontend.convention import KVSpec
@@ -126,9 +127,12 @@ def kv_quality(step, reader, scored, kv: KVSpec, policy: KVPolicy, ids: torch.Te
     Compares each next-token distribution with the full-cache model's (same graph, full cache, same
     token-by-token schedule): mean KL(full || compressed) in nats, and both perplexities over the
     predicted tokens ids[prompt_length:]."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
+        raise OptionTypeError("ids", ids if not isinstance(ids, torch.Tensor) else f"tensor of shape {list(ids.shape)}",
+                              "must be a [1, T] tensor of token ids", "e.g. torch.tensor([ids])")
     T = ids.shape[1]
-    if not 0 < prompt_length < T:
-        raise ValueError(f"prompt_length must be in [1, {T - 1}] for a text of {T} tokens, got {prompt_length}")
+    if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or not 0 < prompt_length < T:
+        raise OptionError("prompt_length", prompt_length, f"must be an int in [1, {T - 1}] for a text of {T} tokens")
     full = KVCache(kv, T, ids.device)
     full_outs = _run(step, ids[:, :prompt_length], 0, full.past())
     full.append(full_outs[1])
@@ -182,8 +186,14 @@ class LossyKVModel(SpecModel):
 def compile_kv_target(base, policy: KVPolicy, backend: str) -> LossyKVModel:
     from speccomp.passes.kv_compress import AttentionScores, KiviCacheRead
 
+    from speccomp.backends import is_onnxruntime
+
     kv = base.captured.kv
     policy_fits(policy, policy.spec, lambda: policy.check(kv, base.captured.max_positions))  # an OptionError on kv_cache
+    if policy.kind == "kivi" and is_onnxruntime(backend):  # was a KeyError deep in the ONNX lowering
+        raise OptionError("backend", backend, f"kv_mode='target' with {policy.spec!r} reads its quantised cache through "
+                          "a graph of codes, scales and minima that the ONNX Runtime backends do not feed",
+                          "use backend='eager', or kv_mode='draft' (lossless; runs on onnxruntime)")
     target = run_passes(base.clone(), [])
     reader = scored = None
     if policy.needs_attention:

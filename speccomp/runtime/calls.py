@@ -286,7 +286,7 @@ def generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperatur
         raise OptionTypeError("do_sample", do_sample, f"must be True or False, got {type(do_sample).__name__}",
                               "a string such as 'False' is not a bool")
     t = as_number("temperature", temperature, "pass a float > 0 such as 0.7")
-    if not t > 0:
+    if not t > 0 and (do_sample or not t == 0):  # 0 with greedy decoding is greedy decoding (HF accepts it too)
         raise OptionError("temperature", temperature, "must be > 0", "use do_sample=False for greedy decoding")
     p = as_number("top_p", top_p, "pass a float in (0, 1]")
     if not 0 < p <= 1:
@@ -295,10 +295,10 @@ def generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperatur
         seed = as_int("seed", seed, "pass an int >= 0, or None for a fresh seed")
         if not 0 <= seed < 2**63:
             raise OptionError("seed", seed, "must be in [0, 2**63)")
-    if not do_sample and (t != 1.0 or p != 1.0):  # as HF does: greedy decoding reads neither
-        warnings.warn(f"temperature={temperature!r} / top_p={top_p!r} are ignored without do_sample=True (greedy "
-                      "decoding); pass do_sample=True to sample", UserWarning, stacklevel=3)
-    return GenerateArgs(prompt, n, eos, bool(do_sample), t, p, seed)
+    if not do_sample and (t not in (0.0, 1.0) or p != 1.0 or seed is not None):  # as HF: greedy reads none of them
+        warnings.warn(f"temperature={temperature!r} / top_p={top_p!r} / seed={seed!r} are ignored without "
+                      "do_sample=True (greedy decoding); pass do_sample=True to sample", UserWarning, stacklevel=3)
+    return GenerateArgs(prompt, n, eos, bool(do_sample), t if t > 0 else 1.0, p, seed)
 
 
 def choice(name: str, value, accepted) -> None:
