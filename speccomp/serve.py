@@ -151,6 +151,7 @@ class Scheduler:
                 if self.batch.budget is not None:  # a freed place is taken at once: tokens at the mean price
                     self.batch.budget.queued = any(not job.cancelled for job in self.waiting)
             try:
+                before = self.batch.forwards
                 emitted = self.batch.step()
             except Exception as exc:  # a failing step fails the rows in it, not the server
                 for rid, job in list(self.jobs.items()):
@@ -159,9 +160,10 @@ class Scheduler:
                     job.put(StepFailed(f"the batch step failed: {type(exc).__name__}: {exc}"))
                 self.jobs.clear()
                 continue
-            with self.wake:  # /metrics reads it from the event loop's thread
-                self.counts["forwards"] += 1
-                self.recent.append((time.perf_counter(), sum(len(t) for t in emitted.values())))
+            if self.batch.forwards > before:  # a step with no row to run (its only client gone) ran nothing
+                with self.wake:  # /metrics reads it from the event loop's thread
+                    self.counts["forwards"] += 1
+                    self.recent.append((time.perf_counter(), sum(len(t) for t in emitted.values())))
             for rid, tokens in emitted.items():
                 job = self.jobs[rid]
                 self.counts["tokens"] += len(tokens)

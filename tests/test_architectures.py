@@ -103,6 +103,22 @@ def test_single_token_prompt():
     assert torch.equal(fast.generate(prompt, max_new_tokens=5), want)
 
 
+def test_longrope_decodes_up_to_its_switch_and_refuses_past_it():
+    """Phi3's longrope changes its factors once the sequence passes original_max_position_embeddings, and HF then
+    recomputes the whole cache: speccomp, keeping its cache, decoded other tokens from there on (every drafter, and
+    a batch's long row switched its short rows). The context now ends at the switch (a warning says so)."""
+    rope = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6], "long_factor": [1.0, 2.0, 4.0, 8.0],
+            "original_max_position_embeddings": 20, "rope_theta": 10000.0}
+    model = ARCHITECTURES["phi3"].build(rope_parameters=rope, sliding_window=None, original_max_position_embeddings=20)
+    with pytest.warns(UserWarning, match="longrope.*limited to 20 positions"):
+        fast = speccomp.compile(model, drafter="ngram")
+    prompt = seeded_prompt(12, model.config.vocab_size)
+    want, _ = hf_greedy(model, prompt, 8)
+    assert torch.equal(fast.generate(prompt, max_new_tokens=8), want)
+    with pytest.raises(speccomp.OptionError, match="context of 20 positions"):
+        fast.generate(prompt, max_new_tokens=9)
+
+
 UNSUPPORTED_NAMES = list(UNSUPPORTED)
 
 

@@ -74,6 +74,24 @@ def test_rows_equal_their_own_greedy(captured, prompts, greedy, b):
     assert stats["forwards"] == max(r["steps"] for r in rows) < NEW
 
 
+def test_a_padded_batch_of_one_and_a_half_precision_mask_decode_as_hf(captured, prompts, greedy, tmp_path):
+    """[1, n] left-padded (a tokenizer pads a list of one prompt too) was refused as padding for a single sequence,
+    where HF decodes it and returns the padding in front; a bfloat16 mask was numpy's TypeError. Both runtimes."""
+    fast = speccomp.compile(captured, drafter="token_recycling", backend="onnxruntime")
+    engine = speccomp.load(fast.export(tmp_path / "e"))
+    ids, mask = left_padded(prompts[:2])
+    short = int(mask.sum(1).argmin())  # the padded row
+    one, one_mask = ids[short:short + 1], mask[short:short + 1]
+    assert not one_mask.all()
+    want = torch.cat([one[0], greedy[short]])[None]
+    assert torch.equal(fast.generate(one, max_new_tokens=NEW, attention_mask=one_mask.to(torch.bfloat16)), want)
+    assert engine.generate(one.numpy(), max_new_tokens=NEW, attention_mask=one_mask.numpy()).tolist() == want.tolist()
+    out = fast.generate(ids, max_new_tokens=NEW, attention_mask=mask.to(torch.bfloat16))
+    assert all(torch.equal(out[i, ids.shape[1]:], greedy[i]) for i in range(2))
+    with pytest.raises(speccomp.OptionTypeError, match="^input_ids=.*must hold integer token ids"):
+        fast.generate(ids.to(torch.bfloat16), max_new_tokens=NEW, attention_mask=mask)  # was numpy's TypeError
+
+
 @pytest.fixture(scope="module")
 def heads(llama, tmp_path_factory):
     from speccomp.drafters.eagle import save_eagle

@@ -131,6 +131,69 @@ def test_bad_declarations_are_refused_at_compile():
         retree(Counter([], ()), DynamicTreeSpec(4, 2))
 
 
+class Malformed(Counter):
+    """Counter's drafts, spoiled one way (`how`), to see the loop refuse them."""
+
+    def __init__(self, reference: list[int], how: str):
+        super().__init__(reference)
+        self.how = how
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        draft = super().propose(ctx)
+        tokens = draft.tokens
+        return {"wrong_root": lambda: Draft(draft.tree, torch.tensor([ctx.tokens[-2], tokens[1]])),
+                "too_few": lambda: Draft(draft.tree, tokens[:1]),
+                "out_of_vocab": lambda: Draft(draft.tree, torch.tensor([tokens[0], 10**6])),
+                "negative": lambda: Draft(draft.tree, torch.tensor([tokens[0], -1])),
+                "floats": lambda: Draft(draft.tree, tokens.float()),
+                "tuple": lambda: (draft.tree, tokens)}[self.how]()
+
+
+class Appender(Counter):
+    """Drafts after appending to ctx.tokens, the text the loop emits into (was: wrong tokens, no error)."""
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        ctx.tokens.append(ctx.tokens[-1])
+        return Draft(Tree.chain(1), torch.tensor([ctx.tokens[-2], ctx.tokens[-1]]))
+
+
+@pytest.mark.parametrize("how, words", [
+    ("wrong_root", "rooted at token .*the root must be the last token emitted"),  # was: another text, no error
+    ("too_few", "not a 1-D integer tensor of 2 ids"),  # was: an export guard's AssertionError
+    ("out_of_vocab", r"outside the vocabulary \[0, 96\)"),  # was: IndexError in the embedding
+    ("negative", "outside the vocabulary"),  # was: wrapped silently by ONNX Runtime's Gather
+    ("floats", "not a 1-D integer tensor"),
+    ("tuple", "a tuple, not a Draft"),
+])
+def test_a_users_malformed_drafts_are_refused_naming_the_drafter(how, words):
+    model = tiny_llama(initializer_range=0.2)
+    ids = torch.arange(3, 13)[None]
+    ref = ids[0].tolist() + greedy(model, ids, 8).tolist()
+    fast = speccomp.compile(model, drafter=Malformed(ref, how))
+    with pytest.raises(OptionError, match=rf"^drafter='counter': proposed .*{words}.*return Draft\(tree, tokens\)"):
+        fast.generate(ids, max_new_tokens=8)
+
+
+def test_a_drafter_cannot_change_the_text_it_is_shown():
+    model = tiny_llama(initializer_range=0.2)
+    ids = torch.arange(3, 13)[None]
+    ref = ids[0].tolist() + greedy(model, ids, 12).tolist()
+    assert speccomp.compile(model, drafter=Appender(ref)).generate(ids, max_new_tokens=12)[0].tolist() == ref
+
+
+def test_a_users_drafter_named_like_a_builtin_is_not_exported(tmp_path):
+    """Its manifest entry named speccomp's drafter: the engine would draft with that one (or call itself corrupt)."""
+    from speccomp.engine.runtime import EngineError
+
+    class Mine(Counter):
+        name = "ngram"
+
+    fast = speccomp.compile(tiny_llama(), drafter=Mine([]), backend="onnxruntime")
+    with pytest.raises(EngineError, match="user-written Mine named like speccomp's own ngram"):
+        fast.export(tmp_path / "e")
+    assert not (tmp_path / "e").exists()
+
+
 # ---- tree growth, written once ------------------------------------------------------------------------------
 
 

@@ -141,8 +141,11 @@ def test_merged_drafter_bad_input(llama6):
     # a tree a drafter refuses, given in its own options: named there (the message blamed a tree= nobody passed)
     with pytest.raises(ValueError, match=r"drafter_options\['ngram'\]\['tree'\]=3: .*drop drafter_options\['ngram'\]"):
         speccomp.compile(llama6, drafter="suffix+ngram", drafter_options={"ngram": {"tree": 3}})
-    with pytest.raises(ValueError, match="exit_layer=9: must be"):  # each drafter still checks its own options
+    # each drafter still checks its own options, named where they were given (both parts take max_ngram)
+    with pytest.raises(ValueError, match=r"^drafter_options\['early_exit'\]\['exit_layer'\]=9: must be"):
         speccomp.compile(llama6, drafter="early_exit+ngram", drafter_options={"early_exit": {"exit_layer": 9}})
+    with pytest.raises(ValueError, match=r"^drafter_options\['token_recycling'\]\['max_ngram'\]=0: must be"):
+        speccomp.compile(llama6, drafter="ngram+token_recycling", drafter_options={"token_recycling": {"max_ngram": 0}})
 
 
 def test_merge_with_a_drafter_engines_cannot_run_is_not_exported(llama6, tmp_path, monkeypatch):

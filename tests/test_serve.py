@@ -307,6 +307,7 @@ def test_a_failed_step_answers_500_and_a_client_gone_while_queued_is_counted(eng
         m = counts(client.get("/metrics").text)
         assert m["requests_failed_total"] == 1 and m["requests_refused_total"] == 0
         assert m["requests_finished_total"] == 1 and client.get("/health").status_code == 200
+        assert m["forwards_total"] == scheduler.batch.forwards  # the failed step ran none (was counted one)
     # the app has stopped its scheduler thread: its queue is driven by hand from here
     loop = asyncio.new_event_loop()
     gone, kept = Job([5, 6], {}, loop), Job([5, 6, 7], {}, loop)

@@ -374,6 +374,10 @@ UNSUPPORTED = {
     "bart_encoder_decoder": (_bart, ("encoder-decoder",)),
     "mamba_recurrent": (_mamba, ("recurrent",)),
     "llama_base_model_no_head": (_llama_base, ("lm head",)),
+    # dynamic NTK recomputes its frequencies from the sequence length: was refused by a torch.export guard's message
+    "llama_dynamic_rope": (lambda: ARCHITECTURES["llama"].build(
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, max_position_embeddings=24),
+        ("rope_type='dynamic'",)),
 }
 
 

@@ -153,6 +153,9 @@ def make_merged(names: list[str], base, options: dict | None, tree, backend: str
             if exc.parameter == "tree" and "tree" in options.get(n, {}):  # its own tree: named where it was given
                 where = f"drafter_options[{n!r}]['tree']"
                 raise OptionError(where, own_tree, exc.problem, exc.fix.replace("tree=", where)) from None
+            if exc.parameter in options.get(n, {}):  # an option given for this part: named where it was given
+                where = f"drafter_options[{n!r}][{exc.parameter!r}]"
+                raise OptionError(where, exc.value, exc.problem, exc.fix) from None
             if not (default and exc.parameter == "tree"):
                 raise
             raise OptionError("drafter_options", options, f"leaves {n} the merge's default tree {own_tree}, which "

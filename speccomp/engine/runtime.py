@@ -31,7 +31,8 @@ import numpy as np
 
 from speccomp.runtime.budget import AHEAD_PAST, AHEAD_Q, Budget, StepCosts
 from speccomp.runtime.calls import (MAX_TREE, CallGuard, Generation, as_int, batch_rows, check_context, generate_args,
-                                    pad_id, row_seed, row_slots, run_batch, tightest_context)
+                                    host_array, one_padded_row, pad_id, row_seed, row_slots, run_batch,
+                                    tightest_context)
 from speccomp.runtime.packed import PackedBatch, Part
 from speccomp.runtime.topk import top_k, top_logp
 from speccomp.errors import OptionError, OptionTypeError, SpeccompError
@@ -1539,10 +1540,11 @@ class Engine:
                  pad_token_id: int | None = None, load_aware: bool = True) -> np.ndarray:
         """Prompt + new tokens, np.int64 [1, n + m]; greedy output equals the model's greedy decoding. A left-padded
         batch [B, n] with `attention_mask` decodes every row as if alone ([B, n + m], padded with `pad_token_id`,
-        default the first eos id; `load_aware`: caps on each row's tree by goodput), as SpecModel.generate. Arguments are checked as SpecModel.generate's
+        default the smallest eos id; `load_aware`: caps on each row's tree by goodput), as SpecModel.generate. Arguments are checked as SpecModel.generate's
         (speccomp/runtime/calls.py)."""
         if not isinstance(load_aware, bool):  # checked for one sequence too, where it changes nothing
             raise OptionTypeError("load_aware", load_aware, "must be True or False")
+        input_ids, attention_mask, padding = one_padded_row(input_ids, attention_mask)  # [1, n] left-padded
         rows = batch_rows(input_ids, attention_mask)
         if rows is not None:
             return self._generate_batch(input_ids, rows, max_new_tokens, eos_token_id, do_sample, temperature, top_p,
@@ -1554,7 +1556,8 @@ class Engine:
         with self._calls.lock:
             out, stats = self._decode(args)
             self._calls.stats = stats
-        return np.concatenate([args.prompt, np.asarray(out, dtype=np.int64)])[None]
+        out = np.concatenate([args.prompt, np.asarray(out, dtype=np.int64)])[None]
+        return out if padding is None else np.concatenate([host_array(padding).astype(np.int64), out], axis=1)
 
     def _decode(self, args) -> tuple[list[int], dict]:
         """The decode loop (speccomp/runtime/decode.py's, in numpy): new tokens and stats."""

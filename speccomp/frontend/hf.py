@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 
 import torch
 from torch import nn
@@ -168,6 +169,10 @@ def _check_hf_model(model) -> None:
         raise UnsupportedModelError(f"{name} is a recurrent (state-space) model: it carries a recurrent state "
                                     "(`cache_params`), not a per-layer key/value cache, so there is no KV cache to "
                                     "verify draft tokens against")
+    if "dynamic" in _rope_types(config):
+        raise UnsupportedModelError(f"{name} uses rope_type='dynamic' (dynamic NTK scaling): its rotary frequencies are "
+                                    "recomputed from the sequence length, so keys cached earlier no longer match; use "
+                                    "a config with static RoPE scaling (default, linear, llama3, yarn)")
     for arg in ("position_ids", "past_key_values", "attention_mask"):
         if arg not in params:
             raise UnsupportedModelError(f"{name}.forward takes no `{arg}`, which speccomp needs as an explicit graph "
@@ -225,12 +230,32 @@ def _sliding_windows(model) -> dict[str, int]:
     return windows
 
 
+def _rope_types(config) -> dict:
+    """rope_type -> its parameters, for every rotary setting of the config (transformers' rope_parameters, one dict or
+    one per layer type; older configs' rope_scaling)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    dicts = [rope] if "rope_type" in rope or "type" in rope else [v for v in rope.values() if isinstance(v, dict)]
+    return {d.get("rope_type", d.get("type")): d for d in dicts}
+
+
 def _max_positions(config) -> int | None:
+    limit = None
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
-            return value
-    return None
+            limit = value
+            break
+    longrope = _rope_types(config).get("longrope")
+    switch = (longrope or {}).get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None)
+    if longrope is not None and isinstance(switch, int) and 0 < switch < (limit or switch + 1):
+        # HF switches to the long factors once a sequence passes `switch` and then recomputes the whole cache with
+        # them (Phi3's prepare_inputs_for_generation); speccomp keeps its cache, so its context ends there
+        warnings.warn(f"{config.model_type}: longrope RoPE changes its factors past original_max_position_embeddings="
+                      f"{switch} and HF then recomputes the whole KV cache; speccomp keeps its cache, so prompt + new "
+                      f"tokens are limited to {switch} positions (of {limit})", UserWarning, stacklevel=4)
+        return switch
+    return limit
 
 
 # ---- Export --------------------------------------------------------------------------

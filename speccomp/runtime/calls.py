@@ -163,6 +163,30 @@ def _check_ids_in(lo: int, hi: int, vocab_size: int, input_ids) -> None:
                           "encode the prompt with this model's tokenizer")
 
 
+def host_array(x) -> np.ndarray:
+    """A tensor (any device; bfloat16 and float16 masks too, which numpy cannot hold), array or list as numpy."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu()
+        x = x.float() if x.is_floating_point() else x
+    return np.asarray(x)
+
+
+def one_padded_row(input_ids, attention_mask):
+    """A batch of one, [1, n], left-padded (a tokenizer pads a list of one prompt too), as (the row without its
+    padding [1, m], no mask, the padding columns [1, n - m] that go back in front of the output, as HF returns them);
+    anything else as (input_ids, attention_mask, None), for batch_rows to split or refuse."""
+    shape = tuple(getattr(input_ids, "shape", ()))
+    if attention_mask is None or len(shape) != 2 or shape[0] != 1:
+        return input_ids, attention_mask, None
+    mask = host_array(attention_mask)
+    if mask.shape != shape or not np.isin(mask, (0, 1)).all() or mask.all() or not mask.any():
+        return input_ids, attention_mask, None
+    first = int(mask[0].argmax())
+    if not mask[0, first:].all():  # a hole: batch_rows says so
+        return input_ids, attention_mask, None
+    return input_ids[:, first:], None, input_ids[:, :first]
+
+
 def batch_rows(input_ids, attention_mask) -> list[np.ndarray] | None:
     """The prompts of a batch input_ids [B, n] (B > 1), each without its left padding (attention_mask 0), or None for
     one sequence ([n] or [1, n], whose attention_mask, if given, must be all ones). Token ids are checked per row by
@@ -179,8 +203,7 @@ def batch_rows(input_ids, attention_mask) -> list[np.ndarray] | None:
         shape = (len(input_ids),)
     mask = None
     if attention_mask is not None:
-        host = attention_mask.detach().cpu() if hasattr(attention_mask, "detach") else attention_mask
-        mask = np.asarray(host)
+        mask = host_array(attention_mask)
         if mask.shape != shape and not (len(shape) == 1 and mask.shape == (1, shape[0])):
             raise OptionError("attention_mask", f"shape {mask.shape}", f"must have input_ids' shape {shape}")
         if not np.isin(mask, (0, 1)).all():
@@ -194,8 +217,10 @@ def batch_rows(input_ids, attention_mask) -> list[np.ndarray] | None:
         raise OptionError("input_ids", input_ids, "holds no sequences (batch of 0)")
     if shape[1] == 0:
         raise OptionError("input_ids", f"shape {tuple(shape)}", "is empty", "give every row at least one prompt token")
-    host = input_ids.detach().cpu() if hasattr(input_ids, "detach") else input_ids
-    ids = np.asarray(host)
+    if hasattr(input_ids, "dtype") and "int" not in str(input_ids.dtype):
+        raise OptionTypeError("input_ids", f"{type(input_ids).__name__} of {input_ids.dtype}",
+                              "must hold integer token ids", "e.g. tokenizer(..., return_tensors='pt').input_ids")
+    ids = host_array(input_ids)
     if mask is None:
         mask = np.ones(shape, dtype=np.int64)
     rows = []

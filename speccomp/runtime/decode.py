@@ -356,14 +356,18 @@ class Sequence(Generation):
         self.drafter.begin(list(self.prompt))  # before take_states: a drafter may reset its state here
         _hand_states(self.drafter, outs, None)
         self.stats.steps = 1  # the prefill produced the first token
+        self._vocab = outs[0].shape[-1]  # the ids a draft may hold (check_draft)
         self._emit([int(self.sampler(outs[0][0, -1]))])
 
     def draft(self, cache: KVCache, max_nodes: int | None = None) -> Draft:
         """`max_nodes`: a batch's cap for this row this step (Generation.room)."""
         room, cap = self.room(max_nodes)
-        ctx = DraftContext(self.context, cache, max_depth=room - 1, max_nodes=cap, sampler=self._drafts_sampler)
-        root_only = room <= 1 or cap <= 1
-        draft = Draft(ROOT_ONLY, torch.tensor([self.out[-1]])) if root_only else self.drafter.propose(ctx)
+        # a copy: a drafter that appended to ctx.tokens shifted the text the loop emits into (wrong tokens, no error)
+        ctx = DraftContext(list(self.context), cache, max_depth=room - 1, max_nodes=cap, sampler=self._drafts_sampler)
+        if room <= 1 or cap <= 1:
+            draft = Draft(ROOT_ONLY, torch.tensor([self.out[-1]]))
+        else:
+            draft = check_draft(self.drafter.propose(ctx), self.out[-1], self._vocab, self.drafter.name)
         tree, keep = truncate(draft.tree, ctx.max_depth, ctx.max_nodes)
         if len(keep) != draft.tree.size:
             draft = Draft(tree, draft.tokens[keep], None if draft.probs is None else draft.probs[keep])
@@ -391,6 +395,32 @@ class Sequence(Generation):
     def _emit(self, tokens: list[int]) -> None:
         super()._emit(tokens)
         self.stats.new_tokens = len(self.out)
+
+
+def check_draft(draft, root: int, vocab: int, name: str) -> Draft:
+    """`draft` as `propose` returned it, refused unless the loop can verify it: a Draft of a Tree and a 1-D integer
+    tensor of one token per node, the root first and equal to the last token emitted (a wrong root was verified as
+    given: the target scored a text never emitted, and the output was not the model's), every id in the vocabulary,
+    probs (if any) [nodes, vocab]. The built-in drafters pass it; a user's Drafter learns here what it got wrong."""
+    def refuse(problem: str):
+        from speccomp.errors import OptionError
+
+        raise OptionError("drafter", name, f"proposed {problem}", "return Draft(tree, tokens) with tokens a long tensor "
+                          "[tree.size], tokens[0] = ctx.tokens[-1] (see speccomp.runtime.decode.Draft)")
+
+    if not isinstance(draft, Draft) or not isinstance(draft.tree, Tree):
+        refuse(f"a {type(draft).__name__}, not a Draft of a speccomp Tree")
+    tokens, n = draft.tokens, draft.tree.size
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() \
+            or tokens.dtype == torch.bool or tokens.numel() != n:
+        refuse(f"tokens {tokens!r} for a tree of {n} nodes, not a 1-D integer tensor of {n} ids")
+    if int(tokens[0]) != root:
+        refuse(f"a tree rooted at token {int(tokens[0])}; the root must be the last token emitted, {root}")
+    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
+        refuse(f"token ids in [{int(tokens.min())}, {int(tokens.max())}], outside the vocabulary [0, {vocab})")
+    if draft.probs is not None and tuple(draft.probs.shape) != (n, vocab):
+        refuse(f"probs of shape {tuple(draft.probs.shape)}, not [{n}, {vocab}] (one distribution per node)")
+    return draft
 
 
 def decode(verifier, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int, eos: set[int], sampler: Sampler,

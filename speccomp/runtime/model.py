@@ -14,8 +14,8 @@ from speccomp.errors import OptionError, OptionTypeError
 from speccomp.frontend.graph import SpecGraph
 from speccomp.runtime.batch import check_batchable, decode_batch, step_costs
 from speccomp.runtime.budget import Budget
-from speccomp.runtime.calls import (ACCEPTANCE, CallGuard, batch_rows, check_context, choice, generate_args, pad_id,
-                                    row_seed)
+from speccomp.runtime.calls import (ACCEPTANCE, CallGuard, batch_rows, check_context, choice, generate_args,
+                                    one_padded_row, pad_id, row_seed)
 from speccomp.runtime.decode import FullCache, RootOnly, Sequence, decode
 from speccomp.runtime.sampling import Sampler
 from speccomp.tuning.step_curve import load_curve
@@ -117,7 +117,8 @@ class SpecModel:
         pad_token_id: int | None = None,
         load_aware: bool = True,
     ) -> torch.Tensor:
-        """input_ids: [seq] or [1, seq] token ids (a LongTensor, an integer array or a list), or a batch [B, seq]
+        """input_ids: [seq] or [1, seq] token ids (a LongTensor, an integer array or a list; [1, seq] left-padded with
+        `attention_mask` decodes the row and puts its padding back in front, as HF does), or a batch [B, seq]
         left-padded with `attention_mask` (0 on padding) as for HF generate: each row is decoded as if alone
         (speccomp/runtime/batch.py) and the result is [B, seq + m], rows that stopped early padded on the right with
         `pad_token_id` (default: the smallest eos id); `load_aware` caps each row's tree step by step where the batch's
@@ -131,6 +132,7 @@ class SpecModel:
         OptionError / OptionTypeError naming it."""
         if not isinstance(load_aware, bool):  # checked for one sequence too, where it changes nothing
             raise OptionTypeError("load_aware", load_aware, "must be True or False")
+        input_ids, attention_mask, padding = one_padded_row(input_ids, attention_mask)  # [1, n] left-padded
         rows = batch_rows(input_ids, attention_mask)
         if rows is not None:
             return self._generate_batch(input_ids, rows, max_new_tokens, eos_token_id, do_sample, temperature, top_p,
@@ -148,7 +150,8 @@ class SpecModel:
         with self._calls.lock, host_threads(self.backend):
             new, stats = self._decode(prompt, args, sampler, acceptance)
             self._calls.stats = stats
-        return torch.cat([given.to(device), new[None].to(device)], dim=1)
+        out = torch.cat([given.to(device), new[None].to(device)], dim=1)
+        return out if padding is None else torch.cat([torch.as_tensor(padding).to(out), out], dim=1)  # as HF returns
 
     def step_costs(self):
         """The target's step-cost curve t(q, past) (runtime/budget.py's StepCosts): the grid autotune stored for this
