@@ -55,6 +55,8 @@ def check_options(*, drafter=None, tree=None, kv_cache=None, kv_mode=None, backe
             choice("drafter", drafter, DRAFTERS)
         for i, name in enumerate(merged or [drafter]):  # tree= shapes the first drafter's tree
             check_named(name, tree if i == 0 else None, backend)
+            _check_text_options(name, ((drafter_options or {}).get(name, {}) if merged else drafter_options) or {},
+                                tree if i == 0 else None, merged=bool(merged))
     elif tree is not None:
         raise OptionError("tree", tree, "shapes the drafter's token tree, but no drafter was given",
                           "give a drafter too (see speccomp.available_drafters())")
@@ -62,6 +64,23 @@ def check_options(*, drafter=None, tree=None, kv_cache=None, kv_mode=None, backe
         raise OptionError("drafter_options", drafter_options, "given without a drafter", "give drafter= too")
     if tree is not None:
         tree_option(tree, MAX_TREE)
+
+
+def _check_text_options(name: str, options: dict, tree, merged: bool) -> None:
+    """A text drafter's options (ngram, suffix, token_recycling) need no model: built once here (with the tree the
+    user gave it, if any), so a bad one fails before the capture (and before the CLI loads a model). Its tree is
+    compile's to check, against the model and a merge's default tree."""
+    from speccomp.drafters.merge import in_part
+    from speccomp.drafters.ngram import make_ngram, make_suffix, make_token_recycling
+
+    make = {"ngram": make_ngram, "suffix": make_suffix, "token_recycling": make_token_recycling}.get(name)
+    if make is not None:
+        given = options.get("tree", tree) if name == "token_recycling" else None
+        try:
+            make(**{k: v for k, v in options.items() if k != "tree"}, **({"tree": given} if given is not None else {}))
+        except (OptionError, OptionTypeError) as exc:
+            if exc.parameter != "tree":
+                raise in_part(name, options, exc) if merged else exc from None
 
 
 def compile(model, *, drafter=None, tree=None, kv_cache=None, kv_mode: str | None = None,  # noqa: A001

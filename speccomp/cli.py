@@ -51,18 +51,14 @@ _unit_interval = _parsed(positive_float, lambda v: v <= 1, "in (0, 1]")  # top-p
 def _compile_options(args) -> None:
     """--drafter, --tree, --kv-cache, --kv-mode and --backend, by the library's model-free check (what
     `speccomp.compile` checks before it has a model). 'plain' / 'none' and a KV policy leave no drafter."""
-    from speccomp.api import check_options
-
     if args.drafter is None and getattr(args, "kv_cache", None) is None:
         args.drafter = getattr(args, "default_drafter", None)  # an explicit --drafter with --kv-cache is refused below
     if args.drafter in ("none", "plain"):
         args.drafter = None
     # with a KV policy the model drafts for itself over the compressed cache: check_options refuses a drafter
-    options = getattr(args, "drafter_options", None)
-    check_options(drafter=args.drafter, tree=getattr(args, "tree", None), kv_cache=getattr(args, "kv_cache", None),
-                  kv_mode=getattr(args, "kv_mode", None), backend=args.backend, drafter_options=options)
-    if options is not None and args.drafter is not None:
-        check_text_drafter_options(args.drafter, options)
+    check_compile_options(drafter=args.drafter, tree=getattr(args, "tree", None),
+                          kv_cache=getattr(args, "kv_cache", None), kv_mode=getattr(args, "kv_mode", None),
+                          backend=args.backend, drafter_options=getattr(args, "drafter_options", None))
     if getattr(args, "device", None) is not None:
         _check_device(args.device)
 
@@ -153,23 +149,20 @@ def _our_plot(path: Path) -> bool:
         return False
 
 
-def check_text_drafter_options(drafter: str, options: dict | None) -> None:
-    """Options of the text drafters (ngram, token_recycling; also inside a merge), checked by building them: they
-    need no model. A model drafter's options (layers, heads) are checked by compile once it has the model."""
-    from speccomp.drafters.merge import split_names
-    from speccomp.drafters.ngram import make_ngram, make_token_recycling
+COMPILE_PARAMETERS = ("drafter", "tree", "kv_cache", "kv_mode", "backend", "drafter_options")
 
-    makers = {"ngram": make_ngram, "token_recycling": make_token_recycling}
-    members = split_names(drafter)
-    per_drafter = {name: (options or {}).get(name) for name in members} if members else {drafter: options}
-    for name, own in per_drafter.items():
-        if name in makers and own:
-            try:
-                makers[name](**own)
-            except (OptionError, OptionTypeError) as exc:  # about one option (max_ngram=0): say which flag holds it
-                if exc.parameter == "drafter_options":
-                    raise
-                raise type(exc)("drafter_options", options, str(exc)) from None
+
+def check_compile_options(**options) -> None:
+    """check_options: what compile checks without a model. An error about one option inside drafter_options (the API
+    names it as the drafter does: `max_ngram=0`) says which flag holds it."""
+    from speccomp.api import check_options
+
+    try:
+        check_options(**options)
+    except (OptionError, OptionTypeError) as exc:
+        if exc.parameter in COMPILE_PARAMETERS or str(exc.parameter).startswith("drafter_options["):
+            raise
+        raise type(exc)("drafter_options", options.get("drafter_options"), str(exc)) from None
 
 
 # ---- Commands --------------------------------------------------------------------------------------------
@@ -639,8 +632,7 @@ def cmd_bench(args) -> int:
                           "name drafters with --drafters or drop --tree")
     options = _bench_drafter_options(args, drafters)
     for d in drafters:  # each row as compile checks it without a model (merge rules, tree, option types)
-        check_options(drafter=d, tree=args.tree, backend=args.backend, drafter_options=options.get(d))
-        check_text_drafter_options(d, options.get(d))
+        check_compile_options(drafter=d, tree=args.tree, backend=args.backend, drafter_options=options.get(d))
     extra_rows = kv_rows(args.kv, args.kv_mode) if args.kv else []
     args.plot = check_plot_flag("plot", args.plot)
     prompts = load_bench_prompts(args.prompts, args.limit)

@@ -495,8 +495,10 @@ def test_engine_generate_input_errors(engine_dir):
     engine = load(engine_dir)
     with pytest.raises(ValueError, match=r"or a batch \[B, seq\], got shape"):
         engine.generate(np.ones((2, 2, 3), dtype=np.int64), 4)
-    with pytest.raises(ValueError, match="attention_mask.*has padding"):
-        engine.generate(np.ones((1, 3), dtype=np.int64), 4, attention_mask=np.array([[0, 1, 1]]))
+    with pytest.raises(ValueError, match="attention_mask.*has padding"):  # [n] is one sequence, unpadded
+        engine.generate(np.ones(3, dtype=np.int64), 4, attention_mask=np.array([0, 1, 1]))
+    padded = engine.generate(np.array([[0, 5, 6]]), 4, attention_mask=np.array([[0, 1, 1]]))  # [1, n]: as HF
+    assert padded[:, :1].tolist() == [[0]] and padded[:, 1:].tolist() == engine.generate([5, 6], 4).tolist()
     with pytest.raises(ValueError, match=r"must be in \[0, 96\)"):
         engine.generate([1, 500], 4)
     with pytest.raises(ValueError, match="max_new_tokens=0: must be a positive int"):

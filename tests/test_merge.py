@@ -148,6 +148,21 @@ def test_merged_drafter_bad_input(llama6):
         speccomp.compile(llama6, drafter="ngram+token_recycling", drafter_options={"token_recycling": {"max_ngram": 0}})
 
 
+def test_text_drafter_options_are_checked_before_a_model_is_captured():
+    """ngram / suffix / token_recycling options need no model: check_options (what the CLI runs before it loads
+    one) refuses them now, where they failed only after the capture; an unknown option is named alone (the message
+    showed a tree the caller never gave)."""
+    from speccomp.api import check_options
+
+    with pytest.raises(ValueError, match=r"^max_ngram=0: "):
+        check_options(drafter="ngram", drafter_options={"max_ngram": 0})
+    with pytest.raises(ValueError, match=r"^drafter_options\['token_recycling'\]\['max_ngram'\]=0: "):
+        check_options(drafter="ngram+token_recycling", drafter_options={"token_recycling": {"max_ngram": 0}})
+    with pytest.raises(ValueError, match=r"^drafter_options=\{'bogus': 1\}: unknown token_recycling options"):
+        check_options(drafter="token_recycling", drafter_options={"bogus": 1})
+    check_options(drafter="token_recycling", drafter_options={"tree": 3, "top_k": 4})  # trees: checked by compile
+
+
 def test_merge_with_a_drafter_engines_cannot_run_is_not_exported(llama6, tmp_path, monkeypatch):
     """A drafter registered by the user merges like any other, but an engine cannot know its algorithm: export
     refuses the merge, naming it, before writing anything."""

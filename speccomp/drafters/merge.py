@@ -139,6 +139,15 @@ def check_merge(names: list[str], options: dict | None, tree, declared: dict) ->
                           "give one")
 
 
+def in_part(name: str, given: dict, exc: OptionError) -> OptionError:
+    """`exc` of merged drafter `name`, named where its option was given (`given`: drafter_options[name]): both
+    token_recycling and ngram take max_ngram, so a bare `max_ngram=0` would not say which."""
+    if exc.parameter not in given:
+        return exc
+    where = f"drafter_options[{name!r}][{exc.parameter!r}]"
+    return type(exc)(where, exc.value, exc.problem, exc.fix.replace(f"{exc.parameter}=", where + "="))
+
+
 def make_merged(names: list[str], base, options: dict | None, tree, backend: str, factories: dict) -> MergedDrafter:
     """The MergedDrafter of `names` (already checked by check_merge) over the captured graph `base`."""
     options = dict(options or {})
@@ -149,13 +158,9 @@ def make_merged(names: list[str], base, options: dict | None, tree, backend: str
         own_tree = own.pop("tree", tree if i == 0 else MERGED_RECYCLING_TREE if default else None)
         try:
             drafters.append(factories[n](base, own, own_tree, backend))
-        except OptionError as exc:
-            if exc.parameter == "tree" and "tree" in options.get(n, {}):  # its own tree: named where it was given
-                where = f"drafter_options[{n!r}]['tree']"
-                raise OptionError(where, own_tree, exc.problem, exc.fix.replace("tree=", where)) from None
-            if exc.parameter in options.get(n, {}):  # an option given for this part: named where it was given
-                where = f"drafter_options[{n!r}][{exc.parameter!r}]"
-                raise OptionError(where, exc.value, exc.problem, exc.fix) from None
+        except (OptionError, OptionTypeError) as exc:
+            if exc.parameter in options.get(n, {}):  # an option given for this part (its tree too): named there
+                raise in_part(n, options[n], exc) from None
             if not (default and exc.parameter == "tree"):
                 raise
             raise OptionError("drafter_options", options, f"leaves {n} the merge's default tree {own_tree}, which "

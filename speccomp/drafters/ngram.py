@@ -208,7 +208,8 @@ def _make(cls, options: dict):
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise OptionError("drafter_options", options, f"unknown {cls.name} options {unknown}", f"accepted options: {accepted}")
+        raise OptionError("drafter_options", {k: options[k] for k in unknown}, f"unknown {cls.name} options {unknown}",
+                          f"accepted options: {accepted}")  # the unknown ones alone: not a tree the caller never gave
     return cls(**options)
 
 

@@ -49,9 +49,7 @@ def drafter_spec(drafter) -> dict:
     name = drafter.name
     if "+" in name and hasattr(drafter, "drafters"):
         return {"name": name, "options": {}, "drafters": [drafter_spec(d) for d in drafter.drafters]}
-    from speccomp.drafters.registry import DECLARED
-
-    if name in DECLARED and type(drafter).__module__.split(".")[0] != "speccomp":  # a user's Drafter named like one
+    if name in ENGINE_DRAFTERS and type(drafter).__module__.split(".")[0] != "speccomp":  # a user's, named like one
         raise EngineError(f"drafter {name!r} is a user-written {type(drafter).__name__} named like speccomp's own "
                           f"{name} drafter: an engine would draft with speccomp's instead; user-written drafters "
                           "cannot be exported (the torch-free runtime cannot run their Python)")
