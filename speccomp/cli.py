@@ -459,7 +459,8 @@ def cmd_serve(args) -> int:
         raise FileNotFoundError(f"speccomp serve needs FastAPI and uvicorn ({exc}): pip install 'speccomp[serve]'") from None
     options = dict(host=args.host, port=args.port, max_batch=args.max_batch, kv_slots=args.kv_slots,
                    provider=args.provider, threads=args.threads, draft=not args.no_draft)
-    _check_listen(args.host, args.port)  # before the engine loads and the step costs are measured (minutes)
+    if args.replicas is None or not os.environ.get("RAY_ADDRESS"):  # an existing cluster's proxy may hold the port
+        _check_listen(args.host, args.port)  # before the engine loads and the step costs are measured (minutes)
     if args.replicas is None:
         serve(args.engine, **options)
     else:

@@ -43,7 +43,8 @@ UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logpr
                "include_stop_str_in_output": False, "skip_special_tokens": True}
 # accepted only at these values (or null): anything else would change the text, so it is refused, never ignored
 KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream",
-         "stream_options", "user", "metadata", "store", "service_tier", *UNSUPPORTED}
+         "stream_options", "user", "safety_identifier", "prompt_cache_key", "metadata", "store", "service_tier",
+         *UNSUPPORTED}
 # a key outside KNOWN (and not null) is refused too: an option speccomp has never heard of may change the reply
 ROLES = ("system", "developer", "user", "assistant")  # chat roles; "tool" and "function" need tools (refused)
 DISCONNECT_CHECK = 0.5  # seconds between checks that a non-streaming request's client is still there
@@ -249,7 +250,7 @@ def _options(body: dict, default_max_tokens: int | None) -> dict:
                           f"{body['max_tokens']}; they name the same limit", "send one of them")
     max_tokens = given("max_tokens", given("max_completion_tokens", default_max_tokens))
     return {"max_new_tokens": max_tokens, "do_sample": temperature > 0, "temperature": temperature or 1.0,
-            "top_p": given("top_p", 1.0), "seed": body.get("seed")}
+            "top_p": given("top_p", 1.0), "seed": body.get("seed") if temperature > 0 else None}  # greedy: no draw
 
 
 def make_app(engine, max_batch: int = 8, kv_slots: int = 8192, name: str | None = None, store_curve: bool = False):

@@ -174,6 +174,18 @@ def test_bad_requests_get_400_naming_the_parameter(server, body, param):
     assert error["type"] == "invalid_request_error" and param in error["message"]
 
 
+def test_openai_keys_that_change_no_text_are_accepted_and_greedy_drops_the_seed():
+    """safety_identifier and prompt_cache_key (OpenAI's successors of `user`) were refused as unknown; a greedy request
+    with a seed (a common pairing for repeatable runs) handed the seed on, which generate warns about."""
+    from speccomp.serve import _options
+
+    body = {"prompt": "w5", "safety_identifier": "u-1", "prompt_cache_key": "k", "user": "me", "temperature": 0,
+            "seed": 7}
+    options = _options(body, 16)
+    assert options["do_sample"] is False and options["seed"] is None
+    assert _options({**body, "temperature": 0.5}, 16)["seed"] == 7
+
+
 def test_a_request_larger_than_the_cache_is_refused_and_bad_json_too(server):
     url, app = server
     scheduler = app.state.scheduler

@@ -621,7 +621,8 @@ def warp(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
         x32 = (x32 - x32.max(-1, keepdims=True)) / np.float32(max(temperature, np.finfo(np.float32).tiny))
         order = np.argsort(x32, kind="stable")  # ascending
         p = np.exp(x32[order])  # x32.max() is 0
-        cumulative = np.cumsum(p / p.sum(dtype=np.float32), dtype=np.float32)
+        cumulative = np.cumsum(p / p.sum(dtype=np.float32), dtype=np.float64).astype(np.float32)  # as torch's CPU
+        # cumsum: a float64 running total, each output rounded to float32
         remove = cumulative <= np.float32(1 - top_p)
         remove[-1] = False  # always keep the most likely token
         x = x.copy()

@@ -21,9 +21,10 @@ because verifying a tree there costs about 1.6x a one-token step: benchmarks/REA
 
 Positions: a compressed cache holds fewer slots than the sequence has tokens, so draft positions
 come from the target's length (keys already carry their rotary position; every cached key is
-visible to the draft, so which slot a key sits in does not matter). Models with sliding windows take KIVI only: their
-window is counted in slots, which in an evicting cache are not positions, so every kept key would fall outside it and
-no draft would ever be accepted (refused by compile_kv_draft; KIVI keeps every token, slots equal positions).
+visible to the draft, so which slot a key sits in does not matter). Models with sliding windows: their window is
+counted in slots, which in an evicting cache are not positions, so once a sequence passes the window every kept key
+falls outside it and no draft is accepted (still exact; compile_kv_draft warns). KIVI keeps every token: slots equal
+positions, it drafts at any length.
 
 SnapKV and H2O need attention: after the prompt, one extra forward of the last w prompt tokens
 (SnapKV's observation window) against the target's cache gives the votes; H2O then adds the root
@@ -31,6 +32,7 @@ token's attention at every draft step (the root is always a real token).
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from types import SimpleNamespace
 
@@ -190,11 +192,12 @@ def compile_kv_draft(base, policy: KVPolicy, tree, backend: str, drafter_options
 
     spec = _draft_tree(tree)
     windows = sorted({s.sliding_window for s in base.structure.attention if s.sliding_window})
-    if windows and policy.kind != "kivi":
-        raise OptionError("kv_cache", policy.spec, f"evicts tokens, but the model has sliding-window attention "
-                          f"(windows {windows}), counted in cache slots: in the drafter's evicting cache every kept "
-                          "key would fall outside it and no draft would ever be accepted",
-                          "use a KIVI policy (it keeps every token), e.g. 'kivi4', or no kv_cache")
+    if windows and policy.kind != "kivi":  # still lossless (the full cache verifies), but drafting stops paying
+        warnings.warn(f"kv_cache={policy.spec!r} evicts tokens and the model has sliding-window attention (windows "
+                      f"{windows}), counted in cache slots: once a sequence passes {windows[0]} tokens the drafter's "
+                      "evicted cache falls outside the window and its drafts are no longer accepted (decoding stays "
+                      "exact); a KIVI policy (e.g. 'kivi4') keeps every token and drafts at any length",
+                      UserWarning, stacklevel=3)
     if tree is not None:  # as every drafter's tree: it fits the model's windows and scores existing tokens
         tree_option(tree, max_tree_nodes(base.structure))
     check_tree_width(spec, base.captured.vocab_size, "model", tree)
