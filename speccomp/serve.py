@@ -241,14 +241,15 @@ def _options(body: dict, default_max_tokens: int | None) -> dict:
     if body.get("stream_options") is not None and body.get("stream") is not True:
         raise OptionError("stream_options", body["stream_options"], "applies only to a stream",
                           'add "stream": true, or leave stream_options out')
-    for key in ("max_tokens", "max_completion_tokens"):  # OpenAI's old name and its new one: each checked as sent
-        value = body.get(key)
+    limits = {key: body.get(key) for key in ("max_tokens", "max_completion_tokens")}  # OpenAI's old and new name
+    for key, value in limits.items():  # each checked as sent
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise OptionError(key, value, "must be a positive int")
-    if given("max_tokens", None) is not None and given("max_completion_tokens", None) not in (None, body["max_tokens"]):
-        raise OptionError("max_completion_tokens", body["max_completion_tokens"], f"differs from max_tokens="
-                          f"{body['max_tokens']}; they name the same limit", "send one of them")
-    max_tokens = given("max_tokens", given("max_completion_tokens", default_max_tokens))
+    old, new = limits.values()
+    if None not in (old, new) and old != new:
+        raise OptionError("max_completion_tokens", new, f"differs from max_tokens={old}; they name the same limit",
+                          "send one of them")
+    max_tokens = next((v for v in limits.values() if v is not None), default_max_tokens)
     return {"max_new_tokens": max_tokens, "do_sample": temperature > 0, "temperature": temperature or 1.0,
             "top_p": given("top_p", 1.0), "seed": body.get("seed") if temperature > 0 else None}  # greedy: no draw
 

@@ -25,7 +25,7 @@ import math
 import numpy as np
 import torch
 
-from speccomp.backends import lower
+from speccomp.backends import is_onnxruntime, lower
 from speccomp.errors import OptionError, OptionTypeError
 from speccomp.frontend.graph import run_passes
 from speccomp.runtime.model import SpecModel
@@ -185,8 +185,6 @@ class LossyKVModel(SpecModel):
 
 def compile_kv_target(base, policy: KVPolicy, backend: str) -> LossyKVModel:
     from speccomp.passes.kv_compress import AttentionScores, KiviCacheRead
-
-    from speccomp.backends import is_onnxruntime
 
     kv = base.captured.kv
     policy_fits(policy, policy.spec, lambda: policy.check(kv, base.captured.max_positions))  # an OptionError on kv_cache

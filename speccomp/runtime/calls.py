@@ -179,12 +179,19 @@ def one_padded_row(input_ids, attention_mask):
     if attention_mask is None or len(shape) != 2 or shape[0] != 1:
         return input_ids, attention_mask, None
     mask = host_array(attention_mask)
-    if mask.shape != shape or not np.isin(mask, (0, 1)).all() or mask.all() or not mask.any():
+    if mask.shape != shape or mask.all() or not np.isin(mask, (0, 1)).all():  # batch_rows says what is wrong
         return input_ids, attention_mask, None
-    first = int(mask[0].argmax())
-    if not mask[0, first:].all():  # a hole: batch_rows says so
-        return input_ids, attention_mask, None
+    first = _first_token(mask[0], 0)
     return input_ids[:, first:], None, input_ids[:, :first]
+
+
+def _first_token(mask_row: np.ndarray, b: int) -> int:
+    """Where row `b`'s tokens start after its left padding; a row of padding only, or with a hole, is refused."""
+    first = int(mask_row.argmax())
+    if not mask_row.any() or not mask_row[first:].all():
+        raise OptionError("attention_mask", f"row {b}", "is not left-padded (zeros, then at least one 1)",
+                          "pad on the left (tokenizer.padding_side = 'left'), as for HF generate")
+    return first
 
 
 def batch_rows(input_ids, attention_mask) -> list[np.ndarray] | None:
@@ -223,14 +230,7 @@ def batch_rows(input_ids, attention_mask) -> list[np.ndarray] | None:
     ids = host_array(input_ids)
     if mask is None:
         mask = np.ones(shape, dtype=np.int64)
-    rows = []
-    for b in range(shape[0]):
-        first = int(mask[b].argmax())
-        if not mask[b].any() or not mask[b, first:].all():
-            raise OptionError("attention_mask", f"row {b}", "is not left-padded (zeros, then at least one 1)",
-                              "pad on the left (tokenizer.padding_side = 'left'), as for HF generate")
-        rows.append(ids[b, first:])
-    return rows
+    return [ids[b, _first_token(mask[b], b):] for b in range(shape[0])]
 
 
 def left_pad(rows, pad: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -311,7 +311,7 @@ def generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperatur
         raise OptionTypeError("do_sample", do_sample, f"must be True or False, got {type(do_sample).__name__}",
                               "a string such as 'False' is not a bool")
     t = as_number("temperature", temperature, "pass a float > 0 such as 0.7")
-    if not t > 0 and (do_sample or not t == 0):  # 0 with greedy decoding is greedy decoding (HF accepts it too)
+    if not (t > 0 or (t == 0 and not do_sample)):  # 0 with greedy decoding is greedy decoding (HF accepts it too)
         raise OptionError("temperature", temperature, "must be > 0", "use do_sample=False for greedy decoding")
     p = as_number("top_p", top_p, "pass a float in (0, 1]")
     if not 0 < p <= 1:

@@ -416,8 +416,9 @@ def check_draft(draft, root: int, vocab: int, name: str) -> Draft:
         refuse(f"tokens {tokens!r} for a tree of {n} nodes, not a 1-D integer tensor of {n} ids")
     if int(tokens[0]) != root:
         refuse(f"a tree rooted at token {int(tokens[0])}; the root must be the last token emitted, {root}")
-    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
-        refuse(f"token ids in [{int(tokens.min())}, {int(tokens.max())}], outside the vocabulary [0, {vocab})")
+    lo, hi = (int(v) for v in torch.aminmax(tokens))
+    if lo < 0 or hi >= vocab:
+        refuse(f"token ids in [{lo}, {hi}], outside the vocabulary [0, {vocab})")
     if draft.probs is not None and tuple(draft.probs.shape) != (n, vocab):
         refuse(f"probs of shape {tuple(draft.probs.shape)}, not [{n}, {vocab}] (one distribution per node)")
     return draft

@@ -331,8 +331,8 @@ def check_not_foreign(out) -> None:
                           "filesystem root", "give a new directory such as ./my-heads")
     if (out / "_train" / "progress.json").exists():  # a run started here: it resumes, or refuses other settings
         return
-    if out.is_dir() and any(out.iterdir()):
-        held = sorted(p.name for p in out.iterdir())
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held:
         raise OptionError("out", str(out), f"is a non-empty directory no training run started (it holds {held[:3]}, "
                           "no _train/progress.json); refusing to write into it", "choose a new or empty directory")
 
