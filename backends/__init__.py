@@ -46,9 +46,14 @@ def check(backend: str) -> None:
 
     choice("backend", backend, BACKENDS)
     if ORT_PROVIDERS.get(backend, "cpu") != "cpu":
-        from speccomp.engine.runtime import check_provider
+        from speccomp.engine.runtime import EngineError, check_provider
+        from speccomp.errors import OptionError
 
-        check_provider(ORT_PROVIDERS[backend])
+        try:
+            check_provider(ORT_PROVIDERS[backend])
+        except EngineError as exc:  # named as the parameter it is here (load's provider= keeps the EngineError)
+            raise OptionError("backend", backend, str(exc), "or backend='onnxruntime' (ONNX Runtime's CPU provider) "
+                              "on this machine") from None
     if backend == "triton":  # no GPU and no interpreter: say so before the capture (and before a CLI loads a model)
         import torch
 

@@ -204,7 +204,9 @@ def launch(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = 
     mask = mask.expand(B, Hq, M, N)  # broadcast dims get stride 0: no copy
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)  # same bytes; a plain byte pointer in the kernel
-    out = torch.empty(B, Hq, M, DV, device=q.device, dtype=q.dtype)
+    # [B, Hq, M, DV] in SDPA's memory layout ([B, M, Hq, DV] underneath; the kernel writes through the strides): an
+    # exported graph drops a `.transpose(1, 2).contiguous()` after SDPA as a no-op and views the result directly
+    out = torch.empty(B, M, Hq, DV, device=q.device, dtype=q.dtype).transpose(1, 2)
     if out.numel() == 0:
         return out
     block_m = min(64, max(16, _next_pow2(G * M)))  # tl.dot wants every tile dim >= 16
@@ -228,7 +230,8 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float |
 
 @tree_attention.register_fake
 def _(q, k, v, mask, scale=None):
-    return q.new_empty(*q.shape[:-1], v.shape[-1])  # [B, Hq, M, Dv]
+    B, Hq, M, _ = q.shape
+    return q.new_empty(B, M, Hq, v.shape[-1]).transpose(1, 2)  # [B, Hq, M, Dv], laid out as launch's
 
 
 TREE_ATTENTION = torch.ops.speccomp.tree_attention.default

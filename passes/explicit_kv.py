@@ -211,8 +211,12 @@ class CachedAttention(Pass):
             for name in ("query", "key", "value"):
                 shape = tshape(args[name])
                 if shape is None or len(shape) != 4 or shape[0] != 1 or not is_seq(shape[2], pg.seq):
+                    fixed = shape is not None and len(shape) == 4 and isinstance(shape[2], int)
                     raise UnsupportedModelError(
-                        f"attention {where}: {name} has shape {shape}, expected [1, heads, seq, head_dim]"
+                        f"attention {where}: {name} has shape {shape}, expected [1, heads, seq, head_dim]" + (
+                            f" with seq the input's length, not the fixed {shape[2]}: the module computes something "
+                            "from the sequence length as a Python number (e.g. float(x.shape[1])), which fixes it at "
+                            "the length it was captured with; compute it with tensor ops" if fixed else "")
                     )
             key = _unexpanded(args["key"], pg.seq, where, "key")
             value = _unexpanded(args["value"], pg.seq, where, "value")

@@ -439,6 +439,12 @@ def cmd_run(args) -> int:
                 raise OptionError(name, value, "applies only when sampling",
                                   f"add --do-sample, or drop --{name.replace('_', '-')}")
     engine = load(args.engine, provider=args.provider, threads=args.threads, draft=not args.no_draft)
+    if not engine.manifest.get("tokenizer"):  # the engine's own message says "pass token ids": this command cannot
+        from speccomp.engine.runtime import EngineError
+
+        raise EngineError(f"{args.engine} was exported without a tokenizer, so --prompt cannot be encoded; re-export "
+                          "it with `speccomp export` (which writes the model's tokenizer), or pass token ids from "
+                          "Python: speccomp.load(DIR).generate(ids, max_new_tokens=...)")
     ids = engine.chat_ids(args.prompt)
     out = engine.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=engine.eos_token_id,
                           do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
@@ -674,7 +680,8 @@ DRAFTER_HELP = DRAFTER_NAMES + " (demo default: token_recycling; generate: plain
 
 def _common(p, new_tokens=positive, compiles: bool = True, device: bool = True, drafter_help: str = DRAFTER_HELP,
             **defaults) -> None:
-    """Flags every model command takes (new_tokens: the argparse type of --max-new-tokens); `compiles`: --drafter and
+    """Flags every model command takes (new_tokens: the argparse type of --max-new-tokens, None: no such flag, for a
+    command that decodes nothing: export); `compiles`: --drafter and
     --backend too (not for training, which compiles nothing: a flag it took and ignored would mislead); `device`:
     --device too (decoding commands: a GPU backend needs the model on the GPU). `defaults`: the command's own
     defaults (set before the help is written, whose "(default ...)" reads them)."""
@@ -685,7 +692,8 @@ def _common(p, new_tokens=positive, compiles: bool = True, device: bool = True, 
     if compiles and device:
         p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda or cuda:N "
                        "(cudagraphs needs cuda; triton needs cuda, or TRITON_INTERPRET=1 on the CPU)")
-    p.add_argument("--max-new-tokens", type=new_tokens, default=128, help="new tokens per prompt (default %(default)s)")
+    if new_tokens is not None:
+        p.add_argument("--max-new-tokens", type=new_tokens, default=128, help="new tokens per prompt (default %(default)s)")
     p.add_argument("--threads", type=positive, default=2, help="torch CPU threads (default 2)")
     p.set_defaults(**defaults)
 
@@ -801,7 +809,7 @@ def _add_autotune_export_run(sub) -> None:
     p.add_argument("--report", default=None, metavar="PNG", help="also decode trees of several sizes and write a PNG: latency, acceptance, predicted vs measured tok/s")
 
     p = sub.add_parser("export", help="compile the default model and write an engine directory that runs without torch")
-    _common(p, device=False,  # an engine is exported from the CPU graph
+    _common(p, device=False, new_tokens=None,  # an engine is exported from the CPU graph; `run` sets the reply length
             drafter_help=DRAFTER_NAMES + " (default %(default)s)",
             backend="onnxruntime", drafter="token_recycling", func=cmd_export)
     _drafter_options_flag(p)

@@ -441,6 +441,29 @@ def test_autotune_token_recycling_static_tree(cache):
     assert tree == result.tree and options == {**result.drafter_options, "ngram_branches": 1} and not plain
 
 
+def test_a_capture_tunes_under_its_model_and_a_stored_file_is_named_where_it_was_read_or_ignored(cache):
+    """autotune on speccomp.capture(model) (which compile takes) is keyed by the model: it crashed after all its
+    decoding. A limit the drafter cannot reach is said; the file a result names is the one read (a copied cache's
+    field names its old place); a damaged file is ignored out loud, naming it (it read as "no autotuned tree")."""
+    from speccomp.tuning.step_curve import machine_key
+
+    model = tiny_llama(initializer_range=0.2)
+    cap = speccomp.capture(model)
+    assert machine_key(cap, "eager") == machine_key(model, "eager")
+    with pytest.warns(UserWarning, match=r"ranks=30 -> \d"):
+        speccomp.autotune(cap, "token_recycling", prompts()[:2], max_new_tokens=8, repeats=1, max_nodes=4, ranks=30,
+                          check_prompts=[])
+    path = result_path(model, "token_recycling", "eager")
+    assert path.exists() and load_result(model, "token_recycling").path == str(path)
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "path": "/elsewhere/token_recycling.json"}))
+    assert load_result(model, "token_recycling").path == str(path)
+    path.write_text(path.read_text()[:200])  # cut short (a full disk, a killed copy)
+    with pytest.warns(UserWarning, match=f"ignoring the stored autotune result {re.escape(str(path))}"):
+        with pytest.raises(AutotuneError, match="no autotuned tree"):  # the model has no tokenizer to tune on here
+            speccomp.compile(cap, drafter="token_recycling", tree="auto")
+
+
 def test_untunable_drafters_and_bad_settings_are_refused(cache):
     model = tiny_llama()
     with pytest.raises(AutotuneError, match="takes no tree"):

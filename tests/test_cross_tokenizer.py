@@ -254,6 +254,33 @@ def test_a_checkpoint_directory_with_its_own_tokenizer_by_path(tmp_path):
             "target_tokenizer": str(tmp_path / "target.json")})
 
 
+def test_a_named_draft_model_with_its_own_tokenizers_is_tuned_under_them(tmp_path, monkeypatch):
+    """drafter="draft_model" by path with both tokenizers: autotune stored its own-tokenizers mark as an option, so
+    compile(tree="auto") refused every call ('draft_model takes only path'). Now the tokenizers are in the key (never
+    stored), the path is stored, and the same options find the tree: exact, drafts accepted."""
+    from speccomp.tuning.autotune import AutotuneError, autotune, drafter_key
+
+    monkeypatch.setenv("SPECCOMP_CACHE", str(tmp_path / "cache"))
+    target = tiny_llama(initializer_range=0.2)
+    perm = shuffled(VOCAB, 5)
+    permuted_copy(target, perm).save_pretrained(tmp_path / "draft")
+    word_tokenizer(perm[1:]).save(str(tmp_path / "draft" / "tokenizer.json"))
+    word_tokenizer().save(str(tmp_path / "target.json"))
+    options = {"path": str(tmp_path / "draft"), "draft_tokenizer": str(tmp_path / "draft"),
+               "target_tokenizer": str(tmp_path / "target.json")}
+    prompts = [torch.randint(3, VOCAB, (1, 10 + i), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    tuned = keep_drafting(autotune(target, "draft_model", prompts, drafter_options=options, max_new_tokens=16,
+                                   repeats=1, max_nodes=6, mode="static"))
+    assert tuned.drafter == drafter_key("draft_model", options) != "draft_model" and "-tokens-" in tuned.drafter
+    assert tuned.drafter_options == {"path": str(tmp_path / "draft")}
+    fast = speccomp.compile(target, drafter="draft_model", tree="auto", drafter_options=options)
+    assert isinstance(fast.drafter, CrossTokenizerDrafter) and fast.drafter.tree.choices == tuned.tree
+    ids = seeded_prompt(10, VOCAB)
+    assert torch.equal(fast.generate(ids, max_new_tokens=24), hf_greedy(target, ids, 24))
+    with pytest.raises(AutotuneError, match="no autotuned tree for drafter 'draft_model'"):  # another tuning
+        speccomp.compile(target, drafter="draft_model", tree="auto", drafter_options={"path": options["path"]})
+
+
 def test_bad_tokenizer_options_are_refused_by_name():
     target, other = tiny_llama(), tiny_llama(vocab_size=300)
     with pytest.raises(OptionError, match="draft_tokenizer"):  # another vocabulary, no tokenizers: the fix is named

@@ -520,8 +520,9 @@ def test_missing_execution_provider_is_named(engine_dir, llama):
         load(engine_dir, provider="tensorrt")
     with pytest.raises(EngineError, match="unknown execution provider 'gpu'"):
         load(engine_dir, provider="gpu")
-    for backend in ("tensorrt", "onnxruntime:cuda"):  # compile fails before capturing anything
-        with pytest.raises(EngineError, match="onnxruntime-gpu"):
+    for backend in ("tensorrt", "onnxruntime:cuda"):  # compile fails before capturing anything, naming backend=
+        with pytest.raises(speccomp.OptionError,
+                           match=f"backend='{backend}': .*onnxruntime-gpu.*or backend='onnxruntime'"):
             speccomp.compile(llama, backend=backend)
 
 
@@ -643,11 +644,47 @@ def test_the_engine_renders_chat_templates_as_transformers_does(llama, tmp_path)
     tok.sep_token = "w9"
     tok.chat_template = ("{% if strftime_now is defined and strftime_now('%Y') | int > 2000 %}w4 {% else %}w5 {% endif %}"
                          "{% if ('<' | tojson) == '\"<\"' %}w6 {% else %}w7 {% endif %}"
+                         "{% if tools is not none or documents is not none %}w8 {% endif %}"  # Mistral v0.3's guard
                          "{% for m in messages %}w1 {{ m['content'] }} {{ sep_token }} {% break %}{% endfor %}w3")
     speccomp.compile(llama).export(tmp_path / "e", tokenizer=tok)
     expected = chat_ids(tok, "w10")[0].tolist()
-    assert expected == [4, 6, 1, 10, 9, 3]
+    assert expected == [4, 6, 1, 10, 9, 3]  # no tools block: HF renders tools=None, documents=None
     assert load(tmp_path / "e").chat_ids("w10")[0].tolist() == expected
+
+
+def test_an_engine_checks_its_tokenizer_as_its_graphs_and_is_found_from_home(llama, tmp_path, monkeypatch):
+    """Another tokenizer.json over the engine's loaded silently and encoded prompts into other ids: the manifest now
+    lists its size and SHA-256 (`files`), checked at load. `~/engine` loads as export writes it (load took it
+    literally); a Triton repository is not made from an engine whose tokenizer is gone (it copied what was there)."""
+    from test_serve import word_tokenizer
+
+    from speccomp.engine.triton_repository import export_triton_repository
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    speccomp.compile(llama).export("~/e", tokenizer=word_tokenizer())
+    entry = read_manifest(tmp_path / "e")["files"]["tokenizer.json"]
+    assert entry["bytes"] == (tmp_path / "e" / "tokenizer.json").stat().st_size and len(entry["sha256"]) == 64
+    engine = load("~/e")
+    ids = engine.chat_ids("w5 w6")
+    padded = [[0, 0, *ids[0].tolist()]]  # a left-padded [1, n] row as nested lists, as an array already was
+    out = engine.generate(padded, attention_mask=[[0, 0] + [1] * ids.shape[1]], max_new_tokens=4)
+    assert out[:, 2:].tolist() == engine.generate(ids, max_new_tokens=4).tolist() and out[0, :2].tolist() == [0, 0]
+    word_tokenizer(50).backend_tokenizer.save(str(tmp_path / "e" / "tokenizer.json"))
+    with pytest.raises(EngineError, match="tokenizer .*tokenizer.json does not match its manifest"):
+        load(tmp_path / "e")
+    load(tmp_path / "e", verify=False)  # verify=False skips digests, as for graphs
+    (tmp_path / "e" / "tokenizer.json").unlink()
+    with pytest.raises(EngineError, match="tokenizer .*tokenizer.json is missing"):
+        export_triton_repository("~/e", tmp_path / "repo")
+    assert not (tmp_path / "repo").exists()
+
+
+def test_a_bfloat16_model_is_refused_before_the_export(tmp_path):
+    """numpy holds no bfloat16: the engine exported (minutes for a real model), then never loaded."""
+    fast = speccomp.compile(tiny_llama(num_hidden_layers=1).to(torch.bfloat16))
+    with pytest.raises(EngineError, match="KV cache is bfloat16.*float32"):
+        fast.export(tmp_path / "e")
+    assert not (tmp_path / "e").exists()
 
 
 def test_named_chat_templates_export_their_default(tmp_path):

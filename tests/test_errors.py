@@ -624,6 +624,9 @@ def _mutated(src: Path, dst: Path, edit=None, files=None) -> Path:
 
 
 MANIFEST_ERRORS = [
+    ("files-not-an-object", "ngram", _set("files", 5), ("files",)),
+    ("files-entry-without-digest", "ngram", _set("files", {"tokenizer.json": {"bytes": 3}}), ("files",)),
+    ("files-outside-the-engine", "ngram", _set("files", {"../x.json": {"bytes": 3, "sha256": "0"}}), ("files",)),
     # missing fields (KeyError before)
     ("missing-model.vocab_size", "ngram", _del("model", "vocab_size"), ("vocab_size",)),
     ("missing-kv.num_layers", "ngram", _del("kv", "num_layers"), ("num_layers",)),
@@ -887,6 +890,9 @@ CLI_ERRORS = [
     ("run-seed", ["run", "--engine", "{engine}", "--prompt", "w3 w4", "--do-sample", "--seed", "-1"], ("seed", "-1")),
     ("run-threads", ["run", "--engine", "{engine}", "--prompt", "w3 w4", "--threads", "-1"], ("threads", "-1")),
     ("run-tokenizer-missing", ["run", "--engine", "{notok}", "--prompt", "w3 w4"], ("tokenizer.json",)),
+    ("run-exported-without-tokenizer", ["run", "--engine", "{untok}", "--prompt", "w3"],
+     ("exported without a tokenizer", "speccomp export")),  # was "pass token ids", which `run` cannot take
+    ("export-max-new-tokens", ["export", "{tmp}/e", "--max-new-tokens", "5"], ("--max-new-tokens",)),  # was ignored
     ("export-under-a-file", ["export", "{tmp}/mine/notes.txt/engine"], ("notes.txt",)),
     ("export-triton-under-a-file", ["export-triton", "{engine}", "{tmp}/mine/notes.txt"], ("notes.txt",)),
     ("demo-prompts-directory", ["demo", "--prompts", "{tmp}/mine"], ("{tmp}/mine", "directory")),
@@ -968,13 +974,16 @@ def test_cli_reports_bad_flags_before_loading_the_model(cli_main, engine_dir, tm
     (mine / "picture.png").write_bytes(b"\x89PNG\r\n\x1a\n mine")  # a user's picture, not a plot speccomp saved
     (mine / "d.png").mkdir()
     notok = _mutated(engine_dir, tmp_path / "notok", files=lambda d: (d / "tokenizer.json").unlink())
+    untok = _mutated(engine_dir, tmp_path / "untok", edit=_set("tokenizer", None),
+                     files=lambda d: (d / "tokenizer.json").unlink())
     (tmp_path / "bad.jsonl").write_text('{"turns": "Write a poem"}\n')  # a string, not a list: was read as "W"
     for folder, config in (("heads", {"medusa_num_heads": 2}), ("draft", {"format": "speccomp-draft-model"})):
         (tmp_path / folder).mkdir()  # weights downloaded or saved by hand: no training run's _train/progress.json
         (tmp_path / folder / "config.json").write_text(json.dumps(config))
     good = tmp_path / "good.jsonl"
     good.write_text('{"turns": ["Write a poem"]}\n')
-    where = {"{tmp}": str(tmp_path), "{engine}": str(engine_dir), "{notok}": str(notok), "{good}": str(good),
+    where = {"{tmp}": str(tmp_path), "{engine}": str(engine_dir), "{notok}": str(notok), "{untok}": str(untok),
+             "{good}": str(good),
              "{bad}": str(tmp_path / "bad.jsonl")}
 
     def fill(text):

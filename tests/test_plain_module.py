@@ -330,18 +330,55 @@ class LastTokenGPT(NanoGPT):
         return logits[:, [-1], :]  # nanoGPT's inference shortcut
 
 
+class ScoresDictGPT(NanoGPT):
+    def forward(self, idx, targets=None):
+        return {"scores": super().forward(idx)[0]}  # no "logits" key (was a TypeError: unhashable type 'slice')
+
+
+class LossFirstGPT(NanoGPT):
+    def forward(self, idx, targets=None):
+        return None, super().forward(idx)[0]  # (loss, logits) (was "no attention found ... not a transformer")
+
+
+class LengthScaledGPT(NanoGPT):
+    def forward(self, idx, targets=None):
+        x = self.transformer.wte(idx) * torch.log(torch.tensor(float(idx.shape[1]) + 1.0))  # fixes the length
+        x = x + self.transformer.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+class CountingGPT(NanoGPT):
+    def __init__(self, config=GPTConfig(n_layer=1)):
+        super().__init__(config)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, idx, targets=None):
+        self.calls += 1  # state in a buffer: the graph wrote into the user's module at every step
+        return super().forward(idx)
+
+
 @pytest.mark.parametrize(
     "build, message",
     [
         (SoftmaxGPT, "softmax"),
         (lambda: NoPositionsGPT(GPTConfig(n_layer=1)), "no positions"),
         (lambda: LastTokenGPT(GPTConfig(n_layer=1)), "every position"),
+        (lambda: ScoresDictGPT(GPTConfig(n_layer=1)), r"returned a mapping with keys \['scores'\].*'logits'"),
+        (lambda: LossFirstGPT(GPTConfig(n_layer=1)), "first item is NoneType.*put the logits first"),
+        (CountingGPT, r"writes its buffers \['calls'\]"),
+        (lambda: LengthScaledGPT(GPTConfig(n_layer=1)), r"not the fixed \d+: .*float\(x.shape\[1\]\)"),
     ],
-    ids=["softmax_attention", "no_positions", "last_token_logits"],
+    ids=["softmax_attention", "no_positions", "last_token_logits", "dict_without_logits", "loss_first",
+         "buffer_state", "length_as_a_number"],
 )
 def test_unsupported_plain_modules(build, message):
+    model = build().eval()
     with pytest.raises(speccomp.UnsupportedModelError, match=message):
-        speccomp.compile(build().eval())
+        speccomp.compile(model)
+    if isinstance(model, CountingGPT):
+        assert int(model.calls) == 0  # refused before the module ever ran
 
 
 @pytest.mark.parametrize("window", [12, 4096])
@@ -352,6 +389,16 @@ def test_a_sliding_window_mask_is_refused(monkeypatch, window):
     monkeypatch.setattr(Attention, "window", window)
     with pytest.raises(speccomp.UnsupportedModelError, match="not the plain causal mask"):
         capture(_init(GptFast(n_layer=1), 2))
+
+
+@pytest.mark.parametrize("drafter", ["medusa", "hydra", "eagle"])
+def test_heads_drafters_say_what_a_plain_module_needs(drafter):
+    """A plain module has no get_output_embeddings(): the error named "Medusa heads" for every kind and no fix."""
+    from speccomp.drafters.medusa import HeadsError
+
+    with pytest.raises(HeadsError, match=r"GptFast has no output embedding .*\(medusa, hydra, eagle\).*"
+                                         r"get_output_embeddings\(\)` that returns its nn.Linear"):
+        speccomp.compile(_init(GptFast(), 1), drafter=drafter)
 
 
 def test_capture_module_rejects_non_modules():

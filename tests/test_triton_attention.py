@@ -233,6 +233,20 @@ def test_triton_backend_other_attention_layouts(name, sites):
     assert torch.equal(out, hf_greedy(model, ids, 16))
 
 
+@interpreter
+def test_triton_backend_on_plain_modules_written_the_usual_way():
+    """nanoGPT / gpt-fast attention: `y.transpose(1, 2).contiguous().view(B, T, C)` after SDPA. SDPA's output is
+    already laid out [B, T, H, D], so the export drops the `.contiguous()`; the kernel's output must have the same
+    layout or the `view` fails (it did: a RuntimeError at the first generate, plain decoding included)."""
+    from test_plain_module import GPTConfig, GptFast, NanoGPT, _init, naive_greedy
+
+    for model in (_init(NanoGPT(), 0), _init(GptFast(), 1)):
+        fast = speccomp.compile(model, backend="triton")
+        assert any(n.target is TREE_ATTENTION for n in fast.step.graph.nodes)
+        ids = torch.randint(0, GPTConfig.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3))
+        assert torch.equal(fast.generate(ids, max_new_tokens=12), naive_greedy(model, ids, 12))
+
+
 # --------------------------------------------------------------------------------------
 # Errors: say what is missing, at compile time
 # --------------------------------------------------------------------------------------

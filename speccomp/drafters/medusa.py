@@ -82,12 +82,15 @@ def _model_weight(model, getter: str, what: str) -> torch.Tensor:
     """The frozen weight of `model.<getter>()` (an embedding or the LM head), or a HeadsError naming `what`."""
     module = getattr(model, getter)() if hasattr(model, getter) else None
     if module is None or not hasattr(module, "weight"):
-        raise HeadsError(f"{type(model).__name__} has no {what}")
+        layer = "nn.Linear LM head" if getter == "get_output_embeddings" else "nn.Embedding"
+        raise HeadsError(f"{type(model).__name__} has no {what}: the heads drafters (medusa, hydra, eagle) read it "
+                         f"through `{getter}()`, as Hugging Face models have it; give a plain module a `{getter}()` "
+                         f"that returns its {layer}")
     return module.weight.detach()
 
 
 def _lm_head_weight(model) -> torch.Tensor:
-    return _model_weight(model, "get_output_embeddings", "output embedding (LM head) to tie Medusa heads to")
+    return _model_weight(model, "get_output_embeddings", "output embedding (LM head) for the heads' logits")
 
 
 def on_model_device(heads: nn.Module, lm: torch.Tensor, dtype: torch.dtype | None = None) -> nn.Module:

@@ -34,7 +34,7 @@ import onnx
 from speccomp.drafters.grow import MAX_DYNAMIC_DEPTH
 from speccomp.engine.runtime import (ENGINE_DRAFTERS, FORMAT, FORMAT_VERSION, GRAPH_FILES, MANIFEST, MEDUSA_FILE,
                                      SELF_DRAFTERS, TOP_IDS_OUTPUT, TOP_ROWS_INPUT, EngineError, check_makeable,
-                                     sha256)
+                                     sha256, tokenizer_files)
 from speccomp.models import is_broad_directory, set_default_mode
 
 # a draft model with a tokenizer of its own: both tokenizers beside draft_model.onnx (engine/runtime.py _text_bridge)
@@ -287,14 +287,9 @@ def engine_files(path: Path) -> set[str] | None:
         if isinstance(file, str):
             names |= {file, file + ".data"}
     tokenizer = manifest.get("tokenizer")
-    if isinstance(tokenizer, dict) and isinstance(tokenizer.get("file"), str):
-        names.add(tokenizer["file"])
-    drafter = manifest.get("drafter") if isinstance(manifest.get("drafter"), dict) else {}
-    for part in drafter.get("drafters") or [drafter]:  # a draft model's own tokenizers
-        files = (part.get("options") or {}).get("tokenizers") if isinstance(part, dict) else None
-        if isinstance(files, dict):
-            names |= {f for f in files.values() if isinstance(f, str)}
-    return names
+    if tokenizer is not None and not (isinstance(tokenizer, dict) and isinstance(tokenizer.get("file"), str)):
+        manifest = {**manifest, "tokenizer": None}  # unreadable here: the files below are names only
+    return names | set(tokenizer_files(manifest))  # the target's tokenizer, a draft model's own
 
 
 def check_destination(path, overwrite: bool) -> Path:
@@ -401,6 +396,10 @@ def export_engine(fast, path, tokenizer=None, overwrite: bool = False, model_id:
     import speccomp
 
     path = check_destination(path, overwrite)
+    dtype = str(fast.kv.dtype).removeprefix("torch.")
+    if dtype not in ("float32", "float16"):  # numpy has no bfloat16: the engine would never load (minutes of export)
+        raise EngineError(f"the model's KV cache is {dtype}, which an engine's numpy runtime cannot hold; compile the "
+                          "model in float32 (or float16) to export it, e.g. model.float()")
     check_tokenizer(tokenizer, fast.graph.captured.vocab_size)
     drafter = drafter_spec(fast.drafter)  # fails early, before any export work
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -423,6 +422,9 @@ def export_engine(fast, path, tokenizer=None, overwrite: bool = False, model_id:
                            "layout": "[layers, 2 (k, v), 1, kv_heads, tokens, head_dim]"},
                     "graphs": graphs, "opset": opset, "max_tree": fast.max_tree, "drafter": drafter,
                     "tokenizer": _tokenizer_entry(tokenizer, tmp)}
+        # the tokenizers verified at load as the graphs are: another tokenizer.json encodes prompts into other ids
+        manifest["files"] = {f: {"bytes": (tmp / f).stat().st_size, "sha256": sha256(tmp / f)}
+                             for f in tokenizer_files(manifest)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         check_destination(path, overwrite)  # again: the export took a while, someone may have written there
         swap_in(tmp, path, lambda where: _check_replaceable(where, overwrite, path))

@@ -129,7 +129,7 @@ def sha256(path: Path) -> str:
 def read_manifest(path, verify: bool = True) -> dict:
     """The validated manifest of engine directory `path`. verify=True also checks every graph file's
     size and SHA-256 against the manifest (a truncated or edited file is caught before ORT loads it)."""
-    path = Path(path)
+    path = Path(path).expanduser()
     remake = "re-export it with `compiled.export(dir)` or `speccomp export DIR`"
     if not path.is_dir():
         raise EngineError(f"no engine directory at {path}; {remake}")
@@ -162,7 +162,27 @@ def read_manifest(path, verify: bool = True) -> dict:
                 raise EngineError(f"the engine's {name} graph file {file_} does not match its manifest (size "
                                   f"{file_.stat().st_size} bytes, manifest {entry['bytes']}; or a different SHA-256): "
                                   f"the file is corrupt or was replaced; {remake}")
+    sums = manifest.get("files", {})  # the tokenizers' sizes and digests (engines before them list none)
+    for name in tokenizer_files(manifest):
+        file_ = path / name
+        if not file_.is_file():
+            raise EngineError(f"the engine's tokenizer {file_} is missing; copy it back, or {remake}")
+        entry = sums.get(name)
+        if verify and entry is not None and (file_.stat().st_size != entry["bytes"] or sha256(file_) != entry["sha256"]):
+            raise EngineError(f"the engine's tokenizer {file_} does not match its manifest (size {file_.stat().st_size} "
+                              f"bytes, manifest {entry['bytes']}; or a different SHA-256): another tokenizer would "
+                              f"encode prompts into other ids; {remake}")
     return manifest
+
+
+def tokenizer_files(manifest: dict) -> list[str]:
+    """The tokenizer files an engine's (schema-checked) manifest names: the target's, a draft model's own two."""
+    names = [manifest["tokenizer"]["file"]] if isinstance(manifest.get("tokenizer"), dict) else []
+    drafter = manifest.get("drafter") if isinstance(manifest.get("drafter"), dict) else {}
+    for part in drafter.get("drafters") or [drafter]:
+        files = (part.get("options") or {}).get("tokenizers") if isinstance(part, dict) else None
+        names += [f for f in files.values() if isinstance(f, str)] if isinstance(files, dict) else []
+    return list(dict.fromkeys(names))
 
 
 def _is_int(x, minimum=None) -> bool:
@@ -285,6 +305,10 @@ def check_schema(m: dict, file: Path, remake: str) -> None:
     tokenizer = m.get("tokenizer")
     need(tokenizer is None or (isinstance(tokenizer, dict) and _is_file_name(tokenizer.get("file"))), "tokenizer",
          tokenizer, "null or an object naming its file")
+    files = m.get("files", {})
+    need(isinstance(files, dict) and all(_is_file_name(k) and isinstance(v, dict) and _is_int(v.get("bytes"), 0)
+                                         and isinstance(v.get("sha256"), str) for k, v in files.items()),
+         "files", files, "an object {file name: {bytes, sha256}}")
     if tokenizer is not None:
         template, special = tokenizer.get("chat_template"), tokenizer.get("special_tokens", {})
         need(template is None or isinstance(template, str), "tokenizer.chat_template", template, "a string or null")
@@ -1408,12 +1432,13 @@ class Engine:
                                   f"one of {sorted(PROVIDERS)}")
         if not isinstance(path, (str, os.PathLike)):
             raise OptionTypeError("path", path, f"must be an engine directory's path, got {type(path).__name__}")
-        self.path = Path(path)
+        self.path = Path(path).expanduser()  # "~/engine" as export takes it (a shell leaves --engine=~/e as is)
         self.manifest = m = read_manifest(self.path, verify=verify)
         self.kv, self.vocab_size, self.max_positions = m["kv"], m["model"]["vocab_size"], m["model"].get("max_positions")
         self.dtype = _DTYPES.get(self.kv["dtype"])
         if self.dtype is None:
-            raise EngineError(f"engine KV dtype {self.kv['dtype']!r} is not supported by the numpy runtime")
+            raise EngineError(f"engine KV dtype {self.kv['dtype']!r} is not supported by the numpy runtime; export "
+                              "the model in float32 (or float16) instead")
         self.max_tree = int(m["max_tree"])
         self.provider = provider
         target = m["graphs"]["target"]
@@ -1494,7 +1519,8 @@ class Engine:
             from jinja2 import TemplateError
 
             try:
-                text = self._template.render(messages=messages, add_generation_prompt=True,
+                # tools and documents None, as transformers renders them: templates test `tools is not none`
+                text = self._template.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
                                              **info.get("special_tokens", {}))
             except TemplateError as exc:  # the template's own refusal (roles must alternate, ...) or its bug
                 raise OptionError("messages", messages, f"the model's chat template refused them: {exc}",

@@ -142,8 +142,8 @@ def export_triton_repository(engine_dir, out, name: str = "speccomp", max_new_to
     """Write a Triton model repository serving the engine at `engine_dir` under `out/<name>`; returns that folder."""
     from speccomp.errors import OptionError, OptionTypeError
 
-    engine_dir = Path(engine_dir)
-    read_manifest(engine_dir)  # a missing or corrupt engine is named before anything is written
+    engine_dir = Path(engine_dir).expanduser()
+    read_manifest(engine_dir)  # a missing or corrupt engine (its tokenizers too) is named before anything is written
     if not isinstance(name, str) or not name or not all(c.isalnum() or c in "-_" for c in name):
         raise OptionError("name", name, "must be letters, digits, '-' or '_' (a Triton model name)")
     if provider not in ("cpu", "cuda", "tensorrt"):

@@ -58,10 +58,27 @@ class _PlainStep(nn.Module):
     def forward(self, input_ids):
         out = self.model(input_ids)
         if isinstance(out, (tuple, list)):
-            return out[0]
-        if isinstance(out, Mapping) and "logits" in out:
-            return out["logits"]
-        return out.logits if not isinstance(out, torch.Tensor) and hasattr(out, "logits") else out
+            logits, found = (out[0] if out else None), f"a {type(out).__name__} whose first item is {_what(out[:1])}"
+        elif isinstance(out, Mapping):
+            logits, found = out.get("logits"), f"a mapping with keys {list(out)[:8]}"
+        elif isinstance(out, torch.Tensor):
+            logits, found = out, _what([out])
+        else:
+            logits, found = getattr(out, "logits", None), f"a {type(out).__name__} with no tensor `.logits`"
+        if not (isinstance(logits, torch.Tensor) and logits.is_floating_point() and logits.dim() == 3):
+            raise UnsupportedModelError(  # (it failed later as a TypeError, or as "no attention found")
+                f"{type(self.model).__name__}(input_ids) returned {found}; speccomp reads the logits [batch, seq, "
+                "vocab] as the output itself, its first item (a tuple) or its 'logits' (a dict, or an object's "
+                ".logits): return them that way (a (loss, logits) tuple: put the logits first)")
+        return logits
+
+
+def _what(items) -> str:
+    """How an output item reads in an error: a tensor's dtype and rank, else its type."""
+    if not items:
+        return "nothing"
+    x = items[0]
+    return f"a {x.dtype} tensor of {x.dim()} dims" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def capture_module(model: nn.Module, *, check: bool = True) -> CapturedModel:
@@ -78,6 +95,12 @@ def capture_module(model: nn.Module, *, check: bool = True) -> CapturedModel:
     example = torch.zeros(1, EXAMPLE_LENGTH, dtype=torch.long, device=first.device)
     program = export_dynamic(step, (example,), ({1: Dim.AUTO},),
                              f"{type(model).__name__}(input_ids) with a dynamic sequence length")
+    mutated = sorted(set(program.graph_signature.buffers_to_mutate.values()))
+    if mutated:  # checked before any call of the module: the check below runs it
+        raise UnsupportedModelError(
+            f"{type(model).__name__}.forward writes its buffers {mutated[:5]}: the compiled graph would write into "
+            "your module at every step (verifying draft tokens it does not keep, too); keep forward free of state "
+            "(keep counters or caches outside the module)")
     gm = program.module()
     gm.graph._codegen = fx.graph.CodeGen()  # plain positional inputs and tuple output (passes add inputs)
     (input_ids,) = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -214,8 +214,12 @@ class Budget:
         """Host seconds row `rid`'s drafter spent this step (drafting, observing). Where a row looks from cap 1 they
         are part of its look's price (at cap 1 its drafter is switched off and spends none), so the ledger pays them;
         a row that looks from a bigger cap would have drafted anyway, and any other row's are not looks."""
-        if self._look and self._look[0] == rid and self._look[1] == 1:
+        if self.charges(rid):
             self.ledger -= seconds
+
+    def charges(self, rid: int) -> bool:
+        """Whether `charge(rid, ...)` would count: only a look from cap 1 (the batch times nothing else)."""
+        return bool(self._look) and self._look[0] == rid and self._look[1] == 1
 
     def forget(self, rid: int) -> None:
         if self._look and self._look[0] == rid:

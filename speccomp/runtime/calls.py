@@ -175,13 +175,16 @@ def one_padded_row(input_ids, attention_mask):
     """A batch of one, [1, n], left-padded (a tokenizer pads a list of one prompt too), as (the row without its
     padding [1, m], no mask, the padding columns [1, n - m] that go back in front of the output, as HF returns them);
     anything else as (input_ids, attention_mask, None), for batch_rows to split or refuse."""
-    shape = tuple(getattr(input_ids, "shape", ()))
+    nested = isinstance(input_ids, (list, tuple)) and len(input_ids) == 1 and isinstance(input_ids[0], (list, tuple))
+    shape = (1, len(input_ids[0])) if nested else tuple(getattr(input_ids, "shape", ()))
     if attention_mask is None or len(shape) != 2 or shape[0] != 1:
         return input_ids, attention_mask, None
     mask = host_array(attention_mask)
     if mask.shape != shape or mask.all() or not np.isin(mask, (0, 1)).all():  # batch_rows says what is wrong
         return input_ids, attention_mask, None
     first = _first_token(mask[0], 0)
+    if nested:  # [[pad, pad, id, ...]]: an array, as a batch of lists is read (generate_args checks its ids)
+        input_ids = np.asarray(input_ids)
     return input_ids[:, first:], None, input_ids[:, :first]
 
 

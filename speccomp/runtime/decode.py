@@ -362,12 +362,11 @@ class Sequence(Generation):
     def draft(self, cache: KVCache, max_nodes: int | None = None) -> Draft:
         """`max_nodes`: a batch's cap for this row this step (Generation.room)."""
         room, cap = self.room(max_nodes)
+        if room <= 1 or cap <= 1:  # the root alone: the drafter is asked for nothing (a batch's idle row each step)
+            return Draft(ROOT_ONLY, torch.tensor([self.out[-1]]))
         # a copy: a drafter that appended to ctx.tokens shifted the text the loop emits into (wrong tokens, no error)
         ctx = DraftContext(list(self.context), cache, max_depth=room - 1, max_nodes=cap, sampler=self._drafts_sampler)
-        if room <= 1 or cap <= 1:
-            draft = Draft(ROOT_ONLY, torch.tensor([self.out[-1]]))
-        else:
-            draft = check_draft(self.drafter.propose(ctx), self.out[-1], self._vocab, self.drafter.name)
+        draft = check_draft(self.drafter.propose(ctx), self.out[-1], self._vocab, self.drafter.name)
         tree, keep = truncate(draft.tree, ctx.max_depth, ctx.max_nodes)
         if len(keep) != draft.tree.size:
             draft = Draft(tree, draft.tokens[keep], None if draft.probs is None else draft.probs[keep])

@@ -106,11 +106,12 @@ class PackedBatch:
         return emitted
 
     def _charged(self, rid: int, fn, *args):
-        """fn(*args), its seconds charged to the row's budget (a look pays its drafter's time)."""
+        """fn(*args), its seconds charged to the row's budget where they count (a look pays its drafter's time)."""
+        if self.budget is None or not self.budget.charges(rid):
+            return fn(*args)
         start = time.perf_counter()
         out = fn(*args)
-        if self.budget is not None:
-            self.budget.charge(rid, time.perf_counter() - start)
+        self.budget.charge(rid, time.perf_counter() - start)
         return out
 
     def _mask(self, parts: list[Part], idle: set) -> tuple[np.ndarray, list[int]]:

@@ -138,19 +138,27 @@ def drafter_key(drafter, options: dict | None) -> str:
     """The name a tuned tree is stored under: a named drafter's name; for a draft LM given itself, "draft_lm-" and
     its weights' fingerprint, and where it drafts through text, "-tokens-" and a digest of both tokenizers: another
     draft, or the same draft with other tokenizers, is another tuning."""
-    if not is_draft_lm(drafter):
-        return drafter
     from speccomp.drafters.draft_model import check_draft_model_options
-    from speccomp.drafters.text_bridge import as_tokenizer
+
+    if not is_draft_lm(drafter):  # drafter="draft_model" (its path in options) drafting through its own tokenizers too
+        tokenizers = {k: v for k, v in (options or {}).items() if k in TOKENIZERS} if drafter == "draft_model" else {}
+        return drafter + _tokens_digest(tokenizers) if len(tokenizers) == len(TOKENIZERS) else drafter
     from speccomp.frontend.convention import CapturedModel
     from speccomp.models import fingerprint
 
     check_draft_model_options(options)
     key = f"draft_lm-{fingerprint(drafter.model if isinstance(drafter, CapturedModel) else drafter)}"
-    if options:
-        text = "\n".join(as_tokenizer(options[p], p).to_str() for p in ("target_tokenizer", "draft_tokenizer"))
-        key += "-tokens-" + hashlib.sha256(text.encode()).hexdigest()[:12]
-    return key
+    return key + _tokens_digest(options) if options else key
+
+
+TOKENIZERS = ("target_tokenizer", "draft_tokenizer")  # a draft's tokenizers: part of its key, never stored (objects)
+
+
+def _tokens_digest(options: dict) -> str:
+    from speccomp.drafters.text_bridge import as_tokenizer
+
+    text = "\n".join(as_tokenizer(options[p], p).to_str() for p in TOKENIZERS)
+    return "-tokens-" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def cache_key(model, drafter: str, backend: str) -> dict:
@@ -174,16 +182,26 @@ def load_result(model, drafter: str, backend: str = "eager") -> "AutotuneResult 
     try:
         data = json.loads(path.read_text())
         if data.get("schema") != SCHEMA or data["key"] != cache_key(model, drafter, backend):
-            return None
+            return _ignored(path, f"written for schema {data.get('schema')!r} / another key, not this model's")
         result = AutotuneResult.from_dict(data)
         parse_tree_spec(result.tree)  # a tree that no longer parses is no result
         if not _well_formed(result):
-            return None
+            return _ignored(path, "a field tree='auto' reads has the wrong type")
+        result.path = str(path)  # where it was read (a copied cache's file names its old place)
         for option, value in TUNED_BEFORE.get(drafter, {}).items():
             result.drafter_options.setdefault(option, value)
+        result.drafter_options.pop("tokenizers", None)  # a draft's own-tokenizers mark (older files): not an option
         return result
-    except (ValueError, KeyError, TypeError, AttributeError):  # AttributeError: JSON that is not an object
-        return None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # AttributeError: JSON that is not an object
+        return _ignored(path, f"{type(exc).__name__}: {str(exc)[:200]}")
+
+
+def _ignored(path: Path, why: str) -> None:
+    """A stored result that exists but cannot be used counts as none, said out loud: tree='auto' then tunes anew (and
+    replaces it) or asks for autotune, and the user should know why their tuning was not used."""
+    warnings.warn(f"ignoring the stored autotune result {path} ({why}); tree='auto' treats it as missing: run "
+                  "speccomp autotune again, or delete the file", stacklevel=3)
+    return None
 
 
 def _well_formed(result: "AutotuneResult") -> bool:
@@ -215,17 +233,20 @@ def resolve_auto(model, drafter, backend: str, drafter_options: dict | None, mer
         )
     if untunable(drafter):
         raise AutotuneError(f"tree='auto': {untunable(drafter)}; drop tree= (or use token_recycling, which takes a tuned tree)")
-    result = load_result(model, drafter, backend) or _tune_on_first_use(model, drafter, backend, drafter_options)
+    name = drafter_key(drafter, drafter_options)  # a named draft_model with its own tokenizers: theirs in the key
+    result = load_result(model, name, backend) or _tune_on_first_use(model, drafter, backend, drafter_options)
     stored = result.drafter_options
-    differ = {k: v for k, v in (drafter_options or {}).items() if k not in stored or stored[k] != v}
+    given = {k: v for k, v in (drafter_options or {}).items() if k not in TOKENIZERS}
+    tokenizers = {k: v for k, v in (drafter_options or {}).items() if k in TOKENIZERS}  # in the key, never stored
+    differ = {k: v for k, v in given.items() if k not in stored or stored[k] != v}
     if differ:  # the stored options are complete (every option the drafter declares); the user's win
         warnings.warn(
             f"tree='auto': the stored tree was tuned with drafter_options={result.drafter_options}, not {differ}; "
             f"it may not be the best tree for these options (re-run speccomp autotune with them)",
             stacklevel=4,  # the user's compile call
         )
-        return result.tree, {**result.drafter_options, **drafter_options}, False
-    return result.tree, dict(result.drafter_options), not merged and _plain(result)
+        return result.tree, {**result.drafter_options, **given, **tokenizers}, False
+    return result.tree, {**result.drafter_options, **tokenizers}, not merged and _plain(result)
 
 
 def _plain(result: "AutotuneResult") -> bool:
@@ -852,6 +873,7 @@ def _session(sm, drafter: str, mode: str, prompts, *, max_nodes: int, max_depth:
     if mode == "dynamic" and not dynamic_ok:
         raise AutotuneError(f"the {drafter} drafter takes static trees only; use mode='static' (or 'auto')")
     do_dynamic = mode == "dynamic" or (mode == "auto" and dynamic_ok)
+    asked_nodes, asked_ranks = max_nodes, ranks
     max_nodes = min(max_nodes, sm.max_tree)
     if max_nodes < 2:
         raise AutotuneError(f"the model fits trees of at most {sm.max_tree} nodes (sliding window); nothing to tune")
@@ -866,6 +888,14 @@ def _session(sm, drafter: str, mode: str, prompts, *, max_nodes: int, max_depth:
     budgets = sorted({b for b in dynamic_budgets if 1 <= b <= max_nodes - 1}) if do_dynamic else []
     if do_dynamic and not budgets:
         raise AutotuneError(f"no dynamic budget in {list(dynamic_budgets)} fits trees of {max_nodes} nodes")
+    asked = {"max_nodes": (asked_nodes, DEFAULT_MAX_NODES, max_nodes), "max_depth": (max_depth, PROBE_DEPTH, depth),
+             "ranks": (asked_ranks, PROBE_RANKS, ranks)}
+    cut = [f"{k}={a} -> {used}" for k, (a, default, used) in asked.items() if a != default and used < a]
+    if cut:  # a limit the user chose that the model or drafter cannot reach: tuned within theirs, said so
+        warnings.warn(f"autotune: {', '.join(cut)}: the limits here are trees of at most {sm.max_tree} nodes (the "
+                      f"model), depth {sm.drafter.max_tree_depth or 'any'} and {sm.drafter.max_siblings or 'any'} "
+                      f"siblings (the {drafter} drafter), a probe of at most {sm.max_tree} nodes and depths below "
+                      "max_nodes", stacklevel=3)
     probe_size = 1 + depth * ranks
     sizes = sorted({n for n in TIMED_SIZES if n <= max(max_nodes, probe_size)} | {max_nodes, probe_size})
     if measure_sizes == "report":
@@ -1089,6 +1119,8 @@ def autotune(
                           backend=backend)
     # stored with the result; a draft LM's tokenizers are in its key, not stored (its drafter says "tokenizers": "own")
     options = dict(sm.drafter.options or {}) if is_draft_lm(drafter) else dict(sm.drafter.options or options or {})
+    if not is_draft_lm(drafter):
+        options.pop("tokenizers", None)  # the named draft_model's own-tokenizers mark: its tokenizers are in its key
     s = _session(sm, name, mode, prompts, max_nodes=max_nodes, max_depth=max_depth, ranks=ranks,
                  dynamic_budgets=dynamic_budgets, measure_sizes=measure_sizes, max_new_tokens=max_new_tokens,
                  eos=eos_token_id, warmup=warmup)

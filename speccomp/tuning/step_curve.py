@@ -32,8 +32,11 @@ def machine_key(model, backend: str, threads: int | None = None) -> dict:
     user's where a caller runs inside runtime/model.py's host_threads, which sets one) and CPU."""
     import torch
 
+    from speccomp.frontend.convention import CapturedModel
     from speccomp.models import fingerprint
 
+    if isinstance(model, CapturedModel):  # speccomp.capture(model): keyed by the model it captured, as compile keys it
+        model = model.model
     p = next(iter(model.parameters()), None)
     return {"fingerprint": fingerprint(model), "backend": backend,
             "device": str(p.device) if p is not None else "cpu",
