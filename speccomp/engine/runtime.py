@@ -6,7 +6,8 @@
     print(engine.decode(out[0, ids.shape[1]:]))
 
 `SpecModel.export(dir)` (speccomp/engine/export.py) writes the directory: manifest.json (what is inside and how to
-call it: MANIFEST_KEYS, format speccomp-engine v3; v1 and v2 load); target.onnx, the target verify graph after TreeAttention, one file
+call it: MANIFEST_KEYS, format speccomp-engine v3; v1 and v2 load; `files`: the tokenizers' sizes and SHA-256,
+checked at load as the graphs' are, absent from engines written before them); target.onnx, the target verify graph after TreeAttention, one file
 for prefill (causal tree_mask), plain decoding (q = 1) and tree verification (q = tree size); tokenizer.json (when
 export was given a tokenizer); a drafter's graph, GRAPH_FILES[name] (its drafter class below says what it computes).
 
@@ -163,13 +164,14 @@ def read_manifest(path, verify: bool = True) -> dict:
                                   f"{file_.stat().st_size} bytes, manifest {entry['bytes']}; or a different SHA-256): "
                                   f"the file is corrupt or was replaced; {remake}")
     sums = manifest.get("files", {})  # the tokenizers' sizes and digests (engines before them list none)
+    target = (manifest.get("tokenizer") or {}).get("file")
     for name in tokenizer_files(manifest):
-        file_ = path / name
+        file_, which = path / name, "tokenizer" if name == target else "draft tokenizer"
         if not file_.is_file():
-            raise EngineError(f"the engine's tokenizer {file_} is missing; copy it back, or {remake}")
+            raise EngineError(f"the engine's {which} {file_} is missing; copy it back, or {remake}")
         entry = sums.get(name)
         if verify and entry is not None and (file_.stat().st_size != entry["bytes"] or sha256(file_) != entry["sha256"]):
-            raise EngineError(f"the engine's tokenizer {file_} does not match its manifest (size {file_.stat().st_size} "
+            raise EngineError(f"the engine's {which} {file_} does not match its manifest (size {file_.stat().st_size} "
                               f"bytes, manifest {entry['bytes']}; or a different SHA-256): another tokenizer would "
                               f"encode prompts into other ids; {remake}")
     return manifest

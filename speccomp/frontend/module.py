@@ -81,6 +81,26 @@ def _what(items) -> str:
     return f"a {x.dtype} tensor of {x.dim()} dims" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
+def _state_writes(gm: fx.GraphModule) -> list[str]:
+    """The module's own tensors (get_attr: buffers, parameters) an op of the graph writes in place, directly or through
+    a view of them. torch.export under no_grad keeps `self.calls += 1` as aten.add_ on the buffer and does not list it
+    in the signature's buffers_to_mutate."""
+    def root(node):
+        while isinstance(node, fx.Node) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+                and node.args and node.target._schema.arguments and node.target._schema.arguments[0].alias_info:
+            node = node.args[0]  # a view's base
+        return node
+
+    written = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            for spec, arg in zip(n.target._schema.arguments, n.args):
+                base = root(arg) if spec.alias_info is not None and spec.alias_info.is_write else None
+                if isinstance(base, fx.Node) and base.op == "get_attr":
+                    written.append(str(base.target).removeprefix("model."))
+    return written
+
+
 def capture_module(model: nn.Module, *, check: bool = True) -> CapturedModel:
     """torch.export a plain causal LM and rewrite it into speccomp's calling convention (speccomp/frontend/convention.py)."""
     from speccomp.passes.explicit_kv import PASSES, PlainGraph
@@ -95,13 +115,13 @@ def capture_module(model: nn.Module, *, check: bool = True) -> CapturedModel:
     example = torch.zeros(1, EXAMPLE_LENGTH, dtype=torch.long, device=first.device)
     program = export_dynamic(step, (example,), ({1: Dim.AUTO},),
                              f"{type(model).__name__}(input_ids) with a dynamic sequence length")
-    mutated = sorted(set(program.graph_signature.buffers_to_mutate.values()))
+    gm = program.module()
+    mutated = sorted(set(program.graph_signature.buffers_to_mutate.values()) | set(_state_writes(gm)))
     if mutated:  # checked before any call of the module: the check below runs it
         raise UnsupportedModelError(
             f"{type(model).__name__}.forward writes its buffers {mutated[:5]}: the compiled graph would write into "
             "your module at every step (verifying draft tokens it does not keep, too); keep forward free of state "
             "(keep counters or caches outside the module)")
-    gm = program.module()
     gm.graph._codegen = fx.graph.CodeGen()  # plain positional inputs and tuple output (passes add inputs)
     (input_ids,) = [n for n in gm.graph.nodes if n.op == "placeholder"]
     seq_size = input_ids.meta["val"].shape[1]
