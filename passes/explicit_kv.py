@@ -211,7 +211,8 @@ class CachedAttention(Pass):
             for name in ("query", "key", "value"):
                 shape = tshape(args[name])
                 if shape is None or len(shape) != 4 or shape[0] != 1 or not is_seq(shape[2], pg.seq):
-                    fixed = shape is not None and len(shape) == 4 and isinstance(shape[2], int)
+                    fixed = (shape is not None and len(shape) == 4 and isinstance(shape[2], int)
+                             and not any(is_seq(d, pg.seq) for d in shape))  # else the length sits elsewhere
                     raise UnsupportedModelError(
                         f"attention {where}: {name} has shape {shape}, expected [1, heads, seq, head_dim]" + (
                             f" with seq the input's length, not the fixed {shape[2]}: the module computes something "

@@ -391,6 +391,34 @@ def test_a_sliding_window_mask_is_refused(monkeypatch, window):
         capture(_init(GptFast(n_layer=1), 2))
 
 
+class ScaledBufferGPT(NanoGPT):
+    """In-place ops on copies of buffers: `.float()` and `reshape` of a non-contiguous view copy (export annotates
+    both as possibly aliasing), so the buffer is not written."""
+
+    def __init__(self, config=GPTConfig(n_layer=1)):
+        super().__init__(config)
+        self.register_buffer("scale", torch.full((config.n_embd,), 1.5, dtype=torch.float16))
+        self.register_buffer("shift", torch.zeros(2, config.n_embd // 2))
+
+    def forward(self, idx, targets=None):
+        scale = self.scale.float().mul_(1.0)  # a copy (float16 -> float32), then in place on it
+        shift = self.shift.t().reshape(-1).add_(0.0)  # reshape of a transposed view copies
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.transformer.wte(idx) * scale + shift + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def test_in_place_ops_on_copies_of_buffers_are_not_state():
+    """The buffer-state refusal must not catch these (a first version walked through `to` and `reshape` as views)."""
+    model = _init(ScaledBufferGPT(), 2)
+    before = (model.scale.clone(), model.shift.clone())
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    assert torch.equal(speccomp.compile(model).generate(ids, max_new_tokens=8), naive_greedy(model, ids, 8))
+    assert torch.equal(model.scale, before[0]) and torch.equal(model.shift, before[1])
+
+
 @pytest.mark.parametrize("drafter", ["medusa", "hydra", "eagle"])
 def test_heads_drafters_say_what_a_plain_module_needs(drafter):
     """A plain module has no get_output_embeddings(): the error named "Medusa heads" for every kind and no fix."""

@@ -82,9 +82,10 @@ def _what(items) -> str:
 
 
 def _state_writes(gm: fx.GraphModule) -> list[str]:
-    """The module's own tensors (get_attr: buffers, parameters) an op of the graph writes in place, directly or through
-    a view of them. torch.export under no_grad keeps `self.calls += 1` as aten.add_ on the buffer and does not list it
-    in the signature's buffers_to_mutate."""
+    """The module's own tensors (get_attr: buffers, parameters) an op of the graph may write in place, directly or
+    through what may be a view of them. torch.export under no_grad keeps `self.calls += 1` as aten.add_ on the buffer
+    and does not list it in the signature's buffers_to_mutate; ops like `to` and `reshape` are annotated as aliasing
+    but usually copy, so a hit here is only a suspicion (capture_module confirms it on the functionalized program)."""
     def root(node):
         while isinstance(node, fx.Node) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
                 and node.args and node.target._schema.arguments and node.target._schema.arguments[0].alias_info:
@@ -116,7 +117,11 @@ def capture_module(model: nn.Module, *, check: bool = True) -> CapturedModel:
     program = export_dynamic(step, (example,), ({1: Dim.AUTO},),
                              f"{type(model).__name__}(input_ids) with a dynamic sequence length")
     gm = program.module()
-    mutated = sorted(set(program.graph_signature.buffers_to_mutate.values()) | set(_state_writes(gm)))
+    mutated = set(program.graph_signature.buffers_to_mutate.values())
+    if not mutated and _state_writes(gm):  # an op that may write a buffer (or a copy: `.float()`, `reshape` may copy)
+        with fx_config.patch(backed_size_oblivious=True):  # functionalized, the signature knows which
+            mutated = set(program.run_decompositions().graph_signature.buffers_to_mutate.values())
+    mutated = sorted(m.removeprefix("model.") for m in mutated)
     if mutated:  # checked before any call of the module: the check below runs it
         raise UnsupportedModelError(
             f"{type(model).__name__}.forward writes its buffers {mutated[:5]}: the compiled graph would write into "
