@@ -48,9 +48,11 @@ class SkipLayers(Pass):
         present = [layer.index for layer in layers]  # a graph with layers skipped already keeps its numbering
         bad = [i for i in self.skip if i not in present]
         if bad:
-            if present == list(range(len(present))):
-                raise ValueError(f"layers {bad} do not exist; the model has layers 0..{len(present) - 1}")
-            raise ValueError(f"layers {bad} are not in this graph (its layers are {present})")
+            total = sg.captured.kv.num_layers
+            if all(0 <= i < total for i in bad):  # the model has them: an earlier pass skipped them
+                raise ValueError(f"layers {bad} are not in this graph: an earlier pass skipped them (applied: "
+                                 f"{sg.applied}; its layers are {present})")
+            raise ValueError(f"layers {bad} do not exist; the model has layers 0..{total - 1}")
         if len(self.skip) >= len(layers):
             raise ValueError(f"cannot skip all {len(layers)} layers; keep at least one")
         new_kv = sg.structure.new_kv

@@ -30,7 +30,7 @@ import operator
 import torch
 from torch import fx
 
-from speccomp.errors import UnsupportedModelError
+from speccomp.errors import GraphStructureError, UnsupportedModelError
 from speccomp.frontend.graph import Pass, SpecGraph, copy_meta
 from speccomp.passes import SDPA, replace_attention, sdpa_arguments
 
@@ -83,6 +83,11 @@ class OrtAttention(Pass):
         return sg.structure.inputs["past_kv"]
 
     def check(self, sg: SpecGraph) -> None:
+        if self.name in sg.applied:
+            raise GraphStructureError(f"OrtAttention was already applied to this graph (applied: {sg.applied})")
+        if "past_kv" not in sg.structure.inputs:
+            raise GraphStructureError(f"the graph has no past_kv input (applied: {sg.applied}); OrtAttention reads the "
+                                      "cache as cat(past_kv[l, kv], new): run it before passes that change that")
         past_kv, cats = self._past_kv(sg), set()
         for site in sg.structure.attention:
             args = sdpa_arguments(site.node) if site.node.target is SDPA else None
@@ -149,6 +154,7 @@ class OrtAttention(Pass):
             for n in (call, *outs[1:]):
                 copy_meta(n, site.node)
             replace_attention(sg, site.node, outs[0])
+            site.mask_user = call  # the fused call reads the mask (outs[0] only picks its output)
             presents += outs[1:]
         output = graph.output_node()
         output.args = (tuple(output.args[0]) + tuple(presents),)

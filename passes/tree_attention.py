@@ -44,6 +44,9 @@ class TreeAttention(Pass):
     def check(self, sg: SpecGraph) -> None:
         if TREE_MASK in sg.input_names():
             raise GraphStructureError("TreeAttention was already applied to this graph")
+        if "ort_attention" in sg.applied:  # the fused op takes a [1, 1, q, T] bias, not the tree mask's layout
+            raise GraphStructureError(f"TreeAttention must run before OrtAttention (applied: {sg.applied}): "
+                                      "[TreeAttention(), GroupedQueryAttention(), OrtAttention()]")
         for site in sg.structure.attention:
             if site.mask is None:
                 raise GraphStructureError(f"attention {site.module} has no mask to rewrite")

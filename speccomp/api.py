@@ -163,6 +163,22 @@ def _compile_kv(captured, model, kv_cache, kv_mode, tree, backend: str, drafter_
     return compile_kv_draft(base, policy, tree, backend, drafter_options)
 
 
+def _check_convention(base, target, drafter) -> None:
+    """A drafter's target_passes may add outputs (after logits, new_kv, hidden: Medusa's head states), never change the
+    inputs the runtime passes by position, nor take the first outputs away (a new input took tree_mask's place, and
+    generate failed inside torch with a missing argument)."""
+    from speccomp.errors import GraphStructureError
+    from speccomp.passes.tree_attention import TREE_MASK
+
+    inputs, want = target.input_names(), base.input_names() + [TREE_MASK]
+    outputs, before = len(target.gm.graph.output_node().args[0]), len(base.gm.graph.output_node().args[0])
+    if inputs != want or outputs < before:
+        raise GraphStructureError(
+            f"the {drafter.name} drafter's target_passes {[p.name for p in drafter.target_passes]} left the target "
+            f"graph with inputs {inputs} and {outputs} outputs; the runtime calls it with {want} and reads its first "
+            f"{before} outputs: a target pass may add outputs after those, not inputs")
+
+
 def _resolve_auto(model, drafter, tree, backend: str, drafter_options):
     """tree="auto": (tree, options, plain), the tree and options `speccomp autotune` stored for this model, drafter,
     backend and machine (tuned now, on first use, when none is stored), and whether it measured plain decoding
@@ -205,6 +221,7 @@ def _compile_drafter(base: SpecGraph, model, drafter, tree, backend: str, drafte
                                "delete that file or run `speccomp search` again") from None
     # a drafter may need the target graph to compute more (Medusa: head states on every token)
     target = run_passes(base.clone(), list(drafter_obj.target_passes) + [TreeAttention()])
+    _check_convention(base, target, drafter_obj)
     # a drafter with graphs of its own runs them as more sessions: then none spins (backends.lower), unless they
     # are light (one thread each: nothing then fights the target's spinning pool)
     spin = not drafter_obj.graphs or drafter_obj.light_graphs

@@ -269,6 +269,33 @@ def test_a_draft_lm_given_itself_is_autotuned_and_tree_auto_finds_its_tree(capsy
         speccomp.compile(target, drafter=other, tree="auto")
 
 
+@pytest.mark.parametrize("name", ["gpt2", "opt"])
+def test_a_draft_of_any_family_saves_every_weight_it_trains(name, tmp_path):
+    """train_draft saved the weights it found by name (`.layers.N.`, `*norm*`): none of GPT-2's (`transformer.h.N`,
+    `ln_f`), not OPT's learned positions, so every load of such a draft was partly random. Now its whole state but the
+    shared embedding and LM head is saved, loaded twice alike, and equal to what trained; a damaged file is named."""
+    from tiny_models import ARCHITECTURES
+
+    from speccomp.tuning.train_draft import load_draft, own_state, train_draft
+
+    model = ARCHITECTURES[name].build()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 90, (8,), generator=g) for _ in range(3)]
+    out = train_draft(model, prompts, out=tmp_path / "d", num_layers=1, max_new_tokens=12, epochs=2, lr=1e-2,
+                      sampled=0, progress=False)
+    first, second = load_draft(model, out), load_draft(model, out)
+    assert set(own_state(first)) and all(torch.equal(v, own_state(second)[k]) for k, v in own_state(first).items())
+    ids = torch.randint(3, 90, (1, 10), generator=g)
+    with torch.no_grad():
+        assert torch.equal(first(ids).logits, second(ids).logits)
+    fast = speccomp.compile(model, drafter="draft_model", drafter_options={"path": str(out)})
+    assert torch.equal(fast.generate(ids, max_new_tokens=12), hf_greedy(model, ids, 12))
+    weights = out / "draft.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(OptionError, match=rf"path=.*{tmp_path.name}.*holds a draft that does not load"):
+        load_draft(model, out)
+
+
 def test_train_draft_refuses_bad_settings_before_work(tmp_path):
     from speccomp.tuning.train_draft import train_draft
 
@@ -291,6 +318,12 @@ def test_train_draft_refuses_bad_settings_before_work(tmp_path):
                        (dict(prompts=[torch.zeros(2, 4, dtype=torch.long)]), r"prompts\[0\]=.*\[n\] or \[1, n\]")):
         with pytest.raises(ValueError, match=match):
             train_draft(target, bad.pop("prompts", prompts), out=tmp_path / "d", **bad)
+    for bad, match in ((dict(lr=float("inf")), "lr=inf: must be a number > 0"), (dict(seed=1.5), "seed=1.5"),
+                       (dict(eos_token_id="x"), "eos_token_id='x'")):  # failed minutes in, or saved NaN weights
+        with pytest.raises((ValueError, TypeError), match=match):
+            train_draft(target, prompts, out=tmp_path / "d", **bad)
+    with pytest.raises(OptionError, match=r"model='a bfloat16 model': train_draft trains in float32; pass model.float"):
+        train_draft(tiny_llama().to(torch.bfloat16), prompts, out=tmp_path / "d")  # failed after self-distilling
     assert not (tmp_path / "d").exists()
     (tmp_path / "project").mkdir()
     (tmp_path / "project" / "config.json").write_text('{"name": "mine"}')

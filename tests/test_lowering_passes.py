@@ -141,3 +141,96 @@ def test_eager_backend_lowering_is_lossless(name):
                          eos_token_id=2, pad_token_id=2)
     out = sm.generate(ids, max_new_tokens=24, eos_token_id=2)
     assert torch.equal(out, ref)
+
+
+# --------------------------------------------------------------------------------------
+# The pass contract: order, repetition, the attention annotation, the calling convention, debug dumps
+# --------------------------------------------------------------------------------------
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def test_passes_in_the_wrong_order_or_twice_are_refused_by_name():
+    """TreeAttention after OrtAttention rewired a node that did not read the mask: the tree mask went unread and
+    siblings saw each other (logits off by 0.11, no error). OrtAttention twice was a bare KeyError; a layer skipped
+    twice was said not to exist."""
+    from speccomp.passes.layer_skip import SkipLayers
+    from speccomp.passes.ort_attention import OrtAttention
+
+    sg = SpecGraph.from_captured(capture(tiny_llama()))
+    with pytest.raises(GraphStructureError, match="TreeAttention must run before OrtAttention"):
+        run_passes(sg.clone(), [GroupedQueryAttention(), OrtAttention(), TreeAttention()], dump_input=False)
+    done = run_passes(sg.clone(), [TreeAttention(), GroupedQueryAttention(), OrtAttention()], dump_input=False)
+    assert all(s.mask in s.mask_user.all_input_nodes for s in done.structure.attention)  # the fused call reads it
+    with pytest.raises(GraphStructureError, match="OrtAttention was already applied"):
+        run_passes(done, [OrtAttention()], dump_input=False)
+    with pytest.raises(ValueError, match=r"layers \[1\] are not in this graph: an earlier pass skipped them"):
+        run_passes(sg.clone(), [SkipLayers([1]), SkipLayers([1])], dump_input=False)
+
+
+def test_a_pass_that_leaves_the_attention_annotation_on_erased_nodes_is_named():
+    """A user pass replacing SDPA by hand (replace_all_uses_with, erase_node) left sg.structure on erased nodes; the
+    next pass failed far away ("'<' not supported between NoneType"). Now the pass itself is named, with the fix."""
+    from speccomp.frontend.graph import Pass, copy_meta
+
+    class ReSDPA(Pass):
+        name = "re_sdpa"
+
+        def rewrite(self, sg):
+            g = sg.gm.graph
+            for n in [n for n in g.nodes if n.target is SDPA]:
+                with g.inserting_before(n):
+                    new = g.call_function(SDPA, n.args, dict(n.kwargs))
+                copy_meta(new, n)
+                n.replace_all_uses_with(new)
+                g.erase_node(n)
+
+    sg = SpecGraph.from_captured(capture(tiny_llama()))
+    with pytest.raises(GraphStructureError, match=r"pass 're_sdpa' left attention .*\.replace_attention\(sg, old, "):
+        run_passes(sg, [ReSDPA(), TreeAttention()], dump_input=False)
+
+
+def test_a_drafters_target_pass_may_add_outputs_not_inputs():
+    """A target pass that added an input compiled, then generate failed inside torch (the new input took tree_mask's
+    place in the positional call)."""
+    from speccomp.frontend.graph import Pass
+    from speccomp.runtime.decode import Draft, Drafter
+
+    class AddTemperature(Pass):
+        name = "temperature"
+
+        def rewrite(self, sg):
+            g = sg.gm.graph
+            with g.inserting_after([n for n in g.nodes if n.op == "placeholder"][-1]):
+                t = g.placeholder("temperature")
+            out = g.output_node()
+            with g.inserting_before(out):
+                new = g.call_function(torch.ops.aten.div.Tensor, (out.args[0][0], t))
+            out.args = ((new, *out.args[0][1:]),)
+
+    class Chain(Drafter):
+        name, reads, trees = "chain", (), ()
+        target_passes = (AddTemperature(),)
+
+        def propose(self, ctx):
+            return Draft(Tree.from_parents([-1]), torch.tensor([ctx.tokens[-1]]))
+
+    with pytest.raises(GraphStructureError, match=r"chain drafter's target_passes \['temperature'\] .* not inputs"):
+        speccomp.compile(tiny_llama(), drafter=Chain())
+
+
+def test_debug_dumps_never_overwrite_and_never_stop_a_compile(tmp_path, monkeypatch, capsys):
+    """SPECCOMP_DEBUG=1 overwrote a user's 00_captured.py and mixed two runs' files in one folder; an unwritable
+    SPECCOMP_DEBUG_DIR made compile fail with a bare FileNotFoundError."""
+    monkeypatch.setenv("SPECCOMP_DEBUG", "1")
+    mine = tmp_path / "dumps"
+    mine.mkdir()
+    (mine / "00_captured.py").write_text("MY FILE")
+    monkeypatch.setenv("SPECCOMP_DEBUG_DIR", str(mine))
+    speccomp.compile(tiny_llama())
+    assert (mine / "00_captured.py").read_text() == "MY FILE"
+    assert (mine / "run-1" / "00_captured.py").is_file()
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv("SPECCOMP_DEBUG_DIR", str(tmp_path / "a-file" / "dumps"))
+    ids = torch.arange(3, 9)[None]
+    assert speccomp.compile(tiny_llama()).generate(ids, max_new_tokens=2).shape == (1, 8)
+    assert "cannot write graph dumps to SPECCOMP_DEBUG_DIR=" in capsys.readouterr().err

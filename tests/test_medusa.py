@@ -155,12 +155,35 @@ def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
     (dict(prompts=[torch.tensor([5, 500])]), r"prompts\[0\]=.*outside the model's vocabulary"),
     (dict(prompts=[[5, 6]]), r"prompts\[0\]=.*integer tensor"),
     (dict(num_heads=4, max_new_tokens=3), r"max_new_tokens=3: is shorter than num_heads=4"),
+    # checked after the run folder existed (AdamW, manual_seed), or never: an infinite lr saved all-NaN heads
+    (dict(lr=float("inf")), "lr=inf: must be a finite number > 0"),
+    (dict(weight_decay=-1.0), r"weight_decay=-1.0: must be a finite number >= 0"),
+    (dict(seed=1.5), "seed=1.5: must be an int"), (dict(seed="abc"), "seed='abc': must be an int"),
+    (dict(eos_token_id="x"), "eos_token_id='x': must be a token id"),
+    # accepted and ignored by the API (the CLI refused the flags)
+    (dict(kind="eagle", num_layers=3), "num_layers=3: does not apply to kind='eagle'"),
+    (dict(kind="medusa", draft_vocab=10), "draft_vocab=10: does not apply to kind='medusa'"),
 ])
 def test_training_rejects_bad_settings(model, tmp_path, bad, match):
     kw = {"prompts": prompts(2), "out": tmp_path / "x", "progress": False, **bad}
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         train_heads(model, kw.pop("prompts"), **kw)
     assert not (tmp_path / "x").exists()  # nothing written before the settings are checked
+
+
+@pytest.mark.parametrize("damaged", ["tokens.safetensors", "heads.safetensors", "optimizer.safetensors"])
+def test_a_damaged_run_state_is_named_with_the_fix(model, tmp_path, damaged):
+    """A truncated checkpoint of an interrupted run failed its rerun with a bare SafetensorError naming no file."""
+    import json
+
+    kw = dict(kind="medusa", num_heads=2, max_new_tokens=12, epochs=2, progress=False)
+    train_heads(model, prompts(2), out=tmp_path / "h", **kw)
+    state = tmp_path / "h" / "_train"
+    progress = json.loads((state / "progress.json").read_text())
+    (state / "progress.json").write_text(json.dumps({**progress, "epoch": 1}))  # as if stopped after epoch 1
+    (state / damaged).write_bytes((state / damaged).read_bytes()[:60])
+    with pytest.raises(OptionError, match=rf"out=.*its training run's {damaged} is damaged .*delete .*_train"):
+        train_heads(model, prompts(2), out=tmp_path / "h", **kw)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -386,7 +386,9 @@ def _remap(obj, val_map: dict):
 
 
 class Pass:
-    """One graph rewrite. Subclasses implement `check` (what they expect) and `rewrite`."""
+    """One graph rewrite. Subclasses implement `check` (what they expect) and `rewrite`. After it the graph is linted
+    and the attention annotation (sg.structure.attention) must still name live nodes, each site's `mask_user` reading
+    its `mask`: a pass that replaces an attention call does so with speccomp.passes.replace_attention."""
 
     name = "pass"
 
@@ -401,9 +403,28 @@ class Pass:
         self.rewrite(sg)
         sg.gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
         sg.gm.graph.lint()
+        self._check_structure(sg)
         sg.gm.recompile()
         sg.applied.append(self.name)
         return sg
+
+    def _check_structure(self, sg: SpecGraph) -> None:
+        """The attention annotation later passes rewrite by (sg.structure: each site's call, mask and the node reading
+        it) must name nodes still in the graph: a pass that replaced an attention call by hand left it on erased
+        nodes, and the next pass failed far away (a TypeError comparing None) or rewrote nothing."""
+        live = set(sg.gm.graph.nodes)
+        for site in getattr(getattr(sg, "structure", None), "attention", None) or ():  # drafter graphs have none
+            for field_name in ("node", "mask", "mask_user"):
+                node = getattr(site, field_name)
+                if node is not None and node not in live:
+                    raise GraphStructureError(
+                        f"pass {self.name!r} left attention {site.module}'s `{field_name}` on {node.name}, no longer "
+                        "in the graph; a pass that replaces an attention call must keep sg.structure on live nodes: "
+                        "use speccomp.passes.replace_attention(sg, old, new) (or set the site's fields itself)")
+            if site.mask is not None and site.mask not in site.mask_user.all_input_nodes:
+                raise GraphStructureError(
+                    f"pass {self.name!r} left attention {site.module}'s mask_user {site.mask_user.name} not reading "
+                    f"its mask {site.mask.name}: a later mask rewrite (TreeAttention) would change nothing")
 
 
 def _is_impure(node: fx.Node) -> bool:
@@ -457,7 +478,7 @@ def run_passes(sg: SpecGraph, passes, dump_input: bool = True) -> SpecGraph:
     return sg
 
 
-_DUMPS = itertools.count()  # dumps of this process, numbered in order
+_DUMP_DIRS: dict = {}  # SPECCOMP_DEBUG_DIR -> (the folder this process dumps into, its dump counter); None: failed
 
 
 def dump(sg: SpecGraph, stage: str) -> None:
@@ -466,15 +487,50 @@ def dump(sg: SpecGraph, stage: str) -> None:
     Files go to $SPECCOMP_DEBUG_DIR (default ./speccomp_debug) as NN_<passes applied so far>.py, NN counting
     every dump of the process (a compile dumps the drafter's graphs, then the target's, each after every pass,
     lowering passes included: 00_captured.py, 01_early_exit.py, 02_early_exit+tree_attention.py, ...,
-    06_captured.py, 07_tree_attention.py, ...), so a newcomer can diff what each pass changed and no file
-    overwrites another."""
+    06_captured.py, 07_tree_attention.py, ...), so a newcomer can diff what each pass changed. A process whose folder
+    already holds files (an earlier run's, or anyone's) writes into a fresh run-N folder inside it: no file is ever
+    overwritten, and one run's dumps are not mixed with another's. A folder that cannot be written is said once and
+    the compile goes on without dumps."""
     if os.environ.get("SPECCOMP_DEBUG", "0") in ("", "0"):
         return
-    out = Path(os.environ.get("SPECCOMP_DEBUG_DIR", "speccomp_debug"))
-    out.mkdir(parents=True, exist_ok=True)
-    index = next(_DUMPS)
-    path = out / f"{index:02d}_{'+'.join(sg.applied) or stage}.py"
-    path.write_text(sg.gm.code)
+    chosen = _dump_dir()
+    if chosen is None:
+        return
+    out, index = chosen[0], next(chosen[1])
+    name = "+".join(sg.applied) or stage
+    name = name if len(name) <= 80 else f"{len(sg.applied)}_passes_to_{sg.applied[-1]}"  # file names have a limit
+    path = out / f"{index:02d}_{''.join(c if c.isalnum() or c in '+._-' else '_' for c in name)}.py"
+    try:
+        with open(path, "x") as f:  # "x": never over a file (a name made twice in one run is a pass named alike)
+            f.write(sg.gm.code)
+    except OSError as exc:
+        print(f"[speccomp] SPECCOMP_DEBUG: could not write {path} ({exc.strerror or exc}); not dumped", file=sys.stderr)
+        return
     top = ", ".join(f"{k.split('.')[-2] if '.' in k else k}={v}" for k, v in sg.op_counts().most_common(6))
     print(f"[speccomp] {index:02d} {stage:<18} nodes={len(sg.gm.graph.nodes):<5} inputs={sg.input_names()} "
           f"{top} -> {path}", file=sys.stderr)
+
+
+def _dump_dir():
+    """(the folder of this process's dumps, its counter) for the SPECCOMP_DEBUG_DIR now set (see `dump`), made at its
+    first dump; None where it cannot be."""
+    given = os.environ.get("SPECCOMP_DEBUG_DIR", "speccomp_debug")
+    if given not in _DUMP_DIRS:
+        root = Path(given).expanduser()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            out = root
+            if any(root.iterdir()):  # someone's files, or an earlier run's dumps: a run folder of its own
+                k = 1
+                while True:
+                    try:
+                        (out := root / f"run-{k}").mkdir()
+                        break
+                    except FileExistsError:
+                        k += 1
+            _DUMP_DIRS[given] = (out, itertools.count())
+        except OSError as exc:
+            print(f"[speccomp] SPECCOMP_DEBUG: cannot write graph dumps to SPECCOMP_DEBUG_DIR={given!r} "
+                  f"({exc.strerror or exc}); set it to a writable folder. Compiling without dumps", file=sys.stderr)
+            _DUMP_DIRS[given] = None
+    return _DUMP_DIRS[given]

@@ -22,7 +22,8 @@ from torch import nn
 
 from speccomp.errors import OptionError, OptionTypeError
 from speccomp.tuning.train_heads import (_fit, _hidden_states, _open_run, _self_distill, _vocab_size, check_on_cpu,
-                                        check_prompts, check_sampling, eos_identity, run_identity)
+                                        check_prompts, check_sampling, check_training_numbers, eos_identity,
+                                        run_identity)
 
 CONFIG = "config.json"
 WEIGHTS = "draft.safetensors"
@@ -36,20 +37,26 @@ def draft_architecture(model, num_layers: int):
     config.num_hidden_layers = num_layers
     if isinstance(getattr(config, "layer_types", None), list):  # per-layer attention kinds (sliding windows)
         config.layer_types = config.layer_types[:num_layers]
+    for k in _DROPOUTS:  # no dropout: a draft trains the same for a seed (GPT-2's and OPT's configs say 0.1)
+        if isinstance(getattr(config, k, None), float):
+            setattr(config, k, 0.0)
     draft = type(model)(config).eval()
-    state = {k: v for k, v in model.state_dict().items() if _own(k, num_layers)}
-    missing, _ = draft.load_state_dict(state, strict=False)
     share(draft, model)
-    assert not [k for k in missing if _own(k, num_layers)], missing
+    own = own_state(draft)
+    draft.load_state_dict({k: v for k, v in model.state_dict().items() if k in own}, strict=False)
     return draft
 
 
-def _own(key: str, num_layers: int) -> bool:
-    """Whether state key `key` is a draft's own (trained, saved) weight: a kept layer's or the final norm's."""
-    parts = key.split(".")
-    if "layers" in parts:
-        return int(parts[parts.index("layers") + 1]) < num_layers
-    return "norm" in parts[-2] if len(parts) > 1 else False
+_DROPOUTS = ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+             "activation_dropout", "attention_probs_dropout_prob", "hidden_dropout_prob")
+
+
+def own_state(draft) -> dict:
+    """The draft's own (trained, saved) state: everything but the token embedding and LM head it shares with its
+    model. By identity, not by name: GPT-2's `transformer.h.N`, Falcon's, OPT's learned positions all belong (a first
+    version matched `.layers.N.` and `*norm*` and saved none of GPT-2's weights: a loaded draft was partly random)."""
+    shared = {id(draft.get_input_embeddings().weight), id(draft.get_output_embeddings().weight)}
+    return {k: v for k, v in draft.state_dict(keep_vars=True).items() if id(v) not in shared}
 
 
 def share(draft, model) -> None:
@@ -72,7 +79,7 @@ def save_draft(draft, out: Path, model, num_layers: int, base_model: str = "") -
 
     from speccomp.models import fingerprint, replace_atomically, write_atomically
 
-    own = {k: v.detach().contiguous() for k, v in draft.state_dict().items() if _own(k, num_layers)}
+    own = {k: v.detach().contiguous() for k, v in own_state(draft).items()}
     replace_atomically(out / WEIGHTS, lambda tmp: save_file(own, str(tmp)))  # each file in one rename, config last
     write_atomically(out / CONFIG, json.dumps({
         "format": FORMAT, "num_layers": num_layers, "base_model_name_or_path": base_model,
@@ -87,6 +94,7 @@ def train_draft(model, prompts, *, out, num_layers: int = 2, max_new_tokens: int
     """Train a `num_layers`-layer draft for `model` on its own replies to `prompts` (token id tensors); save it to
     `out` (a new directory or one this function wrote). Returns `out`."""
     _check(model, prompts, num_layers, epochs=epochs, batch_size=batch_size, max_new_tokens=max_new_tokens, lr=lr)
+    check_training_numbers(lr, 0.0, seed, eos_token_id)
     check_sampling(sampled, temperature)
     prompts = check_prompts(prompts, _vocab_size(model))
     out = check_draft_directory(out)
@@ -148,7 +156,7 @@ def _check(model, prompts, num_layers, **values) -> None:
                               "module given as compile(model, drafter=draft)")
     check_num_layers(num_layers, model.config.num_hidden_layers)
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or (
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf") or (
                 name != "lr" and not isinstance(value, int)):
             example = {"lr": 3e-4, "epochs": 3, "batch_size": 8, "max_new_tokens": 128}[name]
             raise OptionError(name, value, f"must be {'a number > 0' if name == 'lr' else 'an int >= 1'}",
@@ -157,6 +165,10 @@ def _check(model, prompts, num_layers, **values) -> None:
         raise OptionError("prompts", prompts, "train_draft needs at least one prompt (token ids) to self-distill from",
                           "pass token id tensors, e.g. [chat_ids(tokenizer, text)[0] for text in texts]")
     check_on_cpu(model, "train_draft")
+    dtype = next(model.parameters()).dtype
+    if dtype != torch.float32:  # the draft trains in float32 beside the model's shared embedding (it failed minutes in)
+        raise OptionError("model", f"a {str(dtype).removeprefix('torch.')} model", "train_draft trains in float32",
+                          "pass model.float() (the draft then loads in the model's dtype)")
 
 
 def check_draft_directory(directory) -> Path:
@@ -207,6 +219,7 @@ def load_draft(model, path=None):
     rebuilt around the model's own embedding and LM head; or, at `path`, any Hugging Face causal LM checkpoint
     directory (config.json with a model_type, safetensors weights: a small model of the target's family, say).
     Safetensors only: nothing is unpickled."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from speccomp.models import fingerprint
@@ -231,10 +244,16 @@ def load_draft(model, path=None):
         raise OptionError("path" if path is not None else "drafter_options", str(found), f"holds a draft trained for another model "
                           f"({config.get('base_model_name_or_path') or config.get('base_fingerprint')})",
                           "train a draft for this model with speccomp.train_draft")
-    draft = draft_architecture(model, config["num_layers"])
-    own = load_file(str(found / WEIGHTS))
-    _, unexpected = draft.load_state_dict(own, strict=False)
-    missing = sorted(k for k in draft.state_dict() if _own(k, config["num_layers"]) and k not in own)
+    try:
+        check_num_layers(config["num_layers"], model.config.num_hidden_layers)
+        draft = draft_architecture(model, config["num_layers"])
+        own = load_file(str(found / WEIGHTS))
+        _, unexpected = draft.load_state_dict(own, strict=False)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # missing, truncated, other shapes
+        raise OptionError("path" if path is not None else "drafter_options", str(found), f"holds a draft that does "
+                          f"not load ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})", "train the draft "
+                          "again for this model (speccomp train-draft), or restore its files") from None
+    missing = sorted(k for k in own_state(draft) if k not in own)
     if unexpected or missing:
         raise OptionError("drafter_options", str(found), f"{WEIGHTS} does not fit the model (unexpected "
                           f"{unexpected[:3]}, missing {missing[:3]})", "train the draft again for this model")

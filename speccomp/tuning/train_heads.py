@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from speccomp.drafters.medusa import MedusaHeads, check_head_directory, new_heads, save_medusa
-from speccomp.errors import OptionError
+from speccomp.errors import OptionError, OptionTypeError
 
 KINDS = ("medusa", "hydra", "eagle")
 DRAFT_VOCAB = 8192  # hydra, eagle: tokens the heads score by default (a larger vocabulary's most frequent ones)
@@ -107,11 +107,30 @@ def _self_distill(model, prompts, max_new_tokens: int, eos, progress: bool, stat
 def distilled_text(out) -> tuple[list[torch.Tensor], list[int]]:
     """The self-distilled sequences stored by a (finished or interrupted) run into `out`, and where each
     reply starts."""
+    flat = read_state(Path(out) / "_train" / "tokens.safetensors")
+    n = len(flat) // 2
+    try:
+        return [flat[f"seq_{i}"] for i in range(n)], [int(flat[f"start_{i}"]) for i in range(n)]
+    except KeyError as exc:
+        raise _damaged(Path(out) / "_train" / "tokens.safetensors", f"no tensor {exc}") from None
+
+
+def read_state(file: Path) -> dict:
+    """A run's checkpoint file (safetensors), or an OptionError naming it and the fix: a truncated file (an
+    interrupted copy, a full disk) failed as a bare SafetensorError naming no file."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    flat = load_file(str(Path(out) / "_train" / "tokens.safetensors"))
-    n = len(flat) // 2
-    return [flat[f"seq_{i}"] for i in range(n)], [int(flat[f"start_{i}"]) for i in range(n)]
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError) as exc:
+        raise _damaged(file, str(exc).splitlines()[0][:200]) from None
+
+
+def _damaged(file: Path, why: str) -> OptionError:
+    state = file.parent
+    return OptionError("out", str(state.parent), f"its training run's {file.name} is damaged ({why})",
+                       f"delete {state} to train again from the start")
 
 
 def _hidden_states(model, seqs, progress: bool, mass: torch.Tensor | None = None, soft_k: int = 0) -> list[tuple]:
@@ -222,29 +241,39 @@ def _checkpoint(state: Path, heads, opt, args: dict, epoch: int) -> None:
 
 def _resume(state: Path, heads, opt, done: dict) -> int:
     """The epoch to start at: 0 for a new run, else the last checkpointed one, with heads and AdamW moments loaded."""
-    from safetensors.torch import load_file
-
     if not (state / "heads.safetensors").exists() or done.get("epoch", 0) == 0:
         return 0
-    heads.load_state_dict(load_file(str(state / "heads.safetensors")))
-    moments = load_file(str(state / "optimizer.safetensors"))
+    try:
+        heads.load_state_dict(read_state(state / "heads.safetensors"))
+    except RuntimeError as exc:  # other names or shapes than these heads'
+        raise _damaged(state / "heads.safetensors", str(exc).splitlines()[0][:200]) from None
+    moments = read_state(state / "optimizer.safetensors")
     opt_state = opt.state_dict()
-    for i, _ in enumerate(opt.param_groups[0]["params"]):
-        opt_state["state"][i] = {"step": moments[f"{i}.step"].reshape(()), "exp_avg": moments[f"{i}.exp_avg"],
-                                 "exp_avg_sq": moments[f"{i}.exp_avg_sq"]}
-    opt.load_state_dict(opt_state)
+    try:
+        for i, _ in enumerate(opt.param_groups[0]["params"]):
+            opt_state["state"][i] = {"step": moments[f"{i}.step"].reshape(()), "exp_avg": moments[f"{i}.exp_avg"],
+                                     "exp_avg_sq": moments[f"{i}.exp_avg_sq"]}
+        opt.load_state_dict(opt_state)
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise _damaged(state / "optimizer.safetensors", f"{type(exc).__name__}: {exc}"[:200]) from None
     return done["epoch"]
 
 
-def _check_settings(model, prompts, kind, *, lr, sampled: int, temperature: float, soft_labels: int, **ints) -> None:
-    """Refuse bad settings before minutes of work: each message names the setting, its value and what it takes."""
+def _check_settings(model, prompts, kind, *, lr, sampled: int, temperature: float, soft_labels: int,
+                    given: dict, **ints) -> None:
+    """Refuse bad settings before minutes of work: each message names the setting, its value and what it takes.
+    `given`: options the caller passed that `kind` does not use (refused, as the CLI refuses their flags)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
+    unused = {"num_layers": kind == "eagle", "draft_vocab": kind == "medusa"}  # as the CLI refuses their flags
+    for name, value in given.items():
+        if unused.get(name) and value is not None:
+            raise OptionError(name, value, f"does not apply to kind={kind!r}", f"drop {name} (num_layers: the "
+                              "ResBlocks per Medusa/Hydra head, an EAGLE head is one decoder layer; draft_vocab: the "
+                              "tokens Hydra and EAGLE heads score, Medusa heads score the whole vocabulary)")
     for name, value in ints.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr!r}")
     check_sampling(sampled, temperature)
     check_soft_labels(soft_labels)
     if not prompts:
@@ -258,6 +287,28 @@ def _check_settings(model, prompts, kind, *, lr, sampled: int, temperature: floa
     if kind in ("hydra", "eagle") and ints["draft_vocab"] > _vocab_size(model):  # would be cut to the vocabulary
         raise OptionError("draft_vocab", ints["draft_vocab"], f"is more than the model's vocabulary "
                           f"({_vocab_size(model)} tokens)", f"use at most {_vocab_size(model)} (the whole vocabulary)")
+
+
+def check_training_numbers(lr, weight_decay, seed, eos_token_id) -> None:
+    """lr a finite number > 0, weight_decay a finite number >= 0, seed an int, eos ids ints >= 0: checked before the run
+    folder exists (AdamW or manual_seed failing after it blocked the corrected rerun: "a run with other settings"; an
+    infinite lr saved weights that were all NaN)."""
+    import math
+
+    def real(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    if not real(lr) or not lr > 0:
+        raise OptionError("lr", lr, "must be a finite number > 0", "e.g. lr=1e-3")
+    if not real(weight_decay) or weight_decay < 0:
+        raise OptionError("weight_decay", weight_decay, "must be a finite number >= 0", "e.g. weight_decay=0.0")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise OptionTypeError("seed", seed, "must be an int", "e.g. seed=0 (the default)")
+    ids = [eos_token_id] if eos_token_id is None or isinstance(eos_token_id, int) else eos_token_id
+    if not isinstance(ids, (list, tuple)) or not all(i is None or (isinstance(i, int) and not isinstance(i, bool)
+                                                                 and i >= 0) for i in ids):
+        raise OptionTypeError("eos_token_id", eos_token_id, "must be a token id, a list of them, or None",
+                              "e.g. eos_token_id=tokenizer.eos_token_id")
 
 
 def check_on_cpu(model, what: str) -> None:
@@ -407,11 +458,14 @@ def train_heads(
     if kind == "eagle" and soft_labels:
         raise ValueError("soft_labels does not apply to kind='eagle': it always learns the model's whole distribution "
                          "over its draft vocabulary")
+    draft_vocab_given = draft_vocab
     if draft_vocab is None:  # hydra, eagle: the 8192 most frequent tokens, or every token of a smaller vocabulary
         draft_vocab = min(DRAFT_VOCAB, _vocab_size(model))
     _check_settings(model, prompts, kind, lr=lr, sampled=sampled, temperature=temperature, soft_labels=soft_labels,
+                    given={"num_layers": None if num_layers == 1 else num_layers, "draft_vocab": draft_vocab_given},
                     num_heads=num_heads, num_layers=num_layers, max_new_tokens=max_new_tokens, epochs=epochs,
                     batch_size=batch_size, draft_vocab=draft_vocab)
+    check_training_numbers(lr, weight_decay, seed, eos_token_id)
     prompts = check_prompts(prompts, _vocab_size(model))
     out = check_head_directory(out)  # before minutes of work: never over a folder's own config.json
     state = out / "_train"
