@@ -171,6 +171,20 @@ def test_training_rejects_bad_settings(model, tmp_path, bad, match):
     assert not (tmp_path / "x").exists()  # nothing written before the settings are checked
 
 
+def test_training_takes_eos_ids_as_generate_does():
+    """The settings check refuses what is not a token id, but takes an int, numpy's ints and lists of them."""
+    import numpy as np
+
+    from speccomp.tuning.train_heads import check_training_numbers, eos_identity
+
+    for eos, ids in ((None, []), (2, [2]), (np.int64(2), [2]), ([3, np.int32(2)], [2, 3])):
+        check_training_numbers(1e-3, 0.0, 0, eos)
+        assert eos_identity(eos) == {"eos_token_id": ids}
+    for bad in ("x", [2, None], True, -1, 2.0):
+        with pytest.raises(TypeError, match="eos_token_id="):
+            check_training_numbers(1e-3, 0.0, 0, bad)
+
+
 @pytest.mark.parametrize("damaged", ["tokens.safetensors", "heads.safetensors", "optimizer.safetensors"])
 def test_a_damaged_run_state_is_named_with_the_fix(model, tmp_path, damaged):
     """A truncated checkpoint of an interrupted run failed its rerun with a bare SafetensorError naming no file."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from pathlib import Path
 
 import torch
@@ -293,10 +294,14 @@ def check_training_numbers(lr, weight_decay, seed, eos_token_id) -> None:
     """lr a finite number > 0, weight_decay a finite number >= 0, seed an int, eos ids ints >= 0: checked before the run
     folder exists (AdamW or manual_seed failing after it blocked the corrected rerun: "a run with other settings"; an
     infinite lr saved weights that were all NaN)."""
-    import math
-
     def real(x) -> bool:
         return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    def token(i) -> bool:  # an int >= 0 (numpy's too), not a bool
+        try:
+            return not isinstance(i, bool) and operator.index(i) >= 0
+        except TypeError:
+            return False
 
     if not real(lr) or not lr > 0:
         raise OptionError("lr", lr, "must be a finite number > 0", "e.g. lr=1e-3")
@@ -304,9 +309,8 @@ def check_training_numbers(lr, weight_decay, seed, eos_token_id) -> None:
         raise OptionError("weight_decay", weight_decay, "must be a finite number >= 0", "e.g. weight_decay=0.0")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise OptionTypeError("seed", seed, "must be an int", "e.g. seed=0 (the default)")
-    ids = [eos_token_id] if eos_token_id is None or isinstance(eos_token_id, int) else eos_token_id
-    if not isinstance(ids, (list, tuple)) or not all(i is None or (isinstance(i, int) and not isinstance(i, bool)
-                                                                 and i >= 0) for i in ids):
+    ids = [] if eos_token_id is None else eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    if not all(token(i) for i in ids):
         raise OptionTypeError("eos_token_id", eos_token_id, "must be a token id, a list of them, or None",
                               "e.g. eos_token_id=tokenizer.eos_token_id")
 
@@ -352,7 +356,7 @@ def check_sampling(sampled, temperature) -> None:
 def eos_identity(eos_token_id) -> dict:
     """The eos ids a run's replies stop at, for its stored settings: a rerun with others is another run (a run stored
     before they were recorded has none: `_open_run` compares it without them, so it still resumes)."""
-    ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+    ids = [] if eos_token_id is None else eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
     return {"eos_token_id": sorted({int(i) for i in ids})}
 
 
