@@ -286,9 +286,6 @@ def engine_files(path: Path) -> set[str] | None:
         file = graph.get("file") if isinstance(graph, dict) else None
         if isinstance(file, str):
             names |= {file, file + ".data"}
-    tokenizer = manifest.get("tokenizer")
-    if tokenizer is not None and not (isinstance(tokenizer, dict) and isinstance(tokenizer.get("file"), str)):
-        manifest = {**manifest, "tokenizer": None}  # unreadable here: the files below are names only
     return names | set(tokenizer_files(manifest))  # the target's tokenizer, a draft model's own
 
 

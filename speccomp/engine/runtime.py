@@ -178,8 +178,10 @@ def read_manifest(path, verify: bool = True) -> dict:
 
 
 def tokenizer_files(manifest: dict) -> list[str]:
-    """The tokenizer files an engine's (schema-checked) manifest names: the target's, a draft model's own two."""
-    names = [manifest["tokenizer"]["file"]] if isinstance(manifest.get("tokenizer"), dict) else []
+    """The tokenizer files an engine's manifest names (the target's, a draft model's own two); names that are not
+    strings are left out (export's engine_files reads unchecked manifests too)."""
+    tokenizer = manifest.get("tokenizer")
+    names = [tokenizer["file"]] if isinstance(tokenizer, dict) and isinstance(tokenizer.get("file"), str) else []
     drafter = manifest.get("drafter") if isinstance(manifest.get("drafter"), dict) else {}
     for part in drafter.get("drafters") or [drafter]:
         files = (part.get("options") or {}).get("tokenizers") if isinstance(part, dict) else None
