@@ -503,3 +503,58 @@ def test_training_never_overwrites_heads_it_did_not_write(model, tmp_path):
     with pytest.raises(speccomp.OptionError, match=r"unreadable training state .*progress.json.*delete"):
         train_heads(model, prompts(2), out=tmp_path / "ours", **kw)
     assert not list((tmp_path / "ours" / "_train").glob(".*.tmp"))  # atomic writes leave no temporaries
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
+def test_heads_of_another_model_of_the_same_sizes_load_with_a_warning(model, tmp_path, kind):
+    """Heads name the model they were made for (config.json base_fingerprint / base_dtype). Heads of another model
+    with the same sizes used to load in silence (exact, but drafts that miss): now a warning names both fingerprints.
+    Their own model, the same model cast to bfloat16 and heads without the fields load quietly; a loaded file saves
+    its fields back."""
+    import copy
+    import warnings
+
+    from test_eagle import random_eagle
+
+    from speccomp.drafters.eagle import load_eagle, save_eagle
+    from speccomp.drafters.hydra import load_hydra, save_hydra
+    from speccomp.models import fingerprint
+
+    save, load, make = {"medusa": (save_medusa, load_medusa, lambda m: random_heads(m)),
+                        "hydra": (save_hydra, load_hydra, lambda m: random_hydra(m, 2)),
+                        "eagle": (save_eagle, load_eagle, lambda m: random_eagle(m))}[kind]
+    save(make(model), tmp_path / "h")
+    config = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert config["base_fingerprint"] == fingerprint(model) and config["base_dtype"] == "float32"
+    other = copy.deepcopy(model)  # the same sizes, other weights (a fine-tuned model, say)
+    with torch.no_grad():
+        other.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+    assert fingerprint(other) != fingerprint(model)
+    with pytest.warns(UserWarning, match=rf"head in {tmp_path / 'h'} was trained for another model \(fingerprint "
+                                         rf"{fingerprint(model)}; this model's is {fingerprint(other)}\)"):
+        load(tmp_path / "h", other)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        back = load(tmp_path / "h", model)
+        load(tmp_path / "h", copy.deepcopy(model).to(torch.bfloat16))
+    save(back, tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["base_fingerprint"] == fingerprint(model)
+    del config["base_fingerprint"]
+    (tmp_path / "h" / "config.json").write_text(json.dumps(config))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load(tmp_path / "h", other)
+
+
+@pytest.mark.parametrize("kind", ["hydra", "eagle"])
+def test_training_leaves_the_callers_random_state_alone(model, tmp_path, kind):
+    """The heads' initial weights come from `seed` without reseeding the caller's global RNG (it used to be left at
+    manual_seed(seed), so what the caller drew next depended on having trained); the same seed trains the same heads."""
+    kw = dict(kind=kind, num_heads=2, max_new_tokens=6, epochs=1, batch_size=32, progress=False, seed=3)
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    first = train_heads(model, prompts(2), out=tmp_path / "a", **kw)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(99)
+    again = train_heads(model, prompts(2), out=tmp_path / "b", **kw)
+    assert all(torch.equal(x, y) for x, y in zip(first.state_dict().values(), again.state_dict().values()))

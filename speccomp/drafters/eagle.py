@@ -36,8 +36,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from speccomp.drafters.hydra import MAX_SIBLINGS, HydraHeads, _input_embedding, save_draft_heads
-from speccomp.drafters.medusa import (CONFIG, HeadsError, _lm_head_weight, check_dimensions, config_int,
-                                      on_model_device, read_head_files)
+from speccomp.drafters.medusa import (CONFIG, HeadsError, _lm_head_weight, check_dimensions, config_int, identity_in,
+                                      made_for, on_model_device, read_head_files)
 
 WEIGHTS = "eagle_head.safetensors"
 
@@ -208,7 +208,7 @@ def new_eagle(model, draft_vocab, num_heads: int | None = None, intermediate: in
         rope = getattr(cfg, "rope_parameters", None) or {}
         rope_theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or getattr(cfg, "rope_theta", None) or 10000.0
     head = EagleHead(hidden, vocab, int(num_heads), int(intermediate), lm, _input_embedding(model), draft_vocab, rope_theta)
-    return on_model_device(head, lm, torch.float32)
+    return made_for(on_model_device(head, lm, torch.float32), model)
 
 
 _PARAMS = ("fc.weight", "fc.bias", "norm1.weight", "qkv.weight", "o.weight", "norm2.weight", "gate_up.weight", "down.weight")
@@ -234,7 +234,7 @@ def load_eagle(directory, model) -> EagleHead:
         shapes = ((h, 2 * h), (h,), (h,), (3 * h, h), (h, h), (h,), (2 * f, h), (h, f))  # in _PARAMS order
         return {"draft_vocab": (config.get("draft_vocab_size"),), **dict(zip(_PARAMS, shapes))}
 
-    config, tensors = read_head_files(directory, "eagle", WEIGHTS, layout)
+    config, tensors = read_head_files(directory, "eagle", WEIGHTS, layout, model)
     num_heads = config_int(config, "eagle_num_heads", directory / CONFIG)
     theta = config.get("rope_theta", 10000.0)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
@@ -243,4 +243,5 @@ def load_eagle(directory, model) -> EagleHead:
                      tensors["draft_vocab"], float(theta))
     head.load_state_dict({n: tensors[n].float() for n in _PARAMS})
     head.train_steps = config_int(config, "train_steps", directory / CONFIG) if config.get("train_steps") else None
+    head.trained_for = identity_in(config)  # saved back as it came
     return on_model_device(head, lm, torch.float32).eval()

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from speccomp.drafters.medusa import (CONFIG, HeadsError, ResBlock, _lm_head_weight, _model_weight, block_names,
-                                      check_dimensions, config_int, count_check, read_head_files,
-                                      on_model_device, write_head_files)
+                                      check_dimensions, config_int, count_check, identity, identity_in, made_for,
+                                      on_model_device, read_head_files, write_head_files)
 
 WEIGHTS = "hydra_heads.safetensors"
 
@@ -152,7 +152,7 @@ class HydraStep(nn.Module):
 def new_hydra(model, draft_vocab, num_heads: int = 4, num_layers: int = 1) -> HydraHeads:
     lm = _lm_head_weight(model)
     heads = HydraHeads(num_heads, lm.shape[1], lm.shape[0], num_layers, lm, _input_embedding(model), draft_vocab)
-    return on_model_device(heads, lm, torch.float32)
+    return made_for(on_model_device(heads, lm, torch.float32), model)
 
 
 def save_hydra(heads: HydraHeads, directory, *, base_model: str = "") -> Path:
@@ -169,7 +169,7 @@ def save_draft_heads(heads, directory, weights: str, tensors: dict, base_model: 
     tensors["draft_vocab"] = heads.draft_vocab.cpu().contiguous()
     config = {**fields, "hidden_size": heads.hidden, "vocab_size": heads.vocab,
               "draft_vocab_size": len(heads.draft_vocab), "base_model_name_or_path": base_model,
-              "tied_lm_head": True, "dtype": "float16"}
+              "tied_lm_head": True, "dtype": "float16", **identity(heads)}
     return write_head_files(directory, weights, tensors, config)
 
 
@@ -189,7 +189,8 @@ def load_hydra(directory, model) -> HydraHeads:
         want = {name: size for name, (_, size) in shape["names"].items()}
         return {"draft_vocab": (config.get("draft_vocab_size"),), **want}
 
-    _, tensors = read_head_files(directory, "hydra", WEIGHTS, layout)
+    config, tensors = read_head_files(directory, "hydra", WEIGHTS, layout, model)
     heads = HydraHeads(shape["heads"], hidden, vocab, shape["layers"], lm, _input_embedding(model), tensors["draft_vocab"])
     heads.load_state_dict({own: tensors[name].float() for name, (own, _) in shape["names"].items()})
+    heads.trained_for = identity_in(config)  # saved back as it came
     return on_model_device(heads, lm, torch.float32).eval()

@@ -100,6 +100,29 @@ def on_model_device(heads: nn.Module, lm: torch.Tensor, dtype: torch.dtype | Non
     return heads.to(lm.device, dtype or lm.dtype)
 
 
+def made_for(heads: nn.Module, model) -> nn.Module:
+    """Record which model fresh heads are for: saved in config.json (base_fingerprint, base_dtype), compared at load
+    by `read_head_files` (heads of another model with the same sizes load and stay exact, but their drafts miss)."""
+    heads.trained_for = _model_identity(model)
+    return heads
+
+
+def _model_identity(model) -> dict | None:
+    """{"base_fingerprint", "base_dtype"} of `model`; None where its weights cannot be read (the meta device). The
+    dtype is kept because the fingerprint hashes values: the same model cast to bfloat16 has another one."""
+    from speccomp.models import fingerprint
+
+    weight = next(model.parameters(), None)
+    if weight is None or weight.device.type == "meta":
+        return None
+    return {"base_fingerprint": fingerprint(model), "base_dtype": str(weight.dtype).removeprefix("torch.")}
+
+
+def identity(heads: nn.Module) -> dict:
+    """The config.json fields naming the model `heads` were made for (none for heads loaded from a file without)."""
+    return dict(getattr(heads, "trained_for", None) or {})
+
+
 def block_names(prefix: str, num_heads: int, num_layers: int, hidden: int) -> dict[str, tuple[str, tuple]]:
     """File tensor name -> (state-dict name, shape) of the heads' ResBlocks, `{prefix}.{k}.{j}.linear.{p}`."""
     shapes = {"weight": (hidden, hidden), "bias": (hidden,)}
@@ -110,7 +133,7 @@ def block_names(prefix: str, num_heads: int, num_layers: int, hidden: int) -> di
 def new_heads(model, num_heads: int = 4, num_layers: int = 1) -> MedusaHeads:
     """Fresh heads for `model`, tied to its frozen LM head (Medusa-1: the backbone stays frozen)."""
     w = _lm_head_weight(model)
-    return on_model_device(MedusaHeads(num_heads, w.shape[1], w.shape[0], num_layers, lm_head=w), w)
+    return made_for(on_model_device(MedusaHeads(num_heads, w.shape[1], w.shape[0], num_layers, lm_head=w), w), model)
 
 
 def save_medusa(heads: MedusaHeads, directory, *, base_model: str = "", medusa_layout: bool = False) -> Path:
@@ -124,7 +147,7 @@ def save_medusa(heads: MedusaHeads, directory, *, base_model: str = "", medusa_l
             tensors[f"medusa_head.{k}.{heads.num_layers}.weight"] = proj.cpu().contiguous()
     config = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers, "hidden_size": heads.hidden,
               "vocab_size": heads.vocab, "base_model_name_or_path": base_model,
-              "tied_lm_head": heads.tied and not medusa_layout}
+              "tied_lm_head": heads.tied and not medusa_layout, **identity(heads)}
     return write_head_files(directory, WEIGHTS, tensors, config)
 
 
@@ -217,10 +240,11 @@ def check_layout(path: Path, header: dict, expected: dict[str, tuple], integer=(
             raise HeadsError(f"{path}: {name} is stored as {dtype}, expected one of {list(allowed)}")
 
 
-def read_head_files(directory, kind: str, weights: str, layout) -> tuple[dict, dict]:
+def read_head_files(directory, kind: str, weights: str, layout, model) -> tuple[dict, dict]:
     """(config, tensors) of a head directory, checked before any tensor is allocated: `layout(config, header)`
     returns the {name: shape} the config describes for this model (it checks the config's numbers against the
-    file's header first, so an edited config.json cannot make anyone allocate what the file does not hold)."""
+    file's header first, so an edited config.json cannot make anyone allocate what the file does not hold).
+    Heads whose config names another model (base_fingerprint) load with a warning: exact, but slow."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -236,11 +260,32 @@ def read_head_files(directory, kind: str, weights: str, layout) -> tuple[dict, d
         raise HeadsError(f"{cfg_path}: expected a JSON object with {kind}_num_heads, got {type(config).__name__}")
     header = tensor_header(w_path)
     check_layout(w_path, header, layout(config, header))
+    _check_made_for(config, directory, kind, model)  # after the sizes: heads that cannot load are refused alone
     try:
         tensors = load_file(str(w_path))
     except (SafetensorError, OSError, ValueError) as exc:
         raise HeadsError(f"{w_path} is corrupt or not a safetensors file: {exc}") from None
     return config, tensors
+
+
+def identity_in(config: dict) -> dict:
+    """The identity fields (`_model_identity`) a head config.json holds."""
+    return {k: config[k] for k in ("base_fingerprint", "base_dtype") if isinstance(config.get(k), str)}
+
+
+def _check_made_for(config: dict, directory, kind: str, model) -> None:
+    """Warn where config.json names another model than `model` in the same dtype (a cast model is not compared)."""
+    import warnings
+
+    made = identity_in(config)
+    have = _model_identity(model)
+    if have and "base_fingerprint" in made and made.get("base_dtype", have["base_dtype"]) == have["base_dtype"] \
+            and made["base_fingerprint"] != have["base_fingerprint"]:
+        name = config.get("base_model_name_or_path")
+        warnings.warn(f"{display_kind(kind)} head in {directory} was trained for another model (fingerprint "
+                      f"{made['base_fingerprint']}{f', {name}' if name else ''}; this model's is "
+                      f"{have['base_fingerprint']}): decoding stays exact, but its drafts will rarely be accepted; "
+                      "train heads for this model (speccomp.train_heads)", stacklevel=4)
 
 
 def count_check(where, config_says: str, want: int, header: dict) -> None:
@@ -268,7 +313,7 @@ def load_medusa(directory, model) -> MedusaHeads:
         want.update({f"medusa_head.{k}.{layers}.weight": (vocab, hidden) for k in range(k_heads) if untied})
         return want
 
-    _, tensors = read_head_files(directory, "medusa", WEIGHTS, layout)
+    config, tensors = read_head_files(directory, "medusa", WEIGHTS, layout, model)
     k_heads, layers = shape["heads"], shape["layers"]
     projections = [tensors.get(f"medusa_head.{k}.{layers}.weight") for k in range(k_heads)]
     # (a Medusa-layout file whose projections are the frozen LM head shares it instead of copying it)
@@ -278,4 +323,5 @@ def load_medusa(directory, model) -> MedusaHeads:
     state = {own: tensors[name].float() for name, (own, _) in shape["names"].items()}
     state.update({f"proj.{k}": p.float() for k, p in enumerate(projections) if not tied})
     heads.load_state_dict(state)
+    heads.trained_for = identity_in(config)  # saved back as it came
     return on_model_device(heads, lm).eval()

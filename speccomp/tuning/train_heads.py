@@ -504,18 +504,24 @@ def train_heads(
     return heads
 
 
+def _seeded(seed: int, make):
+    """`make()` with the global RNG seeded (the fresh heads' initial weights), the caller's RNG left as it was."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return make()
+
+
 def _train_medusa(model, examples, eos: list, mass, run: dict):
     """Medusa or Hydra heads (run["args"]) on `_examples`: head k's cross-entropy to the model's greedy token (and,
     with soft labels, to its top-S distribution) over reply positions, weighted 0.8^k."""
     h, inputs, targets, soft = examples
     args = run["args"]
     kind, num_heads, batch_size = args["kind"], args["num_heads"], args["batch_size"]
-    torch.manual_seed(args["seed"])
     if kind == "hydra":
         from speccomp.drafters.hydra import new_hydra
 
-        heads = new_hydra(model, frequent_tokens([targets.flatten()], args["draft_vocab"], always=eos, fill=mass),
-                          num_heads, args["num_layers"])
+        vocab = frequent_tokens([targets.flatten()], args["draft_vocab"], always=eos, fill=mass)
+        heads = _seeded(args["seed"], lambda: new_hydra(model, vocab, num_heads, args["num_layers"]))
         # targets as indices into the draft vocabulary; -100 (skipped by cross_entropy) outside it
         index = torch.full((heads.vocab,), -100, dtype=torch.long)
         index[heads.draft_vocab] = torch.arange(len(heads.draft_vocab))
@@ -525,7 +531,7 @@ def _train_medusa(model, examples, eos: list, mass, run: dict):
             # position: the head then learns the in-vocabulary shape there; the shipped heads were trained so)
             soft = (soft[0] * (index[soft[1]] >= 0), index[soft[1]].clamp(min=0))
     else:
-        heads = new_heads(model, num_heads, args["num_layers"])
+        heads = _seeded(args["seed"], lambda: new_heads(model, num_heads, args["num_layers"]))
     weights = torch.tensor([0.8**k for k in range(num_heads)])
 
     def loss_of(idx):
@@ -570,8 +576,8 @@ def _train_eagle(model, seqs, starts, states, eos: list, mass, run: dict):
     args = run["args"]
     steps, batch_size, epochs = args["num_heads"], args["batch_size"], args["epochs"]
     labels = [greedy[max(0, st - 1):] for (_, greedy, _), st in zip(states, starts)]
-    torch.manual_seed(args["seed"])
-    head = new_eagle(model, frequent_tokens(labels, args["draft_vocab"], always=eos, fill=mass))
+    vocab = frequent_tokens(labels, args["draft_vocab"], always=eos, fill=mass)
+    head = _seeded(args["seed"], lambda: new_eagle(model, vocab))
     by_length = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]), i))
     batches = [by_length[i : i + batch_size] for i in range(0, len(by_length), batch_size)]
     gen = torch.Generator().manual_seed(args["seed"])
