@@ -120,12 +120,14 @@ def compile(model, *, drafter=None, tree=None, kv_cache=None, kv_mode: str | Non
     tree, drafter_options, plain = _resolve_auto(model, drafter, tree, backend, drafter_options)
     base = SpecGraph.from_captured(captured or capture(model))
     base.model = model  # drafters that look things up per model (stored heads, searches) need it
-    if tree is not None:
-        tree_option(tree, max_tree_nodes(base.structure))  # fits this model's windows
     if drafter is None or plain:  # plain decoding: the same loop and graph, verifying the root alone each step
+        if tree is not None and not plain:  # no drafter: the user's tree, checked (a stored one is unused)
+            tree_option(tree, max_tree_nodes(base.structure))
         sg = run_passes(base, [TreeAttention()])
         return SpecModel(sg, lower(sg, backend), backend, model=model)
     try:
+        if tree is not None:
+            tree_option(tree, max_tree_nodes(base.structure))  # fits this model's windows
         return _compile_drafter(base, model, drafter, tree, backend, drafter_options)
     except (OptionError, OptionTypeError) as exc:
         stored = exc.parameter == "tree" or exc.parameter in _option_names(drafter_options) - given

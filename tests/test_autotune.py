@@ -400,6 +400,11 @@ def test_autotune_layer_skip_then_compile_auto_equals_hf(cache):
         speccomp.compile(model, drafter="layer_skip", tree="auto")
     with pytest.raises(speccomp.OptionError, match=r"skip=\[77\]: (?!.*stored autotune)"):  # the user's own: as it is
         speccomp.compile(model, drafter="layer_skip", tree="auto", drafter_options={"skip": [77]})
+    # so does a stored tree too large for the model (its size check came before the stored source was known)
+    open(result.path, "w").write(json.dumps({**good, "tree": [[i] for i in range(70)]}))
+    with pytest.raises(speccomp.OptionError, match=r"tree=.*71 nodes.*read by tree='auto' from the stored autotune "
+                                                   r"result .*layer_skip-.*json, not given"):
+        speccomp.compile(model, drafter="layer_skip", tree="auto")
     open(result.path, "w").write(json.dumps(good))
     with pytest.raises(speccomp.OptionError, match=r"unknown layer_skip options \['bogus'\](?!.*stored autotune)"):
         speccomp.compile(model, drafter="layer_skip", tree="auto", drafter_options={"bogus": 1})
