@@ -223,10 +223,15 @@ def cmd_generate(args) -> int:
     from speccomp.models import chat_ids
 
     _compile_options(args)
+    _check_sampling(args)
+    if args.compare and args.do_sample:  # a sampled reply is not HF's greedy one: the check would fail or mislead
+        raise OptionError("compare", True, "checks greedy equality with HF generate, which a sampled reply does not "
+                          "have", "drop --compare or --do-sample")
     model, tok = _load(args)
     fast = _compile(model, args, tok)
     ids = chat_ids(tok, args.prompt).to(model.device)
-    out = fast.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id)
+    out = fast.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id,
+                        do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     s = fast.last_stats
     print(f"\n{s['new_tokens']} tokens in {s['seconds']:.2f}s = {s['tokens_per_second']:.1f} tok/s, tau={s['tau']:.2f}", file=sys.stderr)
@@ -428,16 +433,27 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _check_sampling(args) -> None:
+    """--temperature / --top-p / --seed without --do-sample: greedy decoding reads none of them, so they are refused,
+    not ignored."""
+    for name, value, unset in (("temperature", args.temperature, 1.0), ("top_p", args.top_p, 1.0), ("seed", args.seed, None)):
+        if not args.do_sample and value != unset:
+            raise OptionError(name, value, "applies only when sampling", f"add --do-sample, or drop --{name.replace('_', '-')}")
+
+
+def _sampling_flags(p) -> None:
+    """run and generate: sampling instead of greedy decoding."""
+    p.add_argument("--do-sample", action="store_true", help="sample (lossless: same distribution as the model) instead of greedy")
+    p.add_argument("--temperature", type=positive_float, default=1.0)
+    p.add_argument("--top-p", type=_unit_interval, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
 def cmd_run(args) -> int:
     """Generate from an exported engine directory: ONNX Runtime + numpy + tokenizers, no torch."""
     from speccomp.engine.runtime import load
 
-    if not args.do_sample:  # greedy decoding reads none of them: refused, not ignored
-        for name, value, unset in (("temperature", args.temperature, 1.0), ("top_p", args.top_p, 1.0),
-                                   ("seed", args.seed, None)):
-            if value != unset:
-                raise OptionError(name, value, "applies only when sampling",
-                                  f"add --do-sample, or drop --{name.replace('_', '-')}")
+    _check_sampling(args)
     engine = load(args.engine, provider=args.provider, threads=args.threads, draft=not args.no_draft)
     if not engine.manifest.get("tokenizer"):  # the engine's own message says "pass token ids": this command cannot
         from speccomp.engine.runtime import EngineError
@@ -741,6 +757,7 @@ def _add_model_commands(sub) -> None:
     _common(p)
     p.add_argument("--prompt", required=True, help="user message (the chat template is applied)")
     p.add_argument("--compare", action="store_true", help="also run HF greedy generate and check the outputs are identical")
+    _sampling_flags(p)
     _kv_options(p)
     _drafter_options_flag(p)
     p.set_defaults(func=cmd_generate)
@@ -822,10 +839,7 @@ def _add_autotune_export_run(sub) -> None:
     p.add_argument("--max-new-tokens", type=positive, default=128, help="new tokens (default 128)")
     p.add_argument("--provider", default="cpu", help="ONNX Runtime execution provider: cpu, cuda, tensorrt (default cpu)")
     p.add_argument("--threads", type=positive, default=2, help="ONNX Runtime intra-op threads (default 2)")
-    p.add_argument("--do-sample", action="store_true", help="sample (lossless: same distribution as the model) instead of greedy")
-    p.add_argument("--temperature", type=positive_float, default=1.0)
-    p.add_argument("--top-p", type=_unit_interval, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    _sampling_flags(p)
     p.add_argument("--ids", action="store_true", help="also print the new token ids (one line)")
     p.add_argument("--no-draft", action="store_true", help="plain decoding on the engine's target graph (a speed baseline)")
     p.set_defaults(func=cmd_run)

@@ -954,6 +954,11 @@ CLI_ERRORS = [
      ("--temperature", "--do-sample")),
     ("run-seed-without-do-sample", ["run", "--engine", "{engine}", "--prompt", "w3", "--seed", "3"],
      ("--seed", "--do-sample")),
+    ("generate-temperature-without-do-sample", ["generate", "--prompt", "hi", "--temperature", "0.5"],
+     ("--temperature", "--do-sample")),  # generate had no sampling flags at all (review, stop 56)
+    ("generate-top-p-out-of-range", ["generate", "--prompt", "hi", "--do-sample", "--top-p", "1.5"], ("top-p", "1.5")),
+    ("generate-compare-a-sampled-reply", ["generate", "--prompt", "hi", "--do-sample", "--compare"],
+     ("compare", "--do-sample")),
     ("serve-host-unresolvable", ["serve", "{engine}", "--host", "no-such-host.invalid"], ("--host", "no-such-host")),
     ("serve-kv-slots-below-one-request", ["serve", "{engine}", "--kv-slots", "1"], ("--kv-slots", "1")),
     # good ones stay good

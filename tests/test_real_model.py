@@ -199,3 +199,26 @@ def test_kv_compression_on_long_text(smollm, smollm_captured):
     assert q["kv_bytes_compressed"] == q["kv_bytes_compressed_closed_form"]
     assert q["kv_bytes_full"] / q["kv_bytes_compressed"] >= 3.5
     assert q["mean_kl"] < 0.05 and abs(q["perplexity_compressed"] - q["perplexity_full"]) < 0.5 * q["perplexity_full"]
+
+
+def test_cli_generate_samples_with_the_flags_given(smollm, smollm_compiled, monkeypatch, capsys):
+    """`speccomp generate --do-sample --temperature T --top-p P --seed S` samples as generate(do_sample=True, ...)
+    does (only `run` had these flags): the same reply for the same seed, the one the Python API gives."""
+    import speccomp.cli as cli
+    from speccomp.models import chat_ids
+
+    model, tok = smollm
+    monkeypatch.setattr(cli, "_load", lambda args: (model, tok))
+    monkeypatch.setattr(cli, "_compile", lambda m, args, t: smollm_compiled)  # the session's compile of the model
+    text = "Write a story about a cat."
+    argv = ["generate", "--prompt", text, "--max-new-tokens", "12", "--do-sample", "--temperature", "0.9",
+            "--top-p", "0.95", "--seed"]
+    replies = []
+    for seed in (5, 5, 6):
+        assert cli.main(argv + [str(seed)]) == 0
+        replies.append(capsys.readouterr().out)
+    ids = chat_ids(tok, text)
+    out = smollm_compiled.generate(ids, max_new_tokens=12, eos_token_id=tok.eos_token_id, do_sample=True,
+                                   temperature=0.9, top_p=0.95, seed=5)
+    assert replies[0] == replies[1] == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) + "\n"
+    assert replies[2] != replies[0]
