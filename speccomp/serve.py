@@ -292,6 +292,8 @@ def make_app(engine, max_batch: int = 8, kv_slots: int = 8192, name: str | None 
         return JSONResponse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}},
                             status_code=500)
 
+    started = int(time.time())  # OpenAI's model objects carry `created` (Unix seconds): here, when serving began
+
     @app.get("/health")
     async def health():  # 503 where the scheduler thread died: a load balancer must stop sending requests here
         alive = scheduler.thread.is_alive()
@@ -303,7 +305,8 @@ def make_app(engine, max_batch: int = 8, kv_slots: int = 8192, name: str | None 
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "speccomp"}]}
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
+                                            "owned_by": "speccomp"}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

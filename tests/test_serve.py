@@ -210,7 +210,8 @@ def test_a_client_that_goes_away_frees_its_row(server):
         time.sleep(0.05)
     assert m["requests_cancelled_total"] == before["requests_cancelled_total"] + 1 and m["running_requests"] == 0
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
-    assert httpx.get(f"{url}/v1/models").json()["data"][0]["object"] == "model"
+    listed = httpx.get(f"{url}/v1/models").json()["data"][0]
+    assert listed["object"] == "model" and isinstance(listed["created"], int) and listed["created"] > 1.7e9
 
 
 def test_a_dropped_non_streaming_client_frees_its_row_while_tokens_still_flow(server):
