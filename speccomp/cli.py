@@ -427,7 +427,8 @@ def cmd_export(args) -> int:
     model, tok = _load(args)
     fast = _compile(model, args, tok)
     t = time.perf_counter()
-    path = fast.export(args.out, tokenizer=tok, overwrite=args.overwrite)
+    # named as the model (the default model's config names the local cache folder it was converted into)
+    path = fast.export(args.out, tokenizer=tok, overwrite=args.overwrite, model_id=args.model)
     print(f"engine written to {path} in {time.perf_counter() - t:.1f}s; run it (no torch needed) with: "
           f"speccomp run --engine {shlex.quote(str(path))} --prompt \"...\"")
     return 0

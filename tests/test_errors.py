@@ -1006,6 +1006,28 @@ def test_cli_reports_bad_flags_before_loading_the_model(cli_main, engine_dir, tm
     assert good.read_text() == '{"turns": ["Write a poem"]}\n'
 
 
+def test_cli_export_names_the_engine_as_the_model(monkeypatch, capsys, model, tmp_path):
+    """`speccomp export` records the model's name in the manifest (what `speccomp serve` answers as): it recorded the
+    config's name_or_path, for the default model the local cache folder it was converted into. Python's
+    export(model_id=) sets it, and a name that is not a string is refused by name."""
+    from speccomp import cli
+    from speccomp.engine.runtime import read_manifest
+
+    monkeypatch.setattr(cli, "_load", lambda args: (model, _tiny_tokenizer()))
+    threads = torch.get_num_threads()
+    try:
+        assert cli.main(["export", str(tmp_path / "e"), "--drafter", "none"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert read_manifest(tmp_path / "e")["model"]["name"] == "SmolLM2-135M-Instruct"
+    fast = speccomp.compile(model)
+    with pytest.raises(OptionTypeError, match=r"^model_id=3: must be a non-empty string"):
+        fast.export(tmp_path / "f", model_id=3)
+    assert not (tmp_path / "f").exists()
+    fast.export(tmp_path / "f", model_id="mine")
+    assert read_manifest(tmp_path / "f")["model"]["name"] == "mine"
+
+
 def test_train_draft_layers_checked_before_the_model_loads_once_it_was_converted(cli_main, tmp_path, monkeypatch):
     """`train-draft --layers N` needs N below the model's layer count: read from the converted model's config.json
     (no weights), so a bad N fails at once; before any conversion there is nothing to read and the model loads."""

@@ -216,18 +216,21 @@ class SpecModel:
         """The target side of the loop for one generation: the target graph over a fresh full cache."""
         return FullCache(self.step, self.kv, prompt.shape[1] + max_new_tokens + self.max_tree + 1, prompt.device)
 
-    def export(self, path, tokenizer=None, overwrite: bool = False):
+    def export(self, path, tokenizer=None, overwrite: bool = False, model_id: str | None = None):
         """Write an engine directory (ONNX graph + manifest.json [+ tokenizer.json]) that `speccomp.load`
         runs with ONNX Runtime and numpy only. Plain decoding, every named drafter (and merges) and the
         compressed-KV drafter (kv_cache=, kv_mode="draft") export; the LOSSY kv_mode="target" does not.
         `path` must be a new or empty directory, or with overwrite=True an engine export wrote (nothing of
-        anyone else's is ever deleted: speccomp/engine/export.py's `check_destination`)."""
+        anyone else's is ever deleted: speccomp/engine/export.py's `check_destination`). `model_id`: the name the
+        manifest records and `speccomp serve` answers as (default: the model config's name_or_path)."""
         from speccomp.engine.export import export_engine
 
         if self.export_refusal:
             from speccomp.engine.runtime import EngineError
 
             raise EngineError(self.export_refusal)
-        return export_engine(self, path, tokenizer=tokenizer, overwrite=overwrite)
+        if model_id is not None and not (isinstance(model_id, str) and model_id.strip()):
+            raise OptionTypeError("model_id", model_id, "must be a non-empty string", "e.g. model_id='my-model'")
+        return export_engine(self, path, tokenizer=tokenizer, overwrite=overwrite, model_id=model_id)
 
 
