@@ -95,6 +95,24 @@ def test_sliding_window_logits(name):
     assert (unwindowed[2 * WINDOW:] - want[2 * WINDOW:]).abs().max() > 1e-2, "the window must matter past it"
 
 
+def test_layer_types_decide_which_layers_slide():
+    """HF builds each layer's mask from config.layer_types and config.sliding_window. SmolLM3 with a sliding
+    layer in layer_types but use_sliding_window=False sets no window on the module, yet HF slides that layer: the
+    window was missed, the tree's tokens saw keys HF hides, and token_recycling decoded other tokens than HF (plain
+    decoding, reading HF's own mask, was right). EXAONE 4's global layers (ARCHITECTURES["exaone4"]) are the
+    converse: a module window on a layer that does not slide."""
+    model = ARCHITECTURES["smollm3"].build(use_sliding_window=False, layer_types=["sliding_attention", "full_attention",
+                                                                                "full_attention"])
+    assert [getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers] == [None] * 3
+    fast = speccomp.compile(model, drafter="token_recycling")
+    assert [s.sliding_window for s in annotate(fast.graph.captured).attention] == [WINDOW, None, None]
+    prompt = seeded_prompt(PROMPT_LEN, model.config.vocab_size)
+    want, margin = hf_greedy(model, prompt, NEW_TOKENS)
+    assert margin >= MIN_MARGIN
+    assert torch.equal(fast.generate(prompt, max_new_tokens=NEW_TOKENS), want)
+    assert fast.last_stats["steps"] < NEW_TOKENS  # drafts were accepted: trees were verified past the window
+
+
 def test_single_token_prompt():
     """A 1-token prompt (past + q == 1) runs through the same graph as longer ones."""
     model, fast = compiled("llama")

@@ -249,6 +249,16 @@ def _smollm3(seed, **kw):
     )
 
 
+def _exaone4(seed, **kw):
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+
+    # every layer's module carries sliding_window, global ones too (EXAONE-4.0-32B's layout): layer_types decide
+    return _build(
+        Exaone4Config, Exaone4ForCausalLM, seed, kw, num_hidden_layers=2, head_dim=8, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"], **_COMMON, **_GQA,
+    )
+
+
 def _gemma2_w16(seed, **kw):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -287,6 +297,7 @@ ARCHITECTURES = {
         Arch("cohere", _cohere, 2, "sdpa", None, (), True),
         Arch("smollm3", _smollm3, 5, "sdpa", WINDOW, (2,), True),
         Arch("gemma2_w16", _gemma2_w16, 13, "eager", 16, (0, 2), True),
+        Arch("exaone4", _exaone4, 7, "sdpa", WINDOW, (0,), False),
     ]
 }
 
@@ -359,6 +370,17 @@ def _mamba():
     return MambaForCausalLM(MambaConfig(vocab_size=128, hidden_size=32, state_size=4, num_hidden_layers=2)).eval()
 
 
+def _qwen3_next():
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    # a linear-attention layer (its own recurrent state) beside a full-attention one: crashed in the KV probe
+    torch.manual_seed(0)
+    return Qwen3NextForCausalLM(Qwen3NextConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0,
+        layer_types=["linear_attention", "full_attention"])).eval()
+
+
 def _llama_base():
     from transformers import LlamaConfig, LlamaModel
 
@@ -373,6 +395,7 @@ UNSUPPORTED = {
     "t5_encoder_decoder": (_t5, ("encoder-decoder",)),
     "bart_encoder_decoder": (_bart, ("encoder-decoder",)),
     "mamba_recurrent": (_mamba, ("recurrent",)),
+    "qwen3_next_hybrid": (_qwen3_next, ("hybrid", "['linear_attention']")),
     "llama_base_model_no_head": (_llama_base, ("lm head",)),
     # dynamic NTK recomputes its frequencies from the sequence length: was refused by a torch.export guard's message
     "llama_dynamic_rope": (lambda: ARCHITECTURES["llama"].build(

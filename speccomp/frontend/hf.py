@@ -185,13 +185,19 @@ def _probe_kv(model) -> KVSpec:
 
     cache = DynamicCache()
     device = next(model.parameters()).device
+    unsupported = (f"{type(model).__name__} does not keep a key/value cache per layer (recurrent or hybrid models, "
+                   "whose linear-attention, state-space or convolution layers keep other state, are not supported"
+                   f"{_other_layer_kinds(model.config)})")
     with torch.no_grad():
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-        model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True)
+        try:
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True)
+        except (IndexError, KeyError, AttributeError, TypeError) as exc:  # hybrids index their own state in the
+            raise UnsupportedModelError(f"{unsupported}; running it with a key/value cache failed: "  # cache
+                                        f"{type(exc).__name__}: {exc}") from exc
     layers = getattr(cache, "layers", None)
     if not layers or any(getattr(layer, "keys", None) is None for layer in layers):
-        raise UnsupportedModelError(f"{type(model).__name__} does not keep a key/value cache per layer (recurrent or "
-                                    "hybrid models are not supported)")
+        raise UnsupportedModelError(unsupported)
     shapes = {(tuple(layer.keys.shape), tuple(layer.values.shape)) for layer in layers}
     if len(shapes) != 1:
         raise UnsupportedModelError(f"{type(model).__name__} has layers with different KV shapes {sorted(shapes)}; "
@@ -202,30 +208,40 @@ def _probe_kv(model) -> KVSpec:
     return KVSpec(len(layers), kshape[1], kshape[3], layers[0].keys.dtype)
 
 
+def _other_layer_kinds(config) -> str:
+    """", layers of kind ['linear_attention']": the config's layer kinds that are not attention, for the refusal."""
+    kinds = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or []
+    other = sorted({k for k in kinds if isinstance(k, str) and "attention" not in k} |
+                   {k for k in kinds if isinstance(k, str) and k.startswith("linear")})
+    return f": layers of kind {other}" if other else ""
+
+
 def _sliding_windows(model) -> dict[str, int]:
     """Attention modules that only see a recent window, by module path (from the modules, not class names).
 
-    A module's own `sliding_window` attribute wins (Qwen2 / Gemma2/3 set it per layer, None on
-    global layers). Mistral, Starcoder2 and Phi3 keep the window only in the config and build a
-    sliding mask for every layer, so modules without the attribute fall back to the config
-    (`sliding_window`, gated by `use_sliding_window` and per-layer `layer_types`)."""
+    Where the config lists `layer_types`, they decide, as they decide the masks HF builds: a "sliding_attention"
+    layer sees the config's `sliding_window` (or its module's own, where set), any other kind the whole past. The
+    module attribute alone misleads: EXAONE 4, EXAONE-MoE and Kolibri1 set `sliding_window` on global layers too, and
+    SmolLM3 sets None on a layer its config makes slide. Without `layer_types`, a module's own `sliding_window`
+    wins, and modules without it fall back to the config's `sliding_window` (Mistral, Starcoder2 and Phi3 keep the
+    window only there and build a sliding mask for every layer), gated by `use_sliding_window`."""
     config = model.config
-    default = getattr(config, "sliding_window", None)
-    if not isinstance(default, int) or default <= 0 or getattr(config, "use_sliding_window", True) is False:
-        default = None
+    configured = getattr(config, "sliding_window", None)
+    configured = configured if isinstance(configured, int) and configured > 0 else None
+    default = None if getattr(config, "use_sliding_window", True) is False else configured
     layer_types = getattr(config, "layer_types", None)
     windows = {}
     for path, module in model.named_modules():
         layer_idx = getattr(module, "layer_idx", None)
         if not isinstance(layer_idx, int):
             continue
-        if hasattr(module, "sliding_window"):
-            window = module.sliding_window
-        elif layer_types is not None and layer_idx < len(layer_types):
-            window = default if layer_types[layer_idx] == "sliding_attention" else None
+        own = getattr(module, "sliding_window", None)
+        own = own if isinstance(own, int) and own > 0 else None
+        if layer_types is not None and layer_idx < len(layer_types):
+            window = (own or configured) if layer_types[layer_idx] == "sliding_attention" else None
         else:
-            window = default
-        if isinstance(window, int) and window > 0:
+            window = own if hasattr(module, "sliding_window") else default
+        if window is not None:
             windows[path] = window
     return windows
 
