@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import re
 import os
 import time
 import warnings
@@ -174,7 +175,24 @@ def onnx_program(module, example_args, failure: str, **options):
         try:
             return torch.onnx.export(module, tuple(example_args), dynamo=True, optimize=True, **options)
         except Exception as exc:
-            raise OnnxBackendError(f"{failure}: {str(exc).splitlines()[0]}") from exc
+            raise OnnxBackendError(f"{failure}: {_why(exc)}") from exc
+
+
+def _why(exc: BaseException) -> str:
+    """torch.onnx's error in one line, with its root cause (its first line alone says "Failed to convert ... Next
+    steps:"); an op without an ONNX function is named, with the backends that run it."""
+    root = exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    first = lambda e: re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    head = re.sub(r"\.?\s*This is step .*$", "", first(exc))  # "... This is step 3/3 ... Next steps:" says nothing here
+    why = head if root is exc else f"{head}: {type(root).__name__}: {first(root)}"
+    op = re.search(r"No ONNX function found for <OpOverload\(op='([^']+)'", str(root))
+    if op:
+        why += (f" (the graph calls {op.group(1)}, which torch.onnx cannot lower to ONNX: a custom op such as "
+                "transformers' MoE experts; compile with backend='eager' or 'inductor', which run it; engines need "
+                "the ONNX export)")
+    return why
 
 
 def _as_numpy(x, dtype) -> np.ndarray:

@@ -88,3 +88,15 @@ def test_a_bfloat16_model_is_refused_before_export():
     ids = torch.arange(5, 17)[None]
     out = speccomp.compile(model, backend="onnxruntime").generate(ids, max_new_tokens=10, eos_token_id=2)
     assert torch.equal(out, hf_greedy(model, ids, 10))
+
+
+def test_an_op_onnx_cannot_lower_is_named_with_the_backends_that_run_it():
+    """Mixtral's MoE experts are transformers' custom grouped_mm op, which torch.onnx has no function for: the error
+    said only "Failed to convert the exported program to an ONNX model. This is step 3/3 ... Next steps:". It now
+    names the op and the backends that run it."""
+    from speccomp.errors import SpeccompError
+
+    with pytest.raises(SpeccompError, match=r"torch.onnx.export failed on the captured graph: Failed to convert the "
+                       r"exported program to an ONNX model: DispatchError: No ONNX function found .*"
+                       r"the graph calls transformers\.grouped_mm_fallback.*backend='eager' or 'inductor'"):
+        speccomp.compile(ARCHITECTURES["mixtral"].build(), backend="onnxruntime")

@@ -416,6 +416,26 @@ def test_a_temperature_near_zero_samples_the_greedy_text(captured, heads, engine
                 assert np.array_equal(np.asarray(out), greedy.numpy()), (case, t, type(run).__name__)
 
 
+def test_the_engines_warp_at_extreme_temperatures_keeps_torchs_tokens_without_warnings():
+    """Temperatures past float32's range (1e-320, 1e300) are valid: the torch warp gives the argmax's point mass or a
+    flat distribution in silence; the engine's printed numpy "overflow encountered" RuntimeWarnings for the same
+    (correct) result. Same kept tokens, no warning."""
+    import warnings
+
+    g = np.random.default_rng(1)
+    for t in (5e-324, 1e-320, 1e-40, 1e30, 1e300):
+        for top_p in (1.0, 0.5):
+            x = g.standard_normal(50).astype(np.float32)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                p = speccomp.engine.runtime.warp(x, t, top_p)
+            assert np.isfinite(p).all() and abs(p.sum() - 1) < 1e-9
+            if t < 1:  # (at 1e300 every logit is 0: the kept tokens tie at the cut, which the sorts may break apart)
+                assert np.array_equal(p > 0, (warp(torch.from_numpy(x), t, top_p) > 0).numpy()), (t, top_p)
+            else:
+                assert (p > 0).sum() == (warp(torch.from_numpy(x), t, top_p) > 0).sum(), (t, top_p)
+
+
 def test_greedy_argmax_picks_what_torch_picks():
     """runtime/sampling.py's argmax (numpy's scan for float32 CPU logits) returns torch's index everywhere: the first of
     tied maxima, the first NaN, inf over finite values, any shape and any strides; other dtypes go through torch."""

@@ -631,9 +631,11 @@ def tree_arrays(parents: list[int]) -> tuple[np.ndarray, np.ndarray, list[list[i
 
 
 def _scaled(logits: np.ndarray, temperature: float) -> np.ndarray:
-    """(logits - their max) / temperature in float64 (as speccomp.runtime.sampling.warp: no overflow near 0)."""
+    """(logits - their max) / temperature in float64 (as speccomp.runtime.sampling.warp: no overflow near 0). A
+    temperature below float64's range sends every other logit to -inf (the argmax's point mass): meant, not warned."""
     x = logits.astype(np.float64)
-    return (x - x.max(-1, keepdims=True)) / temperature
+    with np.errstate(over="ignore"):
+        return (x - x.max(-1, keepdims=True)) / temperature
 
 
 def warp(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
@@ -646,7 +648,11 @@ def warp(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
     x = _scaled(logits, temperature)
     if top_p < 1.0:
         x32 = logits.astype(np.float32)
-        x32 = (x32 - x32.max(-1, keepdims=True)) / np.float32(max(temperature, np.finfo(np.float32).tiny))
+        # (a temperature above float32's range divides by inf: every logit 0, as torch's float32 division gives)
+        big, tiny = float(np.finfo(np.float32).max), float(np.finfo(np.float32).tiny)
+        t32 = np.float32(np.inf) if temperature > big else np.float32(max(temperature, tiny))
+        with np.errstate(over="ignore"):  # to -inf near 0, as _scaled
+            x32 = (x32 - x32.max(-1, keepdims=True)) / t32
         order = np.argsort(x32, kind="stable")  # ascending
         p = np.exp(x32[order])  # x32.max() is 0
         cumulative = np.cumsum(p / p.sum(dtype=np.float32), dtype=np.float64).astype(np.float32)  # as torch's CPU
