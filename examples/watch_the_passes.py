@@ -2,7 +2,8 @@
 
     python examples/watch_the_passes.py                # SmolLM2-135M-Instruct
     python examples/watch_the_passes.py --tiny         # a tiny random Llama: seconds
-    python examples/watch_the_passes.py --out dumps/   # keep the files (default: a temporary directory)
+    python examples/watch_the_passes.py --out dumps/   # keep the files (default: a temporary directory); a folder
+                                                       # that holds files gets them in a new run-N folder inside
 
 Shows: speccomp.compile(model, drafter="early_exit") with SPECCOMP_DEBUG=1 and SPECCOMP_DEBUG_DIR set. Two graphs
 go through the passes: the target (captured -> tree_attention -> the eager backend's lowering passes) and the
@@ -43,6 +44,9 @@ else:
 
 fast = speccomp.compile(model, drafter="early_exit")
 print(f"compiled {fast}; the passes applied to the target graph: {fast.graph.applied}")
+from speccomp.frontend.graph import dump_folder  # noqa: E402
+
+out = dump_folder()  # --out itself, or a run-N folder inside it where it already held files: nothing is overwritten
 
 files = sorted(p.name for p in out.glob("*.py"))
 print(f"{len(files)} graph dumps in {out}:")

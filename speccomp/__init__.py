@@ -34,6 +34,7 @@ _LAZY = {  # public name -> module that defines it
     "autotune": ".tuning.autotune",
     "load": ".engine",
     "Engine": ".engine",
+    "EngineError": ".engine",  # an engine directory, provider or export destination refused (README)
     # for writing your own passes and drafters (examples/custom_pass_and_drafter.py)
     "Pass": ".frontend.graph",
     "SpecGraph": ".frontend.graph",

@@ -481,6 +481,14 @@ def run_passes(sg: SpecGraph, passes, dump_input: bool = True) -> SpecGraph:
 _DUMP_DIRS: dict = {}  # SPECCOMP_DEBUG_DIR -> (the folder this process dumps into, its dump counter); None: failed
 
 
+def dump_folder() -> Path | None:
+    """The folder this process's SPECCOMP_DEBUG dumps went to for the SPECCOMP_DEBUG_DIR now set: the folder itself,
+    or a run-N folder inside it where it already held files (`dump`); None before the first dump or where it could
+    not be written."""
+    chosen = _DUMP_DIRS.get(os.environ.get("SPECCOMP_DEBUG_DIR", "speccomp_debug"))
+    return chosen[0] if chosen else None
+
+
 def dump(sg: SpecGraph, stage: str) -> None:
     """With SPECCOMP_DEBUG=1: print a one-line summary per stage and write the graph's code.
 
