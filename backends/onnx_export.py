@@ -184,7 +184,10 @@ def _why(exc: BaseException) -> str:
     root = exc
     while root.__cause__ is not None:
         root = root.__cause__
-    first = lambda e: re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    def first(e) -> str:  # its first line, without the terminal colours torch.onnx puts in
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
+        return text.splitlines()[0] if text else type(e).__name__
+
     head = re.sub(r"\.?\s*This is step .*$", "", first(exc))  # "... This is step 3/3 ... Next steps:" says nothing here
     why = head if root is exc else f"{head}: {type(root).__name__}: {first(root)}"
     op = re.search(r"No ONNX function found for <OpOverload\(op='([^']+)'", str(root))

@@ -437,14 +437,17 @@ def cmd_export(args) -> int:
 def _check_sampling(args) -> None:
     """--temperature / --top-p / --seed without --do-sample: greedy decoding reads none of them, so they are refused,
     not ignored."""
-    for name, value, unset in (("temperature", args.temperature, 1.0), ("top_p", args.top_p, 1.0), ("seed", args.seed, None)):
+    for name, value, unset in (("temperature", args.temperature, 1.0), ("top_p", args.top_p, 1.0),
+                               ("seed", args.seed, None)):
         if not args.do_sample and value != unset:
-            raise OptionError(name, value, "applies only when sampling", f"add --do-sample, or drop --{name.replace('_', '-')}")
+            raise OptionError(name, value, "applies only when sampling",
+                              f"add --do-sample, or drop --{name.replace('_', '-')}")
 
 
 def _sampling_flags(p) -> None:
     """run and generate: sampling instead of greedy decoding."""
-    p.add_argument("--do-sample", action="store_true", help="sample (lossless: same distribution as the model) instead of greedy")
+    p.add_argument("--do-sample", action="store_true",
+                   help="sample (lossless: same distribution as the model) instead of greedy")
     p.add_argument("--temperature", type=positive_float, default=1.0)
     p.add_argument("--top-p", type=_unit_interval, default=1.0)
     p.add_argument("--seed", type=int, default=None)
