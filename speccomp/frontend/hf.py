@@ -185,15 +185,18 @@ def _probe_kv(model) -> KVSpec:
 
     cache = DynamicCache()
     device = next(model.parameters()).device
+    other = _other_layer_kinds(model.config)
     unsupported = (f"{type(model).__name__} does not keep a key/value cache per layer (recurrent or hybrid models, "
-                   "whose linear-attention, state-space or convolution layers keep other state, are not supported"
-                   f"{_other_layer_kinds(model.config)})")
+                   "whose linear-attention, state-space or convolution layers keep other state, are not "
+                   f"supported{other})")
     with torch.no_grad():
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)
         try:
             model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True)
-        except (IndexError, KeyError, AttributeError, TypeError) as exc:  # hybrids index their own state in the
-            raise UnsupportedModelError(f"{unsupported}; running it with a key/value cache failed: "  # cache
+        except (IndexError, KeyError, AttributeError, TypeError) as exc:
+            if not other:  # not a hybrid's own state looked up in the key/value cache: the model's error, as it is
+                raise
+            raise UnsupportedModelError(f"{unsupported}; running it with a key/value cache failed: "
                                         f"{type(exc).__name__}: {exc}") from exc
     layers = getattr(cache, "layers", None)
     if not layers or any(getattr(layer, "keys", None) is None for layer in layers):
