@@ -192,9 +192,10 @@ def _why(exc: BaseException) -> str:
     why = head if root is exc else f"{head}: {type(root).__name__}: {first(root)}"
     op = re.search(r"No ONNX function found for <OpOverload\(op='([^']+)'", str(root))
     if op:
-        why += (f" (the graph calls {op.group(1)}, which torch.onnx cannot lower to ONNX: a custom op such as "
-                "transformers' MoE experts; compile with backend='eager' or 'inductor', which run it; engines need "
-                "the ONNX export)")
+        core = op.group(1).split(".")[0] in ("aten", "prims")
+        custom = "" if core else " (a custom op, such as transformers' MoE experts)"
+        why += (f" (the graph calls {op.group(1)}, which torch.onnx cannot lower to ONNX{custom}; compile with "
+                "backend='eager' or 'inductor', which run it; engines need the ONNX export)")
     return why
 
 

@@ -47,6 +47,8 @@ print(f"compiled {fast}; the passes applied to the target graph: {fast.graph.app
 from speccomp.frontend.graph import dump_folder  # noqa: E402
 
 out = dump_folder()  # --out itself, or a run-N folder inside it where it already held files: nothing is overwritten
+if out is None:
+    raise SystemExit("no graph dumps were written (see speccomp's message above)")
 
 files = sorted(p.name for p in out.glob("*.py"))
 print(f"{len(files)} graph dumps in {out}:")

@@ -121,8 +121,6 @@ def compile(model, *, drafter=None, tree=None, kv_cache=None, kv_mode: str | Non
     base = SpecGraph.from_captured(captured or capture(model))
     base.model = model  # drafters that look things up per model (stored heads, searches) need it
     if drafter is None or plain:  # plain decoding: the same loop and graph, verifying the root alone each step
-        if tree is not None and not plain:  # no drafter: the user's tree, checked (a stored one is unused)
-            tree_option(tree, max_tree_nodes(base.structure))
         sg = run_passes(base, [TreeAttention()])
         return SpecModel(sg, lower(sg, backend), backend, model=model)
     try:

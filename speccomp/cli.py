@@ -47,6 +47,7 @@ positive, non_negative = _int_at_least(1), _int_at_least(0)
 port_number = _parsed(int, lambda v: 1 <= v <= 65535, "a TCP port in [1, 65535]")
 positive_float = _parsed(float, lambda v: v > 0 and math.isfinite(v), "a finite number > 0")
 _unit_interval = _parsed(positive_float, lambda v: v <= 1, "in (0, 1]")  # top-p
+seed_number = _parsed(int, lambda v: 0 <= v < 2**63, "an int in [0, 2**63)")  # generate's bounds
 
 
 def _compile_options(args) -> None:
@@ -450,7 +451,7 @@ def _sampling_flags(p) -> None:
                    help="sample (lossless: same distribution as the model) instead of greedy")
     p.add_argument("--temperature", type=positive_float, default=1.0)
     p.add_argument("--top-p", type=_unit_interval, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=seed_number, default=None)
 
 
 def cmd_run(args) -> int:

@@ -61,6 +61,8 @@ def test_graph_structure(name):
     assert len({layer.module for layer in st.layers}) == n_layers
     windows = [s.sliding_window for s in st.attention]
     assert windows == [arch.sliding_window if i in arch.sliding_layers else None for i in range(n_layers)]
+    # one entry a sliding layer (Gemma3's decoder blocks carry layer_idx too: counted twice in messages and manifests)
+    assert len(fast.graph.captured.sliding_windows) == len(arch.sliding_layers)
     # LM head: the linear that makes the logits, reading the model's output embedding matrix
     assert st.lm_head is not None and st.lm_head_module
     head_weight = st.lm_head.args[1]
@@ -111,6 +113,33 @@ def test_layer_types_decide_which_layers_slide():
     assert margin >= MIN_MARGIN
     assert torch.equal(fast.generate(prompt, max_new_tokens=NEW_TOKENS), want)
     assert fast.last_stats["steps"] < NEW_TOKENS  # drafts were accepted: trees were verified past the window
+
+
+def test_a_multimodal_models_windows_come_from_its_text_config():
+    """An image-text model (*ForConditionalGeneration) keeps layer_types and sliding_window in its text_config: read
+    from the outer config, EXAONE 4.5's global layer got its module's window (every decode wrong) and Mistral3's
+    windows were missed (trees wrong). Here EXAONE 4.5, text layers sliding / full / sliding."""
+    import transformers
+
+    text = dict(model_type="exaone4", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0,
+                bos_token_id=1, eos_token_id=2, initializer_range=0.5, sliding_window=WINDOW,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, num_key_value_heads=2, out_hidden_size=32,
+                  fullatt_block_indexes=[0])
+    torch.manual_seed(0)
+    model = transformers.Exaone4_5_ForConditionalGeneration(transformers.Exaone4_5_Config(
+        text_config=text, vision_config=vision, image_token_id=127, video_token_id=126)).eval()
+    fast = speccomp.compile(model, drafter="token_recycling")
+    assert [s.sliding_window for s in annotate(fast.graph.captured).attention] == [WINDOW, None, WINDOW]
+    prompt = torch.randint(3, 120, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # (the outer config has no pad_token_id for hf_greedy to read)
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=0, eos_token_id=None, output_scores=True, return_dict_in_generate=True)
+    top2 = torch.stack(out.scores)[:, 0].topk(2, dim=-1).values
+    assert float((top2[:, 0] - top2[:, 1]).min()) >= MIN_MARGIN
+    assert torch.equal(fast.generate(prompt, max_new_tokens=NEW_TOKENS), out.sequences)
+    assert fast.last_stats["steps"] < NEW_TOKENS
 
 
 def test_single_token_prompt():

@@ -888,6 +888,8 @@ CLI_ERRORS = [
     ("train-heads-limit", ["train-heads", "--limit", "0"], ("limit", "0")),
     ("train-heads-out-is-a-file", ["train-heads", "--out", "{tmp}/mine/notes.txt"], ("notes.txt",)),
     ("run-seed", ["run", "--engine", "{engine}", "--prompt", "w3 w4", "--do-sample", "--seed", "-1"], ("seed", "-1")),
+    ("generate-seed", ["generate", "--prompt", "hi", "--do-sample", "--seed", "-5"], ("seed", "-5")),  # was after loading
+    ("generate-seed-too-large", ["generate", "--prompt", "hi", "--do-sample", "--seed", str(2**63)], ("seed", str(2**63))),
     ("run-threads", ["run", "--engine", "{engine}", "--prompt", "w3 w4", "--threads", "-1"], ("threads", "-1")),
     ("run-tokenizer-missing", ["run", "--engine", "{notok}", "--prompt", "w3 w4"], ("tokenizer.json",)),
     ("run-exported-without-tokenizer", ["run", "--engine", "{untok}", "--prompt", "w3"],

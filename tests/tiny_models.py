@@ -381,6 +381,16 @@ def _qwen3_next():
         layer_types=["linear_attention", "full_attention"])).eval()
 
 
+def _minimax():
+    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+
+    torch.manual_seed(0)
+    return MiniMaxForCausalLM(MiniMaxConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0, num_local_experts=2,
+        num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"])).eval()
+
+
 def _llama_base():
     from transformers import LlamaConfig, LlamaModel
 
@@ -396,6 +406,7 @@ UNSUPPORTED = {
     "bart_encoder_decoder": (_bart, ("encoder-decoder",)),
     "mamba_recurrent": (_mamba, ("recurrent",)),
     "qwen3_next_hybrid": (_qwen3_next, ("hybrid", "['linear_attention']")),
+    "minimax_hybrid": (_minimax, ("hybrid", "['linear_attention']")),  # it raised a ValueError of its own
     "llama_base_model_no_head": (_llama_base, ("lm head",)),
     # dynamic NTK recomputes its frequencies from the sequence length: was refused by a torch.export guard's message
     "llama_dynamic_rope": (lambda: ARCHITECTURES["llama"].build(

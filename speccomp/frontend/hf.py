@@ -185,7 +185,7 @@ def _probe_kv(model) -> KVSpec:
 
     cache = DynamicCache()
     device = next(model.parameters()).device
-    other = _other_layer_kinds(model.config)
+    other = _other_layer_kinds(_text_config(model))
     unsupported = (f"{type(model).__name__} does not keep a key/value cache per layer (recurrent or hybrid models, "
                    "whose linear-attention, state-space or convolution layers keep other state, are not "
                    f"supported{other})")
@@ -193,7 +193,7 @@ def _probe_kv(model) -> KVSpec:
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)
         try:
             model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True)
-        except (IndexError, KeyError, AttributeError, TypeError) as exc:
+        except (IndexError, KeyError, AttributeError, TypeError, ValueError) as exc:  # (MiniMax: a ValueError)
             if not other:  # not a hybrid's own state looked up in the key/value cache: the model's error, as it is
                 raise
             raise UnsupportedModelError(f"{unsupported}; running it with a key/value cache failed: "
@@ -211,11 +211,18 @@ def _probe_kv(model) -> KVSpec:
     return KVSpec(len(layers), kshape[1], kshape[3], layers[0].keys.dtype)
 
 
+def _text_config(model):
+    """The config of the language model: a multimodal model's (`*ForConditionalGeneration`) `text_config`, whose
+    layer_types and sliding_window its decoder reads; a causal LM's own."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _other_layer_kinds(config) -> str:
-    """", layers of kind ['linear_attention']": the config's layer kinds that are not attention, for the refusal."""
+    """", layers of kind ['linear_attention']": the config's layer kinds other than full or sliding attention (linear
+    attention, state-space, convolution, compressed attention ...), for the refusal."""
     kinds = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or []
-    other = sorted({k for k in kinds if isinstance(k, str) and "attention" not in k} |
-                   {k for k in kinds if isinstance(k, str) and k.startswith("linear")})
+    other = sorted({k for k in kinds if isinstance(k, str) and k not in ("full_attention", "sliding_attention")})
     return f": layers of kind {other}" if other else ""
 
 
@@ -228,7 +235,7 @@ def _sliding_windows(model) -> dict[str, int]:
     SmolLM3 sets None on a layer its config makes slide. Without `layer_types`, a module's own `sliding_window`
     wins, and modules without it fall back to the config's `sliding_window` (Mistral, Starcoder2 and Phi3 keep the
     window only there and build a sliding mask for every layer), gated by `use_sliding_window`."""
-    config = model.config
+    config = _text_config(model)
     configured = getattr(config, "sliding_window", None)
     configured = configured if isinstance(configured, int) and configured > 0 else None
     default = None if getattr(config, "use_sliding_window", True) is False else configured
@@ -246,7 +253,8 @@ def _sliding_windows(model) -> dict[str, int]:
             window = own if hasattr(module, "sliding_window") else default
         if window is not None:
             windows[path] = window
-    return windows
+    # a decoder block that carries layer_idx too (Gemma3) has its attention module's entry: one entry a layer
+    return {p: w for p, w in windows.items() if not any(q.startswith(p + ".") for q in windows)}
 
 
 def _rope_types(config) -> dict:
