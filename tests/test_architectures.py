@@ -116,9 +116,10 @@ def test_layer_types_decide_which_layers_slide():
 
 
 def test_a_multimodal_models_windows_come_from_its_text_config():
-    """An image-text model (*ForConditionalGeneration) keeps layer_types and sliding_window in its text_config: read
-    from the outer config, EXAONE 4.5's global layer got its module's window (every decode wrong) and Mistral3's
-    windows were missed (trees wrong). Here EXAONE 4.5, text layers sliding / full / sliding."""
+    """An image-text model (*ForConditionalGeneration) keeps layer_types, sliding_window and its context length in its
+    text_config: read from the outer config, EXAONE 4.5's global layer got its module's window (every decode wrong),
+    Mistral3's windows were missed (trees wrong) and no context limit was set. Here EXAONE 4.5, text layers
+    sliding / full / sliding."""
     import transformers
 
     text = dict(model_type="exaone4", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
@@ -132,6 +133,7 @@ def test_a_multimodal_models_windows_come_from_its_text_config():
         text_config=text, vision_config=vision, image_token_id=127, video_token_id=126)).eval()
     fast = speccomp.compile(model, drafter="token_recycling")
     assert [s.sliding_window for s in annotate(fast.graph.captured).attention] == [WINDOW, None, WINDOW]
+    assert fast.graph.captured.max_positions == 256  # the context limit too (it was None: no limit enforced)
     prompt = torch.randint(3, 120, (1, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():  # (the outer config has no pad_token_id for hf_greedy to read)
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS, do_sample=False,

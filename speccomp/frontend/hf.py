@@ -169,7 +169,7 @@ def _check_hf_model(model) -> None:
         raise UnsupportedModelError(f"{name} is a recurrent (state-space) model: it carries a recurrent state "
                                     "(`cache_params`), not a per-layer key/value cache, so there is no KV cache to "
                                     "verify draft tokens against")
-    if "dynamic" in _rope_types(config):
+    if "dynamic" in _rope_types(_text_config(model)):
         raise UnsupportedModelError(f"{name} uses rope_type='dynamic' (dynamic NTK scaling): its rotary frequencies are "
                                     "recomputed from the sequence length, so keys cached earlier no longer match; use "
                                     "a config with static RoPE scaling (default, linear, llama3, yarn)")
@@ -300,7 +300,7 @@ def capture_hf(model: nn.Module, check: bool = True) -> CapturedModel:
         program = export_dynamic(step, args, dynamic, f"{type(model).__name__} ({config.model_type}) with dynamic "
                                  "cache and sequence lengths")
     captured = CapturedModel(graph_module=_flatten(program), kv=kv, vocab_size=vocab,
-                             max_positions=_max_positions(config), attn_implementation=attn,
+                             max_positions=_max_positions(_text_config(model)), attn_implementation=attn,
                              model_type=config.model_type, sliding_windows=_sliding_windows(model),
                              module_types={name: type(mod) for name, mod in model.named_modules()})
     if check:
