@@ -215,7 +215,10 @@ def _text_config(model):
     """The config of the language model: a multimodal model's (`*ForConditionalGeneration`) `text_config`, whose
     layer_types and sliding_window its decoder reads; a causal LM's own."""
     config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        return config.get_text_config()
+    except (AttributeError, ValueError):  # an older config class; one with several text configs (transformers asks)
+        return config
 
 
 def _other_layer_kinds(config) -> str:
