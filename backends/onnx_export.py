@@ -22,8 +22,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import re
 import os
+import re
 import time
 import warnings
 from pathlib import Path
@@ -184,12 +184,8 @@ def _why(exc: BaseException) -> str:
     root = exc
     while root.__cause__ is not None:
         root = root.__cause__
-    def first(e) -> str:  # its first line, without the terminal colours torch.onnx puts in
-        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
-        return text.splitlines()[0] if text else type(e).__name__
-
-    head = re.sub(r"\.?\s*This is step .*$", "", first(exc))  # "... This is step 3/3 ... Next steps:" says nothing here
-    why = head if root is exc else f"{head}: {type(root).__name__}: {first(root)}"
+    head = re.sub(r"\.?\s*This is step .*$", "", _first_line(exc))  # "... This is step 3/3 ... Next steps:" says nothing here
+    why = head if root is exc else f"{head}: {type(root).__name__}: {_first_line(root)}"
     op = re.search(r"No ONNX function found for <OpOverload\(op='([^']+)'", str(root))
     if op:
         core = op.group(1).split(".")[0] in ("aten", "prims")
@@ -197,6 +193,12 @@ def _why(exc: BaseException) -> str:
         why += (f" (the graph calls {op.group(1)}, which torch.onnx cannot lower to ONNX{custom}; compile with "
                 "backend='eager' or 'inductor', which run it; engines need the ONNX export)")
     return why
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error's first line, without the terminal colours torch.onnx puts in."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _as_numpy(x, dtype) -> np.ndarray:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from speccomp.drafters.medusa import (CONFIG, HeadsError, ResBlock, _lm_head_weight, _model_weight, block_names,
-                                      check_dimensions, config_int, count_check, identity, identity_in, made_for,
+                                      check_dimensions, config_int, count_check, identity_in, made_for,
                                       on_model_device, read_head_files, write_head_files)
 
 WEIGHTS = "hydra_heads.safetensors"
@@ -169,7 +169,7 @@ def save_draft_heads(heads, directory, weights: str, tensors: dict, base_model: 
     tensors["draft_vocab"] = heads.draft_vocab.cpu().contiguous()
     config = {**fields, "hidden_size": heads.hidden, "vocab_size": heads.vocab,
               "draft_vocab_size": len(heads.draft_vocab), "base_model_name_or_path": base_model,
-              "tied_lm_head": True, "dtype": "float16", **identity(heads)}
+              "tied_lm_head": True, "dtype": "float16", **getattr(heads, "trained_for", {})}
     return write_head_files(directory, weights, tensors, config)
 
 

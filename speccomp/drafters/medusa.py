@@ -107,20 +107,15 @@ def made_for(heads: nn.Module, model) -> nn.Module:
     return heads
 
 
-def _model_identity(model) -> dict | None:
-    """{"base_fingerprint", "base_dtype"} of `model`; None where its weights cannot be read (the meta device). The
+def _model_identity(model) -> dict:
+    """{"base_fingerprint", "base_dtype"} of `model`; {} where its weights cannot be read (the meta device). The
     dtype is kept because the fingerprint hashes values: the same model cast to bfloat16 has another one."""
     from speccomp.models import fingerprint
 
     weight = next(model.parameters(), None)
     if weight is None or weight.device.type == "meta":
-        return None
+        return {}
     return {"base_fingerprint": fingerprint(model), "base_dtype": str(weight.dtype).removeprefix("torch.")}
-
-
-def identity(heads: nn.Module) -> dict:
-    """The config.json fields naming the model `heads` were made for (none for heads loaded from a file without)."""
-    return dict(getattr(heads, "trained_for", None) or {})
 
 
 def block_names(prefix: str, num_heads: int, num_layers: int, hidden: int) -> dict[str, tuple[str, tuple]]:
@@ -147,7 +142,7 @@ def save_medusa(heads: MedusaHeads, directory, *, base_model: str = "", medusa_l
             tensors[f"medusa_head.{k}.{heads.num_layers}.weight"] = proj.cpu().contiguous()
     config = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers, "hidden_size": heads.hidden,
               "vocab_size": heads.vocab, "base_model_name_or_path": base_model,
-              "tied_lm_head": heads.tied and not medusa_layout, **identity(heads)}
+              "tied_lm_head": heads.tied and not medusa_layout, **getattr(heads, "trained_for", {})}
     return write_head_files(directory, WEIGHTS, tensors, config)
 
 
@@ -277,15 +272,16 @@ def _check_made_for(config: dict, directory, kind: str, model) -> None:
     """Warn where config.json names another model than `model` in the same dtype (a cast model is not compared)."""
     import warnings
 
-    made = identity_in(config)
-    have = _model_identity(model)
-    if have and "base_fingerprint" in made and made.get("base_dtype", have["base_dtype"]) == have["base_dtype"] \
-            and made["base_fingerprint"] != have["base_fingerprint"]:
-        name = config.get("base_model_name_or_path")
-        warnings.warn(f"{display_kind(kind)} head in {directory} was trained for another model (fingerprint "
-                      f"{made['base_fingerprint']}{f', {name}' if name else ''}; this model's is "
-                      f"{have['base_fingerprint']}): decoding stays exact, but its drafts will rarely be accepted; "
-                      "train heads for this model (speccomp.train_heads)", stacklevel=4)
+    made, have = identity_in(config), _model_identity(model)
+    if not have or made.get("base_fingerprint", have["base_fingerprint"]) == have["base_fingerprint"]:
+        return  # nothing to compare, or the same model
+    if made.get("base_dtype", have["base_dtype"]) != have["base_dtype"]:
+        return  # the model cast to another dtype hashes otherwise: not compared
+    name = config.get("base_model_name_or_path")
+    warnings.warn(f"{display_kind(kind)} head in {directory} was trained for another model (fingerprint "
+                  f"{made['base_fingerprint']}{f', {name}' if name else ''}; this model's is "
+                  f"{have['base_fingerprint']}): decoding stays exact, but its drafts will rarely be accepted; "
+                  "train heads for this model (speccomp.train_heads)", stacklevel=4)
 
 
 def count_check(where, config_says: str, want: int, header: dict) -> None:

@@ -638,6 +638,9 @@ def _scaled(logits: np.ndarray, temperature: float) -> np.ndarray:
         return (x - x.max(-1, keepdims=True)) / temperature
 
 
+_F32_MAX, _F32_TINY = float(np.finfo(np.float32).max), float(np.finfo(np.float32).tiny)
+
+
 def warp(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
     """Probabilities after temperature and nucleus filtering, as speccomp.runtime.sampling.warp (HF's warpers).
     Where logits tie exactly at the nucleus cut, which of the tied tokens stay is up to the sort: torch's (HF's) is
@@ -649,8 +652,7 @@ def warp(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
     if top_p < 1.0:
         x32 = logits.astype(np.float32)
         # (a temperature above float32's range divides by inf: every logit 0, as torch's float32 division gives)
-        big, tiny = float(np.finfo(np.float32).max), float(np.finfo(np.float32).tiny)
-        t32 = np.float32(np.inf) if temperature > big else np.float32(max(temperature, tiny))
+        t32 = np.float32(np.inf) if temperature > _F32_MAX else np.float32(max(temperature, _F32_TINY))
         with np.errstate(over="ignore"):  # to -inf near 0, as _scaled
             x32 = (x32 - x32.max(-1, keepdims=True)) / t32
         order = np.argsort(x32, kind="stable")  # ascending

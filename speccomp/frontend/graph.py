@@ -481,11 +481,15 @@ def run_passes(sg: SpecGraph, passes, dump_input: bool = True) -> SpecGraph:
 _DUMP_DIRS: dict = {}  # SPECCOMP_DEBUG_DIR -> (the folder this process dumps into, its dump counter); None: failed
 
 
+def _debug_dir_setting() -> str:
+    return os.environ.get("SPECCOMP_DEBUG_DIR", "speccomp_debug")
+
+
 def dump_folder() -> Path | None:
     """The folder this process's SPECCOMP_DEBUG dumps went to for the SPECCOMP_DEBUG_DIR now set: the folder itself,
     or a run-N folder inside it where it already held files (`dump`); None before the first dump or where it could
     not be written."""
-    chosen = _DUMP_DIRS.get(os.environ.get("SPECCOMP_DEBUG_DIR", "speccomp_debug"))
+    chosen = _DUMP_DIRS.get(_debug_dir_setting())
     return chosen[0] if chosen else None
 
 
@@ -522,7 +526,7 @@ def dump(sg: SpecGraph, stage: str) -> None:
 def _dump_dir():
     """(the folder of this process's dumps, its counter) for the SPECCOMP_DEBUG_DIR now set (see `dump`), made at its
     first dump; None where it cannot be."""
-    given = os.environ.get("SPECCOMP_DEBUG_DIR", "speccomp_debug")
+    given = _debug_dir_setting()
     if given not in _DUMP_DIRS:
         root = Path(given).expanduser()
         try:

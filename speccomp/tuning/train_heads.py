@@ -54,10 +54,9 @@ def _generate_batch(model, batch: list[torch.Tensor], max_new_tokens: int, eos, 
     if eos is None:  # HF then stops at the model's own eos ids and pads after them: cut there
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
-    with torch.no_grad(), torch.random.fork_rng():  # reproducible samples; the caller's RNG is left alone
-        torch.manual_seed(seed)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                             pad_token_id=pad, **sampling)
+    with torch.no_grad():  # reproducible samples; the caller's RNG is left alone
+        out = _seeded(seed, lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                                   eos_token_id=eos, pad_token_id=pad, **sampling))
     seqs = []
     eos_set = set([eos] if isinstance(eos, int) else (eos or []))
     for i, p in enumerate(batch):
@@ -505,7 +504,8 @@ def train_heads(
 
 
 def _seeded(seed: int, make):
-    """`make()` with the global RNG seeded (the fresh heads' initial weights), the caller's RNG left as it was."""
+    """`make()` with the global RNG seeded (sampled replies, fresh heads' initial weights), the caller's RNG left as
+    it was."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return make()
