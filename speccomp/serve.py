@@ -254,25 +254,10 @@ def _options(body: dict, default_max_tokens: int | None) -> dict:
             "top_p": given("top_p", 1.0), "seed": body.get("seed") if temperature > 0 else None}  # greedy: no draw
 
 
-def make_app(engine, max_batch: int = 8, kv_slots: int = 8192, name: str | None = None, store_curve: bool = False):
-    """The FastAPI app serving `engine` (a loaded speccomp Engine); its scheduler thread starts now. store_curve: store
-    the step-cost curve measured at the start for later starts (`speccomp serve`; not Ray replicas, which start
-    together and would store what they measured while competing for the cores)."""
-    from fastapi import FastAPI, Request
+def _error_handlers(app, scheduler) -> None:
+    """OpenAI-shaped error bodies: a refused request is a 400 naming its parameter (and counted), a failed step a 500."""
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse
-
-    scheduler = Scheduler(engine, max_batch, kv_slots, store_curve)
-    model_name = name or engine.manifest["model"].get("name") or "speccomp"
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        yield
-        scheduler.stop()
-
-    app = FastAPI(title="speccomp", description=__doc__.split("\n\n")[0], lifespan=lifespan)
-    app.state.scheduler = scheduler
-    app.add_middleware(_ServerHeader, server=f"{socket.gethostname()}:{os.getpid()}")
+    from fastapi.responses import JSONResponse
 
     def error(status: int, message: str, param=None) -> JSONResponse:
         scheduler.counts["refused"] += 1
@@ -292,6 +277,27 @@ def make_app(engine, max_batch: int = 8, kv_slots: int = 8192, name: str | None 
         return JSONResponse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}},
                             status_code=500)
 
+
+def make_app(engine, max_batch: int = 8, kv_slots: int = 8192, name: str | None = None, store_curve: bool = False):
+    """The FastAPI app serving `engine` (a loaded speccomp Engine); its scheduler thread starts now. store_curve: store
+    the step-cost curve measured at the start for later starts (`speccomp serve`; not Ray replicas, which start
+    together and would store what they measured while competing for the cores)."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse
+
+    scheduler = Scheduler(engine, max_batch, kv_slots, store_curve)
+    model_name = name or engine.manifest["model"].get("name") or "speccomp"
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        scheduler.stop()
+
+    app = FastAPI(title="speccomp", description=__doc__.split("\n\n")[0], lifespan=lifespan)
+    app.state.scheduler = scheduler
+    app.add_middleware(_ServerHeader, server=f"{socket.gethostname()}:{os.getpid()}")
+
+    _error_handlers(app, scheduler)
     started = int(time.time())  # OpenAI's model objects carry `created` (Unix seconds): here, when serving began
 
     @app.get("/health")

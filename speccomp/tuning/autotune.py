@@ -779,7 +779,7 @@ def _default_options(model, drafter, options: dict | None) -> dict | None:
     return None
 
 
-def _check_arguments(drafter, mode: str, **ints) -> None:
+def _check_arguments(drafter, mode: str, drafter_options, **ints) -> None:
     """Refuse what autotune cannot tune, before any work: merged, unknown or tree-less drafters, bad settings."""
     from speccomp.drafters.merge import split_names
     from speccomp.drafters.registry import DRAFTERS
@@ -797,6 +797,9 @@ def _check_arguments(drafter, mode: str, **ints) -> None:
         raise AutotuneError(f"cannot autotune {drafter!r}: {untunable(drafter)}; tune token_recycling or a self-drafter instead")
     if mode not in ("auto", "static", "dynamic"):
         raise AutotuneError(f"unknown mode {mode!r}; accepted values: ['auto', 'dynamic', 'static']")
+    if drafter_options is not None and not isinstance(drafter_options, dict):
+        raise AutotuneError(f"drafter_options must be a dict of the drafter's options, got {drafter_options!r:.200}; "
+                            "e.g. drafter_options={'top_k': 8}")
     lows = {"max_nodes": 2, "max_depth": 1, "ranks": 1, "max_new_tokens": 2, "repeats": 1, "dynamic_top_k": 1,
             "warmup": 0}
     for name, value in ints.items():
@@ -1105,11 +1108,8 @@ def autotune(
 
     warmup = max_new_tokens // 4 if warmup is None else warmup
     name = drafter_key(drafter, drafter_options)  # stored under: a drafter's name, or a draft LM's fingerprint
-    _check_arguments(drafter, mode, max_nodes=max_nodes, max_depth=max_depth, ranks=ranks,
+    _check_arguments(drafter, mode, drafter_options, max_nodes=max_nodes, max_depth=max_depth, ranks=ranks,
                      max_new_tokens=max_new_tokens, repeats=repeats, dynamic_top_k=dynamic_top_k, warmup=warmup)
-    if drafter_options is not None and not isinstance(drafter_options, dict):
-        raise AutotuneError(f"drafter_options must be a dict of the drafter's options, got {drafter_options!r:.200}; "
-                            "e.g. drafter_options={'top_k': 8}")
     dynamic_budgets = _int_list("dynamic_budgets", dynamic_budgets)
     if measure_sizes is not None and measure_sizes != "report":
         measure_sizes = _int_list("measure_sizes", measure_sizes)
@@ -1139,9 +1139,8 @@ def autotune(
                   "probe_ranks": s.ranks, "warmup": warmup}
     result = AutotuneResult(drafter=name, backend=backend, key=cache_key(model, name, backend), drafter_options=options,
                             **_kept(chosen, check, measured, ref["tokens_per_s"]), context_len=s.context_len,
-                            acceptance=acceptance,
-                            timing=timing, static=static_rows, dynamic=dynamic_rows, measured=measured,
-                            plain_tokens_per_s=ref["tokens_per_s"], check=check)
+                            acceptance=acceptance, timing=timing, static=static_rows, dynamic=dynamic_rows,
+                            measured=measured, plain_tokens_per_s=ref["tokens_per_s"], check=check)
     return _store(result, sm, model) if save else result
 
 
