@@ -114,13 +114,8 @@ class SearchResult:
         return "\n".join(lines)
 
 
-def search_drafter(
-    model, kind: str, prompts, *, tree=None, max_new_tokens: int = 48, options: list[dict] | None = None,
-    save: bool = True, progress: bool = False,
-) -> SearchResult:
-    """Time every candidate on `prompts` (token id tensors [1, n] or [n]); return and store the fastest."""
-    import speccomp
-
+def _checked(kind: str, tree, prompts, options) -> list:
+    """search_drafter's arguments refused before any work; the prompts as a list of [1, n] tensors."""
     if kind not in KINDS:
         raise ValueError(f"search covers the drafters {list(KINDS)}, got {kind!r}")
     check_search_tree(tree)
@@ -128,13 +123,23 @@ def search_drafter(
     if checked is None:
         raise OptionError("prompts", prompts, "must be a list of token id tensors [1, n] or [n]",
                           "e.g. [chat_ids(tokenizer, text) for text in texts]")
-    prompts = checked
-    if not prompts:
+    if not checked:
         raise ValueError("search_drafter needs at least one calibration prompt (token ids)")
     if options is not None and (not isinstance(options, (list, tuple)) or not options
                                 or not all(isinstance(o, dict) for o in options)):
         raise OptionError("options", options, "must be a non-empty list of drafter_options dicts (the candidates)",
                           "e.g. [{'exit_layer': 8}, {'exit_layer': 12}], or None for the default candidates")
+    return checked
+
+
+def search_drafter(
+    model, kind: str, prompts, *, tree=None, max_new_tokens: int = 48, options: list[dict] | None = None,
+    save: bool = True, progress: bool = False,
+) -> SearchResult:
+    """Time every candidate on `prompts` (token id tensors [1, n] or [n]); return and store the fastest."""
+    import speccomp
+
+    prompts = _checked(kind, tree, prompts, options)
     plain = speccomp.compile(model)
     n_layers = len(plain.graph.structure.layers)
     options = options if options is not None else candidates(kind, n_layers)
