@@ -128,7 +128,8 @@ def compile(model, *, drafter=None, tree=None, kv_cache=None, kv_mode: str | Non
             tree_option(tree, max_tree_nodes(base.structure))  # fits this model's windows
         return _compile_drafter(base, model, drafter, tree, backend, drafter_options)
     except (OptionError, OptionTypeError) as exc:
-        stored = exc.parameter == "tree" or exc.parameter in _option_names(drafter_options) - given
+        stored = (exc.parameter == "tree" or exc.parameter in _option_names(drafter_options) - given
+                  or (exc.parameter == "drafter_options" and not given and drafter_options))  # all of them stored
         if not (auto and stored):  # the user's own argument: as it is
             raise
         from speccomp.tuning.autotune import result_path

@@ -705,3 +705,87 @@ def test_a_quantized_result_stored_before_8_bit_weights_keeps_its_4_bits(cache):
         assert load_result(model, "quantized", "onnxruntime").drafter_options == {"block_size": 32, "bits": bits}
         fast = speccomp.compile(model, drafter="quantized", tree="auto", backend="onnxruntime")
         assert fast.drafter.options == {"bits": bits, "block_size": 32} and fast.drafter.tree.choices == [[0], [0, 0]]
+
+
+def test_limits_given_bound_every_tree_and_what_is_left_out_is_said(cache):
+    """max_depth / ranks bound the hand-made shapes and the default tree as they bound the DP's (the CLI: "measured and
+    considered"; the default, depth 6 and 5 ranks, was stored under max_depth=1); budgets and sizes the caller gave
+    above max_nodes are named, not dropped quietly; a dynamic top-k the drafter cannot score is refused before any
+    measuring (it failed after the probe, naming a tree= the caller never gave)."""
+    from speccomp.drafters.hydra import new_hydra, save_hydra
+
+    model = tiny_llama(initializer_range=0.2)
+    result = speccomp.autotune(model, "token_recycling", prompts(), max_new_tokens=12, repeats=1, max_depth=1,
+                               ranks=1, check_prompts=[], save=False)
+    assert not {r["label"] for r in result.measured} & {"chain 2", "chain 4", "binary 8", "default"}
+    assert result.tree == [[0]]  # the one tree of depth 1 and rank 1
+    with pytest.warns(UserWarning, match=r"leaving out measure_sizes \[16\] \(above 4\)"):
+        speccomp.autotune(model, "token_recycling", prompts()[:1], max_new_tokens=8, repeats=1, max_nodes=4,
+                          measure_sizes=[3, 16], check_prompts=[], save=False)
+    with pytest.warns(UserWarning, match=r"leaving out dynamic_budgets \[32\] \(above 3\)"):
+        speccomp.autotune(model, "layer_skip", prompts()[:1], max_new_tokens=8, repeats=1, max_nodes=4,
+                          mode="dynamic", dynamic_budgets=(2, 32), check_prompts=[], save=False)
+    save_hydra(new_hydra(model, torch.arange(96), 2).eval(), cache / "h")
+    top = speccomp.compile(model, drafter="hydra", drafter_options={"heads": str(cache / "h")}).drafter.max_siblings
+    with pytest.raises(AutotuneError, match=f"dynamic_top_k={top + 2}: the hydra drafter scores at most {top}"):
+        speccomp.autotune(model, "hydra", prompts(), drafter_options={"heads": str(cache / "h")}, mode="dynamic",
+                          dynamic_top_k=top + 2)
+
+
+def test_a_result_that_cannot_be_stored_is_used_and_said(tmp_path, monkeypatch):
+    """A cache folder that cannot be written (here: a path through a file) lost the whole tuning run to a raw
+    NotADirectoryError after all its decoding, and tree='auto' tuned again on every compile: now a warning naming
+    the folder, and the result is returned (path None)."""
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("SPECCOMP_CACHE", str(tmp_path / "a_file" / "cache"))
+    model = tiny_llama(initializer_range=0.2)
+    with pytest.warns(UserWarning, match="could not store the result in .*a_file.*SPECCOMP_CACHE"):
+        result = speccomp.autotune(model, "token_recycling", prompts()[:1], max_new_tokens=8, repeats=1, max_nodes=4,
+                                   check_prompts=[])
+    assert result.path is None and result.tree
+
+
+def test_options_read_from_a_stored_file_name_it(cache):
+    """An option a stored file supplied (an older version's option in an autotune result, a search's layers read by
+    autotune) is reported with the file it came from, not as the caller's drafter_options."""
+    from speccomp.models import write_atomically
+    from speccomp.tuning.autotune import AutotuneResult, cache_key
+    from speccomp.tuning.search import search_path
+
+    model = tiny_llama(num_hidden_layers=4)
+    path = result_path(model, "layer_skip", "eager")
+    result = AutotuneResult("layer_skip", "eager", cache_key(model, "layer_skip", "eager"), {"old_option": 3},
+                            "static", [[0], [0, 0]], 10.0, 10.0, 64, {}, {})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, json.dumps(result.to_dict()))
+    with pytest.raises(OptionError, match=f"old_option.*read by tree='auto' from the stored autotune result "
+                                          f"{re.escape(str(path))}"):
+        speccomp.compile(model, drafter="layer_skip", tree="auto")
+    stored = search_path(model, "layer_skip", None)
+    stored.parent.mkdir(parents=True, exist_ok=True)
+    stored.write_text(json.dumps({"kind": "layer_skip", "best": {"skip": [9]}, "rows": []}))
+    with pytest.raises(OptionError, match=f"read from the stored search {re.escape(str(stored))}"):
+        speccomp.autotune(model, "layer_skip", prompts(), save=False)
+
+
+def test_a_tree_tuned_for_heads_is_not_used_for_heads_trained_again(cache):
+    """The stored result names the heads it was tuned with (a digest of their folder): heads trained again into the
+    same folder (train-heads' own advice) made tree='auto' reuse the old tree quietly, or refuse it as too deep."""
+    from speccomp.drafters.head_drafters import heads_dir
+    from speccomp.drafters.medusa import new_heads, save_medusa
+    from speccomp.tuning.autotune import trained_digest
+
+    model = tiny_llama(initializer_range=0.2)
+    save_medusa(new_heads(model, 3).eval(), heads_dir(model))
+    result = speccomp.autotune(model, "medusa", prompts()[:1], max_new_tokens=8, repeats=1, max_nodes=4,
+                               check_prompts=[])
+    assert result.trained == trained_digest(model, "medusa", {}) is not None
+    with warnings.catch_warnings(record=True) as said:  # the same heads: the stored tree (or its plain verdict)
+        warnings.simplefilter("always")
+        speccomp.compile(model, drafter="medusa", tree="auto")
+    assert not [w for w in said if "other heads" in str(w.message)]
+    torch.manual_seed(1)
+    save_medusa(new_heads(model, 2).eval(), heads_dir(model))  # trained again, into the same folder
+    with pytest.warns(UserWarning, match="tuned with other heads than those found now"):
+        with pytest.raises(AutotuneError, match="no autotuned tree"):  # no tokenizer here to tune again with
+            speccomp.compile(model, drafter="medusa", tree="auto")

@@ -229,6 +229,15 @@ def test_train_draft_distils_a_draft_that_compile_finds_by_name(tmp_path):
     assert torch.equal(fast.generate(ids, max_new_tokens=32), hf_greedy(target, ids, 32))
     with pytest.raises(OptionError, match="trained for another model"):
         speccomp.load_draft(tiny_llama(num_hidden_layers=4), out)
+    # the model cast to bfloat16 (train_draft trains in float32 and says the draft then loads in the model's dtype):
+    # it was refused as "another model", its fingerprint hashing the cast values; in the cache it is not found, and the
+    # refusal names the drafts there
+    half = copy.deepcopy(target).to(torch.bfloat16)
+    fast = speccomp.compile(half, drafter="draft_model", drafter_options={"path": str(out)}, tree=3)
+    assert torch.equal(fast.generate(ids, max_new_tokens=32), speccomp.compile(half).generate(ids, max_new_tokens=32))
+    assert fast.last_stats["tau"] > 1.2, fast.last_stats
+    with pytest.raises(OptionError, match="drafts are kept under the float32 model's fingerprint"):
+        speccomp.compile(half, drafter="draft_model")
     with pytest.raises(OptionError, match="no trained draft"):
         speccomp.compile(tiny_llama(num_hidden_layers=4), drafter="draft_model")
     # a path that is not a directory of a draft, or not a path at all: named as `path` (was a raw TypeError)

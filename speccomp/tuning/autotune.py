@@ -196,6 +196,34 @@ def load_result(model, drafter: str, backend: str = "eager") -> "AutotuneResult 
         return _ignored(path, f"{type(exc).__name__}: {str(exc)[:200]}")
 
 
+def trained_digest(model, drafter, options: dict | None) -> str | None:
+    """A digest of the trained weights the named `drafter` loads for `model` with `options` (heads, a trained draft;
+    the files of their folder), None where it loads none: a stored tree is for those weights, and heads trained again
+    into the same folder need their own tuning."""
+    from speccomp.drafters.head_drafters import HEAD_KINDS, find_heads
+    from speccomp.tuning.train_draft import find_draft
+
+    options = options if isinstance(options, dict) else {}
+    try:
+        if drafter in HEAD_KINDS:
+            folder = find_heads(model, options.get("heads"), drafter)
+        elif drafter == "draft_model":
+            folder = find_draft(model, options.get("path"))[0]
+        else:
+            return None
+    except (SpeccompError, TypeError):  # no heads (yet), a bad path: compile says so
+        return None
+    if folder is None or not folder.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for f in sorted(p for p in folder.iterdir() if p.is_file()):
+        digest.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
 def _ignored(path: Path, why: str) -> None:
     """A stored result that exists but cannot be used counts as none, said out loud: tree='auto' then tunes anew (and
     replaces it) or asks for autotune, and the user should know why their tuning was not used."""
@@ -234,7 +262,13 @@ def resolve_auto(model, drafter, backend: str, drafter_options: dict | None, mer
     if untunable(drafter):
         raise AutotuneError(f"tree='auto': {untunable(drafter)}; drop tree= (or use token_recycling, which takes a tuned tree)")
     name = drafter_key(drafter, drafter_options)  # a named draft_model with its own tokenizers: theirs in the key
-    result = load_result(model, name, backend) or _tune_on_first_use(model, drafter, backend, drafter_options)
+    result = load_result(model, name, backend)
+    if result is not None and result.trained is not None:  # tuned for heads / a draft: are they still those?
+        trained = trained_digest(model, drafter, {**result.drafter_options, **(drafter_options or {})})
+        if trained != result.trained:
+            result = _ignored(Path(result.path), f"tuned with other {'draft' if drafter == 'draft_model' else 'heads'}"
+                              " than those found now (trained again since?)")
+    result = result or _tune_on_first_use(model, drafter, backend, drafter_options)
     stored = result.drafter_options
     given = {k: v for k, v in (drafter_options or {}).items() if k not in TOKENIZERS}
     tokenizers = {k: v for k, v in (drafter_options or {}).items() if k in TOKENIZERS}  # in the key, never stored
@@ -573,6 +607,7 @@ class AutotuneResult:
     plain_tokens_per_s: float = float("nan")  # the same target graph, one token per step
     check: dict = field(default_factory=dict)  # held-back prompts: the tuned and the default tree's decode speed
     step_curve: str | None = None  # where the batch step-cost curve was stored (tuning/step_curve.py)
+    trained: str | None = None  # digest of the heads / trained draft it was tuned with (`trained_digest`)
     # decoding without drafts beat `tree` on the held-back prompts: tree="auto" compiles plain decoding (`tree` stays the
     # best tree: what a merge, or an explicit tree=result.tree, drafts)
     plain: bool = False
@@ -763,20 +798,15 @@ def plan_static(p, timing: dict, max_nodes: int, max_depth: int) -> list[dict]:
 # ---- The whole thing -------------------------------------------------------------------------
 
 
-def _default_options(model, drafter, options: dict | None) -> dict | None:
+def _default_options(drafter, options: dict | None) -> dict | None:
+    """The drafter_options autotune compiles with: the caller's, else Token Recycling's without its n-gram branches."""
     if options is not None:
         return dict(options)
     if not isinstance(drafter, str):  # a draft LM given itself: no stored defaults
         return None
     if drafter == "token_recycling":
         return {"ngram_branches": 0}
-    from speccomp.drafters.registry import SEARCHED
-
-    if drafter in SEARCHED:  # the layers `speccomp search` chose on this machine, if it ran
-        from speccomp.tuning.search import cached_options
-
-        return cached_options(model, drafter, None)
-    return None
+    return None  # compile reads the layers `speccomp search` chose on this machine, naming the file if they are bad
 
 
 def _check_arguments(drafter, mode: str, drafter_options, **ints) -> None:
@@ -860,6 +890,7 @@ class _Session:
     context_len: int
     warmup: int = 0  # acceptance counts steps after this many tokens of a reply
     bar: object = None
+    limits: tuple = (None, None)  # the caller's max_depth and ranks: no static tree considered goes past them
 
     def decode(self, sm, refs=None, what: str | None = None) -> dict:
         """`_run` on the calibration prompts; with `what`, an output that is not `refs` raises (a bug)."""
@@ -870,7 +901,7 @@ class _Session:
 
 
 def _session(sm, drafter: str, mode: str, prompts, *, max_nodes: int, max_depth: int, ranks: int, dynamic_budgets,
-             measure_sizes, max_new_tokens: int, eos, warmup: int = 0) -> _Session:
+             measure_sizes, max_new_tokens: int, eos, warmup: int = 0, dynamic_top_k: int = 1) -> _Session:
     """The probe, the sizes to time and the trees to decode, within the model's limits (sliding windows)."""
     dynamic_ok = "dynamic" in sm.drafter.trees
     if mode == "dynamic" and not dynamic_ok:
@@ -889,6 +920,7 @@ def _session(sm, drafter: str, mode: str, prompts, *, max_nodes: int, max_depth:
         depth -= 1
     depth = min(depth, max_nodes - 1)
     budgets = sorted({b for b in dynamic_budgets if 1 <= b <= max_nodes - 1}) if do_dynamic else []
+    _check_wanted(sm, drafter, do_dynamic, max_nodes, dynamic_top_k, dynamic_budgets, measure_sizes)
     if do_dynamic and not budgets:
         raise AutotuneError(f"no dynamic budget in {list(dynamic_budgets)} fits trees of {max_nodes} nodes")
     asked = {"max_nodes": (asked_nodes, DEFAULT_MAX_NODES, max_nodes), "max_depth": (max_depth, PROBE_DEPTH, depth),
@@ -908,7 +940,21 @@ def _session(sm, drafter: str, mode: str, prompts, *, max_nodes: int, max_depth:
     if sm.max_positions is not None:
         context_len = max(1, min(context_len, sm.max_positions - max(sizes) - 2))
     return _Session(drafter, sm, prompts, max_new_tokens, eos, max_nodes, depth, ranks, mode in ("auto", "static"),
-                    budgets, sizes, extra_sizes, context_len, warmup)
+                    budgets, sizes, extra_sizes, context_len, warmup, limits=(max_depth, asked_ranks))
+
+
+def _check_wanted(sm, drafter: str, do_dynamic: bool, max_nodes: int, top_k: int, budgets, sizes) -> None:
+    """Before any measuring: a dynamic top-k the drafter cannot score is refused; budgets and sizes the caller gave
+    that no tree of max_nodes holds are named (they are left out)."""
+    if do_dynamic and sm.drafter.max_siblings and top_k > sm.drafter.max_siblings:
+        raise AutotuneError(f"dynamic_top_k={top_k}: the {drafter} drafter scores at most {sm.drafter.max_siblings} "
+                            f"tokens per node; give dynamic_top_k <= {sm.drafter.max_siblings} (or mode='static')")
+    left_out = {"dynamic_budgets": [b for b in budgets if b > max_nodes - 1] if do_dynamic and list(budgets) != list(
+        DYNAMIC_BUDGETS) else [], "measure_sizes": [n for n in sizes or [] if n > max_nodes] if sizes != "report" else []}
+    said = [f"{k} {v} (above {max_nodes - 1 if k == 'dynamic_budgets' else max_nodes})" for k, v in left_out.items() if v]
+    if said:
+        warnings.warn(f"autotune: leaving out {' and '.join(said)}: trees here have at most {max_nodes} nodes, root "
+                      "included (max_nodes, the model's sliding windows)", stacklevel=4)
 
 
 def _step_costs(s: _Session, steps: list[dict], repeats: int) -> dict:
@@ -981,17 +1027,23 @@ def _measure(s: _Session, top_k: int, repeats: int):
 
 
 def _fits(s: _Session, choices: list) -> bool:
-    """Whether a static tree fits the drafter (depth, siblings) and the sizes this run considers."""
-    d = s.sm.drafter
+    """Whether a static tree fits the drafter (depth, siblings) and the limits this run was given (max_nodes,
+    max_depth, ranks)."""
+    if not choices:
+        return True
+    d, (max_depth, max_ranks) = s.sm.drafter, s.limits
     depth, ranks = max(len(c) for c in choices), 1 + max(max(c) for c in choices)
-    return (len(choices) + 1 <= s.max_nodes and depth <= (d.max_tree_depth or depth)
-            and ranks <= (d.max_siblings or ranks))
+    return (len(choices) + 1 <= s.max_nodes and depth <= min(d.max_tree_depth or depth, max_depth or depth)
+            and ranks <= min(d.max_siblings or ranks, max_ranks or ranks))
 
 
-def _default_fits(tree, max_nodes: int) -> bool:
-    """Whether the drafter's default tree (root included) is within the max_nodes this run was given: a larger one is
-    only the baseline of the held-back check, never stored."""
-    return (tree.budget if isinstance(tree, DynamicTreeSpec) else len(tree.parents) - 1) + 1 <= max_nodes
+def _default_fits(s: _Session) -> bool:
+    """Whether the drafter's default tree is within the limits this run was given (max_nodes, root included; a
+    static one's depth and ranks too): one past them is only the baseline of the held-back check, never stored."""
+    tree = s.sm.drafter.tree
+    if isinstance(tree, DynamicTreeSpec):
+        return tree.budget + 1 <= s.max_nodes
+    return _fits(s, [list(c) for c in tree.choices])
 
 
 def _candidates(s: _Session, static_rows: list[dict], p, timing: dict, top_k: int) -> list[tuple[str, str, object, dict]]:
@@ -1019,7 +1071,7 @@ def _candidates(s: _Session, static_rows: list[dict], p, timing: dict, top_k: in
     default = _tree_value(s.sm.drafter.tree)
     dynamic_default = isinstance(s.sm.drafter.tree, DynamicTreeSpec)
     if ((s.budgets if dynamic_default else s.do_static) and default not in [f"dynamic:{b}:{top_k}" for b in s.budgets]
-            and _default_fits(s.sm.drafter.tree, s.max_nodes)):
+            and _default_fits(s)):
         row = {} if dynamic_default else predict_static(p, timing, default)
         add("default", "default", default, row)
     return out
@@ -1114,7 +1166,7 @@ def autotune(
     if measure_sizes is not None and measure_sizes != "report":
         measure_sizes = _int_list("measure_sizes", measure_sizes)
     prompts, check_prompts = _split_prompts(prompts, check_prompts)
-    options = _default_options(model, drafter, drafter_options)
+    options = _default_options(drafter, drafter_options)
     sm = speccomp.compile(model, drafter=drafter, drafter_options=None if options is None else dict(options),
                           backend=backend)
     # stored with the result; a draft LM's tokenizers are in its key, not stored (its drafter says "tokenizers": "own")
@@ -1123,7 +1175,7 @@ def autotune(
         options.pop("tokenizers", None)  # the named draft_model's own-tokenizers mark: its tokenizers are in its key
     s = _session(sm, name, mode, prompts, max_nodes=max_nodes, max_depth=max_depth, ranks=ranks,
                  dynamic_budgets=dynamic_budgets, measure_sizes=measure_sizes, max_new_tokens=max_new_tokens,
-                 eos=eos_token_id, warmup=warmup)
+                 eos=eos_token_id, warmup=warmup, dynamic_top_k=dynamic_top_k)
     runs = 2 * len(prompts) + repeats + len(s.budgets) * len(prompts)
     s.bar = tqdm(total=runs, desc=f"autotune {name}", disable=not progress, unit="run")
     ref, acc, timing, dynamic = _measure(s, dynamic_top_k, repeats)
@@ -1133,7 +1185,7 @@ def autotune(
     s.bar.total += len(candidates) * len(prompts)
     measured = _decode_candidates(s, candidates, ref["outputs"]) + [_measured_dynamic(r) for r in dynamic_rows]
     chosen, check = _final_choice(sm, _finalists(measured), prompts, check_prompts, max_new_tokens, eos_token_id,
-                                  s.bar, keep_default=_default_fits(sm.drafter.tree, s.max_nodes))  # 3.
+                                  s.bar, keep_default=_default_fits(s))  # 3.
     s.bar.close()
     acceptance = {"p": acc.p, "p_raw": acc.p_raw, "hits": acc.hits, "visits": acc.visits, "probe_depth": s.depth,
                   "probe_ranks": s.ranks, "warmup": warmup}
@@ -1141,7 +1193,7 @@ def autotune(
                             **_kept(chosen, check, measured, ref["tokens_per_s"]), context_len=s.context_len,
                             acceptance=acceptance, timing=timing, static=static_rows, dynamic=dynamic_rows,
                             measured=measured, plain_tokens_per_s=ref["tokens_per_s"], check=check)
-    return _store(result, sm, model) if save else result
+    return _store(result, sm, model, drafter) if save else result
 
 
 def _kept(chosen: dict, check: dict, measured: list[dict], plain_tokens_per_s: float) -> dict:
@@ -1169,16 +1221,21 @@ def _verdict_speeds(check: dict, plain_calibration: float, kept_calibration: flo
     return plain_calibration, kept_calibration
 
 
-def _store(result: AutotuneResult, sm, model) -> AutotuneResult:
+def _store(result: AutotuneResult, sm, model, drafter) -> AutotuneResult:
     """Write `result` where compile(tree="auto") finds it, with the batch step-cost curve of a model that batches
     (its budget's curve, learnt here; tuning/step_curve.py)."""
     from speccomp.models import write_atomically
 
-    if not getattr(sm, "batch_refusal", None):
-        result.step_curve = str(store_curve(model, result.backend, sm.step_costs()))
     path = result_path(model, result.drafter, result.backend)
-    result.path = str(path)
-    write_atomically(path, json.dumps(result.to_dict(), indent=1, default=float))
+    result.trained = trained_digest(model, drafter, result.drafter_options) if isinstance(drafter, str) else None
+    try:
+        if not getattr(sm, "batch_refusal", None):
+            result.step_curve = str(store_curve(model, result.backend, sm.step_costs()))
+        write_atomically(path, json.dumps(result.to_dict(), indent=1, default=float))
+        result.path = str(path)
+    except OSError as exc:  # tuned all the same: the caller (or this compile) uses the result; it is just not kept
+        warnings.warn(f"autotune: could not store the result in {path.parent} ({exc}); it is used but not kept, so "
+                      "tree='auto' tunes again next time: set SPECCOMP_CACHE to a writable folder", stacklevel=3)
     return result
 
 
@@ -1192,7 +1249,7 @@ def _final_choice(sm, finalists: list[dict], calibration, held_back, max_new_tok
     """The final round: the finalists (measured rows), the drafter's default tree (`sm`'s own) and plain decoding
     decode the calibration and the held-back prompts side by side (`_side_by_side`), every output checked against
     plain decoding's. The finalist fastest over both sets of prompts wins; the default is kept ("kept": "default")
-    unless the winner also decodes the held-back prompts faster than it, or the default is above the run's max_nodes
+    unless the winner also decodes the held-back prompts faster than it, or the default is past the run's limits
     (`keep_default` False: it is then the baseline only). ({} and the calibration's fastest
     without held-back prompts.)
 
@@ -1212,7 +1269,7 @@ def _final_choice(sm, finalists: list[dict], calibration, held_back, max_new_tok
     held_rate = lambda key: _rate([stats[key][i] for i in held])  # noqa: E731
     winner = max(finalists, key=lambda r: both(r["tree"]))
     tuned, base = held_rate(json.dumps(winner["tree"])), held_rate(json.dumps(default))
-    beats = winner["tree"] != default and (tuned > base or not keep_default)  # a default above max_nodes is no choice
+    beats = winner["tree"] != default and (tuned > base or not keep_default)  # a default past the limits is no choice
     return winner, {
         "prompts": len(held), "calibration_prompts": len(calibration), "tuned": winner["tree"], "default": default,
         "tuned_tokens_per_s": tuned, "default_tokens_per_s": base, "kept": "tuned" if beats else "default",

@@ -28,8 +28,8 @@ SCHEMA = 1
 
 
 def machine_key(model, backend: str, threads: int | None = None) -> dict:
-    """What a measurement is valid for: the model, backend, device, dtype, threads (default: torch's now; give the
-    user's where a caller runs inside runtime/model.py's host_threads, which sets one) and CPU."""
+    """What a measurement is valid for: the model, backend, device (and the GPU's name), dtype, threads (default:
+    torch's now; give the user's where a caller runs inside runtime/model.py's host_threads, which sets one) and CPU."""
     import torch
 
     from speccomp.frontend.convention import CapturedModel
@@ -38,10 +38,13 @@ def machine_key(model, backend: str, threads: int | None = None) -> dict:
     if isinstance(model, CapturedModel):  # speccomp.capture(model): keyed by the model it captured, as compile keys it
         model = model.model
     p = next(iter(model.parameters()), None)
-    return {"fingerprint": fingerprint(model), "backend": backend,
-            "device": str(p.device) if p is not None else "cpu",
-            "dtype": str(p.dtype).replace("torch.", "") if p is not None else "float32",
-            "threads": threads or torch.get_num_threads(), "cpu": cpu()}
+    key = {"fingerprint": fingerprint(model), "backend": backend,
+           "device": str(p.device) if p is not None else "cpu",
+           "dtype": str(p.dtype).replace("torch.", "") if p is not None else "float32",
+           "threads": threads or torch.get_num_threads(), "cpu": cpu()}
+    if p is not None and p.device.type == "cuda":  # hosts sharing a home folder and a CPU may hold other GPUs
+        key["gpu"] = torch.cuda.get_device_name(p.device)
+    return key
 
 
 @functools.cache  # once per process: platform.processor() runs `uname -p`, and every key asks

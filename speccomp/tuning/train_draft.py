@@ -214,6 +214,15 @@ def _shipped_drafts() -> Path:
     return Path(str(resources.files("speccomp").joinpath("data/drafts")))
 
 
+def find_draft(model, path=None) -> tuple[Path | None, list[Path]]:
+    """(the folder load_draft reads: `path`, else the user cache, else the shipped drafts; None where none holds a
+    config, the folders looked in)."""
+    from speccomp.models import fingerprint
+
+    candidates = [Path(path)] if path is not None else [drafts_dir(model), _shipped_drafts() / fingerprint(model)]
+    return next((c for c in candidates if (c / CONFIG).is_file()), None), candidates
+
+
 def load_draft(model, path=None):
     """The draft `train_draft` saved for `model` (at `path`, else the user cache, else the drafts shipped with speccomp),
     rebuilt around the model's own embedding and LM head; or, at `path`, any Hugging Face causal LM checkpoint
@@ -224,23 +233,27 @@ def load_draft(model, path=None):
 
     from speccomp.models import fingerprint
 
-    shipped = _shipped_drafts() / fingerprint(model)
-    candidates = [Path(path)] if path is not None else [drafts_dir(model), shipped]
-    found = next((c for c in candidates if (c / CONFIG).is_file()), None)
+    found, candidates = find_draft(model, path)
     if found is None and path is not None:
         raise OptionError("path", str(path), f"holds no {CONFIG} of a draft or a Hugging Face checkpoint",
                           "pass the directory `speccomp train-draft` (speccomp.train_draft) wrote, or a checkpoint's")
     if found is None:
-        raise OptionError("drafter", "draft_model", f"no trained draft for this model in {[str(c) for c in candidates]}",
-                          "train one with `speccomp train-draft` (default model) or speccomp.train_draft(model, "
+        dtype, kept = next(model.parameters()).dtype, sorted(str(c.parent) for c in drafts_dir(model).parent.glob(f"*/{CONFIG}"))
+        cast = "" if dtype == torch.float32 else (  # train_draft trains in float32, and a cast model hashes otherwise
+            f" (drafts are kept under the float32 model's fingerprint, which a {str(dtype).removeprefix('torch.')} "
+            f"model does not have; drafts in the cache: {kept or 'none'}: pass one as drafter_options={{'path': DIR}})")
+        raise OptionError("drafter", "draft_model", f"no trained draft for this model in {[str(c) for c in candidates]}"
+                          + cast, "train one with `speccomp train-draft` (default model) or speccomp.train_draft(model, "
                           "prompts, out=DIR), or pass drafter_options={'path': DIR}")
-    config = _read_config(found / CONFIG)
+    config, weight = _read_config(found / CONFIG), next(model.parameters())
     if path is not None and config.get("format") is None and isinstance(config.get("model_type"), str):
-        return load_hf_checkpoint(found, next(model.parameters()).dtype)
+        return load_hf_checkpoint(found, weight.dtype).to(weight.device)
     if config.get("format") != FORMAT or not isinstance(config.get("num_layers"), int):
         raise OptionError("path", str(found), "is not a speccomp draft (config.json)", "pass a directory "
                           "written by speccomp train-draft")
-    if config.get("base_fingerprint") != fingerprint(model):
+    # trained in float32 (train_draft refuses other dtypes): the same model cast to bfloat16 hashes otherwise, so a
+    # cast model is not compared (as heads are not); the weights' shapes still have to fit below
+    if weight.dtype == torch.float32 and config.get("base_fingerprint") != fingerprint(model):
         raise OptionError("path" if path is not None else "drafter_options", str(found), f"holds a draft trained for another model "
                           f"({config.get('base_model_name_or_path') or config.get('base_fingerprint')})",
                           "train a draft for this model with speccomp.train_draft")
@@ -257,7 +270,7 @@ def load_draft(model, path=None):
     if unexpected or missing:
         raise OptionError("drafter_options", str(found), f"{WEIGHTS} does not fit the model (unexpected "
                           f"{unexpected[:3]}, missing {missing[:3]})", "train the draft again for this model")
-    return draft.to(next(model.parameters()).dtype).eval()
+    return draft.to(device=weight.device, dtype=weight.dtype).eval()  # beside the model's shared embedding and head
 
 
 def load_hf_checkpoint(directory: Path, dtype):
