@@ -1,7 +1,8 @@
 """KV compression passes. AttentionScores: expose attention probabilities, pooled per KV head.
 
-Expects: an annotated graph (after TreeAttention, so the masks are the ones attention really
-uses) whose attention sites are SDPA calls (query, keys as cat(past, new), mask, scale) or eager
+Expects: an annotated graph (after TreeAttention and SkipLayers where they run, so the masks are
+the ones attention really uses and the layers those that remain: both refuse to run after it)
+whose attention sites are SDPA calls (query, keys as cat(past, new), mask, scale) or eager
 softmaxes. Adds one output after the existing ones:
 
     attn  float [L', 1, Hkv, q, past + q]  softmax(Q K^T * scale + mask), mean over the query

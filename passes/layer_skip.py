@@ -44,6 +44,9 @@ class SkipLayers(Pass):
         return {"skip": list(self.skip)}
 
     def check(self, sg: SpecGraph) -> None:
+        if "attention_scores" in sg.applied:  # its rows would still score the skipped layers, against fewer new_kv
+            raise GraphStructureError(f"SkipLayers must run before AttentionScores (applied: {sg.applied}): "
+                                      "[SkipLayers(...), TreeAttention(), AttentionScores()]")
         layers = sg.structure.layers
         present = [layer.index for layer in layers]  # a graph with layers skipped already keeps its numbering
         bad = [i for i in self.skip if i not in present]

@@ -47,6 +47,9 @@ class TreeAttention(Pass):
         if "ort_attention" in sg.applied:  # the fused op takes a [1, 1, q, T] bias, not the tree mask's layout
             raise GraphStructureError(f"TreeAttention must run before OrtAttention (applied: {sg.applied}): "
                                       "[TreeAttention(), GroupedQueryAttention(), OrtAttention()]")
+        if "attention_scores" in sg.applied:  # its scores were taken with the model's mask: siblings would see each other
+            raise GraphStructureError(f"TreeAttention must run before AttentionScores (applied: {sg.applied}): "
+                                      "[TreeAttention(), AttentionScores()]")
         for site in sg.structure.attention:
             if site.mask is None:
                 raise GraphStructureError(f"attention {site.module} has no mask to rewrite")

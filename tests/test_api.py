@@ -145,3 +145,17 @@ def test_debug_dump(tmp_path, monkeypatch, capsys):
     assert files and files[0] == "00_captured.py"
     assert "scaled_dot_product_attention" in (tmp_path / "00_captured.py").read_text()
     assert "[speccomp] 00 captured" in capsys.readouterr().err
+
+
+
+def test_debug_dump_shows_a_plain_modules_own_rewrites(tmp_path, monkeypatch):
+    """A plain nn.Module's KV rewrites (explicit_kv's four passes) ran outside run_passes: nothing was dumped before
+    the rewritten graph, so the passes such a user most needs to see were missing."""
+    from test_plain_module import GPTConfig, NanoGPT, _init
+
+    monkeypatch.setenv("SPECCOMP_DEBUG", "1")
+    monkeypatch.setenv("SPECCOMP_DEBUG_DIR", str(tmp_path))
+    speccomp.compile(_init(NanoGPT(GPTConfig(n_layer=2)), 0))
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files[:2] == ["00_captured.py", "01_add_convention_inputs.py"], files
+    assert any(f.endswith("+convention_outputs.py") for f in files) and "past_kv" not in (tmp_path / files[0]).read_text()

@@ -165,6 +165,33 @@ def test_passes_in_the_wrong_order_or_twice_are_refused_by_name():
         run_passes(done, [OrtAttention()], dump_input=False)
     with pytest.raises(ValueError, match=r"layers \[1\] are not in this graph: an earlier pass skipped them"):
         run_passes(sg.clone(), [SkipLayers([1]), SkipLayers([1])], dump_input=False)
+    # AttentionScores before TreeAttention scored with the model's mask (a node gave 0.08 of its attention to a
+    # sibling the tree hides); before SkipLayers it kept scoring the skipped layer (2 score rows against 1 new_kv)
+    from speccomp.passes.kv_compress import AttentionScores
+
+    with pytest.raises(GraphStructureError, match="TreeAttention must run before AttentionScores"):
+        run_passes(sg.clone(), [AttentionScores(), TreeAttention()], dump_input=False)
+    with pytest.raises(GraphStructureError, match="SkipLayers must run before AttentionScores"):
+        run_passes(sg.clone(), [TreeAttention(), AttentionScores(), SkipLayers([1])], dump_input=False)
+    run_passes(sg.clone(), [SkipLayers([1]), TreeAttention(), AttentionScores()], dump_input=False)  # the order used
+
+
+def test_a_pass_that_leaves_an_invalid_graph_is_named():
+    """FX's lint error (a node used before it is defined, or taken from another graph) came raw, followed by the
+    whole graph (24k characters for a 2-layer GPT-2) and without the pass that broke it."""
+    from speccomp.frontend.graph import Pass
+
+    class HeadFirst(Pass):
+        name = "head_first"
+
+        def rewrite(self, sg):
+            next(n for n in sg.gm.graph.nodes if n.op != "placeholder").prepend(sg.structure.lm_head)
+
+    sg = SpecGraph.from_captured(capture(tiny_llama()))
+    with pytest.raises(GraphStructureError, match=r"pass 'head_first' left an invalid graph: .* used before it has "
+                                                  r"been defined") as raised:
+        run_passes(sg, [HeadFirst()], dump_input=False)
+    assert "\n" not in str(raised.value)
 
 
 def test_a_pass_that_leaves_the_attention_annotation_on_erased_nodes_is_named():

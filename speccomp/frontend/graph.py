@@ -401,8 +401,12 @@ class Pass:
     def __call__(self, sg: SpecGraph) -> SpecGraph:
         self.check(sg)
         self.rewrite(sg)
-        sg.gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
-        sg.gm.graph.lint()
+        try:
+            sg.gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
+            sg.gm.graph.lint()
+        except (RuntimeError, AssertionError) as exc:  # FX's own message ends with the whole graph: its first line
+            raise GraphStructureError(f"pass {self.name!r} left an invalid graph: "
+                                      f"{str(exc).strip().splitlines()[0][:300]}") from exc
         self._check_structure(sg)
         sg.gm.recompile()
         sg.applied.append(self.name)
@@ -518,8 +522,9 @@ def dump(sg: SpecGraph, stage: str) -> None:
     except OSError as exc:
         print(f"[speccomp] SPECCOMP_DEBUG: could not write {path} ({exc.strerror or exc}); not dumped", file=sys.stderr)
         return
-    top = ", ".join(f"{k.split('.')[-2] if '.' in k else k}={v}" for k, v in sg.op_counts().most_common(6))
-    print(f"[speccomp] {index:02d} {stage:<18} nodes={len(sg.gm.graph.nodes):<5} inputs={sg.input_names()} "
+    counts, inputs = SpecGraph.op_counts(sg), SpecGraph.input_names(sg)  # they read sg.gm only: a PlainGraph's too
+    top = ", ".join(f"{k.split('.')[-2] if '.' in k else k}={v}" for k, v in counts.most_common(6))
+    print(f"[speccomp] {index:02d} {stage:<18} nodes={len(sg.gm.graph.nodes):<5} inputs={inputs} "
           f"{top} -> {path}", file=sys.stderr)
 
 

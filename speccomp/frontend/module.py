@@ -104,6 +104,7 @@ def _state_writes(gm: fx.GraphModule) -> list[str]:
 
 def capture_module(model: nn.Module, *, check: bool = True) -> CapturedModel:
     """torch.export a plain causal LM and rewrite it into speccomp's calling convention (speccomp/frontend/convention.py)."""
+    from speccomp.frontend.graph import run_passes
     from speccomp.passes.explicit_kv import PASSES, PlainGraph
 
     if not isinstance(model, nn.Module):
@@ -133,9 +134,7 @@ def capture_module(model: nn.Module, *, check: bool = True) -> CapturedModel:
     if not isinstance(seq_size, torch.SymInt):
         raise UnsupportedModelError(f"{type(model).__name__} specializes on the sequence length while exported; it "
                                     "must accept any length")
-    pg = PlainGraph(gm, seq_size.node.expr)
-    for cls in PASSES:
-        cls()(pg)
+    pg = run_passes(PlainGraph(gm, seq_size.node.expr), [cls() for cls in PASSES])  # dumped with SPECCOMP_DEBUG=1
     heads, head_dim, dtype = pg.kv_layout
     kv = KVSpec(len(pg.slots), heads, head_dim, dtype)
     _propagate_values(pg, kv)
