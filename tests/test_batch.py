@@ -619,6 +619,9 @@ def test_what_cannot_batch_is_refused_by_name(captured, prompts, tmp_path):
         plain.generate([[5, 6, 7], [5, 6]], max_new_tokens=4)
     with pytest.raises(OptionError, match="attention_mask.*shape"):
         plain.generate(ids, max_new_tokens=4, attention_mask=mask[:, 1:])
+    with pytest.raises(OptionError, match=r"input_ids=.*must be \[seq\], \[1, seq\] or a batch \[B, seq\], got shape "
+                                          r"\(1, 2, \d+\)"):  # was "has padding for a single sequence"
+        plain.generate(ids[None], max_new_tokens=4, attention_mask=mask[None])
     one = prompts[0].tolist()  # one sequence as a list, with HF's all-ones mask as a list: what a tensor gets
     assert torch.equal(plain.generate(one, max_new_tokens=4, attention_mask=[1] * len(one)),
                        plain.generate(torch.tensor([one]), max_new_tokens=4))

@@ -211,6 +211,8 @@ def batch_rows(input_ids, attention_mask) -> list[np.ndarray] | None:
     shape = tuple(getattr(input_ids, "shape", ()))
     if isinstance(input_ids, (list, tuple)) and not shape:  # one sequence as a list of ids
         shape = (len(input_ids),)
+    if len(shape) > 2:  # before the mask's checks: their messages speak of one sequence or of a batch
+        raise OptionError("input_ids", input_ids, f"must be [seq], [1, seq] or a batch [B, seq], got shape {shape}")
     mask = None
     if attention_mask is not None:
         mask = host_array(attention_mask)
