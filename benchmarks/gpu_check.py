@@ -184,8 +184,9 @@ def tiny(models: list[str], backends: list[str], new_tokens: int) -> dict:
 
 # ------------------------------------------------------------------------------------------------------
 def drafters(new_tokens: int, backends: list[str]) -> dict:
-    """Every model-reading drafter (random heads, the target as its own draft model) and a left-padded batch of 4 on
-    the GPU: one sequence and each batch row equal to HF greedy on the GPU; a sampled run that completes."""
+    """Every model-reading drafter (random heads, the target as its own draft model, a trained draft) and a
+    left-padded batch of 4 on the GPU: one sequence and each batch row equal to HF greedy on the GPU; a sampled run
+    that completes."""
     import tempfile
 
     import speccomp
@@ -203,6 +204,12 @@ def drafters(new_tokens: int, backends: list[str]) -> dict:
     save_hydra(random_hydra(llama, 2, vocab=torch.arange(3, 80)), root / "hydra")
     save_eagle(random_eagle(llama, vocab=torch.arange(3, 80)), root / "eagle")
     heads = {k: str(root / k) for k in ("medusa", "hydra", "eagle")}
+    from speccomp.tuning.train_draft import train_draft  # a trained draft: built on the CPU, loaded beside a GPU target
+
+    train_draft(llama, [torch.arange(5, 15), torch.arange(20, 28)], out=root / "draft", num_layers=1, max_new_tokens=8,
+                epochs=1, progress=False)
+    cases = {**tb.CASES, "trained draft": lambda h, m: dict(drafter="draft_model",
+                                                            drafter_options={"path": str(root / "draft")})}
     model = llama.to(DEVICE)  # after the heads were made from it on the CPU
     prompts = [(repetitive_prompt(96, i, n)[0] if i % 2 == 0 else
                 torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(i))) for i, n in enumerate(tb.LENGTHS[:4])]
@@ -210,7 +217,7 @@ def drafters(new_tokens: int, backends: list[str]) -> dict:
     greedy = [hf_greedy(model, p[None], new_tokens)[0, len(p):].cpu() for p in prompts]
     captured = speccomp.capture(model)
     rows = []
-    for case, make in tb.CASES.items():
+    for case, make in cases.items():
         for backend in backends:
             row = {"drafter": case, "backend": backend}
             try:
