@@ -1139,7 +1139,8 @@ def autotune(
                    its tokenizers where it has its own): stored under its fingerprint (`drafter_key`)
     prompts        calibration prompts (token id tensors [1, n] or [n]); backend: as compile's
     max_nodes      largest tree considered, root included (also capped by the model's sliding windows)
-    max_depth, ranks   the probe tree: depths measured and candidates per node (the DP uses no more)
+    max_depth, ranks   the probe tree: depths measured and candidates per node (no static tree considered, the DP's,
+                   the hand-made shapes or the default, goes past them; dynamic budgets grow as they do)
     mode           "static", "dynamic" (drafters that grow trees: early_exit, layer_skip, hydra, eagle) or
                    "auto" (both where the drafter supports dynamic trees; the faster prediction wins)
     dynamic_budgets    budgets tried in dynamic mode (draft nodes, root not counted), with `dynamic_top_k`
