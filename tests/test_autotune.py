@@ -789,3 +789,21 @@ def test_a_tree_tuned_for_heads_is_not_used_for_heads_trained_again(cache):
     with pytest.warns(UserWarning, match="tuned with other heads than those found now"):
         with pytest.raises(AutotuneError, match="no autotuned tree"):  # no tokenizer here to tune again with
             speccomp.compile(model, drafter="medusa", tree="auto")
+
+
+def test_results_measured_on_a_gpu_are_keyed_by_its_name(monkeypatch, tmp_path):
+    """Hosts sharing a home folder and a CPU model but not a GPU read each other's trees and step-cost curves: a CUDA
+    model's key and a GPU engine's name the GPU (the engine from the driver's list: no torch there)."""
+    from speccomp.tuning import step_curve
+    from speccomp.tuning.step_curve import engine_key, machine_key
+
+    info = tmp_path / "gpus" / "0000:01:00.0" / "information"
+    info.parent.mkdir(parents=True)
+    info.write_text("Model: \t\t NVIDIA H200\nIRQ:   51\n")
+    real_path = step_curve.Path
+    monkeypatch.setattr(step_curve, "Path", lambda p: real_path(str(p).replace("/proc/driver/nvidia", str(tmp_path))))
+    assert engine_key("sha", ["CUDAExecutionProvider", "CPUExecutionProvider"], None, True)["gpu"] == ["NVIDIA H200"]
+    assert "gpu" not in engine_key("sha", ["CPUExecutionProvider"], None, True)
+    assert "gpu" not in machine_key(tiny_llama(), "eager")  # a CPU model's key as before (stored results stay valid)
+    if torch.cuda.is_available():
+        assert machine_key(tiny_llama().cuda(), "eager")["gpu"] == torch.cuda.get_device_name(0)

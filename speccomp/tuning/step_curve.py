@@ -83,8 +83,22 @@ def engine_key(target_sha256: str, providers: list[str], threads: int | None, sp
     """What an engine's curve is valid for: its target graph (the manifest's SHA-256), the providers its session runs
     on, ONNX Runtime's threads (None: its default, set by the cores in `cpu()`) and whether they spin, the CPU and
     the versions of what runs the step."""
-    return {"engine": target_sha256, "backend": "engine", "providers": list(providers), "threads": threads,
-            "spin": spin, "cpu": cpu(), "versions": _versions("speccomp", "numpy", "onnxruntime", "onnxruntime-gpu")}
+    key = {"engine": target_sha256, "backend": "engine", "providers": list(providers), "threads": threads,
+           "spin": spin, "cpu": cpu(), "versions": _versions("speccomp", "numpy", "onnxruntime", "onnxruntime-gpu")}
+    if any(p in ("CUDAExecutionProvider", "TensorrtExecutionProvider") for p in providers):
+        key["gpu"] = nvidia_gpus()  # hosts sharing a home folder and a CPU may hold other GPUs
+    return key
+
+
+def nvidia_gpus() -> list[str]:
+    """The NVIDIA GPUs' model names as the driver lists them (/proc/driver/nvidia; no torch in an engine process)."""
+    names = []
+    for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+        try:
+            names += [line.split(":", 1)[1].strip() for line in info.read_text().splitlines() if line.startswith("Model:")]
+        except OSError:
+            pass
+    return names
 
 
 def curve_path(key: dict) -> Path:
