@@ -8,7 +8,7 @@ which takes and returns torch tensors, so the decode loop in speccomp/runtime/de
 with the eager backend. ONNX Runtime's CPU matmuls (MLAS) are what this buys on CPU.
 
 Exported files go to a fresh temporary directory per graph (removed at exit) unless
-SPECCOMP_ONNX_DIR names a directory to keep them in.
+SPECCOMP_ONNX_DIR names a directory to keep them in (each graph in a fresh NAME-XXXX folder there).
 """
 from __future__ import annotations
 
@@ -31,10 +31,9 @@ from speccomp.backends.onnx_kv import lower_in_place
 
 def _export_dir(name: str) -> Path:
     keep = os.environ.get("SPECCOMP_ONNX_DIR")
-    if keep:
-        path = Path(keep) / name
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+    if keep:  # a fresh folder per lowering: two models (or two options) lowered alike never share, nor overwrite, files
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(dir=keep, prefix=f"{name}-"))
     path = Path(tempfile.mkdtemp(prefix=f"speccomp-{name}-"))
     atexit.register(shutil.rmtree, path, True)
     return path

@@ -100,3 +100,18 @@ def test_an_op_onnx_cannot_lower_is_named_with_the_backends_that_run_it():
                        r"exported program to an ONNX model: DispatchError: No ONNX function found .*"
                        r"the graph calls transformers\.grouped_mm_fallback.*backend='eager' or 'inductor'"):
         speccomp.compile(ARCHITECTURES["mixtral"].build(), backend="onnxruntime")
+
+
+def test_kept_onnx_files_of_two_models_never_share_a_folder(tmp_path, monkeypatch):
+    """With SPECCOMP_ONNX_DIR set, every graph of a pass name went to one folder and file: a second model compiled
+    after the first overwrote its files, and the first model's export shipped the second's weights (wrong text)."""
+    import numpy as np
+
+    monkeypatch.setenv("SPECCOMP_ONNX_DIR", str(tmp_path / "keep"))
+    a, b = tiny_llama(initializer_range=0.2), tiny_llama(initializer_range=0.3)
+    fast_a = speccomp.compile(a, backend="onnxruntime")
+    fast_b = speccomp.compile(b, backend="onnxruntime")
+    assert fast_a.step.path != fast_b.step.path and fast_a.step.path.parent.parent == tmp_path / "keep"
+    engine = speccomp.load(fast_a.export(tmp_path / "a"))
+    ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(0))
+    assert np.array_equal(engine.generate(ids.numpy(), max_new_tokens=12), hf_greedy(a, ids, 12).numpy())
