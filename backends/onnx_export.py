@@ -215,6 +215,9 @@ QUANT_BLOCK = 128  # weights per MatMulNBits block, the quantised drafters' defa
 QUANT_BLOCKS = (16, 32, 64, 128, 256)  # the block sizes ONNX Runtime's MatMulNBits quantiser takes
 
 
+PROTOBUF_LIMIT = 2**31 - 2**24  # a graph whose weights pass this is written with them beside it (protobuf's 2 GB)
+
+
 def quantize_weights(path, bits: int = 8, block_size: int = QUANT_BLOCK) -> Path:
     """The ONNX graph at `path` with every MatMul against a constant weight turned into ONNX Runtime's `MatMulNBits`
     (blockwise symmetric int4 or int8 weights, `block_size` per block, int8 compute: accuracy_level 4), written
@@ -244,7 +247,8 @@ def quantize_weights(path, bits: int = 8, block_size: int = QUANT_BLOCK) -> Path
     if not any(n.op_type == "MatMulNBits" for n in quantizer.model.model.graph.node):
         raise OnnxBackendError(f"{path.name} has no MatMul with a constant weight to quantise")
     out = path.with_name(f"{path.stem}-int{bits}.onnx")
-    quantizer.model.save_model_to_file(os.fspath(out), use_external_data_format=False)
+    weights = sum(t.ByteSize() for t in quantizer.model.model.graph.initializer)  # the float embedding stays float
+    quantizer.model.save_model_to_file(os.fspath(out), use_external_data_format=weights > PROTOBUF_LIMIT)  # OUT.data
     return out
 
 

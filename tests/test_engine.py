@@ -728,3 +728,18 @@ def test_an_onnx_file_with_external_weights_is_copied_with_its_own_data_file(tmp
     assert sorted(p.name for p in dst.iterdir()) == ["target.onnx", "target.onnx.data"]
     y = onnxruntime.InferenceSession(str(dst / "target.onnx")).run(None, {"x": np.ones((1, 3), np.float32)})[0]
     assert y.tolist() == [[12.0, 15.0, 18.0, 21.0]]
+
+
+def test_a_quantized_draft_past_protobufs_limit_keeps_its_weights_beside_it(llama, tmp_path, monkeypatch):
+    """A draft graph whose weights pass 2 GB (a float embedding of 1.8 GB beside int8 matrices: 8B-class models) was
+    written as one protobuf: a bare EncodeError after the export. Past the limit (here lowered to 0) its weights go
+    to NAME.data, and the draft, the export and the engine read them."""
+    from speccomp.backends import onnx_export
+
+    monkeypatch.setattr(onnx_export, "PROTOBUF_LIMIT", 0)
+    fast = speccomp.compile(llama, drafter="quantized", backend="onnxruntime")
+    path = fast.drafter.step.path
+    assert path.with_name(path.name + ".data").is_file()
+    engine = speccomp.load(fast.export(tmp_path / "e"))
+    assert (tmp_path / "e" / "quantized.onnx.data").is_file()
+    steps_like_torch(engine, fast, llama)
