@@ -101,6 +101,9 @@ class OrtAttention(Pass):
             mask = args["attn_mask"].meta.get("val")  # TreeAttention's mask has no fake value: export checks it
             if query is None or query.dim() != 4 or (mask is not None and tuple(mask.shape[:2]) != (1, 1)):
                 raise UnsupportedModelError(f"{site.module}: query or mask not [1, H, q, D] / [1, 1, q, T]")
+            if query.shape[-1] % 8:  # ONNX Runtime refused it only when the first step ran
+                raise UnsupportedModelError(f"{site.module}: head size {query.shape[-1]} (GroupQueryAttention takes "
+                                            "multiples of 8)")
             for cat in (site.key_cat, site.value_cat):
                 if not self._reads_past(cat.args[0][0], past_kv):  # KiviCacheRead's dequantised cache, say
                     raise UnsupportedModelError(f"{site.module}: the cache read {cat.name} does not take past_kv[l, kv]")

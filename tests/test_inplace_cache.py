@@ -282,3 +282,21 @@ def test_onnxruntime_keeps_the_plain_export_when_the_fused_one_fails(monkeypatch
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                          eos_token_id=2, pad_token_id=2)
     assert torch.equal(fast.generate(ids, max_new_tokens=12, eos_token_id=2), ref)
+
+
+def test_a_head_size_the_fused_op_refuses_exports_the_plain_graph(tmp_path, monkeypatch):
+    """GroupQueryAttention takes head sizes that are multiples of 8; a model with 12 (hidden 48, 4 heads) compiled
+    and then failed at its first step on onnxruntime, the quantized drafter included. OrtAttention now refuses the
+    site, and the plain export (the cache a copied input) runs: HF greedy's text."""
+    from speccomp.backends.onnx_export import OrtStep
+    from speccomp.backends.onnx_kv import OrtKVStep
+
+    monkeypatch.setenv("SPECCOMP_ONNX_DIR", str(tmp_path))
+    model = tiny_llama(hidden_size=48, intermediate_size=72, num_hidden_layers=2, initializer_range=0.2)
+    ids = torch.randint(3, 96, (6,), generator=torch.Generator().manual_seed(1)).repeat(2)[None]
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                         eos_token_id=2, pad_token_id=2)
+    for drafter in (None, "quantized"):
+        fast = speccomp.compile(model, drafter=drafter, backend="onnxruntime")
+        assert isinstance(fast.step, OrtStep) and not isinstance(fast.step, OrtKVStep)
+        assert torch.equal(fast.generate(ids, max_new_tokens=16, eos_token_id=2), ref), drafter
