@@ -899,7 +899,10 @@ def _in_flags(exc: Exception, args) -> str:
 def main(argv=None) -> int:
     """Run a subcommand; a bad flag (or any error speccomp reports on purpose) prints one line, exit status 2."""
     try:
-        args = build_parser().parse_args(argv)
+        args, extra = build_parser().parse_known_args(argv)
+        if extra:  # argparse names the top-level parser for a subcommand's unknown flag
+            where = f"speccomp {args.command}" if getattr(args, "command", None) else "speccomp"
+            raise _BadCommandLine(f"{where}: unrecognized arguments: {' '.join(extra)} (see {where} --help)")
     except _BadCommandLine as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -909,6 +912,10 @@ def main(argv=None) -> int:
     except (SpeccompError, ValueError, OSError) as exc:
         print(f"speccomp {args.command}: {_in_flags(exc, args)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; training keeps its state after every batch
+        again = "; run the same command again to resume" if args.command in ("train-heads", "train-draft") else ""
+        print(f"speccomp {args.command}: interrupted{again}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

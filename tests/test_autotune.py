@@ -784,6 +784,11 @@ def test_a_tree_tuned_for_heads_is_not_used_for_heads_trained_again(cache):
         warnings.simplefilter("always")
         speccomp.compile(model, drafter="medusa", tree="auto")
     assert not [w for w in said if "other heads" in str(w.message)]
+    torch.manual_seed(2)
+    save_medusa(new_heads(model, 3).eval(), cache / "elsewhere")  # other heads named on purpose: the stored tree, said
+    with pytest.warns(UserWarning, match=r"tuned with drafter_options=\{\}, not \{'heads': "):
+        elsewhere = speccomp.compile(model, drafter="medusa", tree="auto", drafter_options={"heads": str(cache / "elsewhere")})
+    assert elsewhere.drafter.tree == Tree.from_choices(result.tree)
     torch.manual_seed(1)
     save_medusa(new_heads(model, 2).eval(), heads_dir(model))  # trained again, into the same folder
     with pytest.warns(UserWarning, match="tuned with other heads than those found now"):

@@ -963,6 +963,10 @@ CLI_ERRORS = [
      ("compare", "--do-sample")),
     ("serve-host-unresolvable", ["serve", "{engine}", "--host", "no-such-host.invalid"], ("--host", "no-such-host")),
     ("serve-kv-slots-below-one-request", ["serve", "{engine}", "--kv-slots", "1"], ("--kv-slots", "1")),
+    # review, 2026-11-29 (second session): a subcommand's unknown flag was blamed on `speccomp`; export-triton made
+    # a model folder in a parent of the working directory (`..`: /tmp/speccomp), home or /, where export refuses
+    ("generate-unknown-flag", ["generate", "--prompt", "hi", "--bogus"], ("speccomp generate:", "--bogus")),
+    ("export-triton-into-a-parent", ["export-triton", "{engine}", ".."], ("out", "parent of the working directory")),
     # good ones stay good
     ("good-max-new-tokens", ["generate", "--prompt", "hi", "--max-new-tokens", "0"], ("max-new-tokens",)),
     ("good-bench-drafters", ["bench", "--drafters", "nope"], ("nope",)),
@@ -1126,3 +1130,18 @@ def test_bench_all_skips_the_draft_model_row_without_a_trained_draft(tmp_path, m
     (tmp_path / "drafts" / "0123abcd").mkdir(parents=True)
     (tmp_path / "drafts" / "0123abcd" / "config.json").write_text("{}")
     assert "draft_model" in _bench_drafters(SimpleNamespace(drafters="all", tree=None, backend="eager"), available)
+
+
+def test_ctrl_c_is_one_line_that_says_how_to_resume(monkeypatch, capsys):
+    """Ctrl-C in a resumable command printed a long traceback and nothing about resuming (training keeps its state
+    after every batch): one line, exit status 130 as a shell's."""
+    from speccomp import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    for command, name in (("train-heads", "cmd_train_heads"), ("export", "cmd_export")):
+        monkeypatch.setattr(cli, name, interrupted)
+        assert cli.main([command] + (["e"] if command == "export" else [])) == 130
+        again = "; run the same command again to resume" if command == "train-heads" else ""
+        assert capsys.readouterr().err == f"speccomp {command}: interrupted{again}\n"

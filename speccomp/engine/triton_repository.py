@@ -141,6 +141,7 @@ def export_triton_repository(engine_dir, out, name: str = "speccomp", max_new_to
                              provider: str = "cpu", overwrite: bool = False) -> Path:
     """Write a Triton model repository serving the engine at `engine_dir` under `out/<name>`; returns that folder."""
     from speccomp.errors import OptionError, OptionTypeError
+    from speccomp.models import is_broad_directory
 
     engine_dir = Path(engine_dir).expanduser()
     read_manifest(engine_dir)  # a missing or corrupt engine (its tokenizers too) is named before anything is written
@@ -153,6 +154,10 @@ def export_triton_repository(engine_dir, out, name: str = "speccomp", max_new_to
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise OptionError("max_new_tokens", max_new_tokens, "must be a positive int (the config's default reply "
                           "length)", "e.g. max_new_tokens=128 (the default)")
+    if is_broad_directory(out) and Path(out).expanduser().resolve() != Path.cwd().resolve():
+        raise OptionError("out", str(out), "is a parent of the working directory, the home directory or the "
+                          "filesystem root (Triton would read every folder there as a model)",
+                          "give a repository directory such as ./model_repository")
     model = Path(out).expanduser().absolute() / name
     source = engine_dir.expanduser().absolute()
     if model.resolve() == source.resolve() or source.resolve() in model.resolve().parents:

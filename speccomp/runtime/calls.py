@@ -145,7 +145,7 @@ def _prompt(input_ids, vocab_size: int):
         ids = None
     shape = tuple(shape)
     if len(shape) not in (1, 2):
-        raise OptionError("input_ids", input_ids, f"must be [seq], [1, seq] or a batch [B, seq], got shape {shape}")
+        _wrong_rank(input_ids, shape)
     if len(shape) == 2 and shape[0] != 1:  # generate() splits batches into rows first (batch_rows)
         raise OptionError("input_ids", input_ids, f"holds a batch of {shape[0]} sequences where one is expected")
     if shape[-1] == 0:
@@ -197,6 +197,10 @@ def _first_token(mask_row: np.ndarray, b: int) -> int:
     return first
 
 
+def _wrong_rank(input_ids, shape: tuple):
+    raise OptionError("input_ids", input_ids, f"must be [seq], [1, seq] or a batch [B, seq], got shape {shape}")
+
+
 def batch_rows(input_ids, attention_mask) -> list[np.ndarray] | None:
     """The prompts of a batch input_ids [B, n] (B > 1), each without its left padding (attention_mask 0), or None for
     one sequence ([n] or [1, n], whose attention_mask, if given, must be all ones). Token ids are checked per row by
@@ -212,7 +216,7 @@ def batch_rows(input_ids, attention_mask) -> list[np.ndarray] | None:
     if isinstance(input_ids, (list, tuple)) and not shape:  # one sequence as a list of ids
         shape = (len(input_ids),)
     if len(shape) > 2:  # before the mask's checks: their messages speak of one sequence or of a batch
-        raise OptionError("input_ids", input_ids, f"must be [seq], [1, seq] or a batch [B, seq], got shape {shape}")
+        _wrong_rank(input_ids, shape)
     mask = None
     if attention_mask is not None:
         mask = host_array(attention_mask)

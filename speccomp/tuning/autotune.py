@@ -264,8 +264,8 @@ def resolve_auto(model, drafter, backend: str, drafter_options: dict | None, mer
     name = drafter_key(drafter, drafter_options)  # a named draft_model with its own tokenizers: theirs in the key
     result = load_result(model, name, backend)
     if result is not None and result.trained is not None:  # tuned for heads / a draft: are they still those?
-        trained = trained_digest(model, drafter, {**result.drafter_options, **(drafter_options or {})})
-        if trained != result.trained:
+        # the folder it was tuned with, now (other heads or another draft the caller names: the `differ` warning below)
+        if trained_digest(model, drafter, result.drafter_options) != result.trained:
             result = _ignored(Path(result.path), f"tuned with other {'draft' if drafter == 'draft_model' else 'heads'}"
                               " than those found now (trained again since?)")
     result = result or _tune_on_first_use(model, drafter, backend, drafter_options)
@@ -949,9 +949,11 @@ def _check_wanted(sm, drafter: str, do_dynamic: bool, max_nodes: int, top_k: int
     if do_dynamic and sm.drafter.max_siblings and top_k > sm.drafter.max_siblings:
         raise AutotuneError(f"dynamic_top_k={top_k}: the {drafter} drafter scores at most {sm.drafter.max_siblings} "
                             f"tokens per node; give dynamic_top_k <= {sm.drafter.max_siblings} (or mode='static')")
-    left_out = {"dynamic_budgets": [b for b in budgets if b > max_nodes - 1] if do_dynamic and list(budgets) != list(
-        DYNAMIC_BUDGETS) else [], "measure_sizes": [n for n in sizes or [] if n > max_nodes] if sizes != "report" else []}
-    said = [f"{k} {v} (above {max_nodes - 1 if k == 'dynamic_budgets' else max_nodes})" for k, v in left_out.items() if v]
+    given = do_dynamic and list(budgets) != list(DYNAMIC_BUDGETS)  # the defaults cut to max_nodes are no news
+    left_out = {"dynamic_budgets": [b for b in budgets if b > max_nodes - 1] if given else [],
+                "measure_sizes": [n for n in sizes or [] if n > max_nodes] if sizes != "report" else []}
+    said = [f"{k} {v} (above {max_nodes - 1 if k == 'dynamic_budgets' else max_nodes})"
+            for k, v in left_out.items() if v]
     if said:
         warnings.warn(f"autotune: leaving out {' and '.join(said)}: trees here have at most {max_nodes} nodes, root "
                       "included (max_nodes, the model's sliding windows)", stacklevel=4)

@@ -238,7 +238,8 @@ def load_draft(model, path=None):
         raise OptionError("path", str(path), f"holds no {CONFIG} of a draft or a Hugging Face checkpoint",
                           "pass the directory `speccomp train-draft` (speccomp.train_draft) wrote, or a checkpoint's")
     if found is None:
-        dtype, kept = next(model.parameters()).dtype, sorted(str(c.parent) for c in drafts_dir(model).parent.glob(f"*/{CONFIG}"))
+        dtype = next(model.parameters()).dtype
+        kept = sorted(str(c.parent) for c in drafts_dir(model).parent.glob(f"*/{CONFIG}"))
         cast = "" if dtype == torch.float32 else (  # train_draft trains in float32, and a cast model hashes otherwise
             f" (drafts are kept under the float32 model's fingerprint, which a {str(dtype).removeprefix('torch.')} "
             f"model does not have; drafts in the cache: {kept or 'none'}: pass one as drafter_options={{'path': DIR}})")
