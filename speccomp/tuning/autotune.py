@@ -201,6 +201,7 @@ def trained_digest(model, drafter, options: dict | None) -> str | None:
     the files of their folder), None where it loads none: a stored tree is for those weights, and heads trained again
     into the same folder need their own tuning."""
     from speccomp.drafters.head_drafters import HEAD_KINDS, find_heads
+    from speccomp.engine.runtime import sha256  # the engine manifest's file digest
     from speccomp.tuning.train_draft import find_draft
 
     options = options if isinstance(options, dict) else {}
@@ -215,13 +216,8 @@ def trained_digest(model, drafter, options: dict | None) -> str | None:
         return None
     if folder is None or not folder.is_dir():
         return None
-    digest = hashlib.sha256()
-    for f in sorted(p for p in folder.iterdir() if p.is_file()):
-        digest.update(f.name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()[:16]
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    return hashlib.sha256("\n".join(f"{f.name} {sha256(f)}" for f in files).encode()).hexdigest()[:16]
 
 
 def _ignored(path: Path, why: str) -> None:

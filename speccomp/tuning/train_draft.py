@@ -234,11 +234,12 @@ def load_draft(model, path=None):
     from speccomp.models import fingerprint
 
     found, candidates = find_draft(model, path)
+    weight = next(model.parameters())  # the draft is placed and cast as the model's weights are
     if found is None and path is not None:
         raise OptionError("path", str(path), f"holds no {CONFIG} of a draft or a Hugging Face checkpoint",
                           "pass the directory `speccomp train-draft` (speccomp.train_draft) wrote, or a checkpoint's")
     if found is None:
-        dtype = next(model.parameters()).dtype
+        dtype = weight.dtype
         kept = sorted(str(c.parent) for c in drafts_dir(model).parent.glob(f"*/{CONFIG}"))
         cast = "" if dtype == torch.float32 else (  # train_draft trains in float32, and a cast model hashes otherwise
             f" (drafts are kept under the float32 model's fingerprint, which a {str(dtype).removeprefix('torch.')} "
@@ -246,7 +247,7 @@ def load_draft(model, path=None):
         raise OptionError("drafter", "draft_model", f"no trained draft for this model in {[str(c) for c in candidates]}"
                           + cast, "train one with `speccomp train-draft` (default model) or speccomp.train_draft(model, "
                           "prompts, out=DIR), or pass drafter_options={'path': DIR}")
-    config, weight = _read_config(found / CONFIG), next(model.parameters())
+    config = _read_config(found / CONFIG)
     if path is not None and config.get("format") is None and isinstance(config.get("model_type"), str):
         return load_hf_checkpoint(found, weight.dtype).to(weight.device)
     if config.get("format") != FORMAT or not isinstance(config.get("num_layers"), int):
