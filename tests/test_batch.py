@@ -147,6 +147,12 @@ def test_rows_stop_at_their_own_eos_and_are_padded(captured, llama, prompts):
         assert (out[i, ids.shape[1] + n:] == 1).all()  # padded after its eos
     assert lengths[0] == 6 and out.shape[1] == ids.shape[1] + max(lengths)
     assert [r["new_tokens"] for r in fast.last_stats["rows"]] == lengths
+    # several eos ids and no pad_token_id: padded with the first given, as HF's generate pads (eos_token_id[0])
+    other = min(set(range(eos)) - set(out.flatten().tolist()))  # an id below eos that no row emits
+    again = fast.generate(ids, max_new_tokens=NEW, attention_mask=mask, eos_token_id=[eos, other])
+    for i, n in enumerate(lengths):
+        start = ids.shape[1] + n
+        assert torch.equal(again[i, :start], out[i, :start]) and (again[i, start:] == eos).all()
 
 
 def test_rows_join_a_running_batch(captured, llama, prompts, greedy):

@@ -1579,7 +1579,7 @@ class Engine:
                  pad_token_id: int | None = None, load_aware: bool = True) -> np.ndarray:
         """Prompt + new tokens, np.int64 [1, n + m]; greedy output equals the model's greedy decoding. A left-padded
         batch [B, n] with `attention_mask` decodes every row as if alone ([B, n + m], padded with `pad_token_id`,
-        default the smallest eos id; `load_aware`: caps on each row's tree by goodput), as SpecModel.generate. Arguments are checked as SpecModel.generate's
+        default the first eos id, as HF; `load_aware`: caps on each row's tree by goodput), as SpecModel.generate. Arguments are checked as SpecModel.generate's
         (speccomp/runtime/calls.py)."""
         if not isinstance(load_aware, bool):  # checked for one sequence too, where it changes nothing
             raise OptionTypeError("load_aware", load_aware, "must be True or False")

@@ -84,7 +84,7 @@ class GenerateArgs:
 
     prompt: np.ndarray  # int64 [n]
     max_new_tokens: int
-    eos: frozenset
+    eos: tuple  # in the order given, each id once (a batch pads with the first, as HF)
     do_sample: bool
     temperature: float
     top_p: float
@@ -260,10 +260,10 @@ def row_slots(prompt_len: int, max_new_tokens: int, max_tree: int) -> int:
 
 
 def pad_id(pad_token_id, eos, vocab_size: int) -> int:
-    """The id a batch pads stopped rows with: `pad_token_id` (one token id of the vocabulary), else the smallest eos
-    id, else 0 (without eos every row runs to max_new_tokens: nothing is padded)."""
+    """The id a batch pads stopped rows with: `pad_token_id` (one token id of the vocabulary), else the first eos id
+    given (HF's generate pads with eos_token_id[0]), else 0 (without eos every row runs to max_new_tokens)."""
     if pad_token_id is None:
-        return min(eos, default=0)
+        return eos[0] if eos else 0
     if isinstance(pad_token_id, (list, tuple)) or getattr(pad_token_id, "ndim", 0) != 0:
         raise OptionTypeError("pad_token_id", pad_token_id, "must be one token id (an int)")
     return token_ids("pad_token_id", pad_token_id, vocab_size)[0]
@@ -315,7 +315,7 @@ def generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperatur
         raise OptionError("max_new_tokens", max_new_tokens, f"prompt ({len(prompt)} tokens) + max_new_tokens ({n}) "
                           f"exceeds the model's context of {max_positions} positions",
                           "shorten the prompt or ask for fewer tokens")
-    eos = frozenset() if eos_token_id is None else frozenset(token_ids("eos_token_id", eos_token_id, vocab_size))
+    eos = () if eos_token_id is None else tuple(dict.fromkeys(token_ids("eos_token_id", eos_token_id, vocab_size)))
     if not isinstance(do_sample, (bool, np.bool_)):
         raise OptionTypeError("do_sample", do_sample, f"must be True or False, got {type(do_sample).__name__}",
                               "a string such as 'False' is not a bool")

@@ -121,7 +121,7 @@ class SpecModel:
         `attention_mask` decodes the row and puts its padding back in front, as HF does), or a batch [B, seq]
         left-padded with `attention_mask` (0 on padding) as for HF generate: each row is decoded as if alone
         (speccomp/runtime/batch.py) and the result is [B, seq + m], rows that stopped early padded on the right with
-        `pad_token_id` (default: the smallest eos id); `load_aware` caps each row's tree step by step where the batch's
+        `pad_token_id` (default: the first eos id, as HF); `load_aware` caps each row's tree step by step where the batch's
         goodput says trees cost more than they gain (speccomp/runtime/budget.py; False: every row verifies its
         drafter's whole tree). eos_token_id: an int or a list of ints (None: no stop token; HF's generate stops at its
         generation_config's eos). acceptance: "exact" (lossless: greedy equality / rejection sampling) or
