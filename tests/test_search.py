@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import speccomp
+from speccomp.errors import OptionError
 from speccomp.models import fingerprint
 from speccomp.tuning.search import cached_options, candidates, search_drafter
 from tiny_models import tiny_llama
@@ -77,9 +78,9 @@ def test_damaged_cache_entry_is_ignored(cache):
 
 def test_search_rejects_bad_input(cache):
     model = tiny_llama()
-    with pytest.raises(ValueError, match="search covers"):
+    with pytest.raises(OptionError, match=r"kind='ngram': search covers the drafters \['early_exit', 'layer_skip'\]"):
         search_drafter(model, "ngram", [torch.arange(3, 9)])
-    with pytest.raises(ValueError, match="calibration prompt"):
+    with pytest.raises(OptionError, match=r"prompts=\[\]: holds no calibration prompt"):
         search_drafter(model, "layer_skip", [])
     # raw errors before (a ZeroDivisionError, an AttributeError): named now
     with pytest.raises(speccomp.OptionError, match=r"options=\[\]: must be a non-empty list of drafter_options"):

@@ -117,14 +117,14 @@ class SearchResult:
 def _checked(kind: str, tree, prompts, options) -> list:
     """search_drafter's arguments refused before any work; the prompts as a list of [1, n] tensors."""
     if kind not in KINDS:
-        raise ValueError(f"search covers the drafters {list(KINDS)}, got {kind!r}")
+        raise OptionError("kind", kind, f"search covers the drafters {list(KINDS)}", "pass one of them")
     check_search_tree(tree)
     checked = prompt_list(prompts)
     if checked is None:
         raise OptionError("prompts", prompts, "must be a list of token id tensors [1, n] or [n]",
                           "e.g. [chat_ids(tokenizer, text) for text in texts]")
     if not checked:
-        raise ValueError("search_drafter needs at least one calibration prompt (token ids)")
+        raise OptionError("prompts", prompts, "holds no calibration prompt", "pass at least one prompt's token ids")
     if options is not None and (not isinstance(options, (list, tuple)) or not options
                                 or not all(isinstance(o, dict) for o in options)):
         raise OptionError("options", options, "must be a non-empty list of drafter_options dicts (the candidates)",
