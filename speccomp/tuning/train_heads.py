@@ -413,7 +413,7 @@ def _open_run(state: Path, args: dict) -> dict:
         differ = [f"{k}: {stored.get(k, 'unset')!r} there, {args.get(k, 'unset')!r} now"
                   for k in sorted(set(stored) | set(args)) if stored.get(k) != args.get(k)]
         raise OptionError("out", str(state.parent), f"holds a training run with other settings ({'; '.join(differ)})",
-                          f"train with the same settings to resume it, or choose another out= (or delete {state.parent})")
+                          f"train with the same settings to resume it, or into another folder (out= / --out), or delete {state.parent}")
     return done
 
 
