@@ -454,6 +454,7 @@ def _prompt_ids(engine, body: dict) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
+        _need_tokenizer(engine, "prompt", prompt)
         return list(engine.text_ids(prompt))
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
@@ -472,7 +473,15 @@ def _message_ids(engine, body: dict) -> list[int]:
         if m["role"] not in ROLES:
             raise OptionError(f"messages[{i}].role", m["role"], "is not a chat role speccomp serve takes (tool "
                               "messages need tools, which it does not support)", f"one of {list(ROLES)}")
+    _need_tokenizer(engine, "messages", messages)
     return engine.chat_ids(messages)[0].tolist()
+
+
+def _need_tokenizer(engine, name: str, value) -> None:
+    """Text needs the engine's tokenizer: without one, a 400 naming the field (token ids still work)."""
+    if not engine.manifest.get("tokenizer"):
+        raise OptionError(name, value, "is text, but this engine was exported without a tokenizer",
+                          "send the prompt as token ids (/v1/completions), or re-export the engine with tokenizer=")
 
 
 class _ServerHeader:
@@ -494,10 +503,15 @@ class _ServerHeader:
 async def _body(request) -> dict:
     try:
         body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise OptionError("body", "<request body>", f"is not JSON ({exc})") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int past Python's 4300 digits
+        raise OptionError("body", "<request body>", f"is not JSON that can be read ({exc})") from None
     if not isinstance(body, dict):
         raise OptionTypeError("body", body, "must be a JSON object")
+    try:  # JSON's "\ud83d" (half an emoji) parses to a lone surrogate, which is no text (nor a key to name)
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise OptionError("body", "<request body>", "holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not "
+                          "text", "send well-formed Unicode (a whole surrogate pair)") from None
     return body
 
 

@@ -164,11 +164,18 @@ def test_chat_stream_carries_the_same_tokens(server, model):
     ({"prompt": "w5 w6", "max_tokens": 4, "max_completion_tokens": 0}, "max_completion_tokens"),  # was never checked
     ({"prompt": "w5 w6", "max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
     ({"prompt": "w5 w6", "stream_options": {"include_usage": True}}, "stream_options"),  # without a stream
+    # were 500s in text/plain: a lone surrogate (half an emoji) reached the tokenizer, or the error's own JSON; a
+    # number past float's range reached float()
+    ({"prompt": "w5 \ud83d"}, "body"),
+    ({"prompt": [5, 6], "x\udc00": 1}, "body"),
+    ({"prompt": [5, 6], "max_tokens": 4, "temperature": 10**400}, "temperature"),
+    ({"prompt": [5, 6], "max_tokens": 4, "temperature": 0.5, "top_p": 10**400}, "top_p"),
 ])
 def test_bad_requests_get_400_naming_the_parameter(server, body, param):
     url, _ = server
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    r = httpx.post(f"{url}{path}", json=body, timeout=30)
+    r = httpx.post(f"{url}{path}", content=json.dumps(body).encode(), timeout=30,  # "\\ud83d" escaped, as JSON allows
+                   headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and param in error["message"]
@@ -194,6 +201,24 @@ def test_a_request_larger_than_the_cache_is_refused_and_bad_json_too(server):
     assert r.status_code == 400  # either the model's context or the server's cache names the limit
     r = httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+    huge = b'{"prompt": [5], "max_tokens": ' + b"1" * 5000 + b"}"  # past Python's int-parsing limit: was a 500
+    r = httpx.post(f"{url}/v1/completions", content=huge, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+
+
+def test_text_to_an_engine_without_a_tokenizer_is_refused_naming_the_field(model, tmp_path):
+    """An engine exported without tokenizer= takes token ids; text named no parameter before ("param": null)."""
+    from speccomp.serve import _message_ids, _prompt_ids
+
+    speccomp.compile(model, backend="onnxruntime").export(tmp_path / "engine")
+    engine = speccomp.load(tmp_path / "engine")
+    assert _prompt_ids(engine, {"prompt": [5, 6]}) == [5, 6]
+    for field, call, body in (("prompt", _prompt_ids, {"prompt": "w5"}),
+                              ("messages", _message_ids, {"messages": [{"role": "user", "content": "w5"}]})):
+        with pytest.raises(speccomp.OptionError, match="exported without a tokenizer; send the prompt as token ids"
+                           ) as refused:
+            call(engine, body)
+        assert refused.value.parameter == field
 
 
 def test_a_client_that_goes_away_frees_its_row(server):

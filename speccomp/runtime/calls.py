@@ -46,10 +46,13 @@ def as_number(name: str, value, fix: str = "") -> float:
     zero_d = getattr(value, "ndim", None) == 0 and "bool" not in str(getattr(value, "dtype", "bool"))
     if isinstance(value, (bool, np.bool_)) or not (isinstance(value, (int, float, np.integer, np.floating)) or zero_d):
         raise OptionTypeError(name, value, f"must be a number, got {type(value).__name__}", fix)
-    value = float(value)
-    if not math.isfinite(value):
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range (a JSON body's 400-digit number)
+        number = math.inf
+    if not math.isfinite(number):
         raise OptionError(name, value, "must be a finite number", fix)
-    return value
+    return number
 
 
 def positive_int(name: str, value, fix: str = "") -> int:
