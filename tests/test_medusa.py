@@ -160,6 +160,9 @@ def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
     (dict(weight_decay=-1.0), r"weight_decay=-1.0: must be a finite number >= 0"),
     (dict(seed=1.5), "seed=1.5: must be an int"), (dict(seed="abc"), "seed='abc': must be an int"),
     (dict(eos_token_id="x"), "eos_token_id='x': must be a token id"),
+    # failed after the replies and hidden states (hydra, eagle: the draft vocabulary), never stopped a reply (medusa)
+    (dict(kind="hydra", eos_token_id=200), r"eos_token_id=200: token ids \[200\] are outside the model's vocabulary"),
+    (dict(eos_token_id=[2, 96]), r"eos_token_id=\[2, 96\]: token ids \[96\] are outside"),
     # accepted and ignored by the API (the CLI refused the flags)
     (dict(kind="eagle", num_layers=3), "num_layers=3: does not apply to kind='eagle'"),
     (dict(kind="medusa", draft_vocab=10), "draft_vocab=10: does not apply to kind='medusa'"),
@@ -183,6 +186,35 @@ def test_training_takes_eos_ids_as_generate_does():
     for bad in ("x", [2, None], True, -1, 2.0):
         with pytest.raises(TypeError, match="eos_token_id="):
             check_training_numbers(1e-3, 0.0, 0, bad)
+
+
+def test_replies_shorter_than_the_heads_are_named_and_the_corrected_rerun_runs(model, tmp_path):
+    """Replies that stop at eos before num_heads tokens leave no training position: that raised a ValueError naming
+    the wrong length after the run's state was written, so the rerun with another eos was refused as "other
+    settings". It names num_heads now and leaves no state behind; no sampling-option warning on the greedy round."""
+    import warnings
+
+    prompt = torch.tensor([[5, 7, 9]])
+    with torch.no_grad():
+        first = int(model(prompt).logits[0, -1].argmax())  # the first reply token as eos: one-token replies
+    kw = dict(kind="medusa", num_heads=2, max_new_tokens=8, epochs=1, progress=False)
+    with pytest.raises(speccomp.OptionError, match=r"num_heads=2: is more than any reply holds: the longest reply has "
+                       r"1 tokens after its prompt"):
+        train_heads(model, [prompt], out=tmp_path / "h", eos_token_id=first, **kw)
+    assert not (tmp_path / "h" / "_train").exists()
+    from test_plain_module import NanoGPT, _init
+
+    class GPT(NanoGPT):  # heads read the module's embeddings
+        def get_output_embeddings(self):
+            return self.lm_head
+
+        def get_input_embeddings(self):
+            return self.transformer.wte
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a plain module's greedy round passed temperature / seed it ignored
+        train_heads(_init(GPT(), 1), [prompt], out=tmp_path / "plain", **kw)
+    assert (train_heads(model, [prompt], out=tmp_path / "h", eos_token_id=None, **kw)).num_heads == 2
 
 
 @pytest.mark.parametrize("damaged", ["tokens.safetensors", "heads.safetensors", "optimizer.safetensors"])

@@ -94,7 +94,7 @@ def train_draft(model, prompts, *, out, num_layers: int = 2, max_new_tokens: int
     """Train a `num_layers`-layer draft for `model` on its own replies to `prompts` (token id tensors); save it to
     `out` (a new directory or one this function wrote). Returns `out`."""
     _check(model, prompts, num_layers, epochs=epochs, batch_size=batch_size, max_new_tokens=max_new_tokens, lr=lr)
-    check_training_numbers(lr, 0.0, seed, eos_token_id)
+    check_training_numbers(lr, 0.0, seed, eos_token_id, _vocab_size(model))
     check_sampling(sampled, temperature)
     prompts = check_prompts(prompts, _vocab_size(model))
     out = check_draft_directory(out)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import operator
+import shutil
 from pathlib import Path
 
 import torch
@@ -89,7 +90,7 @@ def _self_distill(model, prompts, max_new_tokens: int, eos, progress: bool, stat
 
         plain = speccomp.compile(model)
         decode = lambda batch, t, sd: [plain.generate(batch[0], max_new_tokens=max_new_tokens, eos_token_id=eos,  # noqa: E731
-                                                      do_sample=t > 0, temperature=t or 1.0, seed=sd)[0]]
+                                                      **(dict(do_sample=True, temperature=t, seed=sd) if t > 0 else {}))[0]]
     done = 0
     with tqdm(total=len(prompts) * (1 + sampled), desc="self-distill", disable=not progress) as bar:
         for batch, temp, sd in jobs:
@@ -178,7 +179,10 @@ def _examples(seqs, states, num_heads: int, starts=None):
             sp.append(ahead(soft[0]))  # [n, K, S]
             si.append(ahead(soft[1]))
     if not hs:
-        raise ValueError(f"no training positions: sequences are shorter than {num_heads + 2} tokens")
+        longest = max(s.shape[0] - max(0, (starts[i] - 1) if starts else 0) - 1 for i, s in enumerate(seqs))
+        raise OptionError("num_heads", num_heads, f"is more than any reply holds: the longest reply has {longest} "
+                          "tokens after its prompt (replies stop at eos_token_id or max_new_tokens)",
+                          "train fewer heads, or on prompts with longer replies")
     soft = (torch.cat(sp), torch.cat(si)) if sp else None
     return torch.cat(hs), torch.cat(ins), torch.cat(ts), soft
 
@@ -289,8 +293,8 @@ def _check_settings(model, prompts, kind, *, lr, sampled: int, temperature: floa
                           f"({_vocab_size(model)} tokens)", f"use at most {_vocab_size(model)} (the whole vocabulary)")
 
 
-def check_training_numbers(lr, weight_decay, seed, eos_token_id) -> None:
-    """lr a finite number > 0, weight_decay a finite number >= 0, seed an int, eos ids ints >= 0: checked before the run
+def check_training_numbers(lr, weight_decay, seed, eos_token_id, vocab_size: int | None = None) -> None:
+    """lr a finite number > 0, weight_decay a finite number >= 0, seed an int, eos ids ints in [0, vocab_size): checked before the run
     folder exists (AdamW or manual_seed failing after it blocked the corrected rerun: "a run with other settings"; an
     infinite lr saved weights that were all NaN)."""
     def real(x) -> bool:
@@ -312,6 +316,10 @@ def check_training_numbers(lr, weight_decay, seed, eos_token_id) -> None:
     if not all(token(i) for i in ids):
         raise OptionTypeError("eos_token_id", eos_token_id, "must be a token id, a list of them, or None",
                               "e.g. eos_token_id=tokenizer.eos_token_id")
+    outside = [int(i) for i in ids if vocab_size is not None and operator.index(i) >= vocab_size]
+    if outside:  # would fail minutes in (the draft vocabulary) or never stop a reply (Medusa)
+        raise OptionError("eos_token_id", eos_token_id, f"token ids {outside[:4]} are outside the model's vocabulary "
+                          f"[0, {vocab_size})", "pass ids of this model's tokenizer")
 
 
 def check_on_cpu(model, what: str) -> None:
@@ -468,7 +476,7 @@ def train_heads(
                     given={"num_layers": None if num_layers == 1 else num_layers, "draft_vocab": draft_vocab_given},
                     num_heads=num_heads, num_layers=num_layers, max_new_tokens=max_new_tokens, epochs=epochs,
                     batch_size=batch_size, draft_vocab=draft_vocab)
-    check_training_numbers(lr, weight_decay, seed, eos_token_id)
+    check_training_numbers(lr, weight_decay, seed, eos_token_id, _vocab_size(model))
     prompts = check_prompts(prompts, _vocab_size(model))
     out = check_head_directory(out)  # before minutes of work: never over a folder's own config.json
     state = out / "_train"
@@ -492,7 +500,11 @@ def train_heads(
 
         save_eagle(head, out, base_model=base_model)
         return head
-    examples = _examples(seqs, _hidden_states(model, seqs, progress, mass, soft_labels), num_heads, starts)
+    try:
+        examples = _examples(seqs, _hidden_states(model, seqs, progress, mass, soft_labels), num_heads, starts)
+    except OptionError:  # no epoch trained: the state only holds replies too short, which would block the rerun
+        shutil.rmtree(state, ignore_errors=True)
+        raise
     heads = _train_medusa(model, examples, eos, mass, run)
     if kind == "hydra":
         from speccomp.drafters.hydra import save_hydra
