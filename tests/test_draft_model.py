@@ -113,6 +113,30 @@ def test_draft_model_on_onnxruntime_and_in_an_engine(tmp_path, tree):
         assert 0 < fast.last_stats["acceptance_by_depth"][0] < 1
         assert np.array_equal(engine.generate(ids.numpy(), max_new_tokens=40), want.numpy())
         assert engine.last_stats["steps"] == fast.last_stats["steps"]  # the same drafts, the same accepted paths
+    # the draft's KV layout in the manifest is checked against draft_model.onnx at load (was an ONNX Runtime error at
+    # the first generate, a TypeError for a dtype that is not a string, a MemoryError for a huge layer count)
+    from speccomp.engine.runtime import EngineError
+
+    path = tmp_path / "engine"
+    manifest = json.loads((path / "manifest.json").read_text())
+    draft_kv, target_kv = ["drafter", "options", "kv"], ["kv"]
+    for where, field, value, needle in [
+        (draft_kv, "num_kv_heads", 1, r"draft_model.onnx: .* but the manifest's drafter.options.kv is float32 "
+                                      r"\[layers=1, 2, 1, kv_heads=1"),
+        (draft_kv, "head_dim", 16, "head_dim=16"), (draft_kv, "dtype", "float16", "drafter.options.kv is float16"),
+        (draft_kv, "num_layers", 10**9, "takes the cache of 1 layers .* drafter.options.kv.num_layers is 1000000000"),
+        (draft_kv, "dtype", [], r"drafter.options.kv="),
+        (target_kv, "num_kv_heads", 1, r"target.onnx: .* but the manifest's kv is float32 \[layers=4, 2, 1, kv_heads=1"),
+        (target_kv, "num_layers", 10**9, "target.onnx takes the cache of 4 layers .* kv.num_layers is 1000000000")]:
+        broken = json.loads(json.dumps(manifest))
+        entry = broken
+        for key in where:
+            entry = entry[key]
+        entry[field] = value
+        (path / "manifest.json").write_text(json.dumps(broken))
+        with pytest.raises(EngineError, match=needle):
+            speccomp.load(path)
+    (path / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_bad_draft_models_are_refused_clearly():

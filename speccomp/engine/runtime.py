@@ -228,7 +228,7 @@ def _layer_list(v) -> bool:
 def _kv_layout(v) -> bool:
     """A KV layout entry as the manifest's `kv`: positive num_layers, num_kv_heads, head_dim and a known dtype."""
     return (isinstance(v, dict) and all(_is_int(v.get(k), 1) for k in ("num_layers", "num_kv_heads", "head_dim"))
-            and _DTYPES.get(v.get("dtype")) is not None)
+            and isinstance(v.get("dtype"), str) and _DTYPES.get(v["dtype"]) is not None)
 
 
 _positive, _indices = partial(_is_int, minimum=1), partial(_ints, minimum=0)
@@ -547,19 +547,33 @@ def check_target(bound: BoundSession, manifest: dict, dtype) -> None:
     """The target graph against the manifest, at load rather than deep inside ONNX Runtime at the first generate:
     its inputs, its past_kv / new_kv against the KV layout (fixed dims and element type), its outputs and vocabulary
     (a decode would otherwise index past the logits, or read an output that is not there)."""
-    target, kv, session = manifest["graphs"]["target"], manifest["kv"], bound.session
+    target, session = manifest["graphs"]["target"], bound.session
     file, outputs = target["file"], session.get_outputs()
     if bound.inputs != target["inputs"]:
         raise _corrupt(f"{file} takes inputs {bound.inputs} but the manifest says {target['inputs']}")
+    check_kv_io(bound, manifest["kv"], dtype, file, "kv")
+    names = [o.name for o in outputs]
+    if names != target["outputs"]:
+        raise _corrupt(f"{file} returns {names} but the manifest's graphs.target.outputs says {target['outputs']}")
+    vocab = outputs[0].shape[-1] if outputs and outputs[0].shape else None
+    if isinstance(vocab, int) and vocab != manifest["model"]["vocab_size"]:
+        raise _corrupt(f"the manifest's model.vocab_size={manifest['model']['vocab_size']} but {file} scores {vocab} "
+                       "tokens")
+
+
+def check_kv_io(bound: BoundSession, kv: dict, dtype, file: str, field: str) -> None:
+    """A graph's past_kv / new_kv (or per-layer cache inputs) against the manifest's KV layout `field` (the target's
+    `kv`, a draft model's `drafter.options.kv`): layer count, fixed dims and element type."""
+    layers = len(bound.layers) // 2
+    if bound.layers and (layers != kv["num_layers"] or set(bound.layers) != {
+            f"{prefix}{i}" for prefix in LAYER_INPUT for i in range(layers)}):  # counted first: the manifest's may be huge
+        raise EngineError(f"{file} takes the cache of {layers} layers (past_key_<l>, past_value_<l>) but the "
+                          f"manifest's {field}.num_layers is {kv['num_layers']}; the manifest and the graph do not "
+                          "belong together, re-export the engine")
     want = [kv["num_layers"], 2, 1, kv["num_kv_heads"], None, kv["head_dim"]]
     layer = [1, kv["num_kv_heads"], None, kv["head_dim"]]  # one layer of the cache, written in place
-    every_layer = {f"{prefix}{i}" for prefix in LAYER_INPUT for i in range(kv["num_layers"])}
-    if bound.layers and set(bound.layers) != every_layer:
-        raise EngineError(f"{file} takes the cache of {len(bound.layers) // 2} layers (past_key_<l>, past_value_<l>) "
-                          f"but the manifest's kv.num_layers is {kv['num_layers']}; the manifest and the graph do "
-                          "not belong together, re-export the engine")
     element = f"tensor({'float' if dtype == np.float32 else 'float16'})"
-    found = {i.name: i for i in session.get_inputs()} | {o.name: o for o in outputs}
+    found = {i.name: i for i in bound.session.get_inputs()} | {o.name: o for o in bound.session.get_outputs()}
     for name, shape_wanted in [("new_kv", want)] + ([(n, layer) for n in bound.layers] or [("past_kv", want)]):
         node = found.get(name)
         if node is None:
@@ -568,17 +582,10 @@ def check_target(bound: BoundSession, manifest: dict, dtype) -> None:
         fixed_ok = len(shape) == len(shape_wanted) and all(
             w is None or not isinstance(d, int) or d == w for w, d in zip(shape_wanted, shape))
         if not fixed_ok or node.type != element:
-            raise EngineError(f"{file}: {name} is {node.type} {shape}, but the manifest's KV layout is {kv['dtype']} "
+            raise EngineError(f"{file}: {name} is {node.type} {shape}, but the manifest's {field} is {kv['dtype']} "
                               f"[layers={kv['num_layers']}, 2, 1, kv_heads={kv['num_kv_heads']}, tokens, "
                               f"head_dim={kv['head_dim']}]; the manifest and the graph do not belong together, "
                               "re-export the engine")
-    names = [o.name for o in outputs]
-    if names != target["outputs"]:
-        raise _corrupt(f"{file} returns {names} but the manifest's graphs.target.outputs says {target['outputs']}")
-    vocab = outputs[0].shape[-1] if outputs and outputs[0].shape else None
-    if isinstance(vocab, int) and vocab != manifest["model"]["vocab_size"]:
-        raise _corrupt(f"the manifest's model.vocab_size={manifest['model']['vocab_size']} but {file} scores {vocab} "
-                       "tokens")
 
 
 class KVCache:
@@ -1247,6 +1254,7 @@ def make_drafter(spec: dict, path: Path, providers: list[str], threads: int | No
         return (_Hydra if name == "hydra" else _Eagle)(**options, session=session)
     check_self_draft(options, session.session, spec["graph"])
     if name == "draft_model":
+        check_kv_io(session, options["kv"], _DTYPES[options["kv"]["dtype"]], spec["graph"], "drafter.options.kv")
         files = options.pop("tokenizers", None)
         inner = _DraftModel(**options, session=session)
         return inner if files is None else _CrossTokenizer(inner, _text_bridge(files, path))
