@@ -113,6 +113,57 @@ def test_weights_without_values_or_on_two_devices_are_refused():
         speccomp.compile(tiny_llama().to("meta"))
 
 
+def test_inference_mode_weights_are_refused_naming_the_fix():
+    """A model built inside torch.inference_mode() failed deep in torch.export ("requires_grad ... inference tensor")."""
+    with torch.inference_mode():
+        model = tiny_llama()
+    with pytest.raises(speccomp.OptionError, match=r"model='LlamaForCausalLM': holds inference-mode tensors .*"
+                                                   r"load the model outside inference_mode"):
+        speccomp.compile(model)
+
+
+@pytest.mark.parametrize("backend", ["eager", "onnxruntime"])
+@pytest.mark.parametrize("change", ["in_place", "load_state_dict", "to_bfloat16"])
+def test_weights_changed_after_compile_are_refused_not_mixed(backend, change):
+    """The eager graph read the model's norms and embeddings live but its linears from copies packed at compile
+    (onnxruntime: every weight from its file): after a weight change the text was neither model's. Refused now."""
+    model = tiny_llama()
+    fast = speccomp.compile(model, backend=backend)
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(fast.generate(ids, max_new_tokens=8), hf_greedy(model, ids, 8))
+    with torch.no_grad():
+        if change == "in_place":
+            model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
+        elif change == "load_state_dict":
+            model.load_state_dict(tiny_llama(initializer_range=0.3).state_dict())
+        else:
+            model.to(torch.bfloat16)
+    with pytest.raises(speccomp.SpeccompError, match=r"weights changed after compile \(model\..*compile it again"):
+        fast.generate(ids, max_new_tokens=8)
+    if change != "to_bfloat16":  # compiled again: the new weights' own greedy text
+        assert torch.equal(speccomp.compile(model, backend=backend).generate(ids, max_new_tokens=8),
+                           hf_greedy(model, ids, 8))
+
+
+def test_generation_config_options_speccomp_does_not_apply_are_named():
+    """HF's generate applies a checkpoint's repetition_penalty / suppress_tokens / ... by default; speccomp decoded
+    without them, silently."""
+    import warnings
+
+    model = tiny_llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # unset: no warning
+        fast = speccomp.compile(model)
+    model.generation_config.repetition_penalty = 1.3
+    model.generation_config.suppress_tokens = [5]
+    with pytest.warns(UserWarning, match=r"generation_config sets \{'repetition_penalty': 1.3, 'suppress_tokens': "
+                                         r"\[5\]\}.*equals HF's generate with these unset"):
+        fast = speccomp.compile(model)
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(4))
+    model.generation_config.repetition_penalty, model.generation_config.suppress_tokens = None, None
+    assert torch.equal(fast.generate(ids, max_new_tokens=8), hf_greedy(model, ids, 8))
+
+
 def test_structure_found(tiny):
     model, fast = tiny
     s = annotate(fast.graph.captured)

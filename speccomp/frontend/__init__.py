@@ -32,6 +32,8 @@ def capture(model: nn.Module, *, check: bool = True) -> CapturedModel:
         raise OptionTypeError("model", model, f"expected a torch.nn.Module causal LM, got {type(model).__name__}",
                               "pass a Hugging Face *ForCausalLM or an nn.Module mapping input_ids to logits")
     _check_devices(model)
+    if is_hf(model):
+        warn_generation_config(model)
     modes = {m: m.training for m in model.modules()}
     try:
         captured = capture_hf(model, check) if is_hf(model) else capture_module(model, check=check)
@@ -53,7 +55,38 @@ def _check_devices(model: nn.Module) -> None:
         raise OptionError("model", type(model).__name__, f"has weights on the meta device ({meta[0]}, ...): they hold "
                           "no values", "load the weights first (e.g. from_pretrained without device_map, or "
                           "model.to_empty(device='cpu') then load_state_dict)")
+    inference = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_inference()), None)
+    if inference is not None:  # torch.export cannot trace them ("requires_grad ... on inference tensor")
+        raise OptionError("model", type(model).__name__, f"holds inference-mode tensors ({inference}, ...): it was "
+                          "built or loaded inside torch.inference_mode()", "load the model outside inference_mode "
+                          "(torch.no_grad() is fine)")
     if len(devices) > 1:
         where = ", ".join(f"{name} on {device}" for device, name in devices.items())
         raise OptionError("model", type(model).__name__, f"has weights on several devices ({where})",
                           "move the whole model to one device: model.to('cpu') or model.to('cuda')")
+
+
+# GenerationConfig fields that change the text HF's generate() produces (logits processors): speccomp decodes without
+# them. A checkpoint that sets one would have HF's generate apply it by default.
+TEXT_CHANGING = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
+                 "begin_suppress_tokens", "sequence_bias", "min_length", "min_new_tokens", "forced_bos_token_id",
+                 "forced_eos_token_id", "encoder_repetition_penalty", "exponential_decay_length_penalty",
+                 "epsilon_cutoff", "eta_cutoff", "typical_p", "min_p", "top_k")
+
+
+def warn_generation_config(model) -> None:
+    """Warn, naming them, when the model's generation_config sets text-changing options HF's generate() would apply
+    by default and speccomp does not (its text is HF's with those unset; top_k and the other sampling filters matter
+    only with do_sample=True)."""
+    import warnings
+
+    from transformers import GenerationConfig
+
+    config = getattr(model, "generation_config", None)
+    neutral = getattr(GenerationConfig, "_get_default_generation_params", dict)()  # HF's values when unset
+    changed = {f: getattr(config, f, None) for f in TEXT_CHANGING if config is not None}
+    changed = {f: v for f, v in changed.items() if v not in (None, [], ()) and v != neutral.get(f)}
+    if changed:
+        warnings.warn(f"the model's generation_config sets {changed}, which HF's generate() applies by default: "
+                      "speccomp's generate does not: its text equals HF's generate with these unset (to compare the two, "
+                      f"set model.generation_config.{next(iter(changed))} = None, ...)", stacklevel=3)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from speccomp.drafters.registry import max_tree_nodes
-from speccomp.errors import OptionError, OptionTypeError
+from speccomp.errors import OptionError, OptionTypeError, SpeccompError
 from speccomp.frontend.graph import SpecGraph
 from speccomp.runtime.batch import check_batchable, decode_batch, step_costs
 from speccomp.runtime.budget import Budget
@@ -57,6 +57,12 @@ def host_threads(backend: str):
                 torch.set_num_threads(_HOST["before"])
 
 
+def weights_stamp(gm) -> list[tuple]:
+    """What identifies a graph's parameters' values cheaply: name, in-place version counter, storage, dtype, device
+    (an in-place write bumps the version; load_state_dict copies in place; .to() swaps the storage)."""
+    return [(name, p._version, p.data_ptr(), p.dtype, p.device) for name, p in gm.named_parameters()]
+
+
 class SpecModel:
     """A compiled causal LM. `generate` returns prompt + new tokens, like HF `generate`.
 
@@ -78,6 +84,17 @@ class SpecModel:
         self.max_tree = max_tree_nodes(spec_graph.structure)
         weight = next(iter(spec_graph.gm.parameters()), None)
         self.device = weight.device if weight is not None else torch.device("cpu")
+        self._weights = weights_stamp(spec_graph.gm)
+
+    def check_weights(self) -> None:
+        """Refuse to decode after the model's weights changed (in place, load_state_dict, an optimizer step, .to()):
+        the lowered graphs hold what compile saw (packed linears, ONNX files) beside what the model holds now, so the
+        text would be neither model's."""
+        now = weights_stamp(self.graph.gm)
+        if now != self._weights:
+            changed = next((a[0] for a, b in zip(self._weights, now) if a != b), "the list of parameters")
+            raise SpeccompError(f"the model's weights changed after compile ({changed}, ...): a compiled model "
+                                "decodes the weights it was compiled with; compile it again")
 
     @property
     def last_stats(self) -> dict:
@@ -132,6 +149,7 @@ class SpecModel:
         OptionError / OptionTypeError naming it."""
         if not isinstance(load_aware, bool):  # checked for one sequence too, where it changes nothing
             raise OptionTypeError("load_aware", load_aware, "must be True or False")
+        self.check_weights()
         input_ids, attention_mask, padding = one_padded_row(input_ids, attention_mask)  # [1, n] left-padded
         rows = batch_rows(input_ids, attention_mask)
         if rows is not None:
@@ -225,6 +243,7 @@ class SpecModel:
         manifest records and `speccomp serve` answers as (default: the model config's name_or_path)."""
         from speccomp.engine.export import export_engine
 
+        self.check_weights()
         if self.export_refusal:
             from speccomp.engine.runtime import EngineError
 
