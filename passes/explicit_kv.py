@@ -198,7 +198,9 @@ class CachedAttention(Pass):
             args = sdpa_arguments(node)
             where = _where(node)
             if args["dropout_p"] != 0:
-                raise UnsupportedModelError(f"attention {where} uses dropout_p={args['dropout_p']}; call model.eval() first")
+                raise UnsupportedModelError(f"attention {where} uses dropout_p={args['dropout_p']} in eval mode (speccomp "
+                                            "captures the model in eval mode); pass dropout_p=0 outside training, "
+                                            "e.g. dropout_p=self.dropout if self.training else 0.0")
             if args["attn_mask"] is None and not args["is_causal"]:
                 raise UnsupportedModelError(
                     f"attention {where} is bidirectional (no mask, is_causal=False); speccomp needs causal attention"
@@ -356,21 +358,36 @@ def _is_causal_mask(gm: fx.GraphModule, mask: fx.Node, input_ids: fx.Node) -> bo
         env[input_ids] = sub.placeholder("input_ids")
     sub.output(env[mask])
     module = fx.GraphModule(gm, sub)
-    for n in (1, 2, 5, 64, 512, 4097):  # 4097: a window of 4096 (Mistral's) shows there
+    def evaluate(n: int):  # the mask at length n, or None where the module cannot make an [n, n] one
         try:
             with torch.no_grad():
                 m = module(torch.zeros(1, n, dtype=torch.long))
         except Exception:  # noqa: BLE001 - a mask we cannot evaluate is not one we can replace
-            return n > 5  # past a short length: past the module's own context
-        if m.dim() < 2 or m.shape[-2:] != (n, n):
-            return n > 5
-        m, tril = m.reshape(-1, n, n), torch.ones(n, n, dtype=torch.bool).tril()
+            return None
+        return m.reshape(-1, n, n) if m.dim() >= 2 and m.shape[-2:] == (n, n) else None
+
+    def causal(m, n: int) -> bool:
+        tril = torch.ones(n, n, dtype=torch.bool).tril()
         if m.dtype == torch.bool:
-            causal = bool((m == tril).all())
-        else:  # additive: 0 where visible, very negative elsewhere
-            causal = m.is_floating_point() and bool(((m == 0) == tril).all() and (m[:, ~tril] <= -1e4).all())
-        if not causal:
+            return bool((m == tril).all())
+        # additive: 0 where visible, very negative elsewhere
+        return m.is_floating_point() and bool(((m == 0) == tril).all() and (m[:, ~tril] <= -1e4).all())
+
+    good = 0  # the longest length checked
+    for n in (1, 2, 5, 64, 512, 4097):  # 4097: a window of 4096 (Mistral's) shows there
+        m = evaluate(n)
+        if m is None:
+            if n <= 5:
+                return False
+            # the module's context ends between `good` and n (a mask cut from a table): its longest mask is checked
+            # too, or a window narrower than the table (tril & triu in a buffer) would pass as causal
+            while n - good > 1:
+                mid = (good + n) // 2
+                good, n = (mid, n) if evaluate(mid) is not None else (good, mid)
+            return causal(evaluate(good), good)
+        if not causal(m, n):
             return False
+        good = n
     return True
 
 
@@ -421,6 +438,8 @@ class ExplicitPositions(Pass):
     @staticmethod
     def _is_table_slice(node, seq) -> bool:
         table, dim, start, end, step = (list(node.args) + [None] * 5)[:5]
+        while isinstance(table, fx.Node) and table.op == "call_function" and table.target in _MOVES:
+            table = table.args[0]  # Meta Llama's self.freqs_cis.to(h.device)[:seqlen]: the same stored table
         return (isinstance(table, fx.Node) and table.op == "get_attr" and dim == 0 and start in (None, 0)
                 and step in (None, 1) and is_seq(end, seq))
 
@@ -448,6 +467,10 @@ class ExplicitPositions(Pass):
             node.replace_all_uses_with(rows)
             graph.erase_node(node)
             pg.position_tables.append(tshape(table)[0])
+
+
+# ops that hand a stored table on unchanged in value (a device move, a copy)
+_MOVES = (aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.alias.default, aten.clone.default)
 
 
 class ConventionOutputs(Pass):

@@ -175,6 +175,8 @@ class GptFast(nn.Module):
         T = idx.shape[1]
         if self.rope == "table":
             cos, sin = self.cos_table[:T], self.sin_table[:T]
+        elif self.rope == "moved_table":  # Meta Llama's self.freqs_cis.to(h.device)[:seqlen]
+            cos, sin = self.cos_table.to(idx.device)[:T], self.sin_table.to(idx.device)[:T]
         else:
             angles = torch.outer(torch.arange(T, device=idx.device).float(), self.inv_freq)
             cos, sin = angles.cos(), angles.sin()
@@ -277,6 +279,7 @@ VARIANTS = {  # (GQA spelling, rotary source, causal mask): each spelling appear
     "enable_gqa+rope_table": ("enable_gqa", "table", "is_causal"),
     "hf_repeat_kv+tril_mask": ("expand", "arange", "tril"),
     "meta_repeat_kv+rope_table+tril_mask": ("meta", "table", "tril"),
+    "moved_rope_table": ("repeat_interleave", "moved_table", "is_causal"),  # was "no positions found"
 }
 
 
@@ -293,7 +296,7 @@ def test_variants_capture(variant, monkeypatch):
     assert len(structure.layers) == len(structure.attention) == 2
     assert captured.kv.num_kv_heads == 2  # the cache holds the un-repeated K/V heads
     assert sum(n.target is aten.cat.default for n in captured.graph_module.graph.nodes) == 4
-    assert captured.max_positions == (128 if rope == "table" else None)
+    assert captured.max_positions == (128 if "table" in rope else None)
 
 
 # --------------------------------------------------------------------------------------
@@ -379,6 +382,86 @@ def test_unsupported_plain_modules(build, message):
         speccomp.compile(model)
     if isinstance(model, CountingGPT):
         assert int(model.calls) == 0  # refused before the module ever ran
+
+
+class BufferMaskAttention(CausalSelfAttention):
+    """nanoGPT's non-flash path: a mask buffer of block_size cut to [:T, :T]; `window`: a sliding window in it."""
+
+    def __init__(self, c: GPTConfig, window: int | None = None):
+        super().__init__(c)
+        mask = torch.ones(c.block_size, c.block_size, dtype=torch.bool).tril()
+        self.register_buffer("bias", mask if window is None else mask & mask.triu(1 - window), persistent=False)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias[:T, :T])
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+def test_a_mask_buffer_is_causal_up_to_the_block_and_a_window_in_one_is_refused():
+    """The mask check evaluated lengths 1, 2, 5, 64, ...: a buffer of 48 failed at 64 and the check ended there, so
+    a 12-token window stored in the buffer passed as causal and decoded other tokens past 12. The buffer's longest
+    mask is checked now."""
+    c = GPTConfig(block_size=48, n_layer=1)
+    for window in (None, 12):
+        model = NanoGPT(c)
+        model.transformer.h[0].attn = BufferMaskAttention(c, window)
+        model = _init(model, 3)
+        if window is not None:
+            with pytest.raises(speccomp.UnsupportedModelError, match="not the plain causal mask"):
+                speccomp.compile(model)
+            continue
+        ids = torch.randint(0, 101, (1, 10), generator=torch.Generator().manual_seed(3))
+        assert torch.equal(speccomp.compile(model, drafter="ngram").generate(ids, max_new_tokens=38),
+                           naive_greedy(model, ids, 38))  # up to the whole block
+
+
+class PerHeadAttention(nn.Module):
+    """"Let's build GPT"'s layout: one module per head, each its own attention call."""
+
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.heads = nn.ModuleList([nn.Linear(c.n_embd, 3 * c.n_embd // c.n_head) for _ in range(c.n_head)])
+        self.proj = nn.Linear(c.n_embd, c.n_embd)
+
+    def forward(self, x):
+        heads = [h(x)[:, None].chunk(3, dim=-1) for h in self.heads]  # q, k, v [B, 1, T, hd] each
+        return self.proj(torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True)[:, 0] for qkv in heads], -1))
+
+
+def test_one_attention_module_per_head_decodes_and_layer_skipping_is_refused():
+    """Several attention sites in one block: plain and ngram decoding are exact; early_exit / layer_skip never
+    returned (a layer whose entry was its exit made the bypass loop forever). Refused now, naming the block."""
+    model = NanoGPT(GPTConfig(n_layer=2))
+    for block in model.transformer.h:
+        block.attn = PerHeadAttention(model.config)
+    model = _init(model, 4)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9]])
+    assert torch.equal(speccomp.compile(model, drafter="ngram").generate(ids, max_new_tokens=12),
+                       naive_greedy(model, ids, 12))
+    for drafter, options in (("early_exit", None), ("layer_skip", {"skip": [1]})):
+        with pytest.raises(speccomp.GraphStructureError, match=r"decoder block transformer.h.0 holds 4 attention sites"):
+            speccomp.compile(model, drafter=drafter, drafter_options=options)
+
+
+class FixedDropoutAttention(CausalSelfAttention):
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1)  # in eval mode too
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+def test_a_fixed_dropout_is_refused_with_a_fix_that_works():
+    """The advice was "call model.eval() first", which changes nothing for a hard-coded dropout_p."""
+    model = NanoGPT(GPTConfig(n_layer=1))
+    model.transformer.h[0].attn = FixedDropoutAttention(model.config)
+    with pytest.raises(speccomp.UnsupportedModelError, match=r"dropout_p=0.1 in eval mode .*pass dropout_p=0 outside "
+                                                             r"training"):
+        speccomp.compile(_init(model, 5))
 
 
 @pytest.mark.parametrize("window", [12, 4096])
