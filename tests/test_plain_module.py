@@ -464,6 +464,32 @@ def test_a_fixed_dropout_is_refused_with_a_fix_that_works():
         speccomp.compile(_init(model, 5))
 
 
+class PostLNEncoderLM(nn.Module):
+    """A post-LN LM on PyTorch's own nn.TransformerEncoderLayer (norm_first=False): no norm after the last block."""
+
+    def __init__(self, vocab: int = 96, dim: int = 32, n_layer: int = 3, block_size: int = 48):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(vocab, dim), nn.Embedding(block_size, dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, 64, dropout=0.1, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x):
+        T = x.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(T, device=x.device)
+        return self.head(self.enc(self.emb(x) + self.pos(torch.arange(T, device=x.device)), mask=mask, is_causal=True))
+
+
+def test_a_post_ln_model_without_a_final_norm_decodes():
+    """Refused before ("no final norm module found"), though nothing needs one: its blocks end normalised."""
+    model = _init(PostLNEncoderLM(), 3)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9]])
+    for drafter, options in ((None, None), ("ngram", None), ("early_exit", {"exit_layer": 1})):
+        fast = speccomp.compile(model, drafter=drafter, drafter_options=options)
+        assert torch.equal(fast.generate(ids, max_new_tokens=20), naive_greedy(model, ids, 20))
+    assert fast.graph.structure.final_norm is None
+
+
 @pytest.mark.parametrize("window", [12, 4096])
 def test_a_sliding_window_mask_is_refused(monkeypatch, window):
     """A mask computed from the length, (i >= j) & (i - j < W), equals the causal mask for up to W tokens: checked

@@ -119,7 +119,7 @@ class Structure:
     embedding: fx.Node
     layers: list[Layer]
     attention: list[AttentionSite]
-    final_norm: str  # module path of the final norm
+    final_norm: str | None  # module path of the final norm (None: a post-LN model, whose blocks end normalised)
     final_hidden: fx.Node
     lm_head: fx.Node  # the matmul/linear that produces the logits
     lm_head_module: str
@@ -248,10 +248,9 @@ def annotate(captured: CapturedModel) -> Structure:
     if head is None:
         raise UnsupportedModelError("no LM head (a matmul producing the logits) found after the last decoder block")
     norm_paths = [p for n in graph.nodes if last < order[n] <= order[final_hidden] and (p := module_path(n))]
-    if not norm_paths:
-        raise UnsupportedModelError("no final norm module found between the last decoder block and the LM head")
     return Structure(inputs=inputs, embedding=embeddings[0], layers=layers, attention=sites,
-                     final_norm=Counter(norm_paths).most_common(1)[0][0], final_hidden=final_hidden,
+                     final_norm=Counter(norm_paths).most_common(1)[0][0] if norm_paths else None,
+                     final_hidden=final_hidden,
                      lm_head=head, lm_head_module=module_path(head), logits=logits, new_kv=new_kv)
 
 
