@@ -188,10 +188,10 @@ def compile_kv_target(base, policy: KVPolicy, backend: str) -> LossyKVModel:
 
     kv = base.captured.kv
     policy_fits(policy, policy.spec, lambda: policy.check(kv, base.captured.max_positions))  # an OptionError on kv_cache
-    if policy.kind == "kivi" and is_onnxruntime(backend):  # was a KeyError deep in the ONNX lowering
+    if policy.kind == "kivi" and (is_onnxruntime(backend) or backend == "inductor"):  # a KeyError / ValueError inside
         raise OptionError("backend", backend, f"kv_mode='target' with {policy.spec!r} reads its quantised cache through "
-                          "a graph of codes, scales and minima that the ONNX Runtime backends do not feed",
-                          "use backend='eager', or kv_mode='draft' (lossless; runs on onnxruntime)")
+                          f"a graph of codes, scales and minima that the {backend} backend does not feed",
+                          f"use backend='eager', or kv_mode='draft' (lossless; runs on {backend})")
     target = run_passes(base.clone(), [])
     reader = scored = None
     if policy.needs_attention:
