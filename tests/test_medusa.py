@@ -217,6 +217,17 @@ def test_replies_shorter_than_the_heads_are_named_and_the_corrected_rerun_runs(m
     assert (train_heads(model, [prompt], out=tmp_path / "h", eos_token_id=None, **kw)).num_heads == 2
 
 
+def test_a_refusal_after_the_replies_keeps_them_for_the_rerun(tmp_path):
+    """Only replies too short for the heads clear the run's state: a refusal from compiling the model for its hidden
+    states (here inference-mode parameters) keeps the distilled replies, so the corrected rerun resumes."""
+    with torch.inference_mode():
+        model = tiny_llama(num_hidden_layers=2)
+    with pytest.raises(speccomp.OptionError, match="inference-mode parameters"):
+        train_heads(model, prompts(2), out=tmp_path / "h", kind="medusa", num_heads=2, max_new_tokens=8, epochs=1,
+                    progress=False)
+    assert (tmp_path / "h" / "_train" / "tokens.safetensors").exists()
+
+
 @pytest.mark.parametrize("damaged", ["tokens.safetensors", "heads.safetensors", "optimizer.safetensors"])
 def test_a_damaged_run_state_is_named_with_the_fix(model, tmp_path, damaged):
     """A truncated checkpoint of an interrupted run failed its rerun with a bare SafetensorError naming no file."""

@@ -55,9 +55,9 @@ def _check_devices(model: nn.Module) -> None:
         raise OptionError("model", type(model).__name__, f"has weights on the meta device ({meta[0]}, ...): they hold "
                           "no values", "load the weights first (e.g. from_pretrained without device_map, or "
                           "model.to_empty(device='cpu') then load_state_dict)")
-    inference = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_inference()), None)
-    if inference is not None:  # torch.export cannot trace them ("requires_grad ... on inference tensor")
-        raise OptionError("model", type(model).__name__, f"holds inference-mode tensors ({inference}, ...): it was "
+    inference = next((name for name, t in model.named_parameters() if t.is_inference()), None)
+    if inference is not None:  # torch.export cannot trace such parameters ("requires_grad ... on inference tensor")
+        raise OptionError("model", type(model).__name__, f"holds inference-mode parameters ({inference}, ...): it was "
                           "built or loaded inside torch.inference_mode()", "load the model outside inference_mode "
                           "(torch.no_grad() is fine)")
     if len(devices) > 1:

@@ -500,8 +500,9 @@ def train_heads(
 
         save_eagle(head, out, base_model=base_model)
         return head
+    states = _hidden_states(model, seqs, progress, mass, soft_labels)
     try:
-        examples = _examples(seqs, _hidden_states(model, seqs, progress, mass, soft_labels), num_heads, starts)
+        examples = _examples(seqs, states, num_heads, starts)
     except OptionError:  # no epoch trained: the state only holds replies too short, which would block the rerun
         shutil.rmtree(state, ignore_errors=True)
         raise
