@@ -582,8 +582,8 @@ def check_kv_io(bound: BoundSession, kv: dict, dtype, file: str, field: str) -> 
         fixed_ok = len(shape) == len(shape_wanted) and all(
             w is None or not isinstance(d, int) or d == w for w, d in zip(shape_wanted, shape))
         if not fixed_ok or node.type != element:
-            raise EngineError(f"{file}: {name} is {node.type} {shape}, but the manifest's KV layout ({field}) is {kv['dtype']} "
-                              f"[layers={kv['num_layers']}, 2, 1, kv_heads={kv['num_kv_heads']}, tokens, "
+            raise EngineError(f"{file}: {name} is {node.type} {shape}, but the manifest's KV layout ({field}) is "
+                              f"{kv['dtype']} [layers={kv['num_layers']}, 2, 1, kv_heads={kv['num_kv_heads']}, tokens, "
                               f"head_dim={kv['head_dim']}]; the manifest and the graph do not belong together, "
                               "re-export the engine")
 
