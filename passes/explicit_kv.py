@@ -198,9 +198,10 @@ class CachedAttention(Pass):
             args = sdpa_arguments(node)
             where = _where(node)
             if args["dropout_p"] != 0:
-                raise UnsupportedModelError(f"attention {where} uses dropout_p={args['dropout_p']} in eval mode (speccomp "
-                                            "captures the model in eval mode); pass dropout_p=0 outside training, "
-                                            "e.g. dropout_p=self.dropout if self.training else 0.0")
+                raise UnsupportedModelError(
+                    f"attention {where} uses dropout_p={args['dropout_p']} in eval mode (speccomp captures the model "
+                    "in eval mode); pass dropout_p=0 outside training, e.g. dropout_p=self.dropout if self.training "
+                    "else 0.0")
             if args["attn_mask"] is None and not args["is_causal"]:
                 raise UnsupportedModelError(
                     f"attention {where} is bidirectional (no mask, is_causal=False); speccomp needs causal attention"
@@ -381,9 +382,12 @@ def _is_causal_mask(gm: fx.GraphModule, mask: fx.Node, input_ids: fx.Node) -> bo
                 return False
             # the module's context ends between `good` and n (a mask cut from a table): its longest mask is checked
             # too, or a window narrower than the table (tril & triu in a buffer) would pass as causal
-            while n - good > 1:
+            while n - good > 1:  # bisect: `good` evaluates, n does not
                 mid = (good + n) // 2
-                good, n = (mid, n) if evaluate(mid) is not None else (good, mid)
+                if evaluate(mid) is None:
+                    n = mid
+                else:
+                    good = mid
             return causal(evaluate(good), good)
         if not causal(m, n):
             return False

@@ -50,12 +50,11 @@ class SkipLayers(Pass):
         layers = sg.structure.layers
         blocks = [layer.module for layer in layers]
         shared = next((b for b in blocks if blocks.count(b) > 1), None)
-        if shared is not None or any(layer.entry is layer.exit for layer in layers):
-            # several attention sites in one block (one module per head): bypassing "a layer" would cut inside it
-            raise GraphStructureError(f"decoder block {shared or blocks[0]} holds {blocks.count(shared or blocks[0])} "
-                                      "attention sites (e.g. one attention module per head): skipping layers needs "
-                                      "one attention per block; decode plainly or with a drafter that reads no layers "
-                                      "(ngram, suffix, token_recycling)")
+        if shared is not None:  # one attention module per head: a "layer" is no block, and bypassing one cuts inside it
+            raise GraphStructureError(f"decoder block {shared} holds {blocks.count(shared)} attention sites (e.g. one "
+                                      "attention module per head): skipping layers needs one attention per block; "
+                                      "decode plainly or with a drafter that reads no layers (ngram, suffix, "
+                                      "token_recycling)")
         present = [layer.index for layer in layers]  # a graph with layers skipped already keeps its numbering
         bad = [i for i in self.skip if i not in present]
         if bad:

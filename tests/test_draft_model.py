@@ -122,8 +122,7 @@ def test_draft_model_on_onnxruntime_and_in_an_engine(tmp_path, tree):
     draft_kv, target_kv = ["drafter", "options", "kv"], ["kv"]
     for where, field, value, needle in [
         (draft_kv, "num_kv_heads", 1, r"draft_model.onnx: .* but the manifest's KV layout \(drafter.options.kv\) is "
-                                      r"float32 "
-                                      r"\[layers=1, 2, 1, kv_heads=1"),
+                                      r"float32 \[layers=1, 2, 1, kv_heads=1"),
         (draft_kv, "head_dim", 16, "head_dim=16"), (draft_kv, "dtype", "float16", r"\(drafter.options.kv\) is float16"),
         (draft_kv, "num_layers", 10**9, "takes the cache of 1 layers .* drafter.options.kv.num_layers is 1000000000"),
         (draft_kv, "dtype", [], r"drafter.options.kv="),

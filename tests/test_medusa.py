@@ -127,7 +127,8 @@ def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
     seqs, _ = distilled_text(tmp_path / "a")
     trained, untrained = head_accuracy(a, model, seqs), head_accuracy(new_heads(model, 2), model, seqs)
     assert all(t > u + 0.05 for t, u in zip(trained, untrained)), (trained, untrained)
-    with pytest.raises(OptionError, match=r"other settings \(lr: 0.03 there, 1.0 now\); train with the same settings to resume it, or into another folder \(out= / --out\)"):
+    with pytest.raises(OptionError, match=r"other settings \(lr: 0.03 there, 1.0 now\); train with the same settings to "
+                                          r"resume it, or into another folder \(out= / --out\)"):
         train_heads(model, train, out=tmp_path / "a", **{**kw, "lr": 1.0})
     # replies that stop at another eos are another training text (the run's stored replies were handed back)
     with pytest.raises(OptionError, match=r"other settings \(eos_token_id: \[\] there, \[80\] now\)"):

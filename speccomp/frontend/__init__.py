@@ -45,8 +45,8 @@ def capture(model: nn.Module, *, check: bool = True) -> CapturedModel:
 
 
 def _check_devices(model: nn.Module) -> None:
-    """Weights that are not there (the meta device: a model built empty, or loaded with device_map and offloaded) or
-    on two devices cannot be run to capture: named before the export fails somewhere inside it."""
+    """Weights that are not there (the meta device: a model built empty, or loaded with device_map and offloaded), on
+    two devices, or inference-mode parameters cannot be run to capture: named before the export fails inside it."""
     devices = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         devices.setdefault(tensor.device, name)
@@ -83,9 +83,11 @@ def warn_generation_config(model) -> None:
     from transformers import GenerationConfig
 
     config = getattr(model, "generation_config", None)
+    if config is None:
+        return
     neutral = getattr(GenerationConfig, "_get_default_generation_params", dict)()  # HF's values when unset
-    changed = {f: getattr(config, f, None) for f in TEXT_CHANGING if config is not None}
-    changed = {f: v for f, v in changed.items() if v not in (None, [], ()) and v != neutral.get(f)}
+    changed = {f: v for f in TEXT_CHANGING
+               if (v := getattr(config, f, None)) not in (None, [], ()) and v != neutral.get(f)}
     if changed:
         warnings.warn(f"the model's generation_config sets {changed}, which HF's generate() applies by default: "
                       "speccomp's generate does not: its text equals HF's generate with these unset (to compare the two, "

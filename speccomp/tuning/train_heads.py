@@ -166,8 +166,10 @@ def _examples(seqs, states, num_heads: int, starts=None):
     label verification would check, so sampled replies are valid training text. soft: None, or (probabilities
     [N, K, S], ids [N, K, S]) of the model's top-S tokens where targets holds its argmax (when `states` carry them)."""
     hs, ins, ts, sp, si = [], [], [], [], []
+    longest = 0  # tokens after the prompt, over every reply (for the refusal below)
     for i, (s, (h, greedy, soft)) in enumerate(zip(seqs, states)):
         first = max(0, (starts[i] - 1) if starts else 0)
+        longest = max(longest, s.shape[0] - first - 1)
         n = s.shape[0] - num_heads - first
         if n <= 0:
             continue
@@ -179,7 +181,6 @@ def _examples(seqs, states, num_heads: int, starts=None):
             sp.append(ahead(soft[0]))  # [n, K, S]
             si.append(ahead(soft[1]))
     if not hs:
-        longest = max(s.shape[0] - max(0, (starts[i] - 1) if starts else 0) - 1 for i, s in enumerate(seqs))
         raise OptionError("num_heads", num_heads, f"is more than any reply holds: the longest reply has {longest} "
                           "tokens after its prompt (replies stop at eos_token_id or max_new_tokens)",
                           "train fewer heads, or on prompts with longer replies")
@@ -294,9 +295,9 @@ def _check_settings(model, prompts, kind, *, lr, sampled: int, temperature: floa
 
 
 def check_training_numbers(lr, weight_decay, seed, eos_token_id, vocab_size: int | None = None) -> None:
-    """lr a finite number > 0, weight_decay a finite number >= 0, seed an int, eos ids ints in [0, vocab_size): checked before the run
-    folder exists (AdamW or manual_seed failing after it blocked the corrected rerun: "a run with other settings"; an
-    infinite lr saved weights that were all NaN)."""
+    """lr a finite number > 0, weight_decay a finite number >= 0, seed an int, eos ids ints in [0, vocab_size): checked
+    before the run folder exists (AdamW or manual_seed failing after it blocked the corrected rerun: "a run with other
+    settings"; an infinite lr saved weights that were all NaN)."""
     def real(x) -> bool:
         return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -421,7 +422,8 @@ def _open_run(state: Path, args: dict) -> dict:
         differ = [f"{k}: {stored.get(k, 'unset')!r} there, {args.get(k, 'unset')!r} now"
                   for k in sorted(set(stored) | set(args)) if stored.get(k) != args.get(k)]
         raise OptionError("out", str(state.parent), f"holds a training run with other settings ({'; '.join(differ)})",
-                          f"train with the same settings to resume it, or into another folder (out= / --out), or delete {state.parent}")
+                          "train with the same settings to resume it, or into another folder (out= / --out), or "
+                          f"delete {state.parent}")
     return done
 
 
