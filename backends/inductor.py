@@ -90,17 +90,11 @@ class InductorStep:
         return f"InductorStep(inputs={self.input_names}, compiles={self.compiles}, options={self.options})"
 
 
-def lower_inductor(sg, *, freezing: bool = True, prepack: bool = False):
-    """The graph (on a copy of `sg`) compiled by torch.compile; `freezing`/`prepack` are for measurements."""
+def lower_inductor(sg):
+    """The graph (on a copy of `sg`) compiled by torch.compile."""
     sg = sg.clone()
-    passes = [GroupedQueryAttention()]
-    if prepack:
-        from speccomp.passes.prepack_linear import PrepackLinear
-
-        if PrepackLinear.applies(sg):
-            passes.append(PrepackLinear())
-    run_passes(sg, passes, dump_input=False)
+    run_passes(sg, [GroupedQueryAttention()], dump_input=False)
     unknown = [n for n in sg.input_names() if n not in DYNAMIC_DIMS]
     if unknown:
         raise ValueError(f"the inductor backend does not know which dims of graph inputs {unknown} vary")
-    return InductorStep(export_copy(sg.gm), sg.input_names(), {"freezing": freezing})
+    return InductorStep(export_copy(sg.gm), sg.input_names(), {"freezing": True})

@@ -24,7 +24,6 @@ import copy
 import io
 import os
 import re
-import time
 import warnings
 from pathlib import Path
 
@@ -128,17 +127,16 @@ def _input_names(gm, given: bool) -> list[str]:
     return names
 
 
-def export_onnx(graph_module_or_specgraph, path, *, kv_spec: KVSpec | None = None, opset: int | None = None,
-                external_data: bool | None = None, example_args: tuple | None = None,
-                dynamic_shapes: tuple | None = None, size_oblivious: bool = True, verbose: bool = False) -> Path:
+def export_onnx(graph_module_or_specgraph, path, *, kv_spec: KVSpec | None = None, external_data: bool | None = None,
+                example_args: tuple | None = None, dynamic_shapes: tuple | None = None, verbose: bool = False) -> Path:
     """Export the graph to an ONNX file at `path` with `torch.onnx.export(..., dynamo=True)`; returns `path`.
 
     `graph_module_or_specgraph`: a SpecGraph, a CapturedModel, or the flat GraphModule itself (then `kv_spec`
-    is required). `opset`: ONNX opset (None = torch's default). `external_data`: None keeps the weights inside
+    is required). `external_data`: None keeps the weights inside
     the .onnx unless they exceed protobuf's 2 GB limit, True writes them to `<name>.onnx.data` next to it.
     The onnxscript optimiser runs on the result. Graphs with inputs beyond the four of the calling convention
     (added by passes) need `example_args` and `dynamic_shapes` (a tuple in input order, as for `torch.export`).
-    `size_oblivious` re-exports under `backed_size_oblivious` as capture does, so no size is specialised to 0 or 1.
+    It re-exports under `backed_size_oblivious` as capture does, so no size is specialised to 0 or 1.
     """
     try:
         import onnxscript  # noqa: F401  (torch.onnx's dynamo exporter is built on it)
@@ -155,10 +153,9 @@ def export_onnx(graph_module_or_specgraph, path, *, kv_spec: KVSpec | None = Non
     output_names = list(OUTPUT_NAMES[:n_out]) + [f"output_{i}" for i in range(len(OUTPUT_NAMES), n_out)]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _without_slow_rewrites(), fx_config.patch(backed_size_oblivious=size_oblivious):
+    with _without_slow_rewrites(), fx_config.patch(backed_size_oblivious=True):
         program = onnx_program(gm, example_args, "torch.onnx.export failed on the captured graph", verbose=verbose,
-                               dynamic_shapes=dynamic_shapes, input_names=names, output_names=output_names,
-                               opset_version=opset)
+                               dynamic_shapes=dynamic_shapes, input_names=names, output_names=output_names)
     _name_mask_axis(program, names)
     program.save(path, external_data=external_data)
     return path
@@ -300,7 +297,7 @@ class OrtStep:
     with ONNX Runtime's numpy outputs). Usable as the `step` of speccomp.runtime.decode's loops.
     """
 
-    def __init__(self, path, providers=None, session_options=None, intra_op_threads: int | None = None, spin: bool = True):
+    def __init__(self, path, providers=None, intra_op_threads: int | None = None, spin: bool = True):
         from speccomp.engine.runtime import check_session_providers, missing_provider, onnxruntime_module
 
         ort = onnxruntime_module(error=OnnxBackendError)
@@ -312,16 +309,14 @@ class OrtStep:
             message = missing_provider(ort, provider[0] if isinstance(provider, (tuple, list)) else provider)
             if message:
                 raise OnnxBackendError(message)
-        options = session_options or ort.SessionOptions()
-        if intra_op_threads is None and session_options is None:
+        options = ort.SessionOptions()
+        if intra_op_threads is None:
             intra_op_threads = torch.get_num_threads()
         if intra_op_threads:
             options.intra_op_num_threads = intra_op_threads
         if not spin:  # idle pool threads sleep between runs (backends.lower's `spin`)
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        start = time.perf_counter()
         self.session = ort.InferenceSession(os.fspath(self.path), sess_options=options, providers=self.providers)
-        self.load_seconds = time.perf_counter() - start
         self.spin, self.threads = spin, intra_op_threads
         # what the session really runs on: ONNX Runtime falls back to CPU without a word when a GPU provider fails
         self.providers = check_session_providers(self.session, self.providers, self.path.name, OnnxBackendError)

@@ -23,7 +23,6 @@ from speccomp.errors import GraphStructureError
 from speccomp.frontend.graph import Pass, SpecGraph, copy_meta
 
 aten = torch.ops.aten
-MEDUSA_OUTPUT = "medusa_states"
 
 
 class MedusaHeadsPass(Pass):

@@ -63,6 +63,13 @@ def test_export_refuses_folders_it_did_not_write(llama, engine_dir, tmp_path, mo
     with pytest.raises(EngineError, match=r"files it did not write \['notes.txt'\]"):
         fast.export(mixed, overwrite=True)
     assert (mixed / "notes.txt").read_text() == "precious" and (mixed / MANIFEST).is_file()
+    # an engine whose graph file was replaced by hand after its export: not what export wrote, so it is kept
+    edited = tmp_path / "edited"
+    shutil.copytree(engine_dir, edited)
+    (edited / "target.onnx").write_bytes(b"the user's own graph")
+    with pytest.raises(EngineError, match=r"files \['target.onnx'\] changed after its export"):
+        fast.export(edited, overwrite=True)
+    assert (edited / "target.onnx").read_bytes() == b"the user's own graph"
     # ".", the working directory's parents, the home directory, the root: refused whatever they hold
     work = tmp_path / "home" / "me" / "project"
     work.mkdir(parents=True)

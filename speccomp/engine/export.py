@@ -14,7 +14,7 @@ Each graph the onnxruntime backend already exported is copied, any other exporte
 
 What export may touch (`check_destination`): the destination must be a new or empty directory, or, with
 overwrite=True, an engine whose manifest says format "speccomp-engine" and that holds nothing but the files that
-manifest names. It is never ".", the home directory, the filesystem root or any ancestor of the working directory.
+manifest names, each as export wrote it (the SHA-256 the manifest recorded: a tokenizer edited by hand is kept). It is never ".", the home directory, the filesystem root or any ancestor of the working directory.
 The new engine is written in a temporary directory beside the destination and swapped in by renames (`swap_in`: the
 old engine moves aside and is checked again there, the new one moves in, the old one is deleted last), so export
 deletes nothing it did not write and an interrupted export never leaves half an engine at the destination. A crash
@@ -289,6 +289,19 @@ def engine_files(path: Path) -> set[str] | None:
     return names | set(tokenizer_files(manifest))  # the target's tokenizer, a draft model's own
 
 
+def _edited_files(path: Path) -> list[str]:
+    """The files of the engine at `path` whose SHA-256 differs from the one its manifest recorded at export: a
+    tokenizer the user edited, a graph replaced by hand. They are no longer what export wrote."""
+    manifest = json.loads((path / MANIFEST).read_text())  # engine_files read it already
+    digests = dict(manifest["files"]) if isinstance(manifest.get("files"), dict) else {}  # the tokenizers'
+    for graph in (manifest.get("graphs") or {}).values():
+        if isinstance(graph, dict) and isinstance(graph.get("file"), str):
+            digests[graph["file"]] = graph
+            digests[graph["file"] + ".data"] = graph.get("data")
+    return sorted(name for name, entry in digests.items() if isinstance(name, str) and isinstance(entry, dict)
+                  and (path / name).is_file() and sha256(path / name) != entry.get("sha256"))
+
+
 def check_destination(path, overwrite: bool) -> Path:
     """The absolute destination of an export, after refusing every place an export could destroy a user's files."""
     from speccomp.errors import OptionTypeError
@@ -324,6 +337,10 @@ def _check_replaceable(where: Path, overwrite: bool, path: Path) -> None:
     if foreign:
         raise EngineError(f"{path} holds an engine plus files it did not write {foreign[:5]}; refusing to replace "
                           "it (move those files out, or export elsewhere)")
+    edited = _edited_files(where)
+    if edited:
+        raise EngineError(f"{path} holds an engine whose files {edited[:5]} changed after its export (their SHA-256 "
+                          "is not the manifest's); refusing to replace them (move them out, or export elsewhere)")
 
 
 def swap_in(tmp: Path, path: Path, check, what: str = "engine") -> None:

@@ -67,7 +67,6 @@ class CapturedModel:
     attn_implementation: str
     model_type: str
     sliding_windows: dict[str, int] = field(default_factory=dict)  # attention module path -> window
-    module_types: dict[str, type] = field(default_factory=dict)  # module path -> class (from the model)
     model: object = field(default=None, repr=False, compare=False)  # the source nn.Module (identity, heads)
 
     def copy(self, val_map: dict | None = None) -> "CapturedModel":

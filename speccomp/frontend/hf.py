@@ -304,8 +304,7 @@ def capture_hf(model: nn.Module, check: bool = True) -> CapturedModel:
                                  "cache and sequence lengths")
     captured = CapturedModel(graph_module=_flatten(program), kv=kv, vocab_size=vocab,
                              max_positions=_max_positions(_text_config(model)), attn_implementation=attn,
-                             model_type=config.model_type, sliding_windows=_sliding_windows(model),
-                             module_types={name: type(mod) for name, mod in model.named_modules()})
+                             model_type=config.model_type, sliding_windows=_sliding_windows(model))
     if check:
         check_against_eager(captured, step)
     return captured

@@ -143,8 +143,7 @@ def capture_module(model: nn.Module, *, check: bool = True) -> CapturedModel:
     logits_val = gm.graph.output_node().args[0][0].meta["val"]
     captured = CapturedModel(graph_module=gm, kv=kv, vocab_size=int(logits_val.shape[-1]),
                              max_positions=_max_positions(model, pg, program), attn_implementation="sdpa",
-                             model_type=type(model).__name__, sliding_windows={},
-                             module_types={name: type(mod) for name, mod in model.named_modules()})
+                             model_type=type(model).__name__, sliding_windows={})
     if check:
         check_against_module(captured, model)
     return captured
