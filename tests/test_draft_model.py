@@ -209,7 +209,9 @@ def test_a_hugging_face_checkpoint_directory_is_a_draft_by_path(tmp_path):
 def test_train_draft_distils_a_draft_that_compile_finds_by_name(tmp_path):
     """speccomp.train_draft: a 1-layer draft of a 4-layer model (its first layer, embedding and head shared) learns
     the model's greedy tokens on the model's own replies (accuracy up on that text), saves only its own weights,
-    and drafter="draft_model" loads it: HF greedy output with drafts accepted. A draft is refused for another model."""
+    and drafter="draft_model" loads it: HF greedy output with drafts accepted. A draft is refused for another model.
+    Neither training nor compile leaves the model's shared embedding and head frozen (they did: fine-tuning the
+    model afterwards would have skipped them)."""
     from safetensors.torch import load_file
 
     from speccomp.tuning.train_draft import draft_accuracy, draft_architecture, train_draft
@@ -219,6 +221,8 @@ def test_train_draft_distils_a_draft_that_compile_finds_by_name(tmp_path):
     prompts = [torch.randint(3, 96, (int(n),), generator=gen) for n in torch.randint(6, 14, (12,), generator=gen)]
     out = train_draft(target, prompts, out=tmp_path / "draft", num_layers=1, max_new_tokens=24, epochs=4, lr=1e-2,
                       batch_size=4, progress=False)
+    shared = (target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    assert all(p.requires_grad and p.grad is None for p in shared)  # the draft's backward never reached the model
     saved = load_file(str(out / "draft.safetensors"))
     assert saved and all("embed" not in k and "lm_head" not in k for k in saved)  # the shared tensors stay the model's
     assert all(".layers.0." in k or "norm" in k for k in saved) and not any(".layers.1." in k for k in saved)
@@ -230,7 +234,7 @@ def test_train_draft_distils_a_draft_that_compile_finds_by_name(tmp_path):
     after = draft_accuracy(trained, target, seqs, starts)
     assert after > before + 0.1, (before, after)
     fast = speccomp.compile(target, drafter="draft_model", drafter_options={"path": str(out)}, tree=3)
-    assert fast.drafter.describe()["options"] == {"path": str(out)}
+    assert fast.drafter.describe()["options"] == {"path": str(out)} and all(p.requires_grad for p in shared)
     ids = prompts[0][None]
     assert torch.equal(fast.generate(ids, max_new_tokens=32), hf_greedy(target, ids, 32))
     assert fast.last_stats["acceptance_by_depth"][0] > 0.3, fast.last_stats

@@ -202,10 +202,11 @@ class CrossTokenizerDrafter(_DraftLM):
 
     def propose(self, ctx: DraftContext) -> Draft:
         room = min(ctx.max_nodes, self.inner.max_nodes)
-        context = self.bridge.context(ctx.tokens, room, self.inner.max_positions)
-        if context is None:
+        context, depth = self.bridge.context(ctx.tokens, ctx.max_depth, self.inner.max_positions)
+        if depth < 1:
             return Draft(ROOT_ONLY, torch.tensor([ctx.tokens[-1]]))
-        inner = self.inner.propose(dataclasses.replace(ctx, tokens=context, max_nodes=room, sampler=None))
+        inner = self.inner.propose(dataclasses.replace(ctx, tokens=context, max_depth=depth, max_nodes=room,
+                                                       sampler=None))
         parents, tokens = self.bridge.target_tree(ctx.tokens, context, list(inner.tree.parents),
                                                   inner.tokens.tolist(), ctx.max_depth, ctx.max_nodes)
         return Draft(Tree.from_parents(parents), torch.tensor(tokens))

@@ -8,9 +8,10 @@ assisted decoding). Torch-free: the torch drafter (drafters/draft_model.py `Cros
 Only the target's tokens are ever emitted: the target verifies the mapped tree, so a poor mapping costs acceptance,
 never exactness. Two places where the mapping can only guess:
   - the draft's prompt ends where the target's text ends, which may be mid-word; the draft model drafts from there;
-  - new text is encoded after the root's text (byte-level BPE and SentencePiece-like tokenizers both mark word starts,
-    so encoding the new text alone could add or lose a space). When the root's text and the new text encode to
-    tokens that do not begin with the root (they merge across the boundary), the new text alone is encoded instead.
+  - new text is encoded after the text of the target's last few tokens, and that text's own tokens cut off
+    (byte-level BPE and SentencePiece-like tokenizers both mark word starts, so encoding the new text alone could add
+    or lose a space: a SentencePiece tokenizer put a word start before 40% of mid-word continuations). Where the two
+    texts' tokens merge across the boundary, the new text alone is encoded instead.
 """
 from __future__ import annotations
 
@@ -66,33 +67,38 @@ class TextBridge:
         would differ)."""
         return self.draft.encode(self.target.decode(tokens, skip_special_tokens=True), add_special_tokens=False).ids
 
-    def context(self, tokens: list[int], room: int, limit: int | None) -> list[int] | None:
-        """The draft's tokens for this step, or None when it drafts nothing: an empty text, or one that with `room`
-        draft nodes no longer fits the draft model's `limit` positions (counted in its own tokens, which generate
-        cannot know up front: such a step decodes plainly, it is never refused or cut)."""
+    def context(self, tokens: list[int], max_depth: int, limit: int | None) -> tuple[list[int], int]:
+        """The draft's tokens for this step and how deep it may draft: at most `max_depth`, and no node past the draft
+        model's `limit` positions (counted in its own tokens, which generate cannot know up front: near the end a
+        step drafts less deep, at 0 not at all; it is never refused or cut). 0 too for an empty text."""
         context = self.to_draft(tokens)
-        return context if context and (limit is None or len(context) + room + 1 <= limit) else None
+        if limit is not None:
+            max_depth = min(max_depth, limit - len(context))  # a node at depth d sits at position len(context) - 1 + d
+        return context, max_depth if context else 0
 
-    def continuation(self, root: int, context: list[int], path: list[int]) -> list[int]:
-        """Target tokens for the text that draft tokens `path` add after the draft tokens `context`, continuing a
-        target text that ends with token `root`. [] when the path adds no whole character."""
-        return self._mapped(*self._anchors(root, context), path)
+    def continuation(self, tokens: list[int], context: list[int], path: list[int]) -> list[int]:
+        """Target tokens for the text that draft tokens `path` add after the draft tokens `context`, continuing the
+        target's text `tokens`. [] when the path adds no whole character."""
+        return self._mapped(*self._anchors(tokens, context), path)
 
-    def _anchors(self, root: int, context: list[int]) -> tuple:
-        """What every path of one step is decoded and encoded after (computed once a step, not once a path)."""
+    def _anchors(self, tokens: list[int], context: list[int]) -> tuple:
+        """What every path of one step is decoded and encoded after (computed once a step, not once a path): the
+        text of the last target and draft tokens, so that both tokenizers see a path mid-text."""
+        text = self.target.decode(tokens[-WINDOW:], skip_special_tokens=True)
         window = context[-WINDOW:]
-        return root, self.target.decode([root]), window, self.draft.decode(window, skip_special_tokens=True)
+        return (text, self.target.encode(text, add_special_tokens=False).ids,
+                window, self.draft.decode(window, skip_special_tokens=True))
 
-    def _mapped(self, root: int, root_text: str, window: list[int], before: str, path: list[int]) -> list[int]:
+    def _mapped(self, text: str, head: list[int], window: list[int], before: str, path: list[int]) -> list[int]:
         new = text_after(lambda ids: self.draft.decode(ids, skip_special_tokens=True), window, path, before)
         if new is None:  # the path rewrote the decoded window (a decoder's cleanup): no guess
             return []
         new = new.rstrip("\ufffd")  # a path may end inside a multi-byte character
         if not new:
             return []
-        anchored = self.target.encode(root_text + new, add_special_tokens=False).ids
-        if anchored[:1] == [root]:
-            return anchored[1:]
+        anchored = self.target.encode(text + new, add_special_tokens=False).ids
+        if anchored[:len(head)] == head and head:
+            return anchored[len(head):]
         return self.target.encode(new, add_special_tokens=False).ids
 
     def target_tree(self, tokens: list[int], context: list[int], parents: list[int], draft_tokens: list[int],
@@ -101,7 +107,7 @@ class TextBridge:
         tree in target tokens under the root tokens[-1]: every root-to-leaf path mapped (`continuation`), the
         paths merged where they share a prefix, cut in BFS order to max_depth / max_nodes. (parents, tokens)."""
         leaves = set(range(len(parents))) - set(parents)
-        trie, anchors = Trie(tokens[-1]), self._anchors(tokens[-1], context)
+        trie, anchors = Trie(tokens[-1]), self._anchors(tokens, context)
         for leaf in sorted(leaves - {0}):
             path, u = [], leaf
             while u > 0:

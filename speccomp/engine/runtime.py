@@ -1185,10 +1185,10 @@ class _CrossTokenizer(_Drafter):
 
     def propose(self, tokens, max_depth, max_nodes):
         tokens, room = list(tokens), min(max_nodes, self.inner.max_nodes)
-        context = self.bridge.context(tokens, room, self.inner.max_positions)
-        if context is None:
+        context, depth = self.bridge.context(tokens, max_depth, self.inner.max_positions)
+        if depth < 1:
             return [-1], [tokens[-1]]
-        parents, drafted = self.inner.propose(context, max_depth, room)
+        parents, drafted = self.inner.propose(context, depth, room)
         return self.bridge.target_tree(tokens, context, list(parents), list(drafted), max_depth, max_nodes)
 
 

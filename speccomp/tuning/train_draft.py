@@ -14,6 +14,7 @@ drafts the reply's first token). AdamW, linear decay, resumable from `out/_train
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -60,11 +61,24 @@ def own_state(draft) -> dict:
 
 
 def share(draft, model) -> None:
-    """`draft` reads `model`'s token embedding and LM head (the same tensors, frozen)."""
+    """`draft` reads `model`'s token embedding and LM head (the same tensors; their requires_grad is the model's:
+    compile leaves the model as it was, train_draft freezes them only while it trains)."""
     draft.get_input_embeddings().weight = model.get_input_embeddings().weight
     draft.get_output_embeddings().weight = model.get_output_embeddings().weight
-    for p in (draft.get_input_embeddings().weight, draft.get_output_embeddings().weight):
-        p.requires_grad_(False)
+
+
+@contextlib.contextmanager
+def _frozen(*params):
+    """`params` without gradients for a while (the draft's backward never writes the model's .grad), then as they
+    were."""
+    flags = [p.requires_grad for p in params]
+    try:
+        for p in params:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, flag in zip(params, flags):
+            p.requires_grad_(flag)
 
 
 def _trainable(draft) -> nn.Module:
@@ -112,7 +126,8 @@ def train_draft(model, prompts, *, out, num_layers: int = 2, max_new_tokens: int
                for _ in range(epochs)]
     loss_of = lambda batch: _loss(draft, [seqs[i] for i in batch], [labels[i] for i in batch],  # noqa: E731
                                   [starts[i] for i in batch])
-    _fit(_trainable(draft), batches, loss_of, state=state, args=args, done=done, progress=progress, clip=True)
+    with _frozen(draft.get_input_embeddings().weight, draft.get_output_embeddings().weight):
+        _fit(_trainable(draft), batches, loss_of, state=state, args=args, done=done, progress=progress, clip=True)
     return save_draft(draft.eval(), out, model, num_layers, base_model)
 
 
