@@ -90,6 +90,9 @@ class LastFollower(Drafter):
     def begin(self, prompt: list[int]) -> None:  # a new generation: forget the last one
         self.follower, self.seen = {}, 0
 
+    def fresh(self) -> "LastFollower":  # a batch gives each row a copy of its own
+        return LastFollower(self.depth)
+
     def propose(self, ctx) -> Draft:
         tokens = ctx.tokens  # prompt + emitted so far; tokens[-1] is the root
         for i in range(max(self.seen - 1, 0), len(tokens) - 1):  # learn what followed what, newest wins

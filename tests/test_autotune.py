@@ -463,10 +463,17 @@ def test_a_capture_tunes_under_its_model_and_a_stored_file_is_named_where_it_was
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "path": "/elsewhere/token_recycling.json"}))
     assert load_result(model, "token_recycling").path == str(path)
+    path.write_text(json.dumps({**data, "tree": 10 ** 6}))  # edited by hand: it built a 931 GiB mask
+    with pytest.warns(UserWarning, match=f"ignoring the stored autotune result {re.escape(str(path))}.*at most 64"):
+        assert load_result(model, "token_recycling") is None
     path.write_text(path.read_text()[:200])  # cut short (a full disk, a killed copy)
     with pytest.warns(UserWarning, match=f"ignoring the stored autotune result {re.escape(str(path))}"):
         with pytest.raises(AutotuneError, match="no autotuned tree"):  # the model has no tokenizer to tune on here
             speccomp.compile(cap, drafter="token_recycling", tree="auto")
+    path.unlink()
+    path.mkdir()  # unreadable (a directory in its place, a file without read permission): a traceback before
+    with pytest.warns(UserWarning, match=f"ignoring the stored autotune result {re.escape(str(path))} \\(IsADir"):
+        assert load_result(model, "token_recycling") is None
 
 
 def test_untunable_drafters_and_bad_settings_are_refused(cache):
@@ -556,6 +563,23 @@ def test_tree_auto_tunes_on_first_use_and_keeps_what_held_back_prompts_prefer(ca
     assert fast.drafter is None if stored.plain else fast.drafter.tree == stored.tree_spec()
     ids = torch.tensor([[ord(ch) - 31 for ch in "The quick brown fox jumps over the lazy dog. The quick brown"]])
     assert torch.equal(fast.generate(ids, max_new_tokens=30, eos_token_id=2), hf_greedy(model, ids, 30))
+
+
+def test_tree_auto_on_first_use_tunes_only_on_prompts_that_fit_the_model(cache, tmp_path):
+    """A model whose context holds none of the shipped prompts plus 128 new tokens: compile(tree="auto") says so
+    (it raised max_new_tokens=128, an argument the user never passed)."""
+    from transformers import AutoModelForCausalLM
+
+    from speccomp.tuning.autotune import FIRST_USE_NEW_TOKENS, _context_length, first_use_prompts
+
+    tiny_llama(max_position_embeddings=160).save_pretrained(tmp_path / "m")
+    char_tokenizer().save_pretrained(tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    assert _context_length(model) == _context_length(speccomp.capture(model)) == 160
+    assert min(p.shape[-1] for p in first_use_prompts(model)[0]) + FIRST_USE_NEW_TOKENS > 160
+    with pytest.raises(AutotuneError, match="none of the shipped prompts leaves room for 128 new tokens in the "
+                                            "model's context of 160 positions"):
+        speccomp.compile(model, drafter="token_recycling", tree="auto")
 
 
 def test_plain_is_kept_only_where_it_beats_the_kept_tree_on_the_held_back_prompts():

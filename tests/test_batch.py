@@ -9,8 +9,9 @@ import speccomp
 from speccomp.errors import OptionError
 from speccomp.runtime.calls import left_pad, row_slots
 from speccomp.runtime.batch import Batch
-from speccomp.runtime.decode import RootOnly, Sequence
+from speccomp.runtime.decode import Draft, Drafter, RootOnly, Sequence
 from speccomp.runtime.sampling import Sampler
+from speccomp.runtime.tree import Tree
 from test_speculative import hf_greedy, repetitive_prompt
 from tiny_models import tiny_llama
 
@@ -129,6 +130,23 @@ def test_every_batching_drafter_keeps_each_rows_greedy_text(captured, llama, pro
         assert all(r["tau"] > 3 for r in rows)  # chains of 3, all accepted (the last step may be shorter)
     elif case in ("ngram", "suffix", "hydra+token_recycling"):
         assert max(r["tau"] for r in rows) > 1.1
+
+
+class RepeatLast(Drafter):
+    """A user's drafter that shapes its own trees (as examples/custom_pass_and_drafter.py's): the root twice."""
+    name, reads, trees = "repeat_last", (), ()
+
+    def propose(self, ctx) -> Draft:
+        return Draft(Tree.chain(1), torch.tensor([ctx.tokens[-1]] * 2))
+
+
+def test_a_custom_drafter_batches_once_it_says_how_to_copy_itself(captured, prompts, greedy):
+    """Without fresh() a batch is refused naming fresh() and the batch (a TypeError about copying before)."""
+    fast = speccomp.compile(captured, drafter=RepeatLast())
+    with pytest.raises(OptionError, match=r"drafter='repeat_last': has no fresh\(\): a batch gives each row"):
+        check_rows(fast, prompts, greedy, 2)
+    fresh = type("Fresh", (RepeatLast,), {"fresh": lambda self: type(self)()})
+    assert check_rows(speccomp.compile(captured, drafter=fresh()), prompts, greedy, 2)["batch"] == 2
 
 
 def test_rows_stop_at_their_own_eos_and_are_padded(captured, llama, prompts):

@@ -203,9 +203,15 @@ def test_recycling_begin_resets_unless_persist():
 
 
 def test_default_recycling_tree():
+    """The default tree; with a top_k below its widest rank, its nodes of the ranks top_k keeps (the default was
+    refused, naming a tree nobody gave, and autotune could not tune top_k < 6 at all)."""
     t = Tree.from_choices(DEFAULT_RECYCLING_TREE)
     assert 20 <= t.size <= 30 and t.max_depth == 6
-    assert TokenRecyclingDrafter().tree == t
+    assert TokenRecyclingDrafter().tree == TokenRecyclingDrafter(top_k=max(t.ranks) + 1).tree == t
+    for k in (1, 3):
+        narrow = TokenRecyclingDrafter(top_k=k).tree
+        assert max(narrow.ranks) == k - 1 and narrow.max_depth == 6
+        assert narrow.choices == [c for c in t.choices if max(c) < k]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +240,7 @@ def test_ngram_bad_options(options, words):
     "options, words",
     [
         (dict(top_k=0), "top_k"),
-        (dict(top_k=2), "rank 5"),  # the default tree is 6 wide at the root
+        (dict(top_k=2, tree=[[0], [2]]), "rank 2"),
         (dict(tree=[[0], [0, 0, 1]]), "orphan"),
         (dict(tree=[]), "empty"),
         (dict(tree="dynamic"), "static tree"),
@@ -315,8 +321,9 @@ def hf_greedy(model, prompt, n):
         lambda: NGramDrafter(max_ngram=2, num_branches=2, max_depth=5),
         lambda: TokenRecyclingDrafter(),
         lambda: TokenRecyclingDrafter(top_k=4, tree=[[0], [1], [0, 0], [0, 0, 0]], ngram_branches=0),
+        lambda: TokenRecyclingDrafter(top_k=2, ngram_branches=0),
     ],
-    ids=["ngram", "ngram_small", "recycling", "recycling_pure"],
+    ids=["ngram", "ngram_small", "recycling", "recycling_pure", "recycling_narrow_default"],
 )
 def test_lossless_greedy(tiny_target, make):
     model, _ = tiny_target

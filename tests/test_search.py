@@ -1,5 +1,6 @@
 """Drafter search: candidates are valid, the fastest lossless one is picked, stored, and reused by compile."""
 import json
+import os
 
 import pytest
 import torch
@@ -69,6 +70,11 @@ def test_damaged_cache_entry_is_ignored(cache):
     open(result.path, "w").write("{not json")
     assert cached_options(model, "early_exit", None) is None
     assert speccomp.compile(model, drafter="early_exit").drafter.options == {"exit_layer": 0}  # n // 2 - 1 default
+    os.remove(result.path)
+    os.mkdir(result.path)  # unreadable (as a file without read permission): compile raised IsADirectoryError
+    assert cached_options(model, "early_exit", None) is None
+    assert speccomp.compile(model, drafter="early_exit").drafter.options == {"exit_layer": 0}
+    os.rmdir(result.path)
     # an edited entry's bad option names the file it came from (the user gave no options)
     open(result.path, "w").write(json.dumps({"best": {"exit_layer": 99}}))
     with pytest.raises(speccomp.OptionError, match=r"exit_layer=99: .*read from the stored search .*early_exit-.*, "

@@ -98,7 +98,8 @@ class TokenRecyclingDrafter(Drafter):
 
     top_k           candidates kept per token (the template may use ranks 0..top_k-1).
     tree            static template: a Medusa-style choice list, an int k (chain) or a Tree;
-                    default `DEFAULT_RECYCLING_TREE` (24 drafts, depth 6).
+                    default `DEFAULT_RECYCLING_TREE` (24 drafts, depth 6; with top_k < 6 its nodes of the ranks
+                    top_k keeps).
     ngram_branches  prompt-lookup continuations added as extra branches (0: pure Token Recycling).
     max_ngram, min_ngram, ngram_depth   the prompt lookup's options (see NGramDrafter).
     persist         keep the table across generations (as the paper does), one table for every row of a
@@ -114,7 +115,8 @@ class TokenRecyclingDrafter(Drafter):
     def __init__(self, top_k: int = 8, tree=None, ngram_branches: int = 1, max_ngram: int = 4, min_ngram: int = 1,
                  ngram_depth: int = 8, persist: bool = False):
         self.top_k = top_k = _int_option("top_k", top_k, 1)
-        self.tree = spec = DEFAULT_TREE if tree is None else tree_option(tree)
+        self.tree = spec = tree_option(tree) if tree is not None else DEFAULT_TREE if top_k > max(DEFAULT_TREE.ranks) \
+            else Tree.from_choices([c for c in DEFAULT_RECYCLING_TREE if max(c) < top_k])
         if isinstance(spec, (DynamicTreeSpec, AutoTreeSpec)):
             raise OptionError("tree", tree, "token_recycling needs a static tree", "a choice list or an int k")
         widest = max(spec.ranks)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from speccomp.errors import OptionError
 from speccomp.frontend.convention import KV_ROOM, KVSpec
 from speccomp.runtime.calls import Generation
 from speccomp.runtime.sampling import Sampler, argmax
@@ -196,7 +197,9 @@ class Drafter:
         """The same drafter (graphs, heads and options shared) with per-generation state of its own: one per row of
         a batch (speccomp/runtime/batch.py)."""
         if not self.trees:
-            raise TypeError(f"the {self.name} drafter does not say how to copy itself; override fresh()")
+            raise OptionError("drafter", self.name, "has no fresh(): a batch gives each row a copy of its own",
+                              "define fresh() returning a copy with per-generation state of its own, or call generate "
+                              "once per prompt")
         return self.with_tree(self.tree)
 
     def finish(self, text: list[int]) -> None:

@@ -74,6 +74,7 @@ from pathlib import Path
 import torch
 
 from speccomp.errors import SpeccompError
+from speccomp.runtime.calls import MAX_TREE
 from speccomp.runtime.decode import Draft, DraftContext, Drafter, RootOnly
 from speccomp.runtime.tree import DEFAULT_DYNAMIC_TOP_K, AutoTreeSpec, DynamicTreeSpec, Tree, parse_tree_spec
 from speccomp.tuning.step_curve import machine_key, store_curve
@@ -86,6 +87,7 @@ DYNAMIC_BUDGETS = (4, 8, 12, 16, 24, 32)
 TIMED_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64)
 REPORT_SIZES = (2, 4, 8, 16, 32, 64)  # sizes decoded for the report's "measured" points
 FIRST_USE_PROMPTS = 2  # per shipped prompt file, when tree="auto" tunes on first use
+FIRST_USE_NEW_TOKENS = 128  # each first-use prompt's reply (autotune's default)
 PLANNED_CANDIDATES = 2  # the DP trees with the best predictions, decoded on the calibration prompts
 # shapes users pick by hand, decoded too: autotune's tree must beat them where they beat its plan
 FINALISTS = 5  # the calibration's fastest configurations that go on to the final round (`_final_choice`)
@@ -184,7 +186,7 @@ def load_result(model, drafter: str, backend: str = "eager") -> "AutotuneResult 
         if data.get("schema") != SCHEMA or data["key"] != cache_key(model, drafter, backend):
             return _ignored(path, f"written for schema {data.get('schema')!r} / another key, not this model's")
         result = AutotuneResult.from_dict(data)
-        parse_tree_spec(result.tree)  # a tree that no longer parses is no result
+        parse_tree_spec(result.tree, max_nodes=MAX_TREE)  # a tree that no longer parses (or never fits) is no result
         if not _well_formed(result):
             return _ignored(path, "a field tree='auto' reads has the wrong type")
         result.path = str(path)  # where it was read (a copied cache's file names its old place)
@@ -192,7 +194,8 @@ def load_result(model, drafter: str, backend: str = "eager") -> "AutotuneResult 
             result.drafter_options.setdefault(option, value)
         result.drafter_options.pop("tokenizers", None)  # a draft's own-tokenizers mark (older files): not an option
         return result
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # AttributeError: JSON that is not an object
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # OSError: unreadable (permissions, a
+        # directory in its place); AttributeError: JSON that is not an object
         return _ignored(path, f"{type(exc).__name__}: {str(exc)[:200]}")
 
 
@@ -326,10 +329,27 @@ def _tune_on_first_use(model, drafter, backend: str, drafter_options: dict | Non
             "'dynamic:B:K')"
         )
     prompts, eos = found
+    limit = _context_length(model)
+    prompts = [p for p in prompts if limit is None or p.shape[-1] + FIRST_USE_NEW_TOKENS <= limit]
+    if not prompts:
+        raise AutotuneError(
+            f"tree='auto': no autotuned tree for drafter {name!r} on backend {backend!r} for this model and machine, "
+            f"and none of the shipped prompts leaves room for {FIRST_USE_NEW_TOKENS} new tokens in the model's "
+            f"context of {limit} positions to tune it on first use. Run `speccomp.autotune(model, ..., prompts, "
+            "max_new_tokens=...)` with prompts that fit, or pass an explicit tree")
     print(f"tree='auto': no tree tuned for {name!r} on {backend!r} on this machine yet; tuning it now on "
           f"{len(prompts)} shipped prompts (once: the result is stored for the next compile)", file=sys.stderr)
     return autotune(model, drafter, prompts, backend=backend, drafter_options=drafter_options, eos_token_id=eos,
-                    progress=True)
+                    max_new_tokens=FIRST_USE_NEW_TOKENS, progress=True)
+
+
+def _context_length(model) -> int | None:
+    """The positions `model` (a Hugging Face model or a capture) holds, as its capture reads them; None: unknown."""
+    from speccomp.frontend.hf import _max_positions, _text_config
+
+    if hasattr(model, "max_positions"):  # a capture
+        return model.max_positions
+    return _max_positions(_text_config(model)) if hasattr(model, "config") else None
 
 
 # ---- Drafters with another tree --------------------------------------------------------------

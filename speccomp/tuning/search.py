@@ -95,8 +95,8 @@ def cached_options(model, kind: str, tree) -> dict | None:
         return None
     try:
         return dict(json.loads(path.read_text())["best"])
-    except (ValueError, KeyError, TypeError):
-        return None  # a damaged cache entry is ignored (and overwritten by the next search)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a damaged or unreadable cache entry is ignored (and overwritten by the next search)
 
 
 @dataclass
