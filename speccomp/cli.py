@@ -94,9 +94,18 @@ def _prompts(files, limit: int | None) -> list:
 
 
 def _directory(parameter: str, path) -> None:
-    """An output directory flag: it may not exist yet, but it may not be a file."""
+    """An output directory flag: it may not exist yet, but it may not be a file, nor lie under one."""
     if path is not None and Path(path).exists() and not Path(path).is_dir():
         raise OptionError(parameter, path, "is a file, not a directory", "give a directory path")
+    if path is not None:
+        _makeable(parameter, path)
+
+
+def _makeable(parameter: str, path) -> None:
+    """No file on the way to `path` (it failed when written: after the model loaded, as an OS error)."""
+    above = next((a for a in Path(path).absolute().parents if a.exists()), None)
+    if above is not None and not above.is_dir():
+        raise OptionError(parameter, path, f"lies under {above}, which is a file", "give a path under a directory")
 
 
 def check_plot_flag(parameter: str, path):
@@ -126,7 +135,7 @@ def check_output_file(parameter: str, path, ours) -> None:
     out = Path(path)
     if out.is_dir():
         raise OptionError(parameter, path, "is a directory", f"name a file, e.g. {out / ('results' + (out.suffix or '.json'))}")
-    out.resolve().parent.mkdir(parents=True, exist_ok=True)  # a file on the way: one-line OSError
+    _makeable(parameter, path)
     if out.exists() and not ours(out):
         raise OptionError(parameter, path, "exists and is not a file an earlier speccomp run wrote; refusing to replace "
                           "it", "name a new file, or move that one away")
@@ -662,7 +671,7 @@ def cmd_bench(args) -> int:
     options = _bench_drafter_options(args, drafters)
     for d in drafters:  # each row as compile checks it without a model (merge rules, tree, option types)
         check_compile_options(drafter=d, tree=args.tree, backend=args.backend, drafter_options=options.get(d))
-    extra_rows = kv_rows(args.kv, args.kv_mode) if args.kv else []
+    extra_rows = kv_rows(args.kv, args.kv_mode) if args.kv is not None else []
     args.plot = check_plot_flag("plot", args.plot)
     prompts = load_bench_prompts(args.prompts, args.limit)
     inputs = {Path(f).resolve(): "--prompts" for f in args.prompts or []}

@@ -911,7 +911,12 @@ CLI_ERRORS = [
     ("export-drafter-options-bad-option", ["export", "{tmp}/e", "--drafter", "token_recycling", "--drafter-options",
                                            '{"top_k": 0}'], ("--drafter-options", "top_k")),
     ("bench-json-directory", ["bench", "--drafters", "none", "--json", "{tmp}/mine"], ("json", "directory")),
-    ("bench-json-under-a-file", ["bench", "--drafters", "none", "--json", "{tmp}/mine/notes.txt/b.json"], ("notes.txt",)),
+    ("bench-json-under-a-file", ["bench", "--drafters", "none", "--json", "{tmp}/mine/notes.txt/b.json"],
+     ("--json", "notes.txt, which is a file")),  # an OS error without the flag before
+    ("train-heads-out-under-a-file", ["train-heads", "--out", "{tmp}/mine/notes.txt/heads"],
+     ("--out", "notes.txt, which is a file")),  # refused after the model loaded, as an OS error
+    ("bench-kv-twice", ["bench", "--drafters", "none", "--kv", "sink:64,sink:64"], ("--kv", "twice")),
+    ("bench-kv-empty", ["bench", "--drafters", "none", "--kv", ""], ("--kv", "at least one policy")),  # ignored
     ("demo-device-unknown", ["demo", "--device", "gpu9"], ("device", "gpu9")),
     ("bench-device-unknown", ["bench", "--drafters", "none", "--device", "gpu9"], ("device", "gpu9")),
     ("generate-device-not-cpu-or-cuda", ["generate", "--prompt", "hi", "--device", "meta"], ("device", "meta")),
@@ -1111,8 +1116,8 @@ def test_output_files_replace_only_what_speccomp_wrote(tmp_path):
     result.write_text(json.dumps({"rows": []}))
     with pytest.raises(OptionError, match="json=.*refusing to replace"):
         check_output_file("json", result, _our_json)
-    check_output_file("json", tmp_path / "new" / "r.json", _our_json)  # a new file: its folder made
-    assert (tmp_path / "new").is_dir()
+    check_output_file("json", tmp_path / "new" / "r.json", _our_json)  # a new file: its folder made when written,
+    assert not (tmp_path / "new").exists()  # not by a check a later one may refuse after
 
 
 def test_bench_all_skips_the_draft_model_row_without_a_trained_draft(tmp_path, monkeypatch, capsys):

@@ -84,6 +84,8 @@ def kv_rows(policies: str, mode: str = "draft") -> list[RowSpec]:
     for spec in [p.strip() for p in policies.split(",") if p.strip()]:
         parse_kv_cache(spec)  # a bad policy or budget fails before the model loads
         name = f"kv-{mode} {spec}" + (" (LOSSY)" if mode == "target" else "")
+        if name in {r.name for r in out}:
+            raise ValueError(f"--kv names {spec!r} twice; name each policy once")
         out.append(RowSpec(name, "speccomp", kv_cache=spec, kv_mode=mode))
     if not out:
         raise ValueError("--kv needs at least one policy, e.g. --kv sink:256,kivi4")
