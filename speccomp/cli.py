@@ -314,6 +314,7 @@ def cmd_search(args) -> int:
 
 def _check_train_flags(args) -> list[str]:
     """train-heads' flags that argparse alone cannot check; the synthetic prompts asked for."""
+    from speccomp.models import default_config
     from speccomp.tuning.synthetic_prompts import synthetic_prompts
     from speccomp.tuning.train_heads import check_soft_labels
 
@@ -331,6 +332,10 @@ def _check_train_flags(args) -> list[str]:
                           "would hold a training position", f"use --max-new-tokens >= {args.heads} (default 256)")
     if args.kind == "eagle" and args.layers != 1:
         raise ValueError(f"--layers is the ResBlocks per Medusa/Hydra head; an EAGLE head is one decoder layer, got --layers {args.layers}")
+    vocab = (default_config() or {}).get("vocab_size")  # once converted: checked before the model loads
+    for flag, value in (("--soft-labels", args.soft_labels), ("--draft-vocab", args.draft_vocab)):
+        if isinstance(vocab, int) and isinstance(value, int) and value > vocab:
+            raise OptionError(flag, value, f"is more than the model's vocabulary ({vocab} tokens)", f"use {flag} <= {vocab}")
     # more kinds of request than the files hold (speccomp/tuning/synthetic_prompts.py); checked before the model loads
     extra = synthetic_prompts(args.synthetic, seed=args.seed) if args.synthetic else []
     _directory("out", args.out)

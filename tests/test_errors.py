@@ -1039,9 +1039,10 @@ def test_cli_export_names_the_engine_as_the_model(monkeypatch, capsys, model, tm
     assert read_manifest(tmp_path / "f")["model"]["name"] == "mine"
 
 
-def test_train_draft_layers_checked_before_the_model_loads_once_it_was_converted(cli_main, tmp_path, monkeypatch):
-    """`train-draft --layers N` needs N below the model's layer count: read from the converted model's config.json
-    (no weights), so a bad N fails at once; before any conversion there is nothing to read and the model loads."""
+def test_training_flags_checked_before_the_model_loads_once_it_was_converted(cli_main, tmp_path, monkeypatch):
+    """`train-draft --layers N` needs N below the model's layer count, `train-heads --soft-labels` / `--draft-vocab`
+    at most its vocabulary: read from the converted model's config.json (no weights), so a bad value fails at once;
+    before any conversion there is nothing to read and the model loads."""
     from speccomp.models import DEFAULT_NAME
 
     monkeypatch.setenv("SPECCOMP_CACHE", str(tmp_path / "cache"))
@@ -1054,6 +1055,10 @@ def test_train_draft_layers_checked_before_the_model_loads_once_it_was_converted
     assert not (tmp_path / "d").exists()
     with pytest.raises(pytest.fail.Exception, match="loaded the model"):  # a good N goes on to load the model
         cli_main(["train-draft", "--layers", "5", "--out", str(tmp_path / "d")])
+    (tmp_path / "cache" / "models" / DEFAULT_NAME / "config.json").write_text(json.dumps({"vocab_size": 50}))
+    for argv in (["--soft-labels", "51"], ["--kind", "hydra", "--draft-vocab", "51"]):
+        rc, err = cli_main(["train-heads", *argv, "--out", str(tmp_path / "h")])
+        assert rc == 2 and f"{argv[-2]}=51: is more than the model's vocabulary (50 tokens)" in err, err
 
 
 def test_long_values_are_cut_in_the_middle_so_a_path_keeps_its_file_name():
