@@ -158,7 +158,8 @@ class CachedAttention(Pass):
     cache stores are found above any head repetition (GQA's repeat_interleave, repeat, or
     unsqueeze/expand/reshape, before or after the [B, T, H, D] -> [B, H, T, D] transpose; see
     `_unexpanded`), so the cache holds the un-expanded [1, Hkv, q, D] K/V; the repetition is
-    replayed on the concatenated K/V. Layer l is the l-th SDPA in graph order; K/V after rotary
+    replayed on the concatenated K/V (where heads were repeated before the rotary, K's un-repeated form is not in the
+    graph: K and V are cached repeated). Layer l is the l-th SDPA in graph order; K/V after rotary
     embedding, since they are taken from the sdpa operands.
 
     before (one layer, GQA):
@@ -224,6 +225,9 @@ class CachedAttention(Pass):
                     )
             key = _unexpanded(args["key"], pg.seq, where, "key")
             value = _unexpanded(args["value"], pg.seq, where, "value")
+            if key.heads != value.heads:  # K repeated before an op only it passes through (rotary): both cached
+                wide = max(key.heads, value.heads)  # repeated, as the sdpa reads them (more bytes, same numbers)
+                key, value = (_unexpanded(args[n], pg.seq, where, n, wide) for n in ("key", "value"))
             self.plans.append((node, args, key, value))
         layouts = {(k.heads, k.head_dim, v.heads, v.head_dim) for _, _, k, v in self.plans}
         if len(layouts) != 1:
@@ -299,8 +303,9 @@ def _where(node: fx.Node) -> str:
     return f"{node.name} (module {path})" if path else node.name
 
 
-def _unexpanded(operand: fx.Node, seq, where: str, what: str) -> _Source:
-    """The K (or V) before any head repetition, and the repetition ops from it down to `operand`.
+def _unexpanded(operand: fx.Node, seq, where: str, what: str, heads: int | None = None) -> _Source:
+    """The K (or V) before any head repetition, and the repetition ops from it down to `operand`; `heads` given:
+    the closest to the sdpa with that many heads.
 
     Walks up from the sdpa operand through HEAD_EXPAND_OPS and transposes. Candidates are nodes
     shaped [1, h, seq, D] ("bhsd") or [1, seq, h, D] ("bshd", Meta-Llama's repeat_kv repeats heads
@@ -325,6 +330,7 @@ def _unexpanded(operand: fx.Node, seq, where: str, what: str) -> _Source:
             candidates.append((s[1], i, "bhsd"))
         elif is_seq(s[1], seq) and isinstance(s[2], int):
             candidates.append((s[2], i, "bshd"))
+    candidates = [c for c in candidates if heads in (None, c[0])]
     if not candidates:
         raise UnsupportedModelError(f"attention {where}: cannot find the {what} tensor [1, heads, seq, head_dim] to cache")
     heads, best, layout = min(candidates)  # fewest heads, then closest to the sdpa

@@ -299,6 +299,30 @@ def test_variants_capture(variant, monkeypatch):
     assert captured.max_positions == (128 if "table" in rope else None)
 
 
+class RepeatBeforeRotaryAttention(Attention):
+    """K/V heads repeated to the query heads first, the rotary embedding applied to the repeated K after."""
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
+        k, v = (t.view(B, T, self.n_kv, self.hd).repeat_interleave(self.n_head // self.n_kv, dim=2) for t in (k, v))
+        q, k = apply_rotary(q.view(B, T, self.n_head, self.hd), cos, sin), apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+        return self.wo(y.transpose(1, 2).contiguous().view(B, T, -1))
+
+
+def test_heads_repeated_before_the_rotary_are_cached_as_attention_reads_them(monkeypatch):
+    """Only the repeated K passes through the rotary, so K's un-repeated form is not in the graph: K and V are both
+    cached with the query's heads (refused before: "keys [*, 4, *, 8] and values [*, 2, *, 8] differ in shape")."""
+    monkeypatch.setattr(Attention, "forward", RepeatBeforeRotaryAttention.forward)
+    model = _init(GptFast(n_layer=2), 2)
+    fast = speccomp.compile(model, drafter="ngram")
+    assert fast.kv.num_kv_heads == 4
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(1)).repeat(1, 3)
+    assert torch.equal(fast.generate(ids, max_new_tokens=30), naive_greedy(model, ids, 30))
+    assert fast.last_stats["tau"] > 1, fast.last_stats
+
+
 # --------------------------------------------------------------------------------------
 # What cannot be captured
 # --------------------------------------------------------------------------------------
