@@ -8,6 +8,7 @@ import speccomp
 from speccomp.drafters.grow import LOG_MIN_PROB, cut, grow, grow_dynamic, grow_static, torch_top
 from speccomp.drafters.registry import DECLARED, DRAFTERS
 from speccomp.errors import OptionError
+from speccomp.passes.tree_attention import TreeAttention
 from speccomp.runtime.decode import READS, TREES, Draft, DraftContext, Drafter
 from speccomp.runtime.tree import DynamicTreeSpec, Tree
 from speccomp.tuning.autotune import AutotuneError, retree
@@ -123,6 +124,11 @@ def test_bad_declarations_are_refused_at_compile():
     unsure.observe_optional = "yes"
     with pytest.raises(OptionError, match="observe_optional='yes'.*True"):
         speccomp.compile(model, drafter=unsure)
+    for passes in (TreeAttention, TreeAttention(), (lambda sg: sg,)):  # a class, one pass, a function: after capture
+        bad = Counter([], ())
+        bad.target_passes = passes
+        with pytest.raises(OptionError, match="declares target_passes=.*declare a tuple of Pass instances"):
+            speccomp.compile(model, drafter=bad)
     undeclared = Counter([], ())
     undeclared.trees = ()
     with pytest.raises(AutotuneError, match="declares no tree kinds"):

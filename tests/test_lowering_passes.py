@@ -1,4 +1,6 @@
 """Lowering passes of the eager backend: golden structure + numerics against the unlowered graph."""
+import shutil
+
 import pytest
 import torch
 
@@ -218,7 +220,8 @@ def test_a_pass_that_leaves_the_attention_annotation_on_erased_nodes_is_named():
 
 def test_a_drafters_target_pass_may_add_outputs_not_inputs():
     """A target pass that added an input compiled, then generate failed inside torch (the new input took tree_mask's
-    place in the positional call)."""
+    place in the positional call). One that cut new_kv to its first layer decoded a text neither model gives (that
+    layer broadcast into every layer of the cache): refused at the first step."""
     from speccomp.frontend.graph import Pass
     from speccomp.runtime.decode import Draft, Drafter
 
@@ -234,15 +237,30 @@ def test_a_drafters_target_pass_may_add_outputs_not_inputs():
                 new = g.call_function(torch.ops.aten.div.Tensor, (out.args[0][0], t))
             out.args = ((new, *out.args[0][1:]),)
 
+    class FirstLayerKV(Pass):
+        name = "first_layer_kv"
+
+        def rewrite(self, sg):
+            out = sg.gm.graph.output_node()
+            logits, new_kv, *rest = out.args[0]
+            with sg.gm.graph.inserting_before(out):
+                cut = sg.gm.graph.call_function(torch.ops.aten.slice.Tensor, (new_kv, 0, 0, 1))
+            out.args = ((logits, cut, *rest),)
+
     class Chain(Drafter):
         name, reads, trees = "chain", (), ()
-        target_passes = (AddTemperature(),)
+
+        def __init__(self, *passes):
+            self.target_passes = passes
 
         def propose(self, ctx):
             return Draft(Tree.from_parents([-1]), torch.tensor([ctx.tokens[-1]]))
 
     with pytest.raises(GraphStructureError, match=r"chain drafter's target_passes \['temperature'\] .* not inputs"):
-        speccomp.compile(tiny_llama(), drafter=Chain())
+        speccomp.compile(tiny_llama(), drafter=Chain(AddTemperature()))
+    fast = speccomp.compile(tiny_llama(), drafter=Chain(FirstLayerKV()))
+    with pytest.raises(GraphStructureError, match=r"new_kv output is \[1, 2, 1, 2, 6, 8\]; the cache holds \[3, 2, 1, 2\]"):
+        fast.generate(torch.arange(3, 9)[None], max_new_tokens=4)
 
 
 def test_debug_dumps_never_overwrite_and_never_stop_a_compile(tmp_path, monkeypatch, capsys):
@@ -261,3 +279,21 @@ def test_debug_dumps_never_overwrite_and_never_stop_a_compile(tmp_path, monkeypa
     ids = torch.arange(3, 9)[None]
     assert speccomp.compile(tiny_llama()).generate(ids, max_new_tokens=2).shape == (1, 8)
     assert "cannot write graph dumps to SPECCOMP_DEBUG_DIR=" in capsys.readouterr().err
+    # a relative folder is where the process is: after a chdir, another folder, with a run of its own there (the
+    # second compile's dumps went into the first folder's path, relative, among another run's files)
+    monkeypatch.setenv("SPECCOMP_DEBUG_DIR", "dumps")
+    for where in ("a", "b"):
+        (tmp_path / where / "dumps").mkdir(parents=True)
+        (tmp_path / where / "dumps" / "earlier.py").write_text("x")
+        monkeypatch.chdir(tmp_path / where)
+        speccomp.compile(tiny_llama())
+        assert sorted(p.name for p in (tmp_path / where / "dumps").iterdir()) == ["earlier.py", "run-1"]
+        assert (tmp_path / where / "dumps" / "run-1" / "00_captured.py").is_file()
+    # a folder that stops taking files is said once, not once per dump
+    shutil.rmtree(tmp_path / "b" / "dumps")
+    speccomp.compile(tiny_llama())
+    assert capsys.readouterr().err.count("compiling without dumps") == 1
+    monkeypatch.setenv("SPECCOMP_DEBUG", "off")  # wrote dumps as "1" did
+    monkeypatch.setenv("SPECCOMP_DEBUG_DIR", str(tmp_path / "off"))
+    speccomp.compile(tiny_llama())
+    assert not (tmp_path / "off").exists()

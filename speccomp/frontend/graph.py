@@ -485,7 +485,9 @@ _DUMP_DIRS: dict = {}  # SPECCOMP_DEBUG_DIR -> (the folder this process dumps in
 
 
 def _debug_dir_setting() -> str:
-    return os.environ.get("SPECCOMP_DEBUG_DIR", "speccomp_debug")
+    """SPECCOMP_DEBUG_DIR as an absolute path (a relative one is where the process was when it dumped first: after a
+    chdir it is another folder, with a run of its own)."""
+    return str(Path(os.environ.get("SPECCOMP_DEBUG_DIR") or "speccomp_debug").expanduser().absolute())
 
 
 def dump_folder() -> Path | None:
@@ -506,20 +508,24 @@ def dump(sg: SpecGraph, stage: str) -> None:
     already holds files (an earlier run's, or anyone's) writes into a fresh run-N folder inside it: no file is ever
     overwritten, and one run's dumps are not mixed with another's. A folder that cannot be written is said once and
     the compile goes on without dumps."""
-    if os.environ.get("SPECCOMP_DEBUG", "0") in ("", "0"):
+    if os.environ.get("SPECCOMP_DEBUG", "0").strip().lower() in ("", "0", "false", "off", "no"):
         return
     chosen = _dump_dir()
     if chosen is None:
         return
     out, index = chosen[0], next(chosen[1])
     name = "+".join(sg.applied) or stage
-    name = name if len(name) <= 80 else f"{len(sg.applied)}_passes_to_{sg.applied[-1]}"  # file names have a limit
+    name = name if len(name) <= 80 else f"{len(sg.applied)}_passes_to_{sg.applied[-1][:60]}"  # names have a limit
     path = out / f"{index:02d}_{''.join(c if c.isalnum() or c in '+._-' else '_' for c in name)}.py"
     try:
         with open(path, "x") as f:  # "x": never over a file (a name made twice in one run is a pass named alike)
             f.write(sg.gm.code)
     except OSError as exc:
-        print(f"[speccomp] SPECCOMP_DEBUG: could not write {path} ({exc.strerror or exc}); not dumped", file=sys.stderr)
+        again = isinstance(exc, FileExistsError)  # a name made twice: only this dump is lost; else the folder is
+        print(f"[speccomp] SPECCOMP_DEBUG: could not write {path} ({exc.strerror or exc}); "
+              f"{'not dumped' if again else 'compiling without dumps'}", file=sys.stderr)
+        if not again:
+            _DUMP_DIRS[_debug_dir_setting()] = None  # said once
         return
     counts, inputs = SpecGraph.op_counts(sg), SpecGraph.input_names(sg)  # they read sg.gm only: a PlainGraph's too
     top = ", ".join(f"{k.split('.')[-2] if '.' in k else k}={v}" for k, v in counts.most_common(6))
@@ -532,7 +538,7 @@ def _dump_dir():
     first dump; None where it cannot be."""
     given = _debug_dir_setting()
     if given not in _DUMP_DIRS:
-        root = Path(given).expanduser()
+        root = Path(given)
         try:
             root.mkdir(parents=True, exist_ok=True)
             out = root

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from speccomp.errors import OptionError
+from speccomp.errors import GraphStructureError, OptionError
 from speccomp.frontend.convention import KV_ROOM, KVSpec
 from speccomp.runtime.calls import Generation
 from speccomp.runtime.sampling import Sampler, argmax
@@ -58,6 +58,11 @@ class KVCache:
 
     def append(self, new_kv: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         """Append this step's entries; `keep` (indices along the token axis) selects some of them."""
+        if new_kv.dim() != 6 or new_kv.shape[:4] != self.data.shape[:4] or new_kv.shape[5] != self.data.shape[5]:
+            # a target pass changed the output (fewer layers broadcast into every layer: a text neither model gives)
+            raise GraphStructureError(f"the target graph's new_kv output is {list(new_kv.shape)}; the cache holds "
+                                      f"{list(self.data.shape[:4])} + [tokens, {self.data.shape[5]}]: a target pass "
+                                      "may add outputs after logits, new_kv, hidden, not change them")
         if keep is not None:
             new_kv = new_kv.index_select(4, keep)
         n = new_kv.shape[4]
@@ -216,8 +221,9 @@ class Drafter:
 
 
 def check_declaration(drafter: Drafter) -> None:
-    """A Drafter given to compile declares what it reads and which trees it takes in the known words."""
-    from speccomp.errors import OptionError
+    """A Drafter given to compile declares what it reads, which trees it takes and which passes it adds to the target
+    in the known words (before the capture)."""
+    from speccomp.frontend.graph import Pass
 
     if hasattr(drafter, "wants_states"):
         raise OptionError("drafter", type(drafter).__name__, "sets wants_states, which speccomp no longer reads",
@@ -231,6 +237,10 @@ def check_declaration(drafter: Drafter) -> None:
         if not isinstance(value, tuple) or not set(value) <= set(known):
             raise OptionError("drafter", type(drafter).__name__, f"declares {attr}={value!r}",
                               f"declare a tuple of {list(known)}")
+    passes = drafter.target_passes
+    if not isinstance(passes, (tuple, list)) or not all(isinstance(p, Pass) for p in passes):
+        raise OptionError("drafter", type(drafter).__name__, f"declares target_passes={passes!r}",
+                          "declare a tuple of Pass instances, e.g. (MyPass(),)")
 
 
 def check_tree_kind(drafter: Drafter, tree) -> None:
