@@ -239,6 +239,7 @@ def quantize_weights(path, bits: int = 8, block_size: int = QUANT_BLOCK) -> Path
     path = Path(path)
     model = onnx.load(os.fspath(path))
     fold_transposed_weights(model.graph)
+    split_constant_gemms(model.graph)
     quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=4)
     quantizer.process()
     if not any(n.op_type == "MatMulNBits" for n in quantizer.model.model.graph.node):
@@ -285,6 +286,43 @@ def fold_transposed_weights(graph) -> int:
             graph.node.remove(transpose)
         folded += 1
     return folded
+
+
+def split_constant_gemms(graph) -> int:
+    """Gemm(x, W, b) with W a constant becomes MatMul(x, W as [K, N]) + b: the quantizer takes only MatMuls, and the
+    exporter writes a linear with a bias over 2-D input (GPT-2's Conv1D, OPT's MLP: aten.addmm) as a Gemm, so those
+    weights stayed float32 (a GPT-2 "quantized" drafter had its LM head alone in 4 bits). Only the plain form
+    (alpha = beta = 1, x not transposed) is split. Returns how many Gemms were.
+
+        before:  x -> Gemm(x, W [N, K], b, transB=1)        after:  x -> MatMul(x, W.T [K, N]) -> Add(b)
+    """
+    from onnx import helper, numpy_helper
+
+    inits = {i.name: i for i in graph.initializer}
+    split = 0
+    for node in list(graph.node):
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if (node.op_type != "Gemm" or node.input[1] not in inits or attrs.get("transA", 0) != 0
+                or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0):
+            continue
+        weight, name = node.input[1], node.input[1]
+        if attrs.get("transB", 0):
+            name = f"{weight}_transposed"
+            if name not in inits:
+                inits[name] = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(inits[weight]).T), name)
+                graph.initializer.append(inits[name])
+        has_bias = len(node.input) > 2 and node.input[2] != ""
+        product = f"{node.output[0]}_matmul" if has_bias else node.output[0]
+        new = [helper.make_node("MatMul", [node.input[0], name], [product], name=f"{node.output[0]}_matmul")]
+        if has_bias:
+            new.append(helper.make_node("Add", [product, node.input[2]], [node.output[0]],
+                                        name=f"{node.output[0]}_bias"))
+        at = list(graph.node).index(node)
+        graph.node.remove(node)
+        for i, n in enumerate(new):
+            graph.node.insert(at + i, n)
+        split += 1
+    return split
 
 
 class OrtStep:

@@ -243,3 +243,38 @@ def test_a_transposed_tied_weight_is_folded_so_the_lm_head_quantises(tmp_path):
     assert errors[4] < 0.1 and errors[8] < 0.01 and errors[8] < errors[4] / 4, errors
     with pytest.raises(OnnxBackendError, match="bits=3: MatMulNBits weights are 4 or 8 bits"):
         quantize_weights(path, bits=3)
+
+
+def test_a_linear_written_as_gemm_quantises_too(tmp_path):
+    """A linear with a bias over 2-D input (GPT-2's Conv1D, OPT's MLP) exports as Gemm, which the quantizer does not
+    take: a "quantized" GPT-2 drafter kept every weight but the LM head in float32. split_constant_gemms makes it a
+    MatMul (+ Add for the bias), W transposed where Gemm read it so; the outputs stay the float graph's. A Gemm that
+    scales or reads a transposed input is left alone."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from speccomp.backends.onnx_export import quantize_weights, split_constant_gemms
+
+    rng = np.random.default_rng(0)
+    w, wt, b = (rng.standard_normal(s).astype(np.float32) for s in ((32, 48), (48, 48), (48,)))
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "W", "b"], ["y"]), helper.make_node("Gemm", ["y", "Wt"], ["z"], transB=1),
+         helper.make_node("Gemm", ["z", "Wt", "b"], ["out"], transB=1, alpha=0.5)], "linears",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 32])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [3, 48])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(wt, "Wt"), numpy_helper.from_array(b, "b")])
+    path = tmp_path / "linears.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    split = onnx.load(str(path))
+    assert split_constant_gemms(split.graph) == 2
+    assert [n.op_type for n in split.graph.node] == ["MatMul", "Add", "MatMul", "Gemm"]
+    x = {"x": rng.standard_normal((3, 32)).astype(np.float32)}
+    want = ort.InferenceSession(str(path)).run(None, x)[0]
+    onnx.save(split, str(tmp_path / "split.onnx"))
+    assert np.allclose(ort.InferenceSession(str(tmp_path / "split.onnx")).run(None, x)[0], want, atol=1e-5)
+    out = quantize_weights(path, bits=8)
+    assert [n.op_type for n in onnx.load(str(out)).graph.node] == ["MatMulNBits", "Add", "MatMulNBits", "Gemm"]
+    got = ort.InferenceSession(str(out)).run(None, x)[0]
+    assert np.abs(got - want).max() / np.abs(want).max() < 0.02
