@@ -149,7 +149,7 @@ def test_a_custom_drafter_batches_once_it_says_how_to_copy_itself(captured, prom
     assert check_rows(speccomp.compile(captured, drafter=fresh()), prompts, greedy, 2)["batch"] == 2
 
 
-def test_rows_stop_at_their_own_eos_and_are_padded(captured, llama, prompts):
+def test_rows_stop_at_their_own_eos_and_are_padded(captured, llama, prompts, tmp_path, monkeypatch):
     fast = speccomp.compile(captured, drafter="token_recycling")
     plain = hf_greedy(llama, prompts[0][None], NEW)[0, len(prompts[0]):]
     eos = int(plain[5])  # row 0 stops at its 6th token; others stop where they meet it, or run to NEW
@@ -171,6 +171,25 @@ def test_rows_stop_at_their_own_eos_and_are_padded(captured, llama, prompts):
     for i, n in enumerate(lengths):
         start = ids.shape[1] + n
         assert torch.equal(again[i, :start], out[i, :start]) and (again[i, start:] == eos).all()
+    # ... unless the model's generation_config names a pad id: HF pads with that (speccomp padded with eos), and so
+    # does an engine exported from it (its manifest records the id)
+    monkeypatch.setattr(llama.generation_config, "pad_token_id", 1)
+    engine = speccomp.load(fast.export(tmp_path / "engine"))
+    assert engine.manifest["model"]["pad_token_id"] == 1
+    for padded in (fast.generate(ids, max_new_tokens=NEW, attention_mask=mask, eos_token_id=[eos, other]),
+                   torch.from_numpy(engine.generate(ids, max_new_tokens=NEW, attention_mask=mask,
+                                                    eos_token_id=[eos, other]))):
+        assert torch.equal(padded, out)
+    # that pad id in front of a row without attention_mask: HF's generate reads it as padding, speccomp read the
+    # tokens as text (another continuation, silently): refused, by both runtimes, for one row and a batch
+    unmasked = ids.clone()
+    unmasked[ids == 0] = 1  # left_padded's padding, as the model's pad id
+    for generate in (fast.generate, engine.generate):
+        for rows in (unmasked, unmasked[mask[:, 0] == 0][:1]):
+            with pytest.raises(OptionError, match="attention_mask=None: is missing and input_ids starts with the pad "
+                                                  "id 1: HF's generate reads that as left padding"):
+                generate(rows, max_new_tokens=4, eos_token_id=eos)
+        assert generate(unmasked[mask[:, 0] == 1][:1], max_new_tokens=2).shape[0] == 1  # one that does not start so
 
 
 def test_rows_join_a_running_batch(captured, llama, prompts, greedy):

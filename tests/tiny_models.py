@@ -391,6 +391,17 @@ def _minimax():
         num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"])).eval()
 
 
+def _minicpm3():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # multi-head latent attention: its cache holds a compressed latent as keys, the rotary part as values
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "minicpm3", vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=64, max_position_embeddings=256, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=8, pad_token_id=0)).eval()
+
+
 def _llama_base():
     from transformers import LlamaConfig, LlamaModel
 
@@ -408,6 +419,7 @@ UNSUPPORTED = {
     "qwen3_next_hybrid": (_qwen3_next, ("hybrid", "['linear_attention']")),
     "minimax_hybrid": (_minimax, ("hybrid", "['linear_attention']")),  # it raised a ValueError of its own
     "llama_base_model_no_head": (_llama_base, ("lm head",)),
+    "minicpm3_latent_attention": (_minicpm3, ("minicpm3", "latent")),  # named neither before
     # dynamic NTK recomputes its frequencies from the sequence length: was refused by a torch.export guard's message
     "llama_dynamic_rope": (lambda: ARCHITECTURES["llama"].build(
         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, max_position_embeddings=24),

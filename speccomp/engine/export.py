@@ -14,7 +14,8 @@ Each graph the onnxruntime backend already exported is copied, any other exporte
 
 What export may touch (`check_destination`): the destination must be a new or empty directory, or, with
 overwrite=True, an engine whose manifest says format "speccomp-engine" and that holds nothing but the files that
-manifest names, each as export wrote it (the SHA-256 the manifest recorded: a tokenizer edited by hand is kept). It is never ".", the home directory, the filesystem root or any ancestor of the working directory.
+manifest names, each as export wrote it (the SHA-256 the manifest recorded: a tokenizer edited by hand is kept). It
+is never ".", the home directory, the filesystem root or any ancestor of the working directory.
 The new engine is written in a temporary directory beside the destination and swapped in by renames (`swap_in`: the
 old engine moves aside and is checked again there, the new one moves in, the old one is deleted last), so export
 deletes nothing it did not write and an interrupted export never leaves half an engine at the destination. A crash
@@ -396,12 +397,13 @@ def _eos_ids(model, tokenizer):
 
 def _model_entry(fast, tokenizer, model_id: str | None) -> dict:
     from speccomp.models import fingerprint
+    from speccomp.runtime.calls import model_pad_id
 
     model, captured = getattr(fast, "model", None), fast.graph.captured
     return {"name": model_id or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__,
             "model_type": captured.model_type, "fingerprint": fingerprint(model) if model is not None else None,
             "vocab_size": captured.vocab_size, "max_positions": fast.max_positions,
-            "eos_token_id": _eos_ids(model, tokenizer),
+            "eos_token_id": _eos_ids(model, tokenizer), "pad_token_id": model_pad_id(model),
             "sliding_window_layers": len(captured.sliding_windows)}  # a batch packs rows only where there are none
 
 

@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from speccomp.runtime.budget import AHEAD_PAST, AHEAD_Q, Budget, StepCosts
-from speccomp.runtime.calls import (MAX_TREE, CallGuard, Generation, as_int, batch_rows, check_context, generate_args,
-                                    host_array, one_padded_row, pad_id, row_seed, row_slots, run_batch,
+from speccomp.runtime.calls import (MAX_TREE, CallGuard, Generation, as_int, batch_rows, check_context,
+                                    check_unmasked_padding, generate_args, host_array, one_padded_row, pad_id, row_seed, row_slots, run_batch,
                                     tightest_context)
 from speccomp.runtime.packed import PackedBatch, Part
 from speccomp.runtime.topk import top_k, top_logp
@@ -277,6 +277,8 @@ def check_schema(m: dict, file: Path, remake: str) -> None:
     eos, vocab = model.get("eos_token_id"), model["vocab_size"]
     need(eos is None or (_is_int(eos, 0) and eos < vocab) or (_ints(eos, 0) and all(i < vocab for i in eos)),
          "model.eos_token_id", eos, f"a token id in [0, {vocab}), a list of them or null")
+    pad = model.get("pad_token_id")  # a batch's padding (absent in engines before it)
+    need(pad is None or (_is_int(pad, 0) and pad < vocab), "model.pad_token_id", pad, f"a token id in [0, {vocab}) or null")
     for key in ("num_layers", "num_kv_heads", "head_dim"):
         need(_is_int(kv.get(key), 1), f"kv.{key}", kv.get(key), "a positive int")
     need(isinstance(kv.get("dtype"), str) and kv["dtype"] in _DTYPES, "kv.dtype", kv.get("dtype"), f"one of {list(_DTYPES)}")
@@ -1587,10 +1589,13 @@ class Engine:
                  pad_token_id: int | None = None, load_aware: bool = True) -> np.ndarray:
         """Prompt + new tokens, np.int64 [1, n + m]; greedy output equals the model's greedy decoding. A left-padded
         batch [B, n] with `attention_mask` decodes every row as if alone ([B, n + m], padded with `pad_token_id`,
-        default the first eos id, as HF; `load_aware`: caps on each row's tree by goodput), as SpecModel.generate. Arguments are checked as SpecModel.generate's
+        default as HF: the exported model's generation_config.pad_token_id, else the first eos id; `load_aware`: caps
+        on each row's tree by goodput), as SpecModel.generate. Arguments are checked as SpecModel.generate's
         (speccomp/runtime/calls.py)."""
         if not isinstance(load_aware, bool):  # checked for one sequence too, where it changes nothing
             raise OptionTypeError("load_aware", load_aware, "must be True or False")
+        check_unmasked_padding(input_ids, attention_mask, pad_token_id, self.manifest["model"].get("pad_token_id"),
+                               eos_token_id)
         input_ids, attention_mask, padding = one_padded_row(input_ids, attention_mask)  # [1, n] left-padded
         rows = batch_rows(input_ids, attention_mask)
         if rows is not None:
@@ -1637,7 +1642,7 @@ class Engine:
         for a in args:
             check_context(self.drafter, len(a.prompt), a.max_new_tokens)
         self.check_batchable(len(rows))
-        pad = pad_id(pad_token_id, args[0].eos, self.vocab_size)
+        pad = pad_id(pad_token_id, args[0].eos, self.vocab_size, self.manifest["model"].get("pad_token_id"))
         with self._calls.lock:
             start = time.perf_counter()
             seqs = [_Row(a, None if self.drafter is None else self.drafter.fresh(), self.max_tree,

@@ -207,7 +207,11 @@ def _probe_kv(model) -> KVSpec:
                                     "speccomp needs one shape for all layers")
     (kshape, vshape), = shapes
     if kshape != vshape or kshape[2] != 2:
-        raise UnsupportedModelError(f"unexpected KV cache shapes keys={kshape} values={vshape}")
+        what = (" (keys and values of different widths: a compressed latent cache, as multi-head latent attention "
+                "keeps)" if kshape[:3] == vshape[:3] else "")
+        raise UnsupportedModelError(f"{type(model).__name__} ({model.config.model_type}) keeps a KV cache of keys "
+                                    f"{list(kshape)} and values {list(vshape)}{what}; speccomp caches keys and values "
+                                    "of one shape [batch, heads, tokens, head_dim]")
     return KVSpec(len(layers), kshape[1], kshape[3], layers[0].keys.dtype)
 
 

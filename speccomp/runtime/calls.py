@@ -262,14 +262,42 @@ def row_slots(prompt_len: int, max_new_tokens: int, max_tree: int) -> int:
     return prompt_len + max_new_tokens + max_tree + 1
 
 
-def pad_id(pad_token_id, eos, vocab_size: int) -> int:
-    """The id a batch pads stopped rows with: `pad_token_id` (one token id of the vocabulary), else the first eos id
-    given (HF's generate pads with eos_token_id[0]), else 0 (without eos every row runs to max_new_tokens)."""
+def pad_id(pad_token_id, eos, vocab_size: int, model_pad=None) -> int:
+    """The id a batch pads stopped rows with, as HF's generate picks it: `pad_token_id` (one token id of the
+    vocabulary), else the model's own (`model_pad`: its generation_config's, `model_pad_id`), else the first eos id
+    given, else 0 (without eos every row runs to max_new_tokens)."""
     if pad_token_id is None:
+        if isinstance(model_pad, int) and 0 <= model_pad < vocab_size:
+            return model_pad
         return eos[0] if eos else 0
     if isinstance(pad_token_id, (list, tuple)) or getattr(pad_token_id, "ndim", 0) != 0:
         raise OptionTypeError("pad_token_id", pad_token_id, "must be one token id (an int)")
     return token_ids("pad_token_id", pad_token_id, vocab_size)[0]
+
+
+def check_unmasked_padding(input_ids, attention_mask, pad_token_id, model_pad, eos_token_id) -> None:
+    """Without attention_mask, HF's generate reads the pad id (pad_token_id, else the model's) as padding wherever it
+    sits (attention_mask = input_ids != pad), unless it is an eos id; speccomp reads every token it is given. A row
+    that starts with it (left padding given without its mask: another text, silently) is refused, naming both."""
+    pad = model_pad if pad_token_id is None else pad_token_id
+    if attention_mask is not None or not isinstance(pad, (int, np.integer)) or isinstance(pad, bool):
+        return
+    try:
+        ids = np.asarray(host_array(input_ids))
+        eos = np.ravel(host_array(eos_token_id)) if eos_token_id is not None else ()
+    except (TypeError, ValueError):  # ragged rows, a string: generate_args names them
+        return
+    if ids.ndim in (1, 2) and ids.size and pad not in eos and (ids.reshape(-1, ids.shape[-1])[:, 0] == pad).any():
+        raise OptionError("attention_mask", None, f"is missing and input_ids starts with the pad id {pad}: HF's "
+                          f"generate reads that as left padding (attention_mask = input_ids != {pad}), speccomp "
+                          "would read every token given", "pass the tokenizer's attention_mask (or the ids unpadded)")
+
+
+def model_pad_id(model) -> int | None:
+    """The pad id HF's generate pads a batch with when given none: the model's generation_config's (None for a
+    plain module, or a config without one)."""
+    pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    return pad if isinstance(pad, int) and not isinstance(pad, bool) and pad >= 0 else None
 
 
 def run_batch(batch, rows: list) -> int:

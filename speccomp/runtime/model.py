@@ -14,8 +14,8 @@ from speccomp.errors import OptionError, OptionTypeError, SpeccompError
 from speccomp.frontend.graph import SpecGraph
 from speccomp.runtime.batch import check_batchable, decode_batch, step_costs
 from speccomp.runtime.budget import Budget
-from speccomp.runtime.calls import (ACCEPTANCE, CallGuard, batch_rows, check_context, choice, generate_args,
-                                    one_padded_row, pad_id, row_seed)
+from speccomp.runtime.calls import (ACCEPTANCE, CallGuard, batch_rows, check_context, check_unmasked_padding,
+                                    choice, generate_args, model_pad_id, one_padded_row, pad_id, row_seed)
 from speccomp.runtime.decode import FullCache, RootOnly, Sequence, decode
 from speccomp.runtime.sampling import Sampler
 from speccomp.tuning.step_curve import load_curve
@@ -138,9 +138,9 @@ class SpecModel:
         `attention_mask` decodes the row and puts its padding back in front, as HF does), or a batch [B, seq]
         left-padded with `attention_mask` (0 on padding) as for HF generate: each row is decoded as if alone
         (speccomp/runtime/batch.py) and the result is [B, seq + m], rows that stopped early padded on the right with
-        `pad_token_id` (default: the first eos id, as HF); `load_aware` caps each row's tree step by step where the batch's
-        goodput says trees cost more than they gain (speccomp/runtime/budget.py; False: every row verifies its
-        drafter's whole tree). eos_token_id: an int or a list of ints (None: no stop token; HF's generate stops at its
+        `pad_token_id` (default, as HF: the model's generation_config.pad_token_id, else the first eos id);
+        `load_aware` caps each row's tree step by step where the batch's goodput says trees cost more than they gain
+        (speccomp/runtime/budget.py; False: every row verifies its drafter's whole tree). eos_token_id: an int or a list of ints (None: no stop token; HF's generate stops at its
         generation_config's eos). acceptance: "exact" (lossless: greedy equality / rejection sampling) or
         "typical-lossy" (Medusa's typical acceptance with do_sample=True; LOSSY, the text no longer follows the model's
         distribution; `last_stats["lossless"]` says which ran). A batch's first row samples with `seed`, the others
@@ -150,6 +150,7 @@ class SpecModel:
         if not isinstance(load_aware, bool):  # checked for one sequence too, where it changes nothing
             raise OptionTypeError("load_aware", load_aware, "must be True or False")
         self.check_weights()
+        check_unmasked_padding(input_ids, attention_mask, pad_token_id, model_pad_id(self.model), eos_token_id)
         input_ids, attention_mask, padding = one_padded_row(input_ids, attention_mask)  # [1, n] left-padded
         rows = batch_rows(input_ids, attention_mask)
         if rows is not None:
@@ -198,7 +199,7 @@ class SpecModel:
             self._check_call(a, acceptance)
         check_batchable(self, len(rows))
         eos = args[0].eos
-        pad = pad_id(pad_token_id, eos, vocab)
+        pad = pad_id(pad_token_id, eos, vocab, model_pad_id(self.model))
         a = args[0]
         seqs = [Sequence(r.prompt.tolist(), (self.drafter or RootOnly()).fresh(),
                          Sampler(a.do_sample, a.temperature, a.top_p, row_seed(a.seed, i)),
