@@ -463,9 +463,10 @@ def test_a_capture_tunes_under_its_model_and_a_stored_file_is_named_where_it_was
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "path": "/elsewhere/token_recycling.json"}))
     assert load_result(model, "token_recycling").path == str(path)
-    path.write_text(json.dumps({**data, "tree": 10 ** 6}))  # edited by hand: it built a 931 GiB mask
-    with pytest.warns(UserWarning, match=f"ignoring the stored autotune result {re.escape(str(path))}.*at most 64"):
-        assert load_result(model, "token_recycling") is None
+    path.write_text(json.dumps({**data, "tree": 10 ** 6, "plain": False}))  # edited by hand: its read built 931 GiB
+    assert load_result(model, "token_recycling").tree == 10 ** 6  # read, not built: compile refuses it by name
+    with pytest.raises(speccomp.OptionError, match=r"tree=1000000: .*read by tree='auto' from the stored autotune"):
+        speccomp.compile(cap, drafter="token_recycling", tree="auto")
     path.write_text(path.read_text()[:200])  # cut short (a full disk, a killed copy)
     with pytest.warns(UserWarning, match=f"ignoring the stored autotune result {re.escape(str(path))}"):
         with pytest.raises(AutotuneError, match="no autotuned tree"):  # the model has no tokenizer to tune on here

@@ -1595,7 +1595,7 @@ class Engine:
         if not isinstance(load_aware, bool):  # checked for one sequence too, where it changes nothing
             raise OptionTypeError("load_aware", load_aware, "must be True or False")
         check_unmasked_padding(input_ids, attention_mask, pad_token_id, self.manifest["model"].get("pad_token_id"),
-                               eos_token_id)
+                               eos_token_id, self.eos_token_id)
         input_ids, attention_mask, padding = one_padded_row(input_ids, attention_mask)  # [1, n] left-padded
         rows = batch_rows(input_ids, attention_mask)
         if rows is not None:

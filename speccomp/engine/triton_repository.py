@@ -98,7 +98,7 @@ class TritonPythonModel:
         try:
             out = self.engine.generate(ids if len(group) > 1 else ids[0], max_new_tokens=budget,
                                        eos_token_id=self.engine.eos_token_id,
-                                       attention_mask=mask if len(group) > 1 else None)
+                                       attention_mask=mask if len(group) > 1 else mask[0])  # the ids are text
         except Exception as exc:  # a bad request (too long, bad ids) gets its own error; the others still run
             if len(group) > 1:
                 for i in group:

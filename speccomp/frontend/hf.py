@@ -206,7 +206,10 @@ def _probe_kv(model) -> KVSpec:
         raise UnsupportedModelError(f"{type(model).__name__} has layers with different KV shapes {sorted(shapes)}; "
                                     "speccomp needs one shape for all layers")
     (kshape, vshape), = shapes
-    if kshape != vshape or kshape[2] != 2:
+    if kshape == vshape and kshape[2] != 2:
+        raise UnsupportedModelError(f"{type(model).__name__} ({model.config.model_type}) holds {kshape[2]} tokens in "
+                                    f"its KV cache after 2 (keys {list(kshape)}); speccomp needs one entry per token")
+    if kshape != vshape:
         what = (" (keys and values of different widths: a compressed latent cache, as multi-head latent attention "
                 "keeps)" if kshape[:3] == vshape[:3] else "")
         raise UnsupportedModelError(f"{type(model).__name__} ({model.config.model_type}) keeps a KV cache of keys "

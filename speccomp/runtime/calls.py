@@ -275,11 +275,13 @@ def pad_id(pad_token_id, eos, vocab_size: int, model_pad=None) -> int:
     return token_ids("pad_token_id", pad_token_id, vocab_size)[0]
 
 
-def check_unmasked_padding(input_ids, attention_mask, pad_token_id, model_pad, eos_token_id) -> None:
+def check_unmasked_padding(input_ids, attention_mask, pad_token_id, model_pad, eos_token_id, model_eos) -> None:
     """Without attention_mask, HF's generate reads the pad id (pad_token_id, else the model's) as padding wherever it
-    sits (attention_mask = input_ids != pad), unless it is an eos id; speccomp reads every token it is given. A row
-    that starts with it (left padding given without its mask: another text, silently) is refused, naming both."""
+    sits (attention_mask = input_ids != pad), unless it is an eos id (eos_token_id, else the model's: `model_eos`);
+    speccomp reads every token it is given. A row that starts with it (left padding given without its mask: another
+    text, silently) is refused, naming both."""
     pad = model_pad if pad_token_id is None else pad_token_id
+    eos_token_id = model_eos if eos_token_id is None else eos_token_id
     if attention_mask is not None or not isinstance(pad, (int, np.integer)) or isinstance(pad, bool):
         return
     try:

@@ -138,19 +138,20 @@ class SpecModel:
         `attention_mask` decodes the row and puts its padding back in front, as HF does), or a batch [B, seq]
         left-padded with `attention_mask` (0 on padding) as for HF generate: each row is decoded as if alone
         (speccomp/runtime/batch.py) and the result is [B, seq + m], rows that stopped early padded on the right with
-        `pad_token_id` (default, as HF: the model's generation_config.pad_token_id, else the first eos id);
-        `load_aware` caps each row's tree step by step where the batch's goodput says trees cost more than they gain
-        (speccomp/runtime/budget.py; False: every row verifies its drafter's whole tree). eos_token_id: an int or a list of ints (None: no stop token; HF's generate stops at its
-        generation_config's eos). acceptance: "exact" (lossless: greedy equality / rejection sampling) or
-        "typical-lossy" (Medusa's typical acceptance with do_sample=True; LOSSY, the text no longer follows the model's
-        distribution; `last_stats["lossless"]` says which ran). A batch's first row samples with `seed`, the others
-        with seeds derived from (seed, row) (calls.row_seed); a seed repeats its tokens where the trees repeat (README,
-        "Seeds"). Every argument is checked before any work (speccomp/runtime/calls.py); a bad one raises
-        OptionError / OptionTypeError naming it."""
+        `pad_token_id` (default, as HF: the model's generation_config.pad_token_id, else the first eos id); `load_aware`
+        caps each row's tree step by step where the batch's goodput says trees cost more than they gain
+        (speccomp/runtime/budget.py; False: every row verifies its drafter's whole tree). eos_token_id: an int or a list
+        of ints (None: no stop token; HF's generate stops at its generation_config's eos). acceptance: "exact"
+        (lossless: greedy equality / rejection sampling) or "typical-lossy" (Medusa's typical acceptance with
+        do_sample=True; LOSSY, the text no longer follows the model's distribution; `last_stats["lossless"]` says which
+        ran). A batch's first row samples with `seed`, the others with seeds derived from (seed, row) (calls.row_seed);
+        a seed repeats its tokens where the trees repeat (README, "Seeds"). Every argument is checked before any work
+        (speccomp/runtime/calls.py); a bad one raises OptionError / OptionTypeError naming it."""
         if not isinstance(load_aware, bool):  # checked for one sequence too, where it changes nothing
             raise OptionTypeError("load_aware", load_aware, "must be True or False")
         self.check_weights()
-        check_unmasked_padding(input_ids, attention_mask, pad_token_id, model_pad_id(self.model), eos_token_id)
+        check_unmasked_padding(input_ids, attention_mask, pad_token_id, model_pad_id(self.model), eos_token_id,
+                               getattr(getattr(self.model, "generation_config", None), "eos_token_id", None))
         input_ids, attention_mask, padding = one_padded_row(input_ids, attention_mask)  # [1, n] left-padded
         rows = batch_rows(input_ids, attention_mask)
         if rows is not None:

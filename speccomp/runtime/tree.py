@@ -42,6 +42,10 @@ class TreeError(SpeccompError, ValueError):
     """A token tree or tree spec is malformed (the message names the problem and the fix)."""
 
 
+class TreeSizeError(TreeError):
+    """A token tree or tree spec holds more nodes than fit (checked before any tree is built)."""
+
+
 class TreeTypeError(TreeError, TypeError):
     """A token tree or tree spec holds a value of the wrong type (a float rank, a dict for a tree)."""
 
@@ -68,7 +72,7 @@ def _seq(x, what: str) -> tuple:
 def _check_size(size: int, max_nodes: int) -> None:
     max_nodes = _as_int(max_nodes, "max_nodes")
     if size > max_nodes:
-        raise TreeError(
+        raise TreeSizeError(
             f"token tree has {size} nodes (root + {size - 1} drafts) but at most {max_nodes} fit; "
             "use a smaller tree (fewer choices / a shorter chain / a smaller dynamic budget)"
         )
@@ -361,7 +365,7 @@ def parse_tree_spec(spec, max_nodes: int | None = None):
     else:
         raise TreeTypeError(f"bad tree spec {spec!r} of type {type(spec).__name__}; accepted forms: {_SPEC_FORMS}")
     if max_nodes is not None and spec.budget + 1 > max_nodes:
-        raise TreeError(
+        raise TreeSizeError(
             f"dynamic tree budget {spec.budget} (+ root) exceeds the {max_nodes} nodes that fit; use 'dynamic:{max(max_nodes - 1, 1)}' or less"
         )
     return spec

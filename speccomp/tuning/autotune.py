@@ -76,7 +76,8 @@ import torch
 from speccomp.errors import SpeccompError
 from speccomp.runtime.calls import MAX_TREE
 from speccomp.runtime.decode import Draft, DraftContext, Drafter, RootOnly
-from speccomp.runtime.tree import DEFAULT_DYNAMIC_TOP_K, AutoTreeSpec, DynamicTreeSpec, Tree, parse_tree_spec
+from speccomp.runtime.tree import (DEFAULT_DYNAMIC_TOP_K, AutoTreeSpec, DynamicTreeSpec, Tree, TreeSizeError,
+                                   parse_tree_spec)
 from speccomp.tuning.step_curve import machine_key, store_curve
 from speccomp.tuning.tree_dp import expected_accepted, optimal_trees
 
@@ -186,7 +187,10 @@ def load_result(model, drafter: str, backend: str = "eager") -> "AutotuneResult 
         if data.get("schema") != SCHEMA or data["key"] != cache_key(model, drafter, backend):
             return _ignored(path, f"written for schema {data.get('schema')!r} / another key, not this model's")
         result = AutotuneResult.from_dict(data)
-        parse_tree_spec(result.tree, max_nodes=MAX_TREE)  # a tree that no longer parses (or never fits) is no result
+        try:  # a tree that no longer parses is no result
+            parse_tree_spec(result.tree, max_nodes=MAX_TREE)  # (no tree that cannot fit is built: 10^6 nodes, 931 GiB)
+        except TreeSizeError:
+            pass  # compile refuses it naming this file, before building it
         if not _well_formed(result):
             return _ignored(path, "a field tree='auto' reads has the wrong type")
         result.path = str(path)  # where it was read (a copied cache's file names its old place)
