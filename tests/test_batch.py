@@ -192,9 +192,10 @@ def test_rows_stop_at_their_own_eos_and_are_padded(captured, llama, prompts, tmp
         assert generate(unmasked[mask[:, 0] == 1][:1], max_new_tokens=2).shape[0] == 1  # one that does not start so
     monkeypatch.setattr(llama.generation_config, "eos_token_id", 1)  # the pad id is the model's eos: HF reads it as
     assert fast.generate(unmasked[mask[:, 0] == 0][:1], max_new_tokens=2).shape[0] == 1  # text (no eos given here)
-    from speccomp.engine.export import _pad
+    from speccomp.runtime.calls import model_pad_id
 
-    assert _pad(1, 96) == 1 and _pad(96, 96) is None  # a pad id past the LM head's rows: none (load refused it)
+    assert model_pad_id(llama, 2) == 1 and model_pad_id(llama, 1) is None  # past the LM head's rows: none (an
+    # engine recorded it, and its load refused it as corrupt)
 
 
 def test_rows_join_a_running_batch(captured, llama, prompts, greedy):

@@ -395,12 +395,6 @@ def _eos_ids(model, tokenizer):
     return ids[0] if len(ids) == 1 else ids or None
 
 
-def _pad(pad: int | None, vocab_size: int) -> int | None:
-    """A pad id the engine can pad with (a config's pad past the LM head's rows, an added token never resized into
-    the embedding, is none: calls.pad_id ignores it alike)."""
-    return pad if pad is not None and pad < vocab_size else None
-
-
 def _model_entry(fast, tokenizer, model_id: str | None) -> dict:
     from speccomp.models import fingerprint
     from speccomp.runtime.calls import model_pad_id
@@ -409,7 +403,7 @@ def _model_entry(fast, tokenizer, model_id: str | None) -> dict:
     return {"name": model_id or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__,
             "model_type": captured.model_type, "fingerprint": fingerprint(model) if model is not None else None,
             "vocab_size": captured.vocab_size, "max_positions": fast.max_positions,
-            "eos_token_id": _eos_ids(model, tokenizer), "pad_token_id": _pad(model_pad_id(model), captured.vocab_size),
+            "eos_token_id": _eos_ids(model, tokenizer), "pad_token_id": model_pad_id(model, captured.vocab_size),
             "sliding_window_layers": len(captured.sliding_windows)}  # a batch packs rows only where there are none
 
 

@@ -32,8 +32,8 @@ import numpy as np
 
 from speccomp.runtime.budget import AHEAD_PAST, AHEAD_Q, Budget, StepCosts
 from speccomp.runtime.calls import (MAX_TREE, CallGuard, Generation, as_int, batch_rows, check_context,
-                                    check_unmasked_padding, generate_args, host_array, one_padded_row, pad_id, row_seed, row_slots, run_batch,
-                                    tightest_context)
+                                    check_unmasked_padding, generate_args, host_array, one_padded_row, pad_id,
+                                    row_seed, row_slots, run_batch, tightest_context)
 from speccomp.runtime.packed import PackedBatch, Part
 from speccomp.runtime.topk import top_k, top_logp
 from speccomp.errors import OptionError, OptionTypeError, SpeccompError
@@ -278,7 +278,8 @@ def check_schema(m: dict, file: Path, remake: str) -> None:
     need(eos is None or (_is_int(eos, 0) and eos < vocab) or (_ints(eos, 0) and all(i < vocab for i in eos)),
          "model.eos_token_id", eos, f"a token id in [0, {vocab}), a list of them or null")
     pad = model.get("pad_token_id")  # a batch's padding (absent in engines before it)
-    need(pad is None or (_is_int(pad, 0) and pad < vocab), "model.pad_token_id", pad, f"a token id in [0, {vocab}) or null")
+    need(pad is None or (_is_int(pad, 0) and pad < vocab), "model.pad_token_id", pad,
+         f"a token id in [0, {vocab}) or null")
     for key in ("num_layers", "num_kv_heads", "head_dim"):
         need(_is_int(kv.get(key), 1), f"kv.{key}", kv.get(key), "a positive int")
     need(isinstance(kv.get("dtype"), str) and kv["dtype"] in _DTYPES, "kv.dtype", kv.get("dtype"), f"one of {list(_DTYPES)}")

@@ -264,12 +264,10 @@ def row_slots(prompt_len: int, max_new_tokens: int, max_tree: int) -> int:
 
 def pad_id(pad_token_id, eos, vocab_size: int, model_pad=None) -> int:
     """The id a batch pads stopped rows with, as HF's generate picks it: `pad_token_id` (one token id of the
-    vocabulary), else the model's own (`model_pad`: its generation_config's, `model_pad_id`), else the first eos id
-    given, else 0 (without eos every row runs to max_new_tokens)."""
+    vocabulary), else the model's own (`model_pad`: `model_pad_id`'s, or an engine manifest's), else the first eos
+    id given, else 0 (without eos every row runs to max_new_tokens)."""
     if pad_token_id is None:
-        if isinstance(model_pad, int) and 0 <= model_pad < vocab_size:
-            return model_pad
-        return eos[0] if eos else 0
+        return model_pad if model_pad is not None else eos[0] if eos else 0
     if isinstance(pad_token_id, (list, tuple)) or getattr(pad_token_id, "ndim", 0) != 0:
         raise OptionTypeError("pad_token_id", pad_token_id, "must be one token id (an int)")
     return token_ids("pad_token_id", pad_token_id, vocab_size)[0]
@@ -295,11 +293,11 @@ def check_unmasked_padding(input_ids, attention_mask, pad_token_id, model_pad, e
                           "would read every token given", "pass the tokenizer's attention_mask (or the ids unpadded)")
 
 
-def model_pad_id(model) -> int | None:
-    """The pad id HF's generate pads a batch with when given none: the model's generation_config's (None for a
-    plain module, or a config without one)."""
+def model_pad_id(model, vocab_size: int) -> int | None:
+    """The pad id HF's generate pads a batch with when given none: the model's generation_config's; None for a plain
+    module, a config without one, or one past the LM head's rows (an added token never resized into the model)."""
     pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
-    return pad if isinstance(pad, int) and not isinstance(pad, bool) and pad >= 0 else None
+    return pad if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < vocab_size else None
 
 
 def run_batch(batch, rows: list) -> int:

@@ -150,7 +150,8 @@ class SpecModel:
         if not isinstance(load_aware, bool):  # checked for one sequence too, where it changes nothing
             raise OptionTypeError("load_aware", load_aware, "must be True or False")
         self.check_weights()
-        check_unmasked_padding(input_ids, attention_mask, pad_token_id, model_pad_id(self.model), eos_token_id,
+        vocab = self.graph.captured.vocab_size
+        check_unmasked_padding(input_ids, attention_mask, pad_token_id, model_pad_id(self.model, vocab), eos_token_id,
                                getattr(getattr(self.model, "generation_config", None), "eos_token_id", None))
         input_ids, attention_mask, padding = one_padded_row(input_ids, attention_mask)  # [1, n] left-padded
         rows = batch_rows(input_ids, attention_mask)
@@ -200,7 +201,7 @@ class SpecModel:
             self._check_call(a, acceptance)
         check_batchable(self, len(rows))
         eos = args[0].eos
-        pad = pad_id(pad_token_id, eos, vocab, model_pad_id(self.model))
+        pad = pad_id(pad_token_id, eos, vocab, model_pad_id(self.model, vocab))
         a = args[0]
         seqs = [Sequence(r.prompt.tolist(), (self.drafter or RootOnly()).fresh(),
                          Sampler(a.do_sample, a.temperature, a.top_p, row_seed(a.seed, i)),
