@@ -258,8 +258,6 @@ def fold_transposed_weights(graph) -> int:
 
         before:  x -> MatMul(x, Transpose(W))              after:  x -> MatMul(x, W_transposed)
     """
-    from onnx import numpy_helper
-
     inits = {i.name: i for i in graph.initializer}
     producers = {o: n for n in graph.node for o in n.output}
     outputs = {o.name for o in graph.output}
@@ -273,19 +271,25 @@ def fold_transposed_weights(graph) -> int:
         if transpose is None or transpose.op_type != "Transpose" or transpose.input[0] not in inits:
             continue
         perm = [list(a.ints) for a in transpose.attribute if a.name == "perm"]
-        weight = numpy_helper.to_array(inits[transpose.input[0]])
-        if weight.ndim != 2 or perm not in ([], [[1, 0]]):
+        if len(inits[transpose.input[0]].dims) != 2 or perm not in ([], [[1, 0]]):
             continue
-        name = f"{transpose.input[0]}_transposed"
-        if name not in inits:
-            inits[name] = numpy_helper.from_array(np.ascontiguousarray(weight.T), name)
-            graph.initializer.append(inits[name])
-        node.input[1] = name
+        node.input[1] = _transposed(graph, inits, transpose.input[0])
         readers[transpose.output[0]] -= 1
         if readers[transpose.output[0]] == 0 and transpose.output[0] not in outputs:
             graph.node.remove(transpose)
         folded += 1
     return folded
+
+
+def _transposed(graph, inits: dict, name: str) -> str:
+    """The name of constant `name`'s transpose [K, N], added to the graph's initializers once."""
+    from onnx import numpy_helper
+
+    out = f"{name}_transposed"
+    if out not in inits:
+        inits[out] = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(inits[name]).T), out)
+        graph.initializer.append(inits[out])
+    return out
 
 
 def split_constant_gemms(graph) -> int:
@@ -296,7 +300,7 @@ def split_constant_gemms(graph) -> int:
 
         before:  x -> Gemm(x, W [N, K], b, transB=1)        after:  x -> MatMul(x, W.T [K, N]) -> Add(b)
     """
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     inits = {i.name: i for i in graph.initializer}
     split = 0
@@ -305,12 +309,7 @@ def split_constant_gemms(graph) -> int:
         if (node.op_type != "Gemm" or node.input[1] not in inits or attrs.get("transA", 0) != 0
                 or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0):
             continue
-        weight, name = node.input[1], node.input[1]
-        if attrs.get("transB", 0):
-            name = f"{weight}_transposed"
-            if name not in inits:
-                inits[name] = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(inits[weight]).T), name)
-                graph.initializer.append(inits[name])
+        name = _transposed(graph, inits, node.input[1]) if attrs.get("transB", 0) else node.input[1]
         has_bias = len(node.input) > 2 and node.input[2] != ""
         product = f"{node.output[0]}_matmul" if has_bias else node.output[0]
         new = [helper.make_node("MatMul", [node.input[0], name], [product], name=f"{node.output[0]}_matmul")]

@@ -103,8 +103,10 @@ def _directory(parameter: str, path) -> None:
 
 def _makeable(parameter: str, path) -> None:
     """No file on the way to `path` (it failed when written: after the model loaded, as an OS error)."""
-    above = next((a for a in Path(path).absolute().parents if a.exists()), None)
-    if above is not None and not above.is_dir():
+    from speccomp.engine.runtime import file_above
+
+    above = file_above(Path(path).absolute())
+    if above is not None:
         raise OptionError(parameter, path, f"lies under {above}, which is a file", "give a path under a directory")
 
 

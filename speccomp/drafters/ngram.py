@@ -40,7 +40,6 @@ DEFAULT_RECYCLING_TREE = [
     [0, 0, 0, 0, 0], [1, 0, 0, 0, 0],
     [0, 0, 0, 0, 0, 0],
 ]  # fmt: skip
-DEFAULT_TREE = Tree.from_choices(DEFAULT_RECYCLING_TREE)
 
 
 def _int_option(name: str, value, minimum: int) -> int:
@@ -115,8 +114,11 @@ class TokenRecyclingDrafter(Drafter):
     def __init__(self, top_k: int = 8, tree=None, ngram_branches: int = 1, max_ngram: int = 4, min_ngram: int = 1,
                  ngram_depth: int = 8, persist: bool = False):
         self.top_k = top_k = _int_option("top_k", top_k, 1)
-        self.tree = spec = tree_option(tree) if tree is not None else DEFAULT_TREE if top_k > max(DEFAULT_TREE.ranks) \
-            else Tree.from_choices([c for c in DEFAULT_RECYCLING_TREE if max(c) < top_k])
+        if tree is not None:
+            spec = tree_option(tree)
+        else:  # the default, cut to the ranks top_k keeps (all of them from top_k = 6 on)
+            spec = Tree.from_choices([c for c in DEFAULT_RECYCLING_TREE if max(c) < top_k])
+        self.tree = spec
         if isinstance(spec, (DynamicTreeSpec, AutoTreeSpec)):
             raise OptionError("tree", tree, "token_recycling needs a static tree", "a choice list or an int k")
         widest = max(spec.ranks)

@@ -106,11 +106,17 @@ def light_graph(spec: dict) -> bool:
     return spec.get("light", spec.get("name") in LIGHT_GRAPHS)
 
 
-def check_makeable(path: Path) -> None:
-    """A directory can be made at absolute `path`: the nearest existing folder above it is a folder, not a file
-    (refused before an export's work, not when it finally writes)."""
+def file_above(path: Path) -> Path | None:
+    """The nearest existing path above absolute `path` where it is a file (nothing can be made under it), else None."""
     above = next((a for a in path.parents if a.exists()), None)
-    if above is not None and not above.is_dir():
+    return above if above is not None and not above.is_dir() else None
+
+
+def check_makeable(path: Path) -> None:
+    """A directory can be made at absolute `path`: no file on the way (refused before an export's work, not when it
+    finally writes)."""
+    above = file_above(path)
+    if above is not None:
         raise EngineError(f"{above} is a file, so {path} cannot be made under it; choose another path")
 
 

@@ -58,8 +58,10 @@ class KVCache:
 
     def append(self, new_kv: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         """Append this step's entries; `keep` (indices along the token axis) selects some of them."""
-        if new_kv.dim() != 6 or new_kv.shape[:4] != self.data.shape[:4] or new_kv.shape[5] != self.data.shape[5]:
-            # a target pass changed the output (fewer layers broadcast into every layer: a text neither model gives)
+        if self.length == 0 and (new_kv.dim() != 6 or new_kv.shape[:4] != self.data.shape[:4]
+                                 or new_kv.shape[5] != self.data.shape[5]):
+            # a target pass changed the output (fewer layers broadcast into every layer: a text neither model gives);
+            # the graph is the same at every step: its first entries (the prefill's) are checked, not every step's
             raise GraphStructureError(f"the target graph's new_kv output is {list(new_kv.shape)}; the cache holds "
                                       f"{list(self.data.shape[:4])} + [tokens, {self.data.shape[5]}]: a target pass "
                                       "may add outputs after logits, new_kv, hidden, not change them")

@@ -159,9 +159,9 @@ class SpecModel:
             return self._generate_batch(input_ids, rows, max_new_tokens, eos_token_id, do_sample, temperature, top_p,
                                         seed, acceptance, pad_token_id, load_aware)
         args = generate_args(input_ids, max_new_tokens, eos_token_id, do_sample, temperature, top_p, seed,
-                             vocab_size=self.graph.captured.vocab_size, max_positions=self.max_positions)
+                             vocab_size=vocab, max_positions=self.max_positions)
         self._check_call(args, acceptance)
-        pad_id(pad_token_id, args.eos, self.graph.captured.vocab_size)  # unused by one sequence, checked all the same
+        pad_id(pad_token_id, args.eos, vocab)  # unused by one sequence, checked all the same
         if isinstance(input_ids, torch.Tensor):
             device, given = input_ids.device, input_ids.reshape(1, -1).long()
         else:
