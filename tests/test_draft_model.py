@@ -416,3 +416,12 @@ def test_smollm2_with_a_draft_trained_here(smollm, smollm_captured, two_threads,
     finally:
         torch.set_num_threads(threads)
     assert rc == 0
+
+
+def test_a_draft_the_backend_cannot_run_is_refused_naming_the_draft():
+    """A bfloat16 draft beside a float32 target on ONNX Runtime's CPU provider: the refusal names the draft and the
+    conversion that fixes it (not 'compile model.float()', which the target already is)."""
+    target = tiny_llama()
+    with pytest.raises(OptionError, match=r"drafter='LlamaForCausalLM \(torch.bfloat16\)': the draft model cannot run on "
+                                          r"backend='onnxruntime'.*drafter=draft.to\(torch.float32, device='cpu'\)"):
+        speccomp.compile(target, drafter=copy.deepcopy(target).to(torch.bfloat16), tree=3, backend="onnxruntime")

@@ -402,6 +402,19 @@ def _minicpm3():
         qk_nope_head_dim=8, v_head_dim=8, pad_token_id=0)).eval()
 
 
+def _gemma3n():
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    # per-layer inputs and AltUp's several residual streams: no decoder block hands one hidden state to the next
+    torch.manual_seed(0)
+    return Gemma3nForCausalLM(Gemma3nTextConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=256, vocab_size_per_layer_input=128,
+        hidden_size_per_layer_input=8, laurel_rank=4, altup_num_inputs=2, num_kv_shared_layers=0,
+        activation_sparsity_pattern=[0.0, 0.0], layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8)).eval()
+
+
 def _llama_base():
     from transformers import LlamaConfig, LlamaModel
 
@@ -420,6 +433,7 @@ UNSUPPORTED = {
     "minimax_hybrid": (_minimax, ("hybrid", "['linear_attention']")),  # it raised a ValueError of its own
     "llama_base_model_no_head": (_llama_base, ("lm head",)),
     "minicpm3_latent_attention": (_minicpm3, ("minicpm3", "latent")),  # named neither before
+    "gemma3n_altup": (_gemma3n, ("gemma3n_text", "residual-stream")),  # did not name the model before
     # dynamic NTK recomputes its frequencies from the sequence length: was refused by a torch.export guard's message
     "llama_dynamic_rope": (lambda: ARCHITECTURES["llama"].build(
         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, max_position_embeddings=24),

@@ -256,7 +256,15 @@ def make_draft_model(base, draft, options: dict | None, tree, backend: str):
     spec = DEFAULT_TREE if tree is None else tree_option(tree)  # tree="auto" was resolved by compile (autotune.py)
     check_tree_width(spec, draft_vocab, "draft model", tree)
     sg = run_passes(SpecGraph.from_captured(captured), [TreeAttention()])
-    drafter = DraftModelDrafter(lower(sg, backend, spin=False), sg, spec)
+    try:
+        step = lower(sg, backend, spin=False)
+    except OptionError as e:  # a backend's dtype / device rule, met by the target (lowered first) but not its draft
+        weight = next(iter(base.gm.parameters()), None)
+        device = "" if weight is None else f", device='{weight.device}'"
+        raise OptionError("drafter", f"{type(draft).__name__} ({captured.kv.dtype})",
+                          f"the draft model cannot run on backend={backend!r}: {e.problem}",
+                          f"pass the draft as the target is, drafter=draft.to({base.captured.kv.dtype}{device})") from e
+    drafter = DraftModelDrafter(step, sg, spec)
     return drafter if bridge is None else CrossTokenizerDrafter(drafter, bridge)
 
 

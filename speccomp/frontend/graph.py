@@ -227,7 +227,15 @@ def _decoder_layer_path(node: fx.Node) -> str | None:
 
 
 def annotate(captured: CapturedModel) -> Structure:
-    """Find the model's structure in the captured graph, or fail naming what is missing."""
+    """Find the model's structure in the captured graph, or fail naming the model and what is missing."""
+    try:
+        return _structure(captured)
+    except UnsupportedModelError as e:  # the graph's own words ("decoder block model.layers.0 ...") lack the model
+        raise UnsupportedModelError(f"{captured.model_type}: {e}; speccomp finds no decoder-only structure it can "
+                                    "rewrite in this model's captured graph") from e
+
+
+def _structure(captured: CapturedModel) -> Structure:
     graph = captured.graph_module.graph
     inputs = _placeholders(graph)
     missing = [n for n in INPUT_NAMES if n not in inputs]
