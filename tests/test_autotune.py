@@ -581,6 +581,13 @@ def test_tree_auto_on_first_use_tunes_only_on_prompts_that_fit_the_model(cache, 
     with pytest.raises(AutotuneError, match="none of the shipped prompts leaves room for 128 new tokens in the "
                                             "model's context of 160 positions"):
         speccomp.compile(model, drafter="token_recycling", tree="auto")
+    # a draft LM's shorter context bounds the text too: first-use tuning failed inside generate, naming max_new_tokens
+    long = tiny_llama(max_position_embeddings=1024)
+    long.save_pretrained(tmp_path / "long")
+    char_tokenizer().save_pretrained(tmp_path / "long")
+    long = AutoModelForCausalLM.from_pretrained(tmp_path / "long").eval()
+    with pytest.raises(AutotuneError, match="leaves room for 128 new tokens in the draft model's context of 160 "):
+        speccomp.compile(long, drafter=model, tree="auto")
 
 
 def test_plain_is_kept_only_where_it_beats_the_kept_tree_on_the_held_back_prompts():

@@ -333,12 +333,15 @@ def _tune_on_first_use(model, drafter, backend: str, drafter_options: dict | Non
             "'dynamic:B:K')"
         )
     prompts, eos = found
-    limit = _context_length(model)
+    # a draft LM's context bounds the text too (generate refuses a reply past it: check_context)
+    limits = {"model's": _context_length(model),
+              "draft model's": _context_length(drafter) if is_draft_lm(drafter) else None}
+    whose, limit = min(((k, n) for k, n in limits.items() if n), key=lambda kn: kn[1], default=(None, None))
     prompts = [p for p in prompts if limit is None or p.shape[-1] + FIRST_USE_NEW_TOKENS <= limit]
     if not prompts:
         raise AutotuneError(
             f"tree='auto': no autotuned tree for drafter {name!r} on backend {backend!r} for this model and machine, "
-            f"and none of the shipped prompts leaves room for {FIRST_USE_NEW_TOKENS} new tokens in the model's "
+            f"and none of the shipped prompts leaves room for {FIRST_USE_NEW_TOKENS} new tokens in the {whose} "
             f"context of {limit} positions to tune it on first use. Run `speccomp.autotune(model, ..., prompts, "
             "max_new_tokens=...)` with prompts that fit, or pass an explicit tree")
     print(f"tree='auto': no tree tuned for {name!r} on {backend!r} on this machine yet; tuning it now on "
