@@ -546,6 +546,12 @@ def test_export_refuses_what_it_cannot_run_or_would_destroy(llama, engine_dir, t
     again = _copy(engine_dir, tmp_path / "again")
     with pytest.raises(EngineError, match="overwrite=True"):
         fast.export(again)
+    target = read_manifest(again)["graphs"]["target"]
+    assert "data" not in target  # a tiny model's weights are inline: no <graph>.onnx.data of the engine's
+    (again / f"{target['file']}.data").write_text("mine")  # a user's file of that name was deleted by the overwrite
+    with pytest.raises(EngineError, match=rf"files it did not write \['{target['file']}.data'\]"):
+        fast.export(again, overwrite=True)
+    (again / f"{target['file']}.data").unlink()
     fast.export(again, overwrite=True)  # plain decoding replaces the token_recycling engine
     assert read_manifest(again)["drafter"]["name"] is None
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary directories left behind"

@@ -285,8 +285,8 @@ def engine_files(path: Path) -> set[str] | None:
     names = {MANIFEST}
     for graph in (manifest.get("graphs") or {}).values():
         file = graph.get("file") if isinstance(graph, dict) else None
-        if isinstance(file, str):
-            names |= {file, file + ".data"}
+        if isinstance(file, str):  # and its weights file where the manifest records one (a user's is not ours)
+            names |= {file, file + ".data"} if isinstance(graph.get("data"), dict) else {file}
     return names | set(tokenizer_files(manifest))  # the target's tokenizer, a draft model's own
 
 
