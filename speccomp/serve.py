@@ -42,7 +42,11 @@ UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logpr
                "ignore_eos": False, "min_tokens": 0, "stop_token_ids": None, "typical_p": 1,
                "include_stop_str_in_output": False, "skip_special_tokens": True}
 # accepted only at these values (or null): anything else would change the text, so it is refused, never ignored
-KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream",
+EMPTY = {"stop": ("", []), "suffix": ("",), "tools": ([],), "functions": ([],), "logit_bias": ({},),
+         "stop_token_ids": ([],), "logprobs": (False,), "top_logprobs": (0,), "top_k": (0, -1),
+         "parallel_tool_calls": (False,)}
+# ... and the values of those without one that mean "none" (top_k 0 or -1: vLLM's "all tokens"), of that very type
+KNOWN = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream",
          "stream_options", "user", "safety_identifier", "prompt_cache_key", "metadata", "store", "service_tier",
          *UNSUPPORTED}
 # a key outside KNOWN (and not null) is refused too: an option speccomp has never heard of may change the reply
@@ -217,16 +221,20 @@ def check_sizes(max_batch, kv_slots, max_tree: int) -> None:
                           f"reply and {max_tree + 1} slots for its last step's tree", "e.g. 8192 (the default)")
 
 
-def _options(body: dict, default_max_tokens: int | None) -> dict:
+def _options(body: dict, default_max_tokens: int | None, chat: bool) -> dict:
     """generate()'s options from an OpenAI request body (checked by the engine's own checks after this)."""
-    for key in sorted(set(body) - KNOWN):
+    reads, other = ("messages", "prompt") if chat else ("prompt", "messages")
+    if body.get(other) is not None:  # the other endpoint's input would be dropped
+        raise OptionError(other, body[other], f"is read by {'/v1/completions' if chat else '/v1/chat/completions'}"
+                          f"; this endpoint reads {reads!r}", f"send it to that endpoint, or leave {other!r} out")
+    for key in sorted(set(body) - KNOWN - {reads}):
         if body[key] is not None:  # null asks for the default
             raise OptionError(key, body[key], "is not a parameter speccomp serve knows; refused rather than ignored",
                               "leave it out")
     for key, allowed in UNSUPPORTED.items():
         value = body.get(key)
-        if value is None or (allowed is None and not value and not (key == "logprobs" and value is not False)):
-            continue  # unset, or an empty value (stop: [], logprobs: false); logprobs: 0 asks for the chosen tokens'
+        if value is None or any(type(value) is type(e) and value == e for e in EMPTY.get(key, ())):
+            continue  # unset, or an empty value of the key's own type (stop: [], logprobs: false; not stop: 0)
         if allowed is None or value != allowed or isinstance(value, bool) != isinstance(allowed, bool):  # n: true
             raise OptionError(key, body[key], "is not supported by speccomp serve", f"leave it out or use {allowed!r}")
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
@@ -249,9 +257,12 @@ def _options(body: dict, default_max_tokens: int | None) -> dict:
     if None not in (old, new) and old != new:
         raise OptionError("max_completion_tokens", new, f"differs from max_tokens={old}; they name the same limit",
                           "send one of them")
+    seed = body.get("seed")  # checked when greedy too, where it is not used: a wrong type is a client's bug
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise OptionError("seed", seed, "must be an int in [0, 2**63)", "or leave it out")
     max_tokens = next((v for v in limits.values() if v is not None), default_max_tokens)
     return {"max_new_tokens": max_tokens, "do_sample": temperature > 0, "temperature": temperature or 1.0,
-            "top_p": given("top_p", 1.0), "seed": body.get("seed") if temperature > 0 else None}  # greedy: no draw
+            "top_p": given("top_p", 1.0), "seed": seed if temperature > 0 else None}  # greedy: no draw
 
 
 def _error_handlers(app, scheduler) -> None:
@@ -337,7 +348,7 @@ async def _respond(scheduler, engine, model_name: str, request, ids: list[int], 
         raise OptionError("prompt", f"{len(ids)} tokens", "leaves no room for a reply in the model's context or this "
                           "server's cache (--kv-slots)", "shorten the prompt")
     default_max_tokens = max(1, min(default_max_tokens, room))
-    job = Job(ids, _options(body, default_max_tokens), asyncio.get_running_loop())
+    job = Job(ids, _options(body, default_max_tokens, chat), asyncio.get_running_loop())
     # stream_options.include_usage: every chunk carries "usage": null, a last chunk (no choices) the counts
     usage = len(ids) if body.get("stream") and _stream_options(body).get("include_usage") else None
     scheduler.submit(job)

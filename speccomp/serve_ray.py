@@ -32,15 +32,25 @@ def _ray():
 
 def application(engine_dir, replicas: int = 2, max_batch: int = 8, kv_slots: int = 8192, provider: str = "cpu",
                 threads: int | None = None, cpus_per_replica: float = 1.0, draft: bool = True):
-    """The Ray Serve application (`serve.run(application(...))`): `replicas` copies of the engine's app."""
-    _, serve = _ray()
-    # checked here, in the caller's process: inside a replica a bad value would only show in Ray's logs
+    """The Ray Serve application (`serve.run(application(...))`): `replicas` copies of the engine's app.
+
+    Everything is checked here, in the caller's process, before Ray is involved: inside a replica a bad value, a bad
+    directory or an engine that cannot batch would only show as Ray's "Deploying application speccomp failed", with
+    the reason in its logs. No ONNX Runtime session is built in this process (each replica builds its own)."""
+    from speccomp.engine.runtime import check_batchable, check_provider, read_manifest
+    from speccomp.serve import check_sizes
+
     for name, value in (("replicas", replicas), ("max_batch", max_batch), ("kv_slots", kv_slots), ("threads", threads)):
         if (value is not None or name != "threads") and (not isinstance(value, int) or isinstance(value, bool)
                                                          or value < 1):
             raise OptionError(name, value, "must be a positive int", f"e.g. {name}=2")
     if isinstance(cpus_per_replica, bool) or not isinstance(cpus_per_replica, (int, float)) or cpus_per_replica < 0:
         raise OptionError("cpus_per_replica", cpus_per_replica, "must be a number >= 0", "e.g. cpus_per_replica=1")
+    manifest = read_manifest(engine_dir, verify=False)  # the engine's own message for a bad directory
+    check_provider(provider)
+    check_sizes(max_batch, kv_slots, manifest["max_tree"])
+    check_batchable(manifest, max(max_batch, 2), draft)
+    _, serve = _ray()
     engine_dir = str(Path(engine_dir).resolve())  # replicas may start in another working directory
 
     def build():  # runs in each replica's process (cloudpickled there): its own engine and scheduler
@@ -65,15 +75,7 @@ def serve_replicas(engine_dir, host: str = "127.0.0.1", port: int = 8000, replic
                    kv_slots: int = 8192, provider: str = "cpu", threads: int | None = None, draft: bool = True) -> None:
     """Deploy `replicas` copies on the Ray cluster (a local one unless RAY_ADDRESS names another) and serve until
     interrupted."""
-    from speccomp.engine.runtime import check_batchable, check_provider, read_manifest
-    from speccomp.serve import check_sizes
-
-    # a bad directory, provider, size or an engine that cannot batch fails here, with the engine's own message, not
-    # inside a replica (which loads and verifies the graphs itself: no sessions are built in this process)
-    manifest = read_manifest(engine_dir, verify=False)
-    check_provider(provider)
-    check_sizes(max_batch, kv_slots, manifest["max_tree"])
-    check_batchable(manifest, max(max_batch, 2), draft)
+    app = application(engine_dir, replicas, max_batch, kv_slots, provider, threads, draft=draft)  # checks, first
     ray, serve = _ray()
 
     def interrupted(*_):
@@ -84,8 +86,7 @@ def serve_replicas(engine_dir, host: str = "127.0.0.1", port: int = 8000, replic
     ray.init(ignore_reinit_error=True)
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(application(engine_dir, replicas, max_batch, kv_slots, provider, threads, draft=draft),
-                  name="speccomp", blocking=True)
+        serve.run(app, name="speccomp", blocking=True)
     except KeyboardInterrupt:
         pass
     finally:

@@ -188,9 +188,31 @@ def test_openai_keys_that_change_no_text_are_accepted_and_greedy_drops_the_seed(
 
     body = {"prompt": "w5", "safety_identifier": "u-1", "prompt_cache_key": "k", "user": "me", "temperature": 0,
             "seed": 7}
-    options = _options(body, 16)
+    options = _options(body, 16, chat=False)
     assert options["do_sample"] is False and options["seed"] is None
-    assert _options({**body, "temperature": 0.5}, 16)["seed"] == 7
+    assert _options({**body, "temperature": 0.5}, 16, chat=False)["seed"] == 7
+
+
+def test_a_wrong_unset_value_a_greedy_requests_seed_and_the_other_endpoints_input_are_refused(server):
+    """Were answered 200: a falsy value of the wrong type for an unsupported key (stop: 0 / false / {}), a seed that is
+    no seed on a greedy request (checked only when sampling), and `messages` on /v1/completions or `prompt` on
+    /v1/chat/completions (dropped). The empty values of each key's own type still mean "none"."""
+    url, _ = server
+    chat = {"messages": [{"role": "user", "content": "w5"}], "max_tokens": 2}
+    text = {"prompt": "w5 w6", "max_tokens": 2}
+    for path, body, param in (("completions", {**text, "stop": 0}, "stop"),
+                              ("completions", {**text, "stop": False}, "stop"),
+                              ("completions", {**text, "stop": {}}, "stop"),
+                              ("completions", {**text, "temperature": 0, "seed": "abc"}, "seed"),
+                              ("completions", {**text, "temperature": 0, "seed": -5}, "seed"),
+                              ("completions", {**text, **chat}, "messages"),
+                              ("chat/completions", {**chat, "prompt": "w7"}, "prompt")):
+        r = httpx.post(f"{url}/v1/{path}", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"{param}="), (body, r.text)
+    for extra in ({"stop": []}, {"stop": ""}, {"logit_bias": {}}, {"top_k": -1}, {"top_k": 0}, {"logprobs": False},
+                  {"temperature": 0, "seed": 3}):
+        r = httpx.post(f"{url}/v1/completions", json={**text, **extra}, timeout=30)
+        assert r.status_code == 200, (extra, r.text)
 
 
 def test_a_request_larger_than_the_cache_is_refused_and_bad_json_too(server):

@@ -101,13 +101,17 @@ def test_sizes_and_batching_are_checked_before_ray_starts(engine_path, model, tm
     import speccomp
     from speccomp.engine.runtime import EngineError
     from speccomp.errors import OptionError
-    from speccomp.serve_ray import serve_replicas
+    from speccomp.serve_ray import application, serve_replicas
 
     with pytest.raises(OptionError, match="^kv_slots=3: must be an int >= "):
         serve_replicas(engine_path, replicas=2, kv_slots=3)
+    with pytest.raises(OptionError, match="^kv_slots=10: must be an int >= "):  # Python's path: Ray said "failed"
+        application(engine_path, kv_slots=10)
     with pytest.raises(OptionError, match="^max_batch=0: must be a positive int"):
         serve_replicas(engine_path, replicas=2, max_batch=0)
     path = tmp_path / "early_exit"
     speccomp.compile(model, drafter="early_exit", drafter_options={"exit_layer": 1}, backend="onnxruntime").export(path)
     with pytest.raises(EngineError, match="--no-draft"):
         serve_replicas(path, replicas=2)
+    with pytest.raises(EngineError, match="--no-draft"):
+        application(path)
