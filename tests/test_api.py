@@ -167,6 +167,11 @@ def test_generation_config_options_speccomp_does_not_apply_are_named():
     ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(4))
     model.generation_config.repetition_penalty, model.generation_config.suppress_tokens = None, None
     assert torch.equal(fast.generate(ids, max_new_tokens=8), hf_greedy(model, ids, 8))
+    # a chat checkpoint's sampling defaults (HF's generate() samples with them; speccomp's reads its arguments)
+    model.generation_config.do_sample, model.generation_config.temperature = True, 0.6
+    with pytest.warns(UserWarning, match=r"generation_config sets do_sample=True, temperature=0.6, which HF's generate"
+                                         r"\(\) uses by default.*pass generate\(\.\.\., do_sample=True, temperature=0.6\)"):
+        speccomp.compile(model)
 
 
 def test_structure_found(tiny):

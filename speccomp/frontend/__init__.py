@@ -74,10 +74,14 @@ TEXT_CHANGING = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", 
                  "epsilon_cutoff", "eta_cutoff", "typical_p", "min_p", "top_k")
 
 
+# ... and those that make HF's generate() sample, and how, by default: speccomp's generate reads its own arguments
+SAMPLING = ("do_sample", "temperature", "top_p")
+
+
 def warn_generation_config(model) -> None:
     """Warn, naming them, when the model's generation_config sets text-changing options HF's generate() would apply
     by default and speccomp does not (its text is HF's with those unset; top_k and the other sampling filters matter
-    only with do_sample=True)."""
+    only with do_sample=True), or makes HF's generate() sample by default (do_sample, with its temperature / top_p)."""
     import warnings
 
     from transformers import GenerationConfig
@@ -92,3 +96,9 @@ def warn_generation_config(model) -> None:
         warnings.warn(f"the model's generation_config sets {changed}, which HF's generate() applies by default: "
                       "speccomp's generate does not: its text equals HF's generate with these unset (to compare the two, "
                       f"set model.generation_config.{next(iter(changed))} = None, ...)", stacklevel=3)
+    sampling = {f: v for f in SAMPLING if (v := getattr(config, f, None)) is not None and v != neutral.get(f)}
+    if sampling:
+        given = ", ".join(f"{f}={v!r}" for f, v in sampling.items())
+        warnings.warn(f"the model's generation_config sets {given}, which HF's generate() uses by default; speccomp's "
+                      "generate reads only its own arguments (greedy unless do_sample=True; temperature and top_p 1.0 "
+                      f"unless given): pass generate(..., {given}) to decode as the checkpoint asks", stacklevel=3)
