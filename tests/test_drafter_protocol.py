@@ -180,6 +180,22 @@ def test_a_users_malformed_drafts_are_refused_naming_the_drafter(how, words):
         fast.generate(ids, max_new_tokens=8)
 
 
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.int32])
+def test_a_users_drafts_in_a_narrower_integer_type_decode_the_models_text(dtype):
+    """int16 / uint8 ids passed the draft check and failed in the embedding (eager: 'Expected ... Long, Int'; inductor:
+    an InductorBackendError blaming the C++ compiler)."""
+    class Narrow(Counter):
+        def propose(self, ctx: DraftContext) -> Draft:
+            draft = super().propose(ctx)
+            return Draft(draft.tree, draft.tokens.to(dtype))
+
+    model = tiny_llama(initializer_range=0.2)
+    ids = torch.arange(3, 13)[None]
+    ref = ids[0].tolist() + greedy(model, ids, 12).tolist()
+    fast = speccomp.compile(model, drafter=Narrow(ref))
+    assert fast.generate(ids, max_new_tokens=12)[0].tolist() == ref and fast.last_stats["steps"] < 12
+
+
 def test_a_drafter_cannot_change_the_text_it_is_shown():
     model = tiny_llama(initializer_range=0.2)
     ids = torch.arange(3, 13)[None]

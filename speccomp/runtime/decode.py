@@ -435,7 +435,8 @@ def check_draft(draft, root: int, vocab: int, name: str) -> Draft:
         refuse(f"token ids in [{lo}, {hi}], outside the vocabulary [0, {vocab})")
     if draft.probs is not None and tuple(draft.probs.shape) != (n, vocab):
         refuse(f"probs of shape {tuple(draft.probs.shape)}, not [{n}, {vocab}] (one distribution per node)")
-    return draft
+    # ids in range, of a narrower integer type (int16, uint8, ...): the embedding takes long or int32 alone
+    return draft if tokens.dtype in (torch.long, torch.int32) else Draft(draft.tree, tokens.long(), draft.probs)
 
 
 def decode(verifier, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int, eos: set[int], sampler: Sampler,
