@@ -342,9 +342,12 @@ def _is_causal_mask(gm: fx.GraphModule, mask: fx.Node, input_ids: fx.Node) -> bo
     Short lengths must evaluate; longer ones (up to 4097) are checked where the module computes them: a sliding
     window (i - j < W) is the causal mask up to W tokens (a window above 4096 is not seen here). A mask cut from a
     table shorter than a length (nanoGPT's tril buffer) ends the check there: the module's context ends there too."""
+    def reads(n: fx.Node):  # type_as(x, h) reads h's dtype alone (Meta Llama's mask.type_as(h)), not its values
+        return [n.args[0]] if n.target is aten.type_as.default else n.all_input_nodes
+
     nodes, todo = {mask}, [mask]  # everything the mask is computed from, shape reads included
     while todo:
-        for a in todo.pop().all_input_nodes:
+        for a in reads(todo.pop()):
             if a not in nodes:
                 nodes.add(a)
                 todo.append(a)
@@ -360,6 +363,10 @@ def _is_causal_mask(gm: fx.GraphModule, mask: fx.Node, input_ids: fx.Node) -> bo
             return False
         if input_ids in node.all_input_nodes and node.target is not aten.sym_size.int:
             return False  # depends on token values, not just the length
+        if node.target is aten.type_as.default:
+            env[node] = sub.call_function(aten._to_copy.default, (env[node.args[0]],),
+                                          {"dtype": node.args[1].meta["val"].dtype})
+            continue
         env[node] = sub.node_copy(node, lambda a: env[a])
     if input_ids not in env:
         env[input_ids] = sub.placeholder("input_ids")

@@ -106,7 +106,8 @@ def apply_rotary(x, cos, sin):  # x [B, T, H, D]; cos, sin [T, D/2]; interleaved
 
 class Attention(nn.Module):
     gqa = "repeat_interleave"  # variants: "enable_gqa", "expand" (HF repeat_kv), "meta" (Meta-Llama repeat_kv)
-    mask = "is_causal"  # variant: "tril" (a bool causal mask built in the graph), "window" (of `window` tokens)
+    mask = "is_causal"  # variants: "tril" (a bool causal mask built in the graph), "meta" (Meta Llama's float one),
+    # "window" (of `window` tokens)
     window = 12
 
     def __init__(self, dim: int, n_head: int, n_kv: int):
@@ -135,6 +136,9 @@ class Attention(nn.Module):
             kwargs["enable_gqa"] = True
         if self.mask == "tril":
             kwargs = {**kwargs, "is_causal": False, "attn_mask": torch.ones(T, T, dtype=torch.bool, device=x.device).tril()}
+        elif self.mask == "meta":  # Meta Llama's additive mask, cast like the hidden states (read their dtype alone)
+            mask = torch.full((T, T), float("-inf"), device=x.device).triu(1).type_as(x)
+            kwargs = {**kwargs, "is_causal": False, "attn_mask": mask}
         elif self.mask == "window":  # a sliding window: the causal mask up to `window` tokens, not after
             ones = torch.ones(T, T, dtype=torch.bool, device=x.device)
             kwargs = {**kwargs, "is_causal": False, "attn_mask": ones.tril() & ones.triu(1 - self.window)}
@@ -280,6 +284,7 @@ VARIANTS = {  # (GQA spelling, rotary source, causal mask): each spelling appear
     "hf_repeat_kv+tril_mask": ("expand", "arange", "tril"),
     "meta_repeat_kv+rope_table+tril_mask": ("meta", "table", "tril"),
     "moved_rope_table": ("repeat_interleave", "moved_table", "is_causal"),  # was "no positions found"
+    "meta_type_as_mask": ("repeat_interleave", "arange", "meta"),  # was "not the plain causal mask"
 }
 
 
