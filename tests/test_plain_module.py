@@ -517,7 +517,10 @@ class PostLNEncoderLM(nn.Module):
     def forward(self, x):
         T = x.shape[1]
         mask = nn.Transformer.generate_square_subsequent_mask(T, device=x.device)
-        return self.head(self.enc(self.emb(x) + self.pos(torch.arange(T, device=x.device)), mask=mask, is_causal=True))
+        return self.head(self.enc(self.emb(x) + self.pos(torch.arange(T, device=x.device)), mask=mask,
+                                  is_causal=self.is_causal))
+
+    is_causal = True
 
 
 def test_a_post_ln_model_without_a_final_norm_decodes():
@@ -528,6 +531,10 @@ def test_a_post_ln_model_without_a_final_norm_decodes():
         fast = speccomp.compile(model, drafter=drafter, drafter_options=options)
         assert torch.equal(fast.generate(ids, max_new_tokens=20), naive_greedy(model, ids, 20))
     assert fast.graph.structure.final_norm is None
+    model.is_causal = None  # pytorch/examples' spelling: the encoder reads the mask's values to see it is causal
+    with pytest.raises(speccomp.UnsupportedModelError, match=r"branches on a tensor's values \(File .*line \d+, in "
+                                                             r"forward\).*pass is_causal=True with the causal mask"):
+        speccomp.compile(model)
 
 
 @pytest.mark.parametrize("window", [12, 4096])

@@ -115,7 +115,24 @@ def export_dynamic(step: nn.Module, args: tuple, dynamic: tuple, what: str) -> t
             raise
         except Exception as exc:  # torch.export's errors are long; lead with what failed
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise UnsupportedModelError(f"torch.export could not capture {what}: {first}") from exc
+            raise UnsupportedModelError(f"torch.export could not capture {what}: {first}{_why(exc, step)}") from exc
+
+
+def _why(exc: Exception, step: nn.Module) -> str:
+    """For a guard on a tensor's values (an `if` on what a tensor holds): where, and the common cause's fix."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    if not isinstance(exc, GuardOnDataDependentSymNode):
+        return ""
+    lines = str(exc).splitlines()
+    at = next((lines[i + 1].strip() for i, line in enumerate(lines[:-1]) if "following call raised" in line), "")
+    why = f" ({at})" if at else ""
+    why = f"; the model branches on a tensor's values{why}, which one captured graph cannot hold"
+    if any(isinstance(m, (nn.TransformerEncoder, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
+           for m in step.modules()):  # they test a given mask for causality by its values (_detect_is_causal_mask)
+        why += ("; nn.TransformerEncoder(Layer) reads its mask's values to see whether it is causal: pass "
+                "is_causal=True with the causal mask")
+    return why
 
 
 def check_outputs(captured: CapturedModel, got, want, atol: float, what: str, where: str, why: str) -> None:
