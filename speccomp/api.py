@@ -83,6 +83,17 @@ def _check_text_options(name: str, options: dict, tree, merged: bool) -> None:
                 raise in_part(name, options, exc) if merged else exc from None
 
 
+def _check_capture_current(captured: CapturedModel) -> None:
+    """A capture's graph holds its model's parameter objects: after load_state_dict(assign=True) or a replaced
+    submodule the model holds new ones and the capture the old, so compiling it decoded the old weights."""
+    if isinstance(captured.model, nn.Module):
+        own = {id(p) for p in captured.model.parameters()}
+        if any(id(p) not in own for p in captured.graph_module.parameters()):
+            raise OptionError("model", f"speccomp.capture({type(captured.model).__name__})", "the model's parameters "
+                              "were replaced after this capture (load_state_dict(assign=True), a submodule swapped): "
+                              "the capture holds the old ones", "capture the model again: speccomp.capture(model)")
+
+
 def compile(model, *, drafter=None, tree=None, kv_cache=None, kv_mode: str | None = None,  # noqa: A001
             backend: str = "eager", drafter_options: dict | None = None) -> SpecModel:
     """Capture `model` with torch.export, rewrite the graph for speculative decoding, lower it.
@@ -109,6 +120,7 @@ def compile(model, *, drafter=None, tree=None, kv_cache=None, kv_mode: str | Non
     capture); a bad one raises OptionError / OptionTypeError naming it. The user's model is not changed."""
     captured = None
     if isinstance(model, CapturedModel):  # speccomp.capture(model) once, compiled several ways: rewrite a copy
+        _check_capture_current(model)
         captured, model = model.copy(), model.model
     check_options(drafter=drafter, tree=tree, kv_cache=kv_cache, kv_mode=kv_mode, backend=backend,
                   drafter_options=drafter_options)

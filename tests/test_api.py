@@ -128,7 +128,7 @@ def test_inference_mode_weights_are_refused_naming_the_fix():
 
 
 @pytest.mark.parametrize("backend", ["eager", "onnxruntime"])
-@pytest.mark.parametrize("change", ["in_place", "load_state_dict", "to_bfloat16"])
+@pytest.mark.parametrize("change", ["in_place", "load_state_dict", "to_bfloat16", "through_data", "assign"])
 def test_weights_changed_after_compile_are_refused_not_mixed(backend, change):
     """The eager graph read the model's norms and embeddings live but its linears from copies packed at compile
     (onnxruntime: every weight from its file): after a weight change the text was neither model's. Refused now."""
@@ -141,6 +141,10 @@ def test_weights_changed_after_compile_are_refused_not_mixed(backend, change):
             model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
         elif change == "load_state_dict":
             model.load_state_dict(tiny_llama(initializer_range=0.3).state_dict())
+        elif change == "through_data":  # EMA, weight averaging, fused optimizers: no version counter bumped (passed)
+            model.model.embed_tokens.weight.data.mul_(1.5)
+        elif change == "assign":  # new parameter objects in the model, the graph holding the old ones (passed)
+            model.load_state_dict(tiny_llama(initializer_range=0.3).state_dict(), assign=True)
         else:
             model.to(torch.bfloat16)
     with pytest.raises(speccomp.SpeccompError, match=r"weights changed after compile \(model\..*compile it again"):
@@ -148,6 +152,19 @@ def test_weights_changed_after_compile_are_refused_not_mixed(backend, change):
     if change != "to_bfloat16":  # compiled again: the new weights' own greedy text
         assert torch.equal(speccomp.compile(model, backend=backend).generate(ids, max_new_tokens=8),
                            hf_greedy(model, ids, 8))
+
+
+
+def test_a_capture_whose_model_was_given_new_parameters_is_refused():
+    """compile(capture) after load_state_dict(assign=True) decoded the capture's old weights; capture again."""
+    model = tiny_llama()
+    captured = speccomp.capture(model)
+    model.load_state_dict(tiny_llama(initializer_range=0.3).state_dict(), assign=True)
+    with pytest.raises(speccomp.OptionError, match=r"^model='speccomp.capture\(LlamaForCausalLM\)': the model's "
+                                                   r"parameters were replaced after this capture.*speccomp.capture"):
+        speccomp.compile(captured)
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(speccomp.compile(speccomp.capture(model)).generate(ids, max_new_tokens=8), hf_greedy(model, ids, 8))
 
 
 def test_generation_config_options_speccomp_does_not_apply_are_named():

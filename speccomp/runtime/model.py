@@ -57,10 +57,25 @@ def host_threads(backend: str):
                 torch.set_num_threads(_HOST["before"])
 
 
-def weights_stamp(gm) -> list[tuple]:
+SAMPLE_STRIDE = 997  # every 997th value of each weight: ~7 ms a call for SmolLM2's 135M (all of them: ~150 ms)
+
+
+def weights_stamp(gm, model=None) -> tuple[list, list]:
     """What identifies a graph's parameters' values cheaply: name, in-place version counter, storage, dtype, device
-    (an in-place write bumps the version; load_state_dict copies in place; .to() swaps the storage)."""
-    return [(name, p._version, p.data_ptr(), p.dtype, p.device) for name, p in gm.named_parameters()]
+    (an in-place write bumps the version; load_state_dict copies in place; .to() swaps the storage), the model's own
+    parameter objects (load_state_dict(assign=True) or a replaced submodule puts new ones in the model, not the
+    graph), and a sample of each weight's bits (a write through .data, torch._foreach_*_ or a fused optimizer step
+    bumps no version)."""
+    stamp = [(name, p._version, p.data_ptr(), p.dtype, p.device) for name, p in gm.named_parameters()]
+    if isinstance(model, torch.nn.Module):
+        stamp += [(f"model.{name}", id(p)) for name, p in model.named_parameters()]
+    sample = [_bits(p.detach().reshape(-1)[::SAMPLE_STRIDE]) for p in gm.parameters()]
+    return stamp, sample
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """A copy of `x`'s bytes (compared bit for bit: NaN weights equal themselves)."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x).view(torch.uint8)
 
 
 class SpecModel:
@@ -84,15 +99,19 @@ class SpecModel:
         self.max_tree = max_tree_nodes(spec_graph.structure)
         weight = next(iter(spec_graph.gm.parameters()), None)
         self.device = weight.device if weight is not None else torch.device("cpu")
-        self._weights = weights_stamp(spec_graph.gm)
+        self._weights = weights_stamp(spec_graph.gm, model)
 
     def check_weights(self) -> None:
         """Refuse to decode after the model's weights changed (in place, load_state_dict, an optimizer step, .to()):
         the lowered graphs hold what compile saw (packed linears, ONNX files) beside what the model holds now, so the
         text would be neither model's."""
-        now = weights_stamp(self.graph.gm)
-        if now != self._weights:
-            changed = next((a[0] for a, b in zip(self._weights, now) if a != b), "the list of parameters")
+        (stamp, sample), (was, was_sample) = weights_stamp(self.graph.gm, self.model), self._weights
+        if stamp != was:
+            changed = next((a[0] for a, b in zip(was, stamp) if a != b), "the list of parameters")
+        else:
+            names = [name for name, _ in self.graph.gm.named_parameters()]
+            changed = next((name for name, a, b in zip(names, was_sample, sample) if not torch.equal(a, b)), None)
+        if changed is not None:
             raise SpeccompError(f"the model's weights changed after compile ({changed}, ...): a compiled model "
                                 "decodes the weights it was compiled with; compile it again")
 
