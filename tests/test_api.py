@@ -155,6 +155,25 @@ def test_weights_changed_after_compile_are_refused_not_mixed(backend, change):
 
 
 
+def test_generate_inside_autocast_and_copies_of_a_compiled_model():
+    """Under the caller's torch.autocast(bfloat16) the eager graph's packed float32 linears met bfloat16 activations
+    (a oneDNN error); a copy.copy shared the original's last_stats; deepcopy / pickle failed inside torch."""
+    import copy
+    import pickle
+
+    model = tiny_llama(initializer_range=0.2)
+    fast = speccomp.compile(model, drafter="token_recycling")
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(fast.generate(ids, max_new_tokens=12), hf_greedy(model, ids, 12))
+    twin = copy.copy(fast)
+    twin.generate(ids, max_new_tokens=5)
+    assert twin.last_stats["new_tokens"] == 5 and fast.last_stats["new_tokens"] == 12
+    for clone in (copy.deepcopy, pickle.dumps):
+        with pytest.raises(speccomp.SpeccompError, match="cannot be deep-copied or pickled.*compile it again"):
+            clone(fast)
+
+
 def test_a_capture_whose_model_was_given_new_parameters_is_refused():
     """compile(capture) after load_state_dict(assign=True) decoded the capture's old weights; capture again."""
     model = tiny_llama()

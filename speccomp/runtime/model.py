@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import threading
 import time
 
@@ -78,6 +79,16 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x).view(torch.uint8)
 
 
+def _without_autocast(method):
+    """Run `method` outside any torch.autocast region of the caller's: the graphs run in the dtype compile saw (the
+    eager backend's packed float32 linears refused bfloat16 activations with a oneDNN error), as ONNX files do."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with torch.autocast(self.device.type, enabled=False):
+            return method(self, *args, **kwargs)
+    return run
+
+
 class SpecModel:
     """A compiled causal LM. `generate` returns prompt + new tokens, like HF `generate`.
 
@@ -125,10 +136,24 @@ class SpecModel:
         """The ONNX Runtime execution providers the sessions really run on (None: not an ONNX Runtime backend)."""
         return getattr(self.step, "providers", None)
 
+    def __copy__(self) -> "SpecModel":  # a shallow copy shares the graphs (and so their lock), not the stats
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new._calls = CallGuard(lock=self._calls.lock)
+        return new
+
+    def __deepcopy__(self, memo):
+        raise SpeccompError("a compiled model cannot be deep-copied or pickled (its lowered graphs hold packed "
+                            "weights, compiled kernels or ONNX Runtime sessions): compile it again (from one "
+                            "speccomp.capture(model) to export it once), or export() an engine and load() it")
+
+    def __reduce__(self):
+        self.__deepcopy__(None)
+
     def with_drafter(self, drafter) -> "SpecModel":
         """A copy that shares this model's lowered graphs (and so its lock) but drafts with `drafter` (own stats)."""
-        new = copy.copy(self)
-        new.drafter, new._calls = drafter, CallGuard(lock=self._calls.lock)  # the graphs are shared: so is the lock
+        new = copy.copy(self)  # __copy__: the graphs (and their lock) shared, its own stats
+        new.drafter = drafter
         return new
 
     def __repr__(self) -> str:
@@ -139,6 +164,7 @@ class SpecModel:
         return (f"{type(self).__name__}({self.graph.captured.model_type}, drafter={drafter!r}{shape}, "
                 f"backend={self.backend!r}{on})")
 
+    @_without_autocast
     def generate(
         self,
         input_ids,
