@@ -74,10 +74,31 @@ def test_round_trip_bit_identical_both_layouts(model, tmp_path):
         assert back.tied  # Medusa-layout projections equal to the LM head are recognised as tied
         for (n1, a), (n2, b) in zip(heads.state_dict().items(), back.state_dict().items()):
             assert n1 == n2 and torch.equal(a, b)
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
-    names = set(load_file(str(tmp_path / "lTrue" / "medusa_lm_head.safetensors")))
-    assert {"medusa_head.0.0.linear.weight", "medusa_head.0.0.linear.bias", "medusa_head.0.1.weight"} <= names
+    # FasterDecoding/Medusa's own module loads the file as written, and speccomp loads what Medusa saves
+    # (`save_file(medusa_head.state_dict())`: names without a prefix; speccomp's were "medusa_head."-prefixed, so
+    # Medusa's load_state_dict(strict=False) kept none of them, and speccomp refused Medusa's file as corrupt)
+    class ResBlock(torch.nn.Module):
+        def __init__(self, hidden):
+            super().__init__()
+            self.linear = torch.nn.Linear(hidden, hidden)
+
+    hidden, vocab = heads.hidden, heads.vocab
+    medusa_head = torch.nn.ModuleList([torch.nn.Sequential(ResBlock(hidden), torch.nn.Linear(hidden, vocab, bias=False))
+                                       for _ in range(3)])
+    medusa_head.load_state_dict(load_file(str(tmp_path / "lTrue" / "medusa_lm_head.safetensors")), strict=True)
+    assert torch.equal(medusa_head[1][0].linear.weight, heads.state_dict()["blocks.1.0.linear.weight"])
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    save_file(medusa_head.state_dict(), str(theirs / "medusa_lm_head.safetensors"))
+    (theirs / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1}))
+    back = load_medusa(theirs, model)
+    assert all(torch.equal(a, b) for a, b in zip(heads.state_dict().values(), back.state_dict().values()))
+    older = load_file(str(tmp_path / "lFalse" / "medusa_lm_head.safetensors"))  # speccomp's earlier names load too
+    save_file({f"medusa_head.{k}": v for k, v in older.items()}, str(tmp_path / "lFalse" / "medusa_lm_head.safetensors"))
+    back = load_medusa(tmp_path / "lFalse", model)
+    assert all(torch.equal(a, b) for a, b in zip(heads.state_dict().values(), back.state_dict().values()))
 
 
 def test_bad_heads_are_refused(model, tmp_path):

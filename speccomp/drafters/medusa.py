@@ -10,8 +10,11 @@ Checkpoint layout (what FasterDecoding/Medusa writes and reads):
 
     config.json                  {"medusa_num_heads": K, "medusa_num_layers": L, "hidden_size": H,
                                   "vocab_size": V, "base_model_name_or_path": ..., ...}
-    medusa_lm_head.safetensors   medusa_head.{k}.{j}.linear.weight [H, H], .bias [H]   (j < L)
-                                 medusa_head.{k}.{L}.weight [V, H]                     (projection)
+    medusa_lm_head.safetensors   {k}.{j}.linear.weight [H, H], .bias [H]   (j < L)
+                                 {k}.{L}.weight [V, H]                     (projection)
+
+(the names of Medusa's `medusa_head` ModuleList's state dict, which its code loads; files speccomp wrote before
+prefixed them with "medusa_head.", and load too)
 
 speccomp's own files leave the projections out when they are the LM head (`"tied_lm_head": true`
 in config.json), which keeps a head file at a few MB; `save_medusa(..., medusa_layout=True)`
@@ -119,9 +122,9 @@ def _model_identity(model) -> dict:
 
 
 def block_names(prefix: str, num_heads: int, num_layers: int, hidden: int) -> dict[str, tuple[str, tuple]]:
-    """File tensor name -> (state-dict name, shape) of the heads' ResBlocks, `{prefix}.{k}.{j}.linear.{p}`."""
+    """File tensor name -> (state-dict name, shape) of the heads' ResBlocks, `{prefix}{k}.{j}.linear.{p}`."""
     shapes = {"weight": (hidden, hidden), "bias": (hidden,)}
-    return {f"{prefix}.{k}.{j}.linear.{p}": (f"blocks.{k}.{j}.linear.{p}", shapes[p])
+    return {f"{prefix}{k}.{j}.linear.{p}": (f"blocks.{k}.{j}.linear.{p}", shapes[p])
             for k in range(num_heads) for j in range(num_layers) for p in shapes}
 
 
@@ -134,12 +137,12 @@ def new_heads(model, num_heads: int = 4, num_layers: int = 1) -> MedusaHeads:
 def save_medusa(heads: MedusaHeads, directory, *, base_model: str = "", medusa_layout: bool = False) -> Path:
     """Write config.json + medusa_lm_head.safetensors; `medusa_layout` also writes tied projections."""
     state = heads.state_dict()
-    names = block_names("medusa_head", heads.num_heads, heads.num_layers, heads.hidden)
+    names = block_names("", heads.num_heads, heads.num_layers, heads.hidden)
     tensors = {name: state[own].cpu().contiguous() for name, (own, _) in names.items()}
     for k in range(heads.num_heads):
         if not heads.tied or medusa_layout:
             proj = heads.lm_head.detach().clone() if heads.tied else heads.proj[k].detach()
-            tensors[f"medusa_head.{k}.{heads.num_layers}.weight"] = proj.cpu().contiguous()
+            tensors[f"{k}.{heads.num_layers}.weight"] = proj.cpu().contiguous()
     config = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers, "hidden_size": heads.hidden,
               "vocab_size": heads.vocab, "base_model_name_or_path": base_model,
               "tied_lm_head": heads.tied and not medusa_layout, **getattr(heads, "trained_for", {})}
@@ -301,17 +304,19 @@ def load_medusa(directory, model) -> MedusaHeads:
         check_dimensions(config, directory, "medusa", hidden, vocab)
         k_heads = config_int(config, "medusa_num_heads", directory / CONFIG)
         layers = config_int(config, "medusa_num_layers", directory / CONFIG, default=1)
-        untied = f"medusa_head.0.{layers}.weight" in header  # projections in the file (Medusa's own layout)
+        # Medusa's names are its medusa_head module's ("0.0.linear.weight"); speccomp wrote them prefixed before
+        prefix = "medusa_head." if any(name.startswith("medusa_head.") for name in header) else ""
+        untied = f"{prefix}0.{layers}.weight" in header  # projections in the file (Medusa's own layout)
         count_check(directory / WEIGHTS, f"{k_heads} heads x {layers} layers", k_heads * (2 * layers + untied), header)
-        shape.update(names=block_names("medusa_head", k_heads, layers, hidden), heads=k_heads, layers=layers,
-                     untied=untied)
+        shape.update(names=block_names(prefix, k_heads, layers, hidden), heads=k_heads, layers=layers,
+                     untied=untied, prefix=prefix)
         want = {name: size for name, (_, size) in shape["names"].items()}
-        want.update({f"medusa_head.{k}.{layers}.weight": (vocab, hidden) for k in range(k_heads) if untied})
+        want.update({f"{prefix}{k}.{layers}.weight": (vocab, hidden) for k in range(k_heads) if untied})
         return want
 
     config, tensors = read_head_files(directory, "medusa", WEIGHTS, layout, model)
     k_heads, layers = shape["heads"], shape["layers"]
-    projections = [tensors.get(f"medusa_head.{k}.{layers}.weight") for k in range(k_heads)]
+    projections = [tensors.get(f"{shape['prefix']}{k}.{layers}.weight") for k in range(k_heads)]
     # (a Medusa-layout file whose projections are the frozen LM head shares it instead of copying it)
     host_lm = lm.cpu() if shape["untied"] else None  # the files are read on the CPU; one copy of a GPU model's head
     tied = not shape["untied"] or all(torch.equal(p, host_lm) for p in projections)
