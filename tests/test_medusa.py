@@ -181,6 +181,7 @@ def test_training_learns_resumes_and_is_seeded(model, tmp_path, monkeypatch):
     (dict(lr=float("inf")), "lr=inf: must be a finite number > 0"),
     (dict(weight_decay=-1.0), r"weight_decay=-1.0: must be a finite number >= 0"),
     (dict(seed=1.5), "seed=1.5: must be an int"), (dict(seed="abc"), "seed='abc': must be an int"),
+    (dict(seed=10**23), r"seed=100000000000000000000000: must be in \[0, 2\*\*63\)"),  # manual_seed overflowed
     (dict(eos_token_id="x"), "eos_token_id='x': must be a token id"),
     # failed after the replies and hidden states (hydra, eagle: the draft vocabulary), never stopped a reply (medusa)
     (dict(kind="hydra", eos_token_id=200), r"eos_token_id=200: token ids \[200\] are outside the model's vocabulary"),

@@ -295,7 +295,7 @@ def _check_settings(model, prompts, kind, *, lr, sampled: int, temperature: floa
 
 
 def check_training_numbers(lr, weight_decay, seed, eos_token_id, vocab_size: int | None = None) -> None:
-    """lr a finite number > 0, weight_decay a finite number >= 0, seed an int, eos ids ints in [0, vocab_size): checked
+    """lr a finite number > 0, weight_decay a finite number >= 0, seed an int in [0, 2**63), eos ids ints in [0, vocab_size): checked
     before the run folder exists (AdamW or manual_seed failing after it blocked the corrected rerun: "a run with other
     settings"; an infinite lr saved weights that were all NaN)."""
     def real(x) -> bool:
@@ -313,6 +313,8 @@ def check_training_numbers(lr, weight_decay, seed, eos_token_id, vocab_size: int
         raise OptionError("weight_decay", weight_decay, "must be a finite number >= 0", "e.g. weight_decay=0.0")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise OptionTypeError("seed", seed, "must be an int", "e.g. seed=0 (the default)")
+    if not 0 <= seed < 2**63:  # torch.manual_seed takes 64 bits; each reply batch seeds with seed + an offset
+        raise OptionError("seed", seed, "must be in [0, 2**63)", "e.g. seed=0 (the default)")
     ids = [] if eos_token_id is None else eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
     if not all(token(i) for i in ids):
         raise OptionTypeError("eos_token_id", eos_token_id, "must be a token id, a list of them, or None",
