@@ -251,7 +251,7 @@ def test_a_refusal_after_the_replies_keeps_them_for_the_rerun(tmp_path):
     assert (tmp_path / "h" / "_train" / "tokens.safetensors").exists()
 
 
-@pytest.mark.parametrize("damaged", ["tokens.safetensors", "heads.safetensors", "optimizer.safetensors"])
+@pytest.mark.parametrize("damaged", ["tokens.safetensors", "checkpoint.safetensors"])
 def test_a_damaged_run_state_is_named_with_the_fix(model, tmp_path, damaged):
     """A truncated checkpoint of an interrupted run failed its rerun with a bare SafetensorError naming no file."""
     import json
@@ -264,6 +264,31 @@ def test_a_damaged_run_state_is_named_with_the_fix(model, tmp_path, damaged):
     (state / damaged).write_bytes((state / damaged).read_bytes()[:60])
     with pytest.raises(OptionError, match=rf"out=.*its training run's {damaged} is damaged .*delete .*_train"):
         train_heads(model, prompts(2), out=tmp_path / "h", **kw)
+
+
+def test_a_run_cut_inside_its_checkpoint_resumes_to_the_heads_of_an_uncut_run(model, tmp_path, monkeypatch):
+    """Heads, AdamW moments and the epoch count were three files renamed one after the other: a run stopped between
+    them resumed with epoch 2's heads, epoch 1's count and trained epoch 2 again (other heads than an uncut run's)."""
+    from safetensors.torch import load_file
+
+    import speccomp.models
+
+    kw = dict(kind="medusa", num_heads=2, max_new_tokens=12, epochs=3, progress=False)
+    train_heads(model, prompts(2), out=tmp_path / "uncut", **kw)
+    write = speccomp.models.write_atomically
+
+    def cut(path, text):  # stopped after epoch 2's weights were written, before its progress
+        if path.name == "progress.json" and '"epoch": 2' in text:
+            raise KeyboardInterrupt
+        write(path, text)
+
+    monkeypatch.setattr(speccomp.models, "write_atomically", cut)
+    with pytest.raises(KeyboardInterrupt):
+        train_heads(model, prompts(2), out=tmp_path / "cut", **kw)
+    monkeypatch.setattr(speccomp.models, "write_atomically", write)
+    train_heads(model, prompts(2), out=tmp_path / "cut", **kw)
+    uncut, cut = (load_file(str(tmp_path / d / "medusa_lm_head.safetensors")) for d in ("uncut", "cut"))
+    assert uncut.keys() == cut.keys() and all(torch.equal(uncut[k], cut[k]) for k in uncut)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -116,7 +116,7 @@ def train_draft(model, prompts, *, out, num_layers: int = 2, max_new_tokens: int
     args = {"kind": "draft_model", "num_layers": num_layers, "max_new_tokens": max_new_tokens, "epochs": epochs,
             "lr": lr, "batch_size": batch_size, "seed": seed, **run_identity(model, prompts), "sampled": sampled,
             "temperature": temperature, "weight_decay": 0.0, **eos_identity(eos_token_id)}
-    done = _open_run(state, args)
+    _open_run(state, args)
     seqs, starts = _self_distill(model, prompts, max_new_tokens, eos_token_id, progress, state, sampled, temperature,
                                  seed)
     labels = [g for _, g, _ in _hidden_states(model, seqs, progress)]
@@ -127,7 +127,7 @@ def train_draft(model, prompts, *, out, num_layers: int = 2, max_new_tokens: int
     loss_of = lambda batch: _loss(draft, [seqs[i] for i in batch], [labels[i] for i in batch],  # noqa: E731
                                   [starts[i] for i in batch])
     with _frozen(draft.get_input_embeddings().weight, draft.get_output_embeddings().weight):
-        _fit(_trainable(draft), batches, loss_of, state=state, args=args, done=done, progress=progress, clip=True)
+        _fit(_trainable(draft), batches, loss_of, state=state, args=args, progress=progress, clip=True)
     return save_draft(draft.eval(), out, model, num_layers, base_model)
 
 

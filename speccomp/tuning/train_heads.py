@@ -225,43 +225,46 @@ def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor, ids: torch.Ten
     return -(p * logits.log_softmax(-1).gather(-1, ids)).sum(-1)
 
 
+CHECKPOINT = "checkpoint.safetensors"  # a run's heads and AdamW moments after an epoch, the epoch in its metadata
+
+
 def _checkpoint(state: Path, heads, opt, args: dict, epoch: int) -> None:
-    """Heads, AdamW moments and progress after `epoch` epochs, so a rerun resumes there."""
+    """Heads, AdamW moments and progress after `epoch` epochs, so a rerun resumes there: one file replaced by one
+    rename, its epoch inside it (heads and moments in two files, progress in a third, could be cut between renames:
+    the rerun then trained epoch N+1's heads with epoch N's moments, and once more)."""
     from safetensors.torch import save_file
 
     from speccomp.models import replace_atomically, write_atomically
 
-    # each file replaced in one rename, progress.json last: an interrupted checkpoint leaves the previous epoch's
-    # files whole (at worst newer weights with the older epoch count, which reruns that epoch)
-    weights = {k: v.detach().contiguous() for k, v in heads.state_dict().items()}
-    replace_atomically(state / "heads.safetensors", lambda tmp: save_file(weights, str(tmp)))
-    moments = {}
+    tensors = {f"heads.{k}": v.detach().contiguous() for k, v in heads.state_dict().items()}
     for i, st in opt.state_dict()["state"].items():
-        moments[f"{i}.step"] = torch.as_tensor(st["step"]).reshape(1).float()
-        moments[f"{i}.exp_avg"] = st["exp_avg"].contiguous()
-        moments[f"{i}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
-    replace_atomically(state / "optimizer.safetensors", lambda tmp: save_file(moments, str(tmp)))
-    write_atomically(state / "progress.json", json.dumps({"args": args, "epoch": epoch}))
+        tensors[f"opt.{i}.step"] = torch.as_tensor(st["step"]).reshape(1).float()
+        tensors[f"opt.{i}.exp_avg"] = st["exp_avg"].contiguous()
+        tensors[f"opt.{i}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
+    replace_atomically(state / CHECKPOINT, lambda tmp: save_file(tensors, str(tmp), metadata={"epoch": str(epoch)}))
+    write_atomically(state / "progress.json", json.dumps({"args": args, "epoch": epoch}))  # for people reading it
 
 
-def _resume(state: Path, heads, opt, done: dict) -> int:
-    """The epoch to start at: 0 for a new run, else the last checkpointed one, with heads and AdamW moments loaded."""
-    if not (state / "heads.safetensors").exists() or done.get("epoch", 0) == 0:
+def _resume(state: Path, heads, opt) -> int:
+    """The epoch to start at: 0 for a new run, else the checkpoint's, with its heads and AdamW moments loaded."""
+    from safetensors import safe_open
+
+    file = state / CHECKPOINT
+    if not file.exists():
         return 0
+    tensors = read_state(file)
     try:
-        heads.load_state_dict(read_state(state / "heads.safetensors"))
-    except RuntimeError as exc:  # other names or shapes than these heads'
-        raise _damaged(state / "heads.safetensors", str(exc).splitlines()[0][:200]) from None
-    moments = read_state(state / "optimizer.safetensors")
-    opt_state = opt.state_dict()
-    try:
+        with safe_open(str(file), "pt") as f:
+            epoch = int((f.metadata() or {})["epoch"])
+        heads.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("heads.")})
+        opt_state = opt.state_dict()
         for i, _ in enumerate(opt.param_groups[0]["params"]):
-            opt_state["state"][i] = {"step": moments[f"{i}.step"].reshape(()), "exp_avg": moments[f"{i}.exp_avg"],
-                                     "exp_avg_sq": moments[f"{i}.exp_avg_sq"]}
+            opt_state["state"][i] = {"step": tensors[f"opt.{i}.step"].reshape(()),
+                                     "exp_avg": tensors[f"opt.{i}.exp_avg"], "exp_avg_sq": tensors[f"opt.{i}.exp_avg_sq"]}
         opt.load_state_dict(opt_state)
-    except (KeyError, RuntimeError, ValueError) as exc:
-        raise _damaged(state / "optimizer.safetensors", f"{type(exc).__name__}: {exc}"[:200]) from None
-    return done["epoch"]
+    except (KeyError, RuntimeError, ValueError) as exc:  # other names or shapes than these heads'
+        raise _damaged(file, f"{type(exc).__name__}: {exc}".splitlines()[0][:200]) from None
+    return epoch
 
 
 def _check_settings(model, prompts, kind, *, lr, sampled: int, temperature: float, soft_labels: int,
@@ -429,7 +432,7 @@ def _open_run(state: Path, args: dict) -> dict:
     return done
 
 
-def _fit(head, batches: list, loss_of, *, state: Path, args: dict, done: dict, progress: bool, warmup: int = 0,
+def _fit(head, batches: list, loss_of, *, state: Path, args: dict, progress: bool, warmup: int = 0,
          clip: bool = False) -> None:
     """AdamW on `head`'s trainable parameters from the last checkpoint to args["epochs"], a checkpoint after every
     epoch. batches[epoch] is that epoch's batches in order, loss_of(batch) their loss. The learning rate decays
@@ -440,7 +443,7 @@ def _fit(head, batches: list, loss_of, *, state: Path, args: dict, done: dict, p
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=args["weight_decay"])
     total = len(batches[0]) if batches else 0
-    for epoch in range(_resume(state, head, opt, done), epochs):
+    for epoch in range(_resume(state, head, opt), epochs):
         head.train()
         loss_sum = 0.0
         bar = tqdm(batches[epoch], desc=f"epoch {epoch + 1}/{epochs}", disable=not progress)
@@ -492,11 +495,11 @@ def train_heads(
         args["draft_vocab"] = draft_vocab
     if soft_labels:  # only when on, so runs stored before the option existed still resume
         args["soft_labels"] = soft_labels
-    done = _open_run(state, args)
+    _open_run(state, args)
     seqs, starts = _self_distill(model, prompts, max_new_tokens, eos_token_id, progress, state, sampled, temperature,
                                  seed)
     mass = torch.zeros(_vocab_size(model)) if kind in ("hydra", "eagle") else None
-    run = dict(state=state, args=args, done=done, progress=progress)
+    run = dict(state=state, args=args, progress=progress)
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
     if kind == "eagle":
         head = _train_eagle(model, seqs, starts, _hidden_states(model, seqs, progress, mass), eos, mass, run)
