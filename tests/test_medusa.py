@@ -1,4 +1,5 @@
 """Medusa heads: graph pass, lossless decoding, training (resumable, seeded), checkpoint interop, errors."""
+import copy
 import json
 
 import pytest
@@ -289,6 +290,18 @@ def test_a_run_cut_inside_its_checkpoint_resumes_to_the_heads_of_an_uncut_run(mo
     train_heads(model, prompts(2), out=tmp_path / "cut", **kw)
     uncut, cut = (load_file(str(tmp_path / d / "medusa_lm_head.safetensors")) for d in ("uncut", "cut"))
     assert uncut.keys() == cut.keys() and all(torch.equal(uncut[k], cut[k]) for k in uncut)
+
+
+def test_a_cast_model_without_heads_is_told_where_the_float32_models_heads_are(model, tmp_path, monkeypatch):
+    """Heads are stored under the float32 model's fingerprint; a bfloat16 copy has another, and the error's advice
+    (train them) stored them where it could not look either."""
+    from speccomp.drafters.head_drafters import heads_dir
+
+    monkeypatch.setenv("SPECCOMP_CACHE", str(tmp_path))
+    stored = save_medusa(random_heads(model), heads_dir(model))
+    cast = copy.deepcopy(model).to(torch.bfloat16)
+    with pytest.raises(HeadsError, match=rf"which a bfloat16 model does not have; heads stored here: \[.*'{stored}'"):
+        speccomp.compile(cast, drafter="medusa")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -63,8 +63,16 @@ def find_heads(model, path=None, kind: str = "medusa") -> Path:
         if candidate is not None and (candidate / "config.json").exists():
             return candidate
     layout = " (FasterDecoding/Medusa's layout)" if kind == "medusa" else ""
-    raise HeadsError(f"no {display_kind(kind)[2:].strip()} heads for this model: train them with `speccomp train-heads "
-                     f"--kind {kind}` (default model), or `speccomp.train_heads(model, prompts, out=DIR, "
+    weight = next(iter(model.parameters()), None)
+    dtype = weight.dtype if weight is not None else torch.float32
+    cast = ""
+    if dtype != torch.float32:  # heads train in float32, and a cast model hashes otherwise
+        shipped = Path(str(resources.files("speccomp").joinpath(f"data/{HEAD_KINDS[kind]}")))
+        kept = sorted(str(c.parent) for root in (heads_dir(model, kind).parent, shipped) for c in root.glob("*/config.json"))
+        cast = (f" (heads are kept under the float32 model's fingerprint, which a {str(dtype).removeprefix('torch.')} "
+                f"model does not have; heads stored here: {kept or 'none'}: pass one as drafter_options={{'heads': DIR}})")
+    raise HeadsError(f"no {display_kind(kind)[2:].strip()} heads for this model{cast}: train them with `speccomp "
+                     f"train-heads --kind {kind}` (default model), or `speccomp.train_heads(model, prompts, out=DIR, "
                      f"kind={kind!r})` in Python, or pass drafter_options={{'heads': DIR}} for heads saved "
                      f"elsewhere{layout}")
 
