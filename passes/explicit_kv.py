@@ -438,8 +438,9 @@ class ExplicitPositions(Pass):
         if not self.aranges and not self.slices:
             raise UnsupportedModelError(
                 "no positions found in the exported module: speccomp looks for torch.arange over the sequence length "
-                "(learned position embeddings, rotary angles) or a table sliced to it (table[:seq]); a module without "
-                "position-dependent ops cannot place tree tokens at their depth"
+                "(learned position embeddings, rotary angles) or a table sliced to it (table[:seq], or pos[:, :seq] of "
+                "a [1, positions, C] parameter); a module without position-dependent ops cannot place tree tokens at "
+                "their depth"
             )
 
     @staticmethod
@@ -457,8 +458,8 @@ class ExplicitPositions(Pass):
         table, dim, start, end, step = (list(node.args) + [None] * 5)[:5]
         while isinstance(table, fx.Node) and table.op == "call_function" and table.target in _MOVES:
             table = table.args[0]  # Meta Llama's self.freqs_cis.to(h.device)[:seqlen]: the same stored table
-        return (isinstance(table, fx.Node) and table.op == "get_attr" and dim == 0 and start in (None, 0)
-                and step in (None, 1) and is_seq(end, seq))
+        return (isinstance(table, fx.Node) and table.op == "get_attr" and _position_dim(node) == dim
+                and start in (None, 0) and step in (None, 1) and is_seq(end, seq))
 
     def rewrite(self, pg: PlainGraph) -> None:
         graph = pg.graph
@@ -478,12 +479,22 @@ class ExplicitPositions(Pass):
             node.replace_all_uses_with(new)
             graph.erase_node(node)
         for node in self.slices:
-            table = node.args[0]
+            table, dim = node.args[0], _position_dim(node)
             with graph.inserting_before(node):
-                rows = _mark(graph.call_function(aten.index_select.default, (table, 0, pos)), self.name, like=node)
+                rows = _mark(graph.call_function(aten.index_select.default, (table, dim, pos)), self.name, like=node)
             node.replace_all_uses_with(rows)
             graph.erase_node(node)
-            pg.position_tables.append(tshape(table)[0])
+            pg.position_tables.append(tshape(table)[dim])
+
+
+def _position_dim(table_slice: fx.Node) -> int | None:
+    """The dim a position table is sliced on: 0 (`table[:seq]`), or 1 of a [1, positions, C] parameter
+    (minGPT's `pos_emb[:, :t, :]`); None for any other slice (a [1, 1, T, T] mask buffer's rows are not positions)."""
+    shape = tshape(table_slice.args[0])
+    dim = table_slice.args[1] if len(table_slice.args) > 1 else 0
+    if dim == 0 or (dim == 1 and shape is not None and len(shape) == 3 and shape[0] == 1):
+        return dim
+    return None
 
 
 # ops that hand a stored table on unchanged in value (a device move, a copy)

@@ -523,6 +523,30 @@ class PostLNEncoderLM(nn.Module):
     is_causal = True
 
 
+class PositionParameterGPT(NanoGPT):
+    """minGPT's learned positions: a [1, block, C] parameter sliced on its second dim (was "no positions found")."""
+
+    def __init__(self, c: GPTConfig = GPTConfig(n_layer=2)):
+        super().__init__(c)
+        del self.transformer["wpe"]
+        self.pos_emb = nn.Parameter(torch.zeros(1, c.block_size, c.n_embd))
+
+    def forward(self, idx, targets=None):
+        x = self.transformer.wte(idx) + self.pos_emb[:, :idx.shape[1], :]
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def test_a_position_parameter_sliced_on_its_second_dim_decodes():
+    model = _init(PositionParameterGPT(), 5)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]])
+    for drafter in (None, "token_recycling"):
+        fast = speccomp.compile(model, drafter=drafter)
+        assert torch.equal(fast.generate(ids, max_new_tokens=20), naive_greedy(model, ids, 20))
+    assert fast.max_positions == model.config.block_size
+
+
 def test_a_post_ln_model_without_a_final_norm_decodes():
     """Refused before ("no final norm module found"), though nothing needs one: its blocks end normalised."""
     model = _init(PostLNEncoderLM(), 3)
