@@ -416,11 +416,12 @@ class ExplicitPositions(Pass):
                                                           or rotary angles outer(arange, inv_freq))
       slice(table, 0, 0, seq)                             (a precomputed table cut to the length,
                                                           e.g. gpt-fast's freqs_cis[:seq])
+      slice(param, 1, 0, seq) of a [1, positions, C] one  (minGPT's pos_emb[:, :t, :])
 
     before:  pos = arange(sym_size(input_ids, 1));  wpe = embedding(wpe_weight, pos)
     after:   pos = select(position_ids, 0, 0);      wpe = embedding(wpe_weight, pos)
              (one `pos` for all uses, followed by `to(dtype)` where the arange was not int64;
-              a sliced table becomes index_select(table, 0, pos))
+              a sliced table becomes index_select(table, dim, pos))
     Runs after CachedAttention, whose mask builds aranges of its own (tagged, so left alone).
     """
 
