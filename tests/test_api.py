@@ -204,9 +204,14 @@ def test_generation_config_options_speccomp_does_not_apply_are_named():
     model.generation_config.repetition_penalty, model.generation_config.suppress_tokens = None, None
     assert torch.equal(fast.generate(ids, max_new_tokens=8), hf_greedy(model, ids, 8))
     # a chat checkpoint's sampling defaults (HF's generate() samples with them; speccomp's reads its arguments)
-    model.generation_config.do_sample, model.generation_config.temperature = True, 0.6
-    with pytest.warns(UserWarning, match=r"generation_config sets do_sample=True, temperature=0.6, which HF's generate"
-                                         r"\(\) uses by default.*pass generate\(\.\.\., do_sample=True, temperature=0.6\)"):
+    model.generation_config.temperature = 0.6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # without do_sample HF's generate() decodes greedily too: nothing to say
+        speccomp.compile(model)
+    model.generation_config.do_sample = True
+    with pytest.warns(UserWarning, match=r"generation_config sets do_sample=True, temperature=0.6: HF's generate\(\) "
+                                         r"samples with them by default.*pass generate\(\.\.\., do_sample=True, "
+                                         r"temperature=0.6\).*top_k=50 tokens"):
         speccomp.compile(model)
 
 

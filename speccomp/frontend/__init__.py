@@ -74,7 +74,7 @@ TEXT_CHANGING = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", 
                  "epsilon_cutoff", "eta_cutoff", "typical_p", "min_p", "top_k")
 
 
-# ... and those that make HF's generate() sample, and how, by default: speccomp's generate reads its own arguments
+# ... and those with which HF's generate() samples by default where do_sample is set: speccomp's reads its arguments
 SAMPLING = ("do_sample", "temperature", "top_p")
 
 
@@ -96,9 +96,12 @@ def warn_generation_config(model) -> None:
         warnings.warn(f"the model's generation_config sets {changed}, which HF's generate() applies by default: "
                       "speccomp's generate does not: its text equals HF's generate with these unset (to compare the two, "
                       f"set model.generation_config.{next(iter(changed))} = None, ...)", stacklevel=3)
-    sampling = {f: v for f in SAMPLING if (v := getattr(config, f, None)) is not None and v != neutral.get(f)}
-    if sampling:
+    if getattr(config, "do_sample", None) is True:  # else HF's generate() decodes greedily, as speccomp's does
+        sampling = {f: v for f in SAMPLING if (v := getattr(config, f, None)) is not None and v != neutral.get(f)}
         given = ", ".join(f"{f}={v!r}" for f, v in sampling.items())
-        warnings.warn(f"the model's generation_config sets {given}, which HF's generate() uses by default; speccomp's "
-                      "generate reads only its own arguments (greedy unless do_sample=True; temperature and top_p 1.0 "
-                      f"unless given): pass generate(..., {given}) to decode as the checkpoint asks", stacklevel=3)
+        top_k = "" if getattr(config, "top_k", None) is not None else (  # a set top_k is named by the warning above
+            f"; HF's also keeps only the top_k={neutral.get('top_k', 50)} tokens, speccomp's the whole distribution")
+        warnings.warn(f"the model's generation_config sets {given}: HF's generate() samples with them by default; "
+                      "speccomp's generate reads only its own arguments (greedy unless do_sample=True; temperature and "
+                      f"top_p 1.0 unless given): pass generate(..., {given}) to sample as the checkpoint asks{top_k}",
+                      stacklevel=3)
