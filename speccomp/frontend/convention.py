@@ -126,8 +126,8 @@ def _why(exc: Exception, step: nn.Module) -> str:
         return ""
     lines = str(exc).splitlines()
     at = next((lines[i + 1].strip() for i, line in enumerate(lines[:-1]) if "following call raised" in line), "")
-    why = f" ({at})" if at else ""
-    why = f"; the model branches on a tensor's values{why}, which one captured graph cannot hold"
+    where = f" ({at})" if at else ""
+    why = f"; the model branches on a tensor's values{where}, which one captured graph cannot hold"
     if any(isinstance(m, (nn.TransformerEncoder, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
            for m in step.modules()):  # they test a given mask for causality by its values (_detect_is_causal_mask)
         why += ("; nn.TransformerEncoder(Layer) reads its mask's values to see whether it is causal: pass "
