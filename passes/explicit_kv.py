@@ -456,10 +456,10 @@ class ExplicitPositions(Pass):
 
     @staticmethod
     def _is_table_slice(node, seq) -> bool:
-        table, dim, start, end, step = (list(node.args) + [None] * 5)[:5]
+        table, _, start, end, step = (list(node.args) + [None] * 5)[:5]
         while isinstance(table, fx.Node) and table.op == "call_function" and table.target in _MOVES:
             table = table.args[0]  # Meta Llama's self.freqs_cis.to(h.device)[:seqlen]: the same stored table
-        return (isinstance(table, fx.Node) and table.op == "get_attr" and _position_dim(node) == dim
+        return (isinstance(table, fx.Node) and table.op == "get_attr" and _position_dim(node) is not None
                 and start in (None, 0) and step in (None, 1) and is_seq(end, seq))
 
     def rewrite(self, pg: PlainGraph) -> None:

@@ -51,9 +51,14 @@ def heads_dir(model, kind: str = "medusa") -> Path:
     return cache_dir() / HEAD_KINDS[kind] / fingerprint(model)
 
 
+def _shipped_root(kind: str) -> Path:
+    """Where heads of `kind` shipped with speccomp lie, one folder per model fingerprint."""
+    return Path(str(resources.files("speccomp").joinpath(f"data/{HEAD_KINDS[kind]}")))
+
+
 def shipped_heads_dir(model, kind: str = "medusa") -> Path | None:
-    path = resources.files("speccomp").joinpath(f"data/{HEAD_KINDS[kind]}/{fingerprint(model)}")
-    return Path(str(path)) if path.is_dir() else None
+    path = _shipped_root(kind) / fingerprint(model)
+    return path if path.is_dir() else None
 
 
 def find_heads(model, path=None, kind: str = "medusa") -> Path:
@@ -67,8 +72,8 @@ def find_heads(model, path=None, kind: str = "medusa") -> Path:
     dtype = weight.dtype if weight is not None else torch.float32
     cast = ""
     if dtype != torch.float32:  # heads train in float32, and a cast model hashes otherwise
-        shipped = Path(str(resources.files("speccomp").joinpath(f"data/{HEAD_KINDS[kind]}")))
-        kept = sorted(str(c.parent) for root in (heads_dir(model, kind).parent, shipped) for c in root.glob("*/config.json"))
+        roots = (cache_dir() / HEAD_KINDS[kind], _shipped_root(kind))  # (heads_dir's parent: no second fingerprint)
+        kept = sorted(str(c.parent) for root in roots for c in root.glob("*/config.json"))
         cast = (f" (heads are kept under the float32 model's fingerprint, which a {str(dtype).removeprefix('torch.')} "
                 f"model does not have; heads stored here: {kept or 'none'}: pass one as drafter_options={{'heads': DIR}})")
     raise HeadsError(f"no {display_kind(kind)[2:].strip()} heads for this model{cast}: train them with `speccomp "

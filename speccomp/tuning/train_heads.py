@@ -298,8 +298,8 @@ def _check_settings(model, prompts, kind, *, lr, sampled: int, temperature: floa
 
 
 def check_training_numbers(lr, weight_decay, seed, eos_token_id, vocab_size: int | None = None) -> None:
-    """lr a finite number > 0, weight_decay a finite number >= 0, seed an int in [0, 2**63), eos ids ints in [0, vocab_size): checked
-    before the run folder exists (AdamW or manual_seed failing after it blocked the corrected rerun: "a run with other
+    """lr a finite number > 0, weight_decay a finite number >= 0, seed an int in [0, 2**63), eos ids ints in
+    [0, vocab_size): checked before the run folder exists (AdamW or manual_seed failing after it blocked the corrected rerun: "a run with other
     settings"; an infinite lr saved weights that were all NaN)."""
     def real(x) -> bool:
         return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
@@ -405,15 +405,15 @@ def check_not_foreign(out) -> None:
                           "no _train/progress.json); refusing to write into it", "choose a new or empty directory")
 
 
-def _open_run(state: Path, args: dict) -> dict:
-    """The progress stored in `state` by an earlier run with the same `args` ({} for a new run)."""
+def _open_run(state: Path, args: dict) -> None:
+    """Start a run in `state`, or check that the run stored there has the same `args` (its checkpoint resumes it)."""
     from speccomp.models import write_atomically
 
     progress_file = state / "progress.json"
     if not progress_file.exists():
         check_not_foreign(state.parent)
         write_atomically(progress_file, json.dumps({"args": args, "epoch": 0}))  # makes `state` (after the check)
-        return {}
+        return
     try:
         done = json.loads(progress_file.read_text())
     except (ValueError, UnicodeDecodeError) as e:
@@ -429,7 +429,6 @@ def _open_run(state: Path, args: dict) -> dict:
         raise OptionError("out", str(state.parent), f"holds a training run with other settings ({'; '.join(differ)})",
                           "train with the same settings to resume it, or into another folder (out= / --out), or "
                           f"delete {state.parent}")
-    return done
 
 
 def _fit(head, batches: list, loss_of, *, state: Path, args: dict, progress: bool, warmup: int = 0,
